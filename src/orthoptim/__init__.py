@@ -1,0 +1,18 @@
+"""orthoptim: matrix-aware optimizers (Muon, SOAP) at data- and tensor-parallel scale."""
+
+from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_factor
+from orthoptim.optim import HybridOptimizer, Muon, build_optimizer, routing_table
+from orthoptim.optim.base import NonFiniteGradientError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COEFFICIENT_SETS",
+    "HybridOptimizer",
+    "Muon",
+    "NonFiniteGradientError",
+    "build_optimizer",
+    "newton_schulz",
+    "polar_factor",
+    "routing_table",
+]

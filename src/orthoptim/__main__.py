@@ -1,0 +1,5 @@
+import sys
+
+from orthoptim.cli import main
+
+sys.exit(main())

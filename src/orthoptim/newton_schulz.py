@@ -1,0 +1,163 @@
+"""Newton-Schulz orthogonalization: the approximate polar factor Muon applies to its momentum.
+
+One step on X (rows <= columns, normalised by its Frobenius norm first)::
+
+    A = X Xᵀ            (symmetric: a Gram product)
+    B = b·A + c·A·A     (symmetric: A·A is a symmetric square)
+    X ← a·X + B·X
+
+`polar_factor` is the exact U·Vᵀ from a float64 SVD: the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from orthoptim import kernels
+
+Coefficients = tuple[float, float, float]
+CoefficientsLike = str | Sequence[Sequence[float]]
+
+# The tuned Polar Express schedule (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932,
+# Algorithm 1, degree 5). The paper divides every tuple but the last by a safety factor
+# (a/1.01, b/1.01³, c/1.01⁵) so that rounding cannot push a singular value past the
+# interval the polynomials were optimised on.
+_POLAR_EXPRESS_RAW: tuple[Coefficients, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
+    # Keller Jordan's Muon (kellerjordan.github.io/posts/muon): one quintic repeated, chosen to
+    # maximise the slope at zero; singular values end up in roughly [0.7, 1.2].
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    # The 5-step per-step schedule tuned by You Jiacheng (used by the modded-nanogpt speedrun,
+    # microsoft/dion and NVIDIA Emerging-Optimizers as "quintic"); last tuple repeats.
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    "polar_express": (
+        *((a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]),
+        _POLAR_EXPRESS_RAW[-1],
+    ),
+    # The classical Newton-Schulz cubic X ← 1.5·X − 0.5·X·Xᵀ·X: converges to exactly U·Vᵀ,
+    # but slowly for small singular values.
+    "cubic": ((1.5, -0.5, 0.0),),
+}
+
+# Documented output band per set, measured against the float64 SVD (tests/test_newton_schulz.py):
+# with 5 steps (cubic: 30) every singular value σ ≥ 0.01·σ_max of the input (cond up to 1e3,
+# tall, wide or square) maps into [low, high], and none maps above `high`. Smaller ones are
+# raised monotonically towards the band but may stay below it.
+SINGULAR_VALUE_BANDS: dict[str, tuple[float, float]] = {
+    "simple": (0.67, 1.21),
+    "quintic": (0.96, 1.16),
+    "polar_express": (0.86, 1.13),
+    "cubic": (0.999, 1.001),
+}
+
+
+def coefficient_schedule(coefficients: CoefficientsLike, steps: int) -> list[Coefficients]:
+    """Resolve a named set or a user sequence of (a, b, c) into exactly `steps` tuples.
+
+    A schedule shorter than `steps` repeats its last tuple.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if isinstance(coefficients, str):
+        if coefficients not in COEFFICIENT_SETS:
+            known = ", ".join(sorted(COEFFICIENT_SETS))
+            raise ValueError(f"unknown coefficient set {coefficients!r}; choose one of {known}")
+        table: Sequence[Sequence[float]] = COEFFICIENT_SETS[coefficients]
+    else:
+        table = list(coefficients)
+        if not table:
+            raise ValueError("coefficients must contain at least one (a, b, c) tuple")
+    resolved: list[Coefficients] = []
+    for i, entry in enumerate(table):
+        values = tuple(float(v) for v in entry)
+        if len(values) != 3:
+            raise ValueError(f"coefficients[{i}] must be an (a, b, c) triple, got {entry!r}")
+        resolved.append(values)  # type: ignore[arg-type]
+    return [resolved[min(i, len(resolved) - 1)] for i in range(steps)]
+
+
+def ns_compute_dtype(dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    """The dtype the iteration runs in: `requested`, else float32 (float64 stays float64)."""
+    if requested is not None:
+        if not requested.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {requested}")
+        return requested
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def newton_schulz(
+    X: Tensor,
+    steps: int = 5,
+    coefficients: CoefficientsLike = "quintic",
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Approximate the polar factor U·Vᵀ of each matrix in `X` (shape [..., m, n]).
+
+    Each matrix is transposed so rows <= columns and divided by its Frobenius norm (clamped
+    below by `eps`, so a zero matrix maps to zero). The iteration runs in `dtype` (default
+    float32; float64 input stays float64; bfloat16 only when asked) and the result comes back
+    in the input's shape and dtype. Non-finite input raises ValueError.
+    """
+    if X.ndim < 2:
+        raise ValueError(
+            f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(X.shape)}"
+        )
+    schedule = coefficient_schedule(coefficients, steps)
+    if not bool(torch.isfinite(X).all()):
+        raise ValueError("newton_schulz got a matrix with NaN or Inf entries")
+    compute = ns_compute_dtype(X.dtype, dtype)
+    transposed = X.shape[-2] > X.shape[-1]
+    Y = X.mT if transposed else X
+    norm = torch.linalg.matrix_norm(
+        Y.to(torch.float64 if compute == torch.float64 else torch.float32), keepdim=True
+    )
+    Y = (Y / norm.clamp_min(eps)).to(compute)
+    for a, b, c in schedule:
+        Y = newton_schulz_step(Y, a, b, c)
+    if transposed:
+        Y = Y.mT
+    return Y.to(X.dtype).contiguous()
+
+
+def newton_schulz_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
+    """One step X ← a·X + (b·A + c·A·A)·X with A = X·Xᵀ, on [..., m, n] with m <= n."""
+    A = kernels.gram(X)
+    B = kernels.sym_poly(A, b, c)
+    if X.ndim == 2:
+        return torch.addmm(X, B, X, beta=a)
+    lead = X.shape[:-2]
+    Xf = X.reshape(-1, *X.shape[-2:])
+    out = torch.baddbmm(Xf, B.reshape(-1, *B.shape[-2:]), Xf, beta=a)
+    return out.reshape(*lead, *X.shape[-2:])
+
+
+def polar_factor(X: Tensor) -> Tensor:
+    """Exact polar factor U·Vᵀ of each matrix in `X` via a float64 SVD (returns float64).
+
+    The reference for tests. A zero matrix maps to zero; rank-deficient matrices get the
+    partial isometry over their numerical range (singular values below 1e-12·σ_max dropped).
+    """
+    X64 = X.detach().to(torch.float64)
+    U, S, Vh = torch.linalg.svd(X64, full_matrices=False)
+    keep = (1e-12 * S.amax(dim=-1, keepdim=True).clamp_min(1e-300) < S).to(torch.float64)
+    return (U * keep.unsqueeze(-2)) @ Vh

@@ -1,0 +1,209 @@
+"""Hybrid routing: hidden matrices to a matrix optimizer (Muon, SOAP), the rest to AdamW.
+
+`build_optimizer` decides which parameter goes where; `HybridOptimizer` holds both inner
+optimizers behind one `torch.optim.Optimizer` so that schedulers, `state_dict()` and
+`zero_grad()` treat them as one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from orthoptim.optim.base import (
+    apply_nonfinite_policy,
+    check_nonfinite_policy,
+    nonfinite_params,
+)
+from orthoptim.optim.muon import Muon
+
+RoutePredicate = Callable[[str, nn.Parameter], bool]
+
+HEAD_NAMES = frozenset({"lm_head", "head", "output", "output_layer", "classifier", "unembed"})
+
+
+def _matrix_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
+    """Name → class of every optimizer `build_optimizer` can route hidden matrices to."""
+    table: dict[str, type[torch.optim.Optimizer]] = {"muon": Muon}
+    try:
+        from orthoptim.optim.soap import SOAP
+    except ImportError:
+        pass
+    else:
+        table["soap"] = SOAP
+    return table
+
+
+def default_route(model: nn.Module) -> RoutePredicate:
+    """The default routing rule for `model`: True → matrix optimizer, False → AdamW.
+
+    AdamW gets every parameter with fewer than 2 dims, every nn.Embedding weight (and any
+    parameter tied to one: it is the same tensor), and the output head: a Linear named like a
+    head (`lm_head`, `head`, `output`, ...) or one whose output size equals an embedding's
+    vocabulary size.
+    """
+    embed_ids: set[int] = set()
+    vocab_sizes: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            embed_ids.add(id(module.weight))
+            vocab_sizes.add(module.num_embeddings)
+    head_ids: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in HEAD_NAMES or module.out_features in vocab_sizes:
+                head_ids.add(id(module.weight))
+
+    def route(name: str, p: nn.Parameter) -> bool:
+        return p.ndim >= 2 and id(p) not in embed_ids and id(p) not in head_ids
+
+    return route
+
+
+class HybridOptimizer(torch.optim.Optimizer):
+    """One optimizer over a matrix optimizer and AdamW, each owning a disjoint set of params.
+
+    `param_groups` is the matrix optimizer's groups followed by AdamW's (the same dicts, so
+    an LR scheduler's change reaches the inner optimizers); each group carries an `"optimizer"`
+    key naming its owner. The non-finite policy is applied once for the whole step, so "skip"
+    skips both inner optimizers together.
+    """
+
+    def __init__(
+        self,
+        inner: dict[str, torch.optim.Optimizer],
+        nonfinite: str = "raise",
+    ) -> None:
+        if not inner:
+            raise ValueError("HybridOptimizer needs at least one inner optimizer")
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        groups: list[dict[str, Any]] = []
+        for key, opt in inner.items():
+            for g in opt.param_groups:
+                g["optimizer"] = key
+                groups.append(g)
+        # torch's constructor copies groups; it is called only to set hooks and bookkeeping.
+        super().__init__([{"params": list(g["params"])} for g in groups], {})
+        self.inner = inner
+        self.param_groups = groups
+        self._share_state()
+
+    def _share_state(self) -> None:
+        """Let every inner optimizer read and write this optimizer's `state` (disjoint params)."""
+        for opt in self.inner.values():
+            self.state.update(opt.state)
+            opt.state = self.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer named by its `"optimizer"` key."""
+        if not hasattr(self, "inner"):
+            super().add_param_group(param_group)
+            return
+        key = param_group.get("optimizer")
+        if key not in self.inner:
+            raise ValueError(
+                f"a new param group needs an 'optimizer' key naming one of {sorted(self.inner)}, "
+                f"got {key!r}"
+            )
+        opt = self.inner[key]
+        opt.add_param_group({k: v for k, v in param_group.items() if k != "optimizer"})
+        group = opt.param_groups[-1]
+        group["optimizer"] = key
+        self.param_groups.append(group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, then re-bind the inner optimizers to the loaded groups and state."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+            s.get("optimizer") != g.get("optimizer") for s, g in zip(saved, self.param_groups)
+        ):
+            raise ValueError(
+                "state_dict's param groups do not match this optimizer's routing "
+                f"(saved {[s.get('optimizer') for s in saved]}, "
+                f"here {[g.get('optimizer') for g in self.param_groups]})"
+            )
+        super().load_state_dict(state_dict)
+        for key, opt in self.inner.items():
+            opt.param_groups = [g for g in self.param_groups if g["optimizer"] == key]
+            opt.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step every inner optimizer, or none if a gradient is non-finite and policy is skip."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for g in self.param_groups for p in g["params"]]
+        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
+            return loss
+        for opt in self.inner.values():
+            opt.step()
+        return loss
+
+
+def build_optimizer(
+    model: nn.Module,
+    optimizer: str = "muon",
+    lr: float | None = None,
+    adamw_lr: float = 3e-4,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: float = 0.0,
+    route: RoutePredicate | None = None,
+    nonfinite: str = "raise",
+    params: Iterable[tuple[str, nn.Parameter]] | None = None,
+    **kw: Any,
+) -> HybridOptimizer:
+    """Build the optimizer for `model`: hidden matrices → `optimizer`, the rest → AdamW.
+
+    `optimizer` is "muon", "soap" or "adamw" (plain AdamW over everything, the baseline; it
+    uses `lr` when given, else `adamw_lr`). `route(name, param) -> bool` overrides the
+    default rule (True → matrix optimizer). `params` restricts the build to a subset of the
+    model's named parameters (the layer-wise distributed optimizer passes the ones a rank
+    owns). Extra keyword arguments go to the matrix optimizer. Frozen parameters are left out.
+    """
+    matrix_optimizers = _matrix_optimizers()
+    if optimizer != "adamw" and optimizer not in matrix_optimizers:
+        known = sorted([*matrix_optimizers, "adamw"])
+        raise ValueError(f"optimizer must be one of {known}, got {optimizer!r}")
+    check_nonfinite_policy(nonfinite)
+    rule = route if route is not None else default_route(model)
+    named = list(params) if params is not None else list(model.named_parameters())
+    named = [(n, p) for n, p in named if p.requires_grad]
+
+    adamw_kw = dict(betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+    inner: dict[str, torch.optim.Optimizer] = {}
+    if optimizer == "adamw":
+        if kw:
+            raise ValueError(f"optimizer='adamw' takes no extra arguments, got {sorted(kw)}")
+        if named:
+            inner["adamw"] = torch.optim.AdamW(
+                named, lr=lr if lr is not None else adamw_lr, **adamw_kw
+            )
+    else:
+        matrix = [(n, p) for n, p in named if rule(n, p)]
+        rest = [(n, p) for n, p in named if not rule(n, p)]
+        if matrix:
+            if lr is not None:
+                kw["lr"] = lr
+            inner[optimizer] = matrix_optimizers[optimizer](matrix, **kw)
+        if rest:
+            inner["adamw"] = torch.optim.AdamW(rest, lr=adamw_lr, **adamw_kw)
+    if not inner:
+        raise ValueError("build_optimizer found no trainable parameters")
+    return HybridOptimizer(inner, nonfinite=nonfinite)
+
+
+def routing_table(optimizer: HybridOptimizer) -> dict[str, str]:
+    """Parameter name → the inner optimizer that owns it ("muon", "soap" or "adamw")."""
+    table: dict[str, str] = {}
+    for g in optimizer.param_groups:
+        names = g.get("param_names") or [f"<unnamed {i}>" for i in range(len(g["params"]))]
+        for n in names:
+            table[n] = g["optimizer"]
+    return table

@@ -1,0 +1,187 @@
+"""Muon: momentum orthogonalized by Newton-Schulz (Jordan et al. 2024).
+
+Per matrix parameter W with gradient G, one step is::
+
+    W ← W − lr·wd·W                                  (decoupled weight decay)
+    M ← μ·M + (1−μ)·G                                (momentum, EMA form)
+    U ← (1−μ)·G + μ·M  if nesterov else M
+    W ← W − lr·scale(rows, cols)·orthogonalize(U)
+
+Same-shape matrices (and the experts of a 3-D parameter) are orthogonalized in one batched
+call. Muon never talks to a process group: a tensor-parallel orthogonalizer plugs in through
+`orthogonalizer`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from orthoptim.newton_schulz import CoefficientsLike, coefficient_schedule, newton_schulz
+from orthoptim.optim.base import (
+    apply_nonfinite_policy,
+    check_nonfinite_policy,
+    matrix_view,
+    nonfinite_params,
+)
+
+LR_SCALES = ("keller", "spectral", "match_adamw_rms", "none")
+
+Orthogonalizer = Callable[[Tensor], Tensor]
+
+
+def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
+    """The per-matrix learning-rate multiplier of an LR-scale convention.
+
+    keller: √max(1, rows/cols); spectral: √(rows/cols); match_adamw_rms: 0.2·√max(rows, cols)
+    (update RMS ≈ AdamW's, so AdamW learning rates and decay carry over); none: 1.
+    """
+    if convention == "keller":
+        return math.sqrt(max(1.0, rows / cols))
+    if convention == "spectral":
+        return math.sqrt(rows / cols)
+    if convention == "match_adamw_rms":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if convention == "none":
+        return 1.0
+    raise ValueError(f"lr_scale must be one of {LR_SCALES}, got {convention!r}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for matrix parameters (2-D, 3-D experts [E, out, in], conv weights as (out, rest)).
+
+    1-D parameters are rejected: route them to AdamW with `orthoptim.build_optimizer`.
+    The momentum buffer is kept in float32 for low-precision parameters (fp32 master state);
+    Newton-Schulz runs in float32 unless `ns_dtype` says otherwise.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        coefficients: CoefficientsLike = "quintic",
+        lr_scale: str = "keller",
+        ns_dtype: torch.dtype | None = None,
+        orthogonalizer: Orthogonalizer | None = None,
+        nonfinite: str = "raise",
+        eps: float = 1e-7,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not eps > 0.0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        lr_scale_factor(lr_scale, 1, 1)
+        coefficient_schedule(coefficients, ns_steps)
+        if ns_dtype is not None and not ns_dtype.is_floating_point:
+            raise ValueError(f"ns_dtype must be a floating-point dtype or None, got {ns_dtype}")
+        if orthogonalizer is not None and not callable(orthogonalizer):
+            raise ValueError("orthogonalizer must be a callable (Tensor) -> Tensor")
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        self.orthogonalizer = orthogonalizer
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            coefficients=coefficients,
+            lr_scale=lr_scale,
+            ns_dtype=ns_dtype,
+            eps=eps,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, but rejects parameters that are not matrices, naming them."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            if p.ndim < 2:
+                name = names[i] if names is not None else f"parameter {i} of the new group"
+                raise ValueError(
+                    f"Muon got {name} with shape {tuple(p.shape)}: Muon only optimizes matrices "
+                    "(>= 2 dims). Route vectors, scalars and embeddings to AdamW with "
+                    "orthoptim.build_optimizer(model, optimizer='muon')."
+                )
+            if p.is_complex():
+                raise ValueError(
+                    f"Muon does not support complex parameters (shape {tuple(p.shape)})"
+                )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Muon step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for g in self.param_groups for p in g["params"]]
+        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
+            return loss
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        momentum, nesterov = group["momentum"], group["nesterov"]
+        lr, wd = group["lr"], group["weight_decay"]
+        # (rows, cols) → [(param, update matrices [k, rows, cols])]
+        batches: dict[tuple[int, int, torch.device], list[tuple[Tensor, Tensor]]] = defaultdict(
+            list
+        )
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(f"Muon does not support sparse gradients (shape {tuple(p.shape)})")
+            state = self.state[p]
+            grad = (
+                p.grad.to(torch.float32) if p.dtype in (torch.float16, torch.bfloat16) else p.grad
+            )
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(
+                    grad, memory_format=torch.preserve_format
+                )
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1.0 - momentum)
+            update = grad.lerp(buf, momentum) if nesterov else buf
+            mats = matrix_view(update)
+            batches[(mats.shape[-2], mats.shape[-1], mats.device)].append((p, mats))
+
+        for (rows, cols, _), items in batches.items():
+            stacked = torch.cat([m for _, m in items]) if len(items) > 1 else items[0][1]
+            ortho = self._orthogonalize(stacked, group)
+            scale = lr * lr_scale_factor(group["lr_scale"], rows, cols)
+            offset = 0
+            for p, mats in items:
+                k = mats.shape[0]
+                o = ortho[offset : offset + k]
+                offset += k
+                if wd != 0.0:
+                    p.mul_(1.0 - lr * wd)
+                p.add_(o.reshape(p.shape).to(p.dtype), alpha=-scale)
+
+    def _orthogonalize(self, mats: Tensor, group: dict[str, Any]) -> Tensor:
+        if self.orthogonalizer is not None:
+            return self.orthogonalizer(mats)
+        return newton_schulz(
+            mats,
+            steps=group["ns_steps"],
+            coefficients=group["coefficients"],
+            eps=group["eps"],
+            dtype=group["ns_dtype"],
+        )
