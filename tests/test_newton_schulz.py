@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from conftest import ill_conditioned
 from orthoptim.newton_schulz import (
     COEFFICIENT_SETS,
     SINGULAR_VALUE_BANDS,
@@ -9,6 +8,8 @@ from orthoptim.newton_schulz import (
     newton_schulz,
     polar_factor,
 )
+
+from conftest import ill_conditioned
 
 SHAPES = [(64, 64), (48, 96), (96, 48), (128, 512)]
 

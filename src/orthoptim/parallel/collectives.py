@@ -1,0 +1,244 @@
+"""Every collective orthoptim issues goes through here, so bytes can be counted per step.
+
+Byte accounting: for each collective kind we record, per rank, the bytes it sends and the
+bytes it receives under the bandwidth-optimal (ring) algorithm of N ranks:
+
+    all_reduce       sends 2·(N−1)/N · S and receives the same    (S = tensor bytes)
+    reduce_scatter   sends (N−1)/N · S_in, receives the same
+    all_gather       sends (N−1)/N · S_out, receives the same
+    broadcast/reduce the root sends (or receives) S; each other rank the reverse
+    all_to_all       sends what leaves this rank, receives what arrives
+
+These are the figures benchmarks and tests compare against formulas; padding that gloo
+needs for uneven all-gathers is counted as sent, since it crosses the wire.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class CommStats:
+    """Bytes sent / received and call counts per collective kind since the last `reset()`."""
+
+    sent: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    received: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, sent: float, received: float) -> None:
+        """Add one call of `kind`."""
+        self.sent[kind] += sent
+        self.received[kind] += received
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        """Forget everything recorded so far (called at the start of each step)."""
+        self.sent.clear()
+        self.received.clear()
+        self.calls.clear()
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """{kind: {"sent": bytes, "received": bytes, "calls": n}} plus a "total" entry."""
+        out: dict[str, dict[str, float]] = {
+            k: {"sent": self.sent[k], "received": self.received[k], "calls": self.calls[k]}
+            for k in sorted(self.calls)
+        }
+        out["total"] = {
+            "sent": sum(self.sent.values()),
+            "received": sum(self.received.values()),
+            "calls": sum(self.calls.values()),
+        }
+        return out
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def world(group: Any = None) -> tuple[int, int]:
+    """(rank, world size) in `group`; (0, 1) when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_reduce(
+    t: Tensor,
+    op: Any = None,
+    group: Any = None,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> Any:
+    """In-place all-reduce (sum by default) of `t`."""
+    _, n = world(group)
+    if stats is not None and n > 1:
+        b = 2 * (n - 1) / n * _nbytes(t)
+        stats.record("all_reduce", b, b)
+    if n == 1:
+        return None
+    return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    out: Tensor,
+    inp: Tensor,
+    op: Any = None,
+    group: Any = None,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> Any:
+    """`out` ← this rank's 1/N chunk of the sum over ranks of `inp` (flat, equal chunks)."""
+    _, n = world(group)
+    if stats is not None and n > 1:
+        b = (n - 1) / n * _nbytes(inp)
+        stats.record("reduce_scatter", b, b)
+    if n == 1:
+        out.copy_(inp)
+        return None
+    return dist.reduce_scatter_tensor(
+        out, inp, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+
+
+def all_gather(
+    out: Tensor,
+    inp: Tensor,
+    group: Any = None,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> Any:
+    """`out` (N × inp elements, rank-major) ← every rank's `inp`."""
+    _, n = world(group)
+    if stats is not None and n > 1:
+        b = (n - 1) / n * _nbytes(out)
+        stats.record("all_gather", b, b)
+    if n == 1:
+        out.copy_(inp.reshape(out.shape))
+        return None
+    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+
+
+class _Gathered:
+    """An in-flight variable-size all-gather; `wait()` returns one tensor per rank."""
+
+    def __init__(self, work: Any, buffer: Tensor, sizes: list[int]) -> None:
+        self._work, self._buffer, self._sizes = work, buffer, sizes
+
+    def wait(self) -> list[Tensor]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        width = self._buffer.numel() // max(1, len(self._sizes))
+        return [self._buffer[r * width : r * width + s] for r, s in enumerate(self._sizes)]
+
+
+def all_gatherv(
+    local: Tensor,
+    sizes: list[int],
+    group: Any = None,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> _Gathered:
+    """Gather a flat tensor whose length differs by rank (`sizes[r]` elements on rank r).
+
+    gloo has no uneven all-gather, so every rank pads to max(sizes) and one all-gather runs;
+    the result is sliced back. Returns a handle whose `wait()` gives the per-rank tensors.
+    """
+    rank, n = world(group)
+    if local.ndim != 1 or local.numel() != sizes[rank]:
+        raise ValueError(
+            f"all_gatherv: rank {rank} holds {local.numel()} elements (ndim {local.ndim}) "
+            f"but sizes says {sizes[rank]}"
+        )
+    width = max(sizes) if sizes else 0
+    buffer = local.new_empty(width * n)
+    if n == 1:
+        buffer[: local.numel()].copy_(local)
+        return _Gathered(None, buffer, sizes)
+    padded = (
+        local
+        if local.numel() == width
+        else torch.cat([local, local.new_zeros(width - local.numel())])
+    )
+    work = all_gather(buffer, padded, group=group, stats=stats, async_op=async_op)
+    return _Gathered(work if async_op else None, buffer, sizes)
+
+
+def broadcast(
+    t: Tensor, src: int, group: Any = None, stats: CommStats | None = None, async_op: bool = False
+) -> Any:
+    """Broadcast `t` from group rank `src` (a global rank, as torch.distributed expects)."""
+    _, n = world(group)
+    if stats is not None and n > 1:
+        b = _nbytes(t)
+        is_src = dist.get_rank() == src
+        stats.record("broadcast", b if is_src else 0, 0 if is_src else b)
+    if n == 1:
+        return None
+    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+
+
+def all_to_all(
+    out: Tensor,
+    inp: Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: Any = None,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> Any:
+    """All-to-all of flat tensors: `in_splits[r]` elements go to rank r, `out_splits[r]` arrive."""
+    rank, n = world(group)
+    if stats is not None and n > 1:
+        es = inp.element_size()
+        stats.record(
+            "all_to_all",
+            (sum(in_splits) - in_splits[rank]) * es,
+            (sum(out_splits) - out_splits[rank]) * es,
+        )
+    if n == 1:
+        out.copy_(inp)
+        return None
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+
+
+def packed_triangle_size(m: int) -> int:
+    """Elements of the packed upper triangle of an m×m symmetric matrix: m(m+1)/2."""
+    return m * (m + 1) // 2
+
+
+def pack_upper(A: Tensor) -> Tensor:
+    """The upper triangle (diagonal included) of each symmetric [..., m, m] matrix, flattened."""
+    m = A.shape[-1]
+    rows, cols = torch.triu_indices(m, m, device=A.device)
+    return A[..., rows, cols]
+
+
+def unpack_upper(packed: Tensor, m: int) -> Tensor:
+    """Rebuild the full symmetric [..., m, m] matrices from `pack_upper`'s output."""
+    rows, cols = torch.triu_indices(m, m, device=packed.device)
+    A = packed.new_zeros(*packed.shape[:-1], m, m)
+    A[..., rows, cols] = packed
+    A[..., cols, rows] = packed
+    return A
+
+
+def all_reduce_symmetric(A: Tensor, group: Any = None, stats: CommStats | None = None) -> Tensor:
+    """Sum symmetric [..., m, m] matrices over ranks, sending only the packed upper triangle.
+
+    m(m+1)/2 elements cross the wire instead of m², half the bytes for large m.
+    Returns a new tensor; `A` is left as it was.
+    """
+    _, n = world(group)
+    if n == 1:
+        return A.clone()
+    packed = pack_upper(A).contiguous()
+    all_reduce(packed, group=group, stats=stats)
+    return unpack_upper(packed, A.shape[-1])
