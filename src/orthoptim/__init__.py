@@ -1,13 +1,14 @@
 """orthoptim: matrix-aware optimizers (Muon, SOAP) at data- and tensor-parallel scale."""
 
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_factor
-from orthoptim.optim import HybridOptimizer, Muon, build_optimizer, routing_table
+from orthoptim.optim import SOAP, HybridOptimizer, Muon, build_optimizer, routing_table
 from orthoptim.optim.base import NonFiniteGradientError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "SOAP",
     "HybridOptimizer",
     "Muon",
     "NonFiniteGradientError",
