@@ -280,14 +280,18 @@ def test_byte_formulas_equal_counted_collectives() -> None:
 # --- planner and CLI -----------------------------------------------------------------------
 
 
-def test_plan_figures_add_up() -> None:
+@pytest.mark.parametrize("layout", [dict(dp=8, ep=8), dict(dp=4, ep=2, pp=3)])
+def test_plan_figures_add_up(layout: dict) -> None:
     desc = load_model("qwen3-30b-a3b")
-    plan = make_plan(desc, load_hardware("gb300"), Layout(dp=8, ep=8, tokens_per_step=2**20))
+    plan = make_plan(desc, load_hardware("gb300"), Layout(**layout, tokens_per_step=2**20))
     total_ns = sum(ns_flops(m.shape, 5) for m in expand(desc) if m.kind == "muon")
+    pp = layout.get("pp", 1)
+    assert plan["layout"]["layers_per_stage"] == [48 // pp] * pp
     for b in ("cost", "round_robin", "capped"):
         s = plan["balancing"][b]
-        # every Muon matrix is orthogonalized exactly once across the data-parallel ranks:
-        # the dense ones once in DP, each EP rank's experts once in its group
+        assert len(s["ns_flops_per_rank"]) == pp * layout["dp"]
+        # every Muon matrix is orthogonalized exactly once over all stages and DP ranks: the
+        # dense ones by one DP rank, each expert by one rank of its EP rank's expert-DP group
         assert sum(s["ns_flops_per_rank"]) == pytest.approx(total_ns, rel=1e-12)
         assert s["ns_flops_imbalance"] >= 1.0
     over = plan["overhead"]
