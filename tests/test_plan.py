@@ -15,12 +15,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from orthoptim.cli import main
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.optim.hybrid import default_route
-from orthoptim.parallel import collectives
 from orthoptim.parallel.assignment import units_from_model
 from orthoptim.plan import Layout, expand, load_hardware, load_model, make_plan, param_counts
-from orthoptim.plan.costs import layerwise_bytes, ns_flops, tp_ns_cost, zero1_bytes
+from orthoptim.plan.costs import ns_flops, tp_ns_cost, zero1_bytes
 from orthoptim.plan.model import model_from_dict
-from orthoptim.plan.planner import backward_order, to_units
+from orthoptim.plan.planner import backward_order, plan_groups, to_units
 
 from distributed import run_ranks
 
@@ -235,46 +234,90 @@ def test_tp_costs_are_consistent() -> None:
     assert tp_ns_cost(shape, None, 4, "distributed", steps, 2) == (0.0, ns_flops(shape, 5), 0)
 
 
-def _emulate_layout(
-    rank: int, world: int, owners: list[int], buckets: list[list[int]], numels: list[int]
-) -> dict:
-    """One step of the layer-wise layout through collectives.py (per bucket a reduce-scatter
-    over N shards padded to the largest share, then a variable-size all-gather) and one
-    ZeRO-1 step (reduce-scatter + all-gather over equal shards)."""
-    out = {}
-    for label, gather_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        stats = collectives.CommStats()
-        for bucket in buckets:
-            share = [sum(numels[i] for i in bucket if owners[i] == r) for r in range(world)]
-            w = max(share)
-            collectives.reduce_scatter(torch.empty(w), torch.ones(world * w), stats=stats)
-            local = torch.ones(share[rank], dtype=gather_dtype)
-            collectives.all_gatherv(local, share, stats=stats).wait()
-        total = stats.as_dict()["total"]
-        out[f"layerwise_{label}"] = (total["sent"], total["received"])
-        stats = collectives.CommStats()
-        shard = math.ceil(sum(numels) / world)
-        collectives.reduce_scatter(torch.empty(shard), torch.ones(world * shard), stats=stats)
-        collectives.all_gather(
-            torch.empty(world * shard, dtype=gather_dtype),
-            torch.ones(shard, dtype=gather_dtype),
-            stats=stats,
+BUCKET_MB = 0.02  # ~20 KiB: the tiny GPT spans several buckets, some with a single owner
+
+
+def _layerwise_step(rank: int, world: int, raw: dict, runs: list[tuple[str, str]]) -> list[dict]:
+    """One real LayerwiseDistributedOptimizer step per (balance, gather dtype) on a tiny GPT:
+    its assignment, its comm_stats() and the matmul flops its step() counted (plain-matmul
+    kernels, the formula's convention)."""
+    from orthoptim import kernels
+    from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+
+    out = []
+    for balance, gather in runs:
+        torch.manual_seed(0)
+        model = tiny_gpt(raw)
+        opt = LayerwiseDistributedOptimizer(
+            model,
+            optimizer="muon",
+            lr=0.02,
+            balance=balance,
+            bucket_mb=BUCKET_MB,
+            gather_dtype=torch.bfloat16 if gather == "bf16" else None,
+            overlap_param_gather=False,
         )
-        out[f"zero1_{label}"] = stats.as_dict()["total"]["sent"]
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.randint(0, raw["vocab_size"], (2, 8), generator=g)
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        with kernels.force_matmul(), FlopCounterMode(display=False) as counter:
+            opt.step()
+        out.append(
+            {
+                "owners": list(opt.assignment.owners),
+                "units": list(opt.units),
+                "comm": opt.comm_stats(),
+                "flops": counter.get_total_flops(),
+            }
+        )
     return out
 
 
-def test_byte_formulas_equal_counted_collectives() -> None:
-    """Real 2-rank gloo collectives; bytes counted by collectives.py equal the formulas."""
-    numels = [300, 120, 50, 50, 700, 33, 9]
-    owners = [0, 1, 1, 0, 1, 0, 0]
-    buckets = [[0, 1], [2, 3], [4, 5, 6]]
-    results = run_ranks(_emulate_layout, 2, (owners, buckets, numels))
-    for rank, r in enumerate(results):
-        for label, gb in (("fp32", 4), ("bf16", 2)):
-            sent, received = layerwise_bytes(owners, buckets, numels, 2, 4, gb)
-            assert r[f"layerwise_{label}"] == (sent[rank], received[rank])
-            assert r[f"zero1_{label}"] == zero1_bytes(sum(numels), 2, 4, gb)
+def _plan_for(raw: dict, dp: int, balance: str = "cost") -> tuple:
+    desc = model_from_dict(raw)
+    layout = Layout(dp=dp, bucket_mb=BUCKET_MB, grad_dtype="fp32")
+    (group,) = plan_groups(desc, layout, balance)[0]
+    return group, make_plan(desc, load_hardware("h200"), layout)
+
+
+def test_planner_assignment_and_flops_equal_the_layerwise_optimizer() -> None:
+    """gpt-small's layout (scaled to width 32) at world size 4 over gloo: the planner's
+    assignment is the optimizer's, for every balancing, and the Newton-Schulz flops each
+    rank's step() performs are the planner's per-rank figures."""
+    raw = tiny_gpt_description()
+    balances = ["cost", "round_robin", "capped"]
+    results = run_ranks(_layerwise_step, 4, (raw, [(b, "fp32") for b in balances]))
+    for k, balance in enumerate(balances):
+        group, plan = _plan_for(raw, 4, balance)
+        planned_flops = plan["balancing"][balance]["ns_flops_per_rank"]
+        for rank in range(4):
+            run = results[rank][k]
+            assert run["units"] == group.units
+            assert run["owners"] == group.assignment.owners
+            assert run["flops"] == planned_flops[rank]
+        assert len(set(group.assignment.owners)) > 1
+
+
+def test_byte_formulas_equal_comm_stats_of_a_real_run() -> None:
+    """Two gloo ranks, fp32 and bf16 parameter gathers: the bytes each rank's step sent and
+    received per collective kind (collectives.py's counts) equal the planner's formula. The
+    optimizer's small agreement all-reduce (two flags per unit) is left out of the plan."""
+    raw = tiny_gpt_description()
+    results = run_ranks(_layerwise_step, 2, (raw, [("cost", "fp32"), ("cost", "bf16")]))
+    group, plan = _plan_for(raw, 2)
+    kinds = ("reduce_scatter", "all_gather", "reduce", "broadcast")
+    for k, gather in enumerate(("fp32", "bf16")):
+        c = plan["comm"][f"{gather}_gather"]
+        for rank in range(2):
+            comm = results[rank][k]["comm"]
+            assert {"reduce_scatter", "reduce"} <= set(comm)  # shared and single-owner buckets
+            sent = sum(comm[x]["sent"] for x in kinds if x in comm)
+            received = sum(comm[x]["received"] for x in kinds if x in comm)
+            assert sent == c["layerwise_sent_per_rank"][rank]
+            assert received == c["layerwise_received_per_rank"][rank]
+    # ZeRO-1's formula on the same parameters, for the ratio the report prints
+    numel = sum(math.prod(u.shape) for u in group.units)
+    assert plan["comm"]["fp32_gather"]["zero1_adamw_bytes"] == zero1_bytes(numel, 2, 4, 4)
 
 
 # --- planner and CLI -----------------------------------------------------------------------

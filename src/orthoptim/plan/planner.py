@@ -221,6 +221,36 @@ def _stage(m: Matrix, stages: list[int], pp: int) -> int:
     return 0 if m.param.startswith("embed") else pp - 1
 
 
+def plan_groups(
+    desc: ModelDescription,
+    layout: Layout,
+    balance: str = "cost",
+    dense: list[Matrix] | None = None,
+    experts: list[Matrix] | None = None,
+) -> list[list[_Group]]:
+    """Per pipeline stage, the assignments the layer-wise optimizers of one TP rank make: the
+    replicated units over `dp` ranks, then (MoE) EP rank 0's experts over `dp/ep` ranks.
+    Each group holds its matrices and units in the optimizer's (backward) order."""
+    check_layout(desc, layout)
+    if dense is None or experts is None:
+        dense, experts = split_matrices(expand(desc), desc, layout.ep)
+    stages = stage_of_layers(desc.num_hidden_layers, layout.pp)
+    grad_b = DTYPE_BYTES[layout.grad_dtype]
+    bucket_bytes = int(layout.bucket_mb * 2**20)
+    by_stage: list[list[_Group]] = []
+    for s in range(layout.pp):
+        stage_groups = []
+        for mats, world in ((dense, layout.dp), (experts, layout.expert_dp)):
+            ordered = backward_order([m for m in mats if _stage(m, stages, layout.pp) == s])
+            if not ordered:
+                continue
+            units = to_units(ordered, layout.tp, grad_b)
+            a = assign(units, world, balance=balance, bucket_bytes=bucket_bytes)
+            stage_groups.append(_Group(ordered, units, world, a))
+        by_stage.append(stage_groups)
+    return by_stage
+
+
 # One GPU of one TP rank: the (group, rank in that group) pairs whose units it owns.
 Slot = list[tuple[_Group, int]]
 
@@ -234,7 +264,6 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     tp, dp, ep, pp = layout.tp, layout.dp, layout.ep, layout.pp
     grad_b = DTYPE_BYTES[layout.grad_dtype]
     ns_b = DTYPE_BYTES[layout.ns_dtype]
-    bucket_bytes = int(layout.bucket_mb * 2**20)
     matrices = expand(desc)
     dense, experts = split_matrices(matrices, desc, ep)
     counts = param_counts(matrices)
@@ -242,21 +271,12 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     stages = stage_of_layers(desc.num_hidden_layers, pp)
 
     def make_slots(balance: str) -> tuple[list[Slot], list[list[_Group]]]:
+        by_stage = plan_groups(desc, layout, balance, dense, experts)
         slots: list[Slot] = [[] for _ in range(pp * dp)]
-        by_stage: list[list[_Group]] = []
-        for s in range(pp):
-            stage_groups = []
-            for mats, world in ((dense, dp), (experts, layout.expert_dp)):
-                ordered = backward_order([m for m in mats if _stage(m, stages, pp) == s])
-                if not ordered:
-                    continue
-                units = to_units(ordered, tp, grad_b)
-                a = assign(units, world, balance=balance, bucket_bytes=bucket_bytes)
-                g = _Group(ordered, units, world, a)
-                stage_groups.append(g)
+        for s, stage_groups in enumerate(by_stage):
+            for g in stage_groups:
                 for r in range(dp):
-                    slots[s * dp + r].append((g, r if world == dp else r // ep))
-            by_stage.append(stage_groups)
+                    slots[s * dp + r].append((g, r if g.world == dp else r // ep))
         return slots, by_stage
 
     steps = layout.ns_steps
