@@ -237,21 +237,29 @@ def test_tp_costs_are_consistent() -> None:
 BUCKET_MB = 0.02  # ~20 KiB: the tiny GPT spans several buckets, some with a single owner
 
 
-def _layerwise_step(rank: int, world: int, raw: dict, runs: list[tuple[str, str]]) -> list[dict]:
-    """One real LayerwiseDistributedOptimizer step per (balance, gather dtype) on a tiny GPT:
-    its assignment, its comm_stats() and the matmul flops its step() counted (plain-matmul
-    kernels, the formula's convention)."""
+def _layerwise_steps(rank: int, world: int, raw: dict) -> dict:
+    """Real LayerwiseDistributedOptimizer steps on a tiny GPT: every balancing over all
+    `world` ranks, and fp32 / bf16 parameter gathers over a 2-rank subgroup (ranks 0, 1).
+    Each returns its units, assignment, comm_stats() and the matmul flops its step() counted
+    (plain-matmul kernels, the formula's convention)."""
+    import torch.distributed as dist
+
     from orthoptim import kernels
     from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 
-    out = []
-    for balance, gather in runs:
+    pair = dist.new_group([0, 1])
+    runs = [(b, "fp32", None) for b in ("cost", "round_robin", "capped")]
+    if rank < 2:
+        runs += [("cost", "fp32", pair), ("cost", "bf16", pair)]
+    out = {}
+    for balance, gather, group in runs:
         torch.manual_seed(0)
         model = tiny_gpt(raw)
         opt = LayerwiseDistributedOptimizer(
             model,
             optimizer="muon",
             lr=0.02,
+            process_group=group,
             balance=balance,
             bucket_mb=BUCKET_MB,
             gather_dtype=torch.bfloat16 if gather == "bf16" else None,
@@ -262,14 +270,12 @@ def _layerwise_step(rank: int, world: int, raw: dict, runs: list[tuple[str, str]
         F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
         with kernels.force_matmul(), FlopCounterMode(display=False) as counter:
             opt.step()
-        out.append(
-            {
-                "owners": list(opt.assignment.owners),
-                "units": list(opt.units),
-                "comm": opt.comm_stats(),
-                "flops": counter.get_total_flops(),
-            }
-        )
+        out[(balance, gather, 2 if group is not None else world)] = {
+            "owners": list(opt.assignment.owners),
+            "units": list(opt.units),
+            "comm": opt.comm_stats(),
+            "flops": counter.get_total_flops(),
+        }
     return out
 
 
@@ -280,42 +286,41 @@ def _plan_for(raw: dict, dp: int, balance: str = "cost") -> tuple:
     return group, make_plan(desc, load_hardware("h200"), layout)
 
 
-def test_planner_assignment_and_flops_equal_the_layerwise_optimizer() -> None:
-    """gpt-small's layout (scaled to width 32) at world size 4 over gloo: the planner's
-    assignment is the optimizer's, for every balancing, and the Newton-Schulz flops each
-    rank's step() performs are the planner's per-rank figures."""
-    raw = tiny_gpt_description()
-    balances = ["cost", "round_robin", "capped"]
-    results = run_ranks(_layerwise_step, 4, (raw, [(b, "fp32") for b in balances]))
-    for k, balance in enumerate(balances):
-        group, plan = _plan_for(raw, 4, balance)
-        planned_flops = plan["balancing"][balance]["ns_flops_per_rank"]
-        for rank in range(4):
-            run = results[rank][k]
-            assert run["units"] == group.units
-            assert run["owners"] == group.assignment.owners
-            assert run["flops"] == planned_flops[rank]
-        assert len(set(group.assignment.owners)) > 1
+@pytest.fixture(scope="module")
+def layerwise_runs() -> list[dict]:
+    return run_ranks(_layerwise_steps, 4, (tiny_gpt_description(),))
 
 
-def test_byte_formulas_equal_comm_stats_of_a_real_run() -> None:
-    """Two gloo ranks, fp32 and bf16 parameter gathers: the bytes each rank's step sent and
-    received per collective kind (collectives.py's counts) equal the planner's formula. The
-    optimizer's small agreement all-reduce (two flags per unit) is left out of the plan."""
-    raw = tiny_gpt_description()
-    results = run_ranks(_layerwise_step, 2, (raw, [("cost", "fp32"), ("cost", "bf16")]))
-    group, plan = _plan_for(raw, 2)
+@pytest.mark.parametrize("balance", ["cost", "round_robin", "capped"])
+def test_planner_assignment_and_flops_equal_the_layerwise_optimizer(layerwise_runs, balance):
+    """gpt-small's layout (scaled to width 32) at world size 4 over gloo: the planner's units
+    and assignment are the optimizer's, and the Newton-Schulz flops each rank's step()
+    performed are the planner's per-rank figures."""
+    group, plan = _plan_for(tiny_gpt_description(), 4, balance)
+    planned_flops = plan["balancing"][balance]["ns_flops_per_rank"]
+    for rank in range(4):
+        run = layerwise_runs[rank][(balance, "fp32", 4)]
+        assert run["units"] == group.units
+        assert run["owners"] == group.assignment.owners
+        assert run["flops"] == planned_flops[rank]
+    assert len(set(group.assignment.owners)) == 4
+
+
+def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
+    """A 2-rank gloo group, fp32 and bf16 parameter gathers: the bytes each rank's step sent
+    and received (collectives.py's counts, per collective kind) equal the planner's formula.
+    The optimizer's small agreement all-reduce (two flags per unit) is left out of the plan."""
+    group, plan = _plan_for(tiny_gpt_description(), 2)
     kinds = ("reduce_scatter", "all_gather", "reduce", "broadcast")
-    for k, gather in enumerate(("fp32", "bf16")):
+    for gather in ("fp32", "bf16"):
         c = plan["comm"][f"{gather}_gather"]
         for rank in range(2):
-            comm = results[rank][k]["comm"]
+            comm = layerwise_runs[rank][("cost", gather, 2)]["comm"]
             assert {"reduce_scatter", "reduce"} <= set(comm)  # shared and single-owner buckets
             sent = sum(comm[x]["sent"] for x in kinds if x in comm)
             received = sum(comm[x]["received"] for x in kinds if x in comm)
             assert sent == c["layerwise_sent_per_rank"][rank]
             assert received == c["layerwise_received_per_rank"][rank]
-    # ZeRO-1's formula on the same parameters, for the ratio the report prints
     numel = sum(math.prod(u.shape) for u in group.units)
     assert plan["comm"]["fp32_gather"]["zero1_adamw_bytes"] == zero1_bytes(numel, 2, 4, 4)
 
