@@ -2,5 +2,14 @@
 
 from orthoptim.parallel.assignment import Assignment, Unit, assign, unit_cost, units_from_model
 from orthoptim.parallel.collectives import CommStats
+from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 
-__all__ = ["Assignment", "CommStats", "Unit", "assign", "unit_cost", "units_from_model"]
+__all__ = [
+    "Assignment",
+    "CommStats",
+    "LayerwiseDistributedOptimizer",
+    "Unit",
+    "assign",
+    "unit_cost",
+    "units_from_model",
+]
