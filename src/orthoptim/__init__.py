@@ -3,6 +3,7 @@
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_factor
 from orthoptim.optim import SOAP, HybridOptimizer, Muon, build_optimizer, routing_table
 from orthoptim.optim.base import NonFiniteGradientError
+from orthoptim.parallel import LayerwiseDistributedOptimizer
 
 __version__ = "0.1.0"
 
@@ -10,6 +11,7 @@ __all__ = [
     "COEFFICIENT_SETS",
     "SOAP",
     "HybridOptimizer",
+    "LayerwiseDistributedOptimizer",
     "Muon",
     "NonFiniteGradientError",
     "build_optimizer",
