@@ -1,4 +1,5 @@
 import copy
+import json
 import warnings
 
 import pytest
@@ -414,3 +415,15 @@ def test_without_bias_correction_differs():
         on.step()
         off.step()
     assert not torch.allclose(W1, W2)
+
+
+def test_bench_step_soap_suite(capsys):
+    from orthoptim import cli
+
+    argv = "bench step --optimizer soap --layers 1 --width 8 --repeats 2 --threads 1 --json"
+    assert cli.main(argv.split()) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["optimizer"] == "soap" and report["baseline"] == "torch_adamw_fused"
+    medians = {c["name"]: c.get("median_s") for c in report["cases"]}
+    for name in ("orthoptim_soap_f1", "orthoptim_soap_f10", "orthoptim_muon", "torch_adamw_fused"):
+        assert medians[name] is not None and 0 < medians[name] < float("inf"), name
