@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from orthoptim import kernels
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.parallel import TensorParallelOrthogonalizer
 from orthoptim.parallel.collectives import (
@@ -40,7 +41,8 @@ def _full(k, rows, cols, seed):
 
 
 def _matmul_flops(fn):
-    with FlopCounterMode(display=False) as counter:
+    # plain matmuls, so the count can be checked against the cost model's formula
+    with kernels.force_matmul(), FlopCounterMode(display=False) as counter:
         out = fn()
     return out, counter.get_total_flops()
 

@@ -1,6 +1,16 @@
 """Distributed machinery: who owns which matrix, and the collectives that move them."""
 
+from orthoptim.parallel.assignment import Assignment, Unit, assign, unit_cost, units_from_model
 from orthoptim.parallel.collectives import CommStats
 from orthoptim.parallel.tensor_parallel import CostModel, TensorParallelOrthogonalizer
 
-__all__ = ["CommStats", "CostModel", "TensorParallelOrthogonalizer"]
+__all__ = [
+    "Assignment",
+    "CommStats",
+    "CostModel",
+    "TensorParallelOrthogonalizer",
+    "Unit",
+    "assign",
+    "unit_cost",
+    "units_from_model",
+]
