@@ -108,6 +108,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
                 with FlopCounterMode(display=False) as counter:
                     out = orth(local)
                 sent = stats.as_dict()["total"]["sent"]
+                gram_sent = stats.sent.get(GRAM_KIND, 0.0)
                 diff = torch.tensor(
                     [(out - ref).double().square().sum(), ref.double().square().sum()]
                 )
@@ -127,9 +128,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
                         "flops_per_rank": flops.item(),
                         "flops_vs_plain_over_T": flops.item() / (plain / T),
                         "gram_bytes_vs_unpacked": (
-                            stats.sent.get(GRAM_KIND, 0.0) / unpacked_bytes
-                            if mode == "distributed"
-                            else None
+                            gram_sent / unpacked_bytes if mode == "distributed" else None
                         ),
                         "gram_side": p,
                         "rel_deviation": float((diff[0] / diff[1]).sqrt()),
