@@ -114,12 +114,13 @@ def all_gather(
     group: Any = None,
     stats: CommStats | None = None,
     async_op: bool = False,
+    kind: str = "all_gather",
 ) -> Any:
     """`out` (N × inp elements, rank-major) ← every rank's `inp`."""
     _, n = world(group)
     if stats is not None and n > 1:
         b = (n - 1) / n * _nbytes(out)
-        stats.record("all_gather", b, b)
+        stats.record(kind, b, b)
     if n == 1:
         out.copy_(inp.reshape(out.shape))
         return None
@@ -146,6 +147,7 @@ def all_gatherv(
     group: Any = None,
     stats: CommStats | None = None,
     async_op: bool = False,
+    kind: str = "all_gather",
 ) -> _Gathered:
     """Gather a flat tensor whose length differs by rank (`sizes[r]` elements on rank r).
 
@@ -168,7 +170,7 @@ def all_gatherv(
         if local.numel() == width
         else torch.cat([local, local.new_zeros(width - local.numel())])
     )
-    work = all_gather(buffer, padded, group=group, stats=stats, async_op=async_op)
+    work = all_gather(buffer, padded, group=group, stats=stats, async_op=async_op, kind=kind)
     return _Gathered(work if async_op else None, buffer, sizes)
 
 

@@ -11,9 +11,13 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of four
 - ``distributed``: with the sharded dimension moved last, W = [W_1 | ... | W_T], the Gram
   matrix A = W·Wᵀ = Σ_i W_i·W_iᵀ is a sum over ranks, and the update W_i ← a·W_i + B·W_i with
   B = b·A + c·A·A needs only A and the local block. Each step all-reduces the partial Gram
-  once, packed (the upper triangle, p(p+1)/2 elements instead of p²). B·W_i is applied either
-  as b·(A·W_i) + c·(A·(A·W_i)) (``apply``: 4p²q/T flops, no p³ product on every rank) or
-  by forming B (``square``: 2p³ + 2p²q/T); the cheaper one per shape is used. The matrix is
+  once, packed (the upper triangle, p(p+1)/2 elements instead of p²). B·W_i is applied in
+  one of three forms: ``apply`` computes b·(A·W_i) + c·(A·(A·W_i)) (4p²q/T flops, no p³
+  product, no extra communication); ``square`` forms B on every rank (2p³ + 2p²q/T);
+  ``split`` has each rank form a balanced share of B's upper triangle (about p³/T) and
+  all-gathers the packed pieces (one more collective of about p²/2 elements per step).
+  The cost model picks the cheapest per shape; `orthoptim bench tp` measures all three. The
+  matrix is
   normalised by its global Frobenius norm (one k-element all-reduce). Since
   (X·Xᵀ)·X = X·(Xᵀ·X), using the Gram side that sums over the sharded dimension gives the
   same iteration as the single-device one whatever the global orientation.
@@ -32,6 +36,7 @@ through `orthoptim.parallel.collectives`, counted in `stats`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -53,12 +58,13 @@ from orthoptim.parallel import collectives
 from orthoptim.parallel.collectives import CommStats
 
 MODES = ("auto", "duplicated", "distributed", "blockwise")
-FORMS = ("auto", "apply", "square")
+FORMS = ("auto", "apply", "square", "split")
 
 # CommStats kinds, so benchmarks and tests can tell the collectives of each mode apart.
 GRAM_KIND = "all_reduce_gram"
 NORM_KIND = "all_reduce_norm"
 GATHER_KIND = "all_gather"
+SPLIT_KIND = "all_gather_split"
 
 
 @dataclass(frozen=True)
@@ -156,15 +162,46 @@ def shard_sizes(size: int, world_size: int) -> list[int]:
     return [max(0, min(full, size - r * full)) for r in range(world_size)]
 
 
-def distributed_form(p: int, q_local: int, form: str = "auto") -> str:
-    """How distributed mode applies B·W_i for a p×p Gram and a p×q_local local block.
+def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """Row blocks [(start, stop), ...] of a p×p symmetric product's upper triangle, per rank.
 
-    ``apply`` (b·A·W_i + c·A·(A·W_i), 4p²q_local flops) is cheaper than ``square`` (form
-    B = b·A + c·A·A, then B·W_i: 2p³ + 2p²q_local) exactly when q_local < p.
+    Block rows s..e−1 cost (e−s)·(p−s) multiply-adds (a row slab times the columns from s on);
+    about 4 blocks per rank, dealt largest first to the least loaded rank, balance that work.
     """
-    if form != "auto":
-        return form
-    return "apply" if q_local < p else "square"
+    nblocks = max(1, min(p, 4 * world_size))
+    bounds = [round(i * p / nblocks) for i in range(nblocks + 1)]
+    blocks = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    load = [0] * world_size
+    plan: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    for a, b in sorted(blocks, key=lambda blk: -(blk[1] - blk[0]) * (p - blk[0])):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += (b - a) * (p - a)
+        plan[r].append((a, b))
+    return [sorted(blks) for blks in plan]
+
+
+def _packed_offset(row: int, p: int) -> int:
+    """Index of element (row, row) in the packed upper triangle of a p×p matrix."""
+    return row * p - row * (row - 1) // 2
+
+
+def _block_count(a: int, b: int, p: int) -> int:
+    return _packed_offset(b, p) - _packed_offset(a, p)
+
+
+def _distributed_flops(p: int, q_local: int, world_size: int, form: str) -> tuple[float, float]:
+    """(flops per step per matrix, elements all-gathered per step per matrix) of a form."""
+    gram = 2 * p * p * q_local
+    if form == "apply":
+        return gram + 4 * p * p * q_local, 0.0
+    if form == "square":
+        return gram + 2 * p**3 + 2 * p * p * q_local, 0.0
+    if form == "split":
+        plan = split_plan(p, world_size)
+        share = max(sum(2 * (b - a) * p * (p - a) for a, b in blks) for blks in plan)
+        widest = max(sum(_block_count(a, b, p) for a, b in blks) for blks in plan)
+        return gram + share + 2 * p * p * q_local, float(widest)
+    raise ValueError(f"form must be one of {FORMS[1:]}, got {form!r}")
 
 
 def tp_cost(
@@ -176,9 +213,11 @@ def tp_cost(
     world_size: int,
     steps: int,
     element_size: int,
-    form: str = "auto",
+    form: str = "apply",
 ) -> TPCost:
     """Per-rank cost of `mode` on k global rows×cols matrices sharded along `shard_dim` (0/1).
+
+    `form` is distributed mode's way of applying B (apply, square or split).
 
     Flops count plain matmuls (2·m·n·k each). Bytes are what one rank sends under the ring
     algorithm, as `collectives.CommStats` records them.
@@ -195,14 +234,15 @@ def tp_cost(
         q = (rows, cols)[shard_dim]
         p = (cols, rows)[shard_dim]
         q_local = max(shard_sizes(q, T))
-        chosen = distributed_form(p, q_local, form)
-        per_step = 2 * p * p * q_local + (
-            4 * p * p * q_local if chosen == "apply" else 2 * p**3 + 2 * p * p * q_local
-        )
+        if form == "auto":
+            raise ValueError("tp_cost needs a concrete form (apply, square or split)")
+        per_step, gathered = _distributed_flops(p, q_local, T, form)
         ring = 2 * (T - 1) / T
         gram = ring * k * collectives.packed_triangle_size(p) * element_size
+        split = (T - 1) * k * gathered * element_size
         norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
-        return TPCost(steps * gram + norm, steps + 1 if T > 1 else 0, steps * k * per_step)
+        rounds = (steps * (2 if form == "split" else 1) + 1) if T > 1 else 0
+        return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
     if mode == "blockwise":
         local = [rows, cols]
         local[shard_dim] = max(shard_sizes(local[shard_dim], T))
@@ -230,7 +270,7 @@ class TensorParallelOrthogonalizer:
     layers split their weight; 1: columns, row-parallel). Both are ignored for DTensor
     inputs, whose device mesh and placements say it. `mode` is one of MODES; `form` how
     distributed mode applies B·W (FORMS); `cost_model` drives `auto`. The last batch's
-    choices are in `last_modes`; bytes are counted in `stats`.
+    choices are in `last_modes` / `last_forms`; bytes are counted in `stats`.
     """
 
     def __init__(
@@ -271,6 +311,7 @@ class TensorParallelOrthogonalizer:
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self.stats = stats if stats is not None else CommStats()
         self.last_modes: list[str] = []
+        self.last_forms: list[str] = []
 
     def calibrate(self, **kw: Any) -> CostModel:
         """Replace the cost model by one measured on this group (`CostModel.calibrate`)."""
@@ -319,11 +360,32 @@ class TensorParallelOrthogonalizer:
             return self.mode
         shard = 0 if layout.dim == -2 else 1
         elem = torch.empty((), dtype=self._compute_dtype(torch.float32)).element_size()
+        args = (k, rows, cols, shard, layout.world_size, self.steps, elem)
+        form = self.choose_form(*args)
         costs = {
-            m: self.cost_model.seconds(
-                tp_cost(m, k, rows, cols, shard, layout.world_size, self.steps, elem, self.form)
+            "duplicated": self.cost_model.seconds(tp_cost("duplicated", *args)),
+            "distributed": self.cost_model.seconds(tp_cost("distributed", *args, form=form)),
+        }
+        return min(costs, key=costs.__getitem__)
+
+    def choose_form(
+        self,
+        k: int,
+        rows: int,
+        cols: int,
+        shard_dim: int,
+        world_size: int,
+        steps: int,
+        element_size: int,
+    ) -> str:
+        """Distributed mode's form for this shape: `form`, or the cost model's cheapest."""
+        if self.form != "auto":
+            return self.form
+        costs = {
+            f: self.cost_model.seconds(
+                tp_cost("distributed", k, rows, cols, shard_dim, world_size, steps, element_size, f)
             )
-            for m in ("duplicated", "distributed")
+            for f in FORMS[1:]
         }
         return min(costs, key=costs.__getitem__)
 
@@ -393,9 +455,12 @@ class TensorParallelOrthogonalizer:
             raise ValueError("TensorParallelOrthogonalizer got a matrix with NaN or Inf entries")
         norm = sq.sqrt().clamp_min(self.eps)[:, None, None]
         W = (W.to(norm_dtype) / norm).to(compute)
-        p = W.shape[-2]
-        q_local = max(layout.sizes)
-        form = distributed_form(p, q_local, self.form)
+        k, p = W.shape[0], W.shape[-2]
+        rows, cols = (p, sum(layout.sizes)) if layout.dim == -1 else (sum(layout.sizes), p)
+        shard = 1 if layout.dim == -1 else 0
+        elem = torch.empty((), dtype=compute).element_size()
+        form = self.choose_form(k, rows, cols, shard, layout.world_size, self.steps, elem)
+        self.last_forms.append(form)
         for a, b, c in self.schedule:
             A = collectives.all_reduce_symmetric(
                 kernels.gram(W), group=layout.group, stats=self.stats, kind=GRAM_KIND
@@ -403,10 +468,41 @@ class TensorParallelOrthogonalizer:
             if form == "apply":
                 AW = A @ W
                 W = torch.baddbmm(AW, A, AW, beta=b, alpha=c).add_(W, alpha=a)
-            else:
+            elif form == "square":
                 W = torch.baddbmm(W, kernels.sym_poly(A, b, c), W, beta=a)
+            else:
+                W = torch.baddbmm(W, self._split_poly(A, b, c, layout), W, beta=a)
         out = W if layout.dim == -1 else W.mT
         return out.to(X.dtype).contiguous()
+
+    def _split_poly(self, A: Tensor, b: float, c: float, layout: _Layout) -> Tensor:
+        """B = b·A + c·A·A with each rank computing its share of the upper triangle."""
+        k, p = A.shape[0], A.shape[-1]
+        plan = split_plan(p, layout.world_size)
+        pieces = []
+        for lo, hi in plan[layout.rank]:
+            slab = torch.baddbmm(A[:, lo:hi, lo:], A[:, lo:hi, :], A[:, :, lo:], beta=b, alpha=c)
+            r, cidx = torch.triu_indices(hi - lo, p - lo, device=A.device)
+            pieces.append(slab[:, r, cidx])
+        mine = torch.cat(pieces, dim=1) if pieces else A.new_zeros(k, 0)
+        counts = [sum(_block_count(lo, hi, p) for lo, hi in blks) for blks in plan]
+        parts = collectives.all_gatherv(
+            mine.reshape(-1).contiguous(),
+            [k * n for n in counts],
+            group=layout.group,
+            stats=self.stats,
+            kind=SPLIT_KIND,
+        ).wait()
+        packed = A.new_empty(k, collectives.packed_triangle_size(p))
+        for blks, part, n in zip(plan, parts, counts):
+            part = part.view(k, n)
+            at = 0
+            for lo, hi in blks:
+                size = _block_count(lo, hi, p)
+                start = _packed_offset(lo, p)
+                packed[:, start : start + size] = part[:, at : at + size]
+                at += size
+        return collectives.unpack_upper(packed, p)
 
 
 def _is_dtensor(t: Tensor) -> bool:
