@@ -114,6 +114,44 @@ class Assignment:
         n = self.world_size
         return sum(n * max(self.bucket_shard_bytes(b)) for b in range(len(self.buckets)))
 
+    def comm_bytes(self, rank: int, gather_ratio: float = 1.0) -> dict[str, tuple[float, float]]:
+        """(sent, received) bytes per collective kind for `rank` in one step of the layer-wise
+        optimizer, under collectives.py's ring accounting, for one parameter dtype.
+
+        A bucket with several owners moves its padded flat once by reduce-scatter and once by
+        all-gather; a bucket with one owner is reduced to it and broadcast from it.
+        `gather_ratio` is gather bytes / parameter bytes (0.5 for a bf16 gather of fp32).
+        The optimizer adds one all-reduce of 2 int32 flags per unit (`all_reduce`).
+        """
+        n = self.world_size
+        out: dict[str, tuple[float, float]] = {}
+
+        def add(kind: str, sent: float, received: float) -> None:
+            s0, r0 = out.get(kind, (0.0, 0.0))
+            out[kind] = (s0 + sent, r0 + received)
+
+        if n == 1:
+            return out
+        for b in range(len(self.buckets)):
+            shard = self.bucket_shard_bytes(b)
+            owners = [r for r, x in enumerate(shard) if x > 0]
+            if not owners:
+                continue
+            if len(owners) == 1:
+                size = shard[owners[0]]
+                mine = owners[0] == rank
+                add("reduce", 0 if mine else size, size if mine else 0)
+                g = size * gather_ratio
+                add("broadcast", g if mine else 0, 0 if mine else g)
+            else:
+                padded = n * max(shard)
+                add("reduce_scatter", (n - 1) / n * padded, (n - 1) / n * padded)
+                g = (n - 1) / n * padded * gather_ratio
+                add("all_gather", g, g)
+        flags = 2 * (n - 1) / n * 2 * len(self.owners) * 4
+        add("all_reduce", flags, flags)
+        return out
+
 
 def make_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     """Cut units (in the given order) into contiguous buckets of at most `bucket_bytes`.
