@@ -216,8 +216,10 @@ def test_mismatched_checkpoint_lists_every_mismatch_and_loads_nothing(tmp_path):
         adamw.load_state_dict(full)
     assert "optimizers ['muon', 'adamw'] in the checkpoint, ['adamw'] here" in str(info.value)
 
-    # hyper-parameters a scheduler changes come from the checkpoint, as in torch
+    # hyper-parameters a scheduler changes come from the checkpoint, as in torch, whether or
+    # not a scheduler was attached on either side
     same = LayerwiseDistributedOptimizer(make_model(), **{**KW, "lr": 0.5})
+    torch.optim.lr_scheduler.StepLR(same, step_size=1)
     same.load_state_dict(full)
     assert same.param_groups[0]["lr"] == 0.02
 

@@ -52,6 +52,8 @@ SCHEDULED_HYPERS = frozenset(
         "max_momentum",
     }
 )
+# Implementation switches that do not change the maths, so a checkpoint may differ in them.
+IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 _NOT_HYPER = ("params", "param_names", "optimizer")
 _META_KEY = "optim/meta"
 
@@ -165,14 +167,14 @@ def compare(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
     if kinds_s == kinds_h:
         for i, (a, b) in enumerate(zip(sg, hg)):
             label = f"param group {i} ({kinds_h[i]})"
-            ha, hb = a["hypers"], b["hypers"]
+            free = SCHEDULED_HYPERS | IMPLEMENTATION_HYPERS | {"optimizer"}
+            ha = {k: v for k, v in a["hypers"].items() if k not in free}
+            hb = {k: v for k, v in b["hypers"].items() if k not in free}
             for k in sorted(set(ha) - set(hb)):
                 out.append(f"{label}: hyper-parameter {k!r} in the checkpoint, unknown here")
             for k in sorted(set(hb) - set(ha)):
                 out.append(f"{label}: hyper-parameter {k!r} here, missing from the checkpoint")
             for k in sorted(set(ha) & set(hb)):
-                if k in SCHEDULED_HYPERS or k == "optimizer":
-                    continue
                 if not _equal(ha[k], hb[k]):
                     out.append(f"{label}: {k} = {ha[k]!r} in the checkpoint, {hb[k]!r} here")
     return out
@@ -200,7 +202,13 @@ def _install(
     """Replace `opt`'s hyper-parameters and the state of every owned parameter with the
     checkpoint's (called only after `compare` found nothing)."""
     for g, sg in zip(opt.param_groups, saved_meta["groups"]):
-        g.update({k: v for k, v in sg["hypers"].items() if k not in _NOT_HYPER})
+        g.update(
+            {
+                k: v
+                for k, v in sg["hypers"].items()
+                if k not in _NOT_HYPER and k not in IMPLEMENTATION_HYPERS
+            }
+        )
     holder = _state_holder(opt)
     if holder is not None:
         for n, p in _owned(opt).items():
