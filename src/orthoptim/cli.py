@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute subcommands, in the order `orthoptim --help` lists them.
-SUBCOMMAND_MODULES = ("orthoptim.demo",)
+SUBCOMMAND_MODULES = ("orthoptim.demo", "orthoptim.train.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
