@@ -19,6 +19,7 @@ from orthoptim.train.data import (
     stdlib_root,
     val_batches,
 )
+from orthoptim.train.loop import TrainArgs
 from orthoptim.train.model import CONFIGS, GPT, GPTConfig
 
 SEQ = CONFIGS["tiny"].seq_len
@@ -147,9 +148,10 @@ def _train(out: Path, *extra: str) -> int:
 def test_train_two_ranks_end_to_end_and_resume(tmp_path):
     full = tmp_path / "full"
     assert _train(full) == 0
+    step6 = "checkpoints/step_000006"
     for f in ("metrics.jsonl", "result.json", "logs/rank0.log", "logs/rank1.log",
-              "checkpoints/latest.json", "checkpoints/step_000006/model.pt",
-              "checkpoints/step_000006/optim_rank0.pt", "checkpoints/step_000006/optim_rank1.pt"):  # fmt: skip
+              "checkpoints/latest.json", f"{step6}/model.pt", f"{step6}/optim_rank0.pt",
+              f"{step6}/optim_rank1.pt"):  # fmt: skip
         assert (full / f).is_file(), f
     rows = _metrics(full)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -169,8 +171,21 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path):
         assert a["train_loss"] == b["train_loss"], (a, b)
     assert rows[-1]["val_loss"] == resumed[-1]["val_loss"]
 
-    # A checkpoint of another run shape is refused with the mismatch named.
-    assert _train(part, "--resume", "--batch", "3") == 2
+
+def test_resume_refuses_another_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    ckpt.mkdir(parents=True)
+    saved = TrainArgs(batch=2, steps=6, out=str(out)).to_dict()
+    (ckpt / "latest.json").write_text(json.dumps(dict(args=saved, world_size=2, step=3)))
+    argv = ["train", "--nproc", "2", "--steps", "6", "--out", str(out), "--resume"]
+    assert main([*argv, "--batch", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch: checkpoint 2, now 3" in err and "--nproc" not in err
+    assert main([*argv[:2], "1", *argv[3:], "--batch", "2"]) == 2
+    assert "--nproc: checkpoint 2, now 1" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "none"), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
 
 
 def test_train_rejects_bad_flags(tmp_path, capsys):

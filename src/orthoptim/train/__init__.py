@@ -4,4 +4,14 @@ from orthoptim.train.data import Corpus, DataError, load_corpus
 from orthoptim.train.loop import TrainArgs, launch, run
 from orthoptim.train.model import CONFIGS, GPT, GPTConfig
 
-__all__ = ["CONFIGS", "GPT", "Corpus", "DataError", "GPTConfig", "TrainArgs", "launch", "load_corpus", "run"]
+__all__ = [
+    "CONFIGS",
+    "GPT",
+    "Corpus",
+    "DataError",
+    "GPTConfig",
+    "TrainArgs",
+    "launch",
+    "load_corpus",
+    "run",
+]

@@ -9,7 +9,7 @@ files (metrics.jsonl, logs, checkpoints) are in a subfolder named after it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +187,10 @@ def table(summary: dict[str, Any]) -> str:
     )
     row("tokens/s (median step)", lambda r: f"{r['tokens_per_s']:,.0f}")
     row("optimizer share of step time", lambda r: f"{r['optimizer_share_of_step_time']:.1%}")
-    row("peak memory per rank", lambda r: " / ".join(_fmt_bytes(b) for b in r["peak_memory_bytes_per_rank"]))
+    row(
+        "peak memory per rank",
+        lambda r: " / ".join(_fmt_bytes(b) for b in r["peak_memory_bytes_per_rank"]),
+    )
     row(
         "bytes sent per step per rank",
         lambda r: " / ".join(_fmt_bytes(c["sent"]) for c in r["comm_bytes_per_step_per_rank"]),
@@ -203,21 +206,21 @@ def report(summary: dict[str, Any]) -> str:
     ok = {True: "met", False: "not met"}
     return f"""# orthoptim compare: Muon vs AdamW
 
-{summary['config']} GPT on {summary['data']}, {summary['nproc']} ranks ({summary['device']},
-{summary['threads_per_rank']} thread(s) per rank), {summary['steps']} steps of
-{summary['tokens_per_step']} tokens (batch {summary['batch_per_rank']} per rank), the same
-batches for both optimizers; validation every {summary['eval_every']} steps on a fixed set.
+{summary["config"]} GPT on {summary["data"]}, {summary["nproc"]} ranks ({summary["device"]},
+{summary["threads_per_rank"]} thread(s) per rank), {summary["steps"]} steps of
+{summary["tokens_per_step"]} tokens (batch {summary["batch_per_rank"]} per rank), the same
+batches for both optimizers; validation every {summary["eval_every"]} steps on a fixed set.
 
 {table(summary)}
 
 ![validation loss](loss.png)
 
-Targets: Muon reaches AdamW's final validation loss in ≤ {t['steps_fraction_at_most']:.0%} of
-the steps — **{ok[t['steps_fraction_met']]}**; Muon's tokens/s ≥ {t['throughput_ratio_at_least']}×
-AdamW's — **{ok[t['throughput_ratio_met']]}**.
+Targets: Muon reaches AdamW's final validation loss in ≤ {t["steps_fraction_at_most"]:.0%} of
+the steps — **{ok[t["steps_fraction_met"]]}**; Muon's tokens/s ≥ {t["throughput_ratio_at_least"]}×
+AdamW's — **{ok[t["throughput_ratio_met"]]}**.
 
 What was measured: "steps to AdamW's final val loss" is the first evaluation step (a
-multiple of {summary['eval_every']}) at which Muon's validation loss is at or below AdamW's
+multiple of {summary["eval_every"]}) at which Muon's validation loss is at or below AdamW's
 final one. Tokens/s is tokens per step over the median step time on rank 0 (forward,
 backward and optimizer step, evaluation and checkpoints excluded, first two steps skipped);
 the optimizer share is the summed `optimizer.step()` time (gradient reduction, the update
@@ -253,8 +256,3 @@ def run_compare(opts: CompareArgs) -> dict[str, Any]:
     plot(summary, out / "loss.png")
     (out / "report.md").write_text(report(summary))
     return summary
-
-
-def compare_args(**kw: Any) -> CompareArgs:
-    """CompareArgs with the given fields replaced (for the CLI and tests)."""
-    return replace(CompareArgs(), **kw)

@@ -157,7 +157,7 @@ def load_corpus(
         text = read_text(path)
         if not text:
             raise DataError(f"--data: {path} is empty; pass a file with text in it")
-        cut = max(0, len(text) - max(min_bytes, int(round(val_fraction * len(text)))))
+        cut = max(0, len(text) - max(min_bytes, round(val_fraction * len(text))))
         train, val = _concat([text[:cut]]), _concat([text[cut:]])
         corpus = Corpus(train, val, source, [str(path)], [str(path)])
     else:
@@ -176,7 +176,9 @@ def load_corpus(
     return corpus
 
 
-def _windows(data: Tensor, rng: np.random.Generator, batch: int, seq_len: int) -> tuple[Tensor, Tensor]:
+def _windows(
+    data: Tensor, rng: np.random.Generator, batch: int, seq_len: int
+) -> tuple[Tensor, Tensor]:
     starts = rng.integers(0, data.numel() - seq_len, size=batch)
     idx = torch.from_numpy(starts)[:, None] + torch.arange(seq_len + 1)
     windows = data[idx].long()

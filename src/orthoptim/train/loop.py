@@ -75,7 +75,9 @@ class TrainArgs:
         get_config(self.config)
         for name in ("steps", "batch", "eval_every", "eval_batches", "ckpt_every", "tp"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         for name in ("lr", "adamw_lr"):
@@ -83,7 +85,9 @@ class TrainArgs:
             if v is not None and not v > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
-            raise ValueError(f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}")
+            raise ValueError(
+                f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
+            )
         if self.tp > 1:
             raise ValueError(
                 f"--tp {self.tp}: tensor-parallel training is not available in this version "
@@ -163,11 +167,25 @@ class _AllReduceOptimizer:
 
 
 def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
-    """The optimizer for this rank: `build_optimizer` alone, or data-parallel over the group."""
-    inner = build_optimizer(model, optimizer=args.optimizer, **_optimizer_kwargs(args))
+    """The optimizer for this rank: `build_optimizer` on one rank; on more, the layer-wise
+    distributed optimizer (each matrix owned whole by one rank)."""
+    kwargs = _optimizer_kwargs(args)
     if world_size == 1:
-        return inner
-    return _AllReduceOptimizer(model, inner)
+        return build_optimizer(model, optimizer=args.optimizer, **kwargs)
+    try:
+        from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+    except ImportError:
+        return _AllReduceOptimizer(
+            model, build_optimizer(model, optimizer=args.optimizer, **kwargs)
+        )
+    return LayerwiseDistributedOptimizer(model, optimizer=args.optimizer, **kwargs)
+
+
+def _params_ready(opt: Any) -> None:
+    """Wait for parameter gathers still in flight (before reading parameters outside forward)."""
+    wait = getattr(opt, "wait_for_params", None)
+    if wait is not None:
+        wait()
 
 
 def _comm_totals(opt: Any) -> tuple[float, float]:
@@ -238,6 +256,25 @@ def evaluate(model: nn.Module, batches: list, rank: int, world_size: int) -> flo
     return total / count
 
 
+RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps")
+
+
+def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
+    """Refuse to resume a checkpoint of a different run, listing every mismatch."""
+    saved = info["args"]
+    mismatched = [
+        f"--{k}: checkpoint {saved.get(k)!r}, now {getattr(args, k)!r}"
+        for k in RESUME_MUST_MATCH
+        if saved.get(k) != getattr(args, k)
+    ]
+    if info["world_size"] != world_size:
+        mismatched.append(f"--nproc: checkpoint {info['world_size']}, now {world_size}")
+    if mismatched:
+        raise ValueError(
+            "--resume: the checkpoint does not match this run: " + "; ".join(mismatched)
+        )
+
+
 class Checkpointer:
     """Atomic checkpoints: every file is written aside and renamed, then `latest.json` (the
     commit point) is replaced to name the new step folder; older folders are removed after."""
@@ -246,15 +283,22 @@ class Checkpointer:
         self.dir = out / "checkpoints"
         self.rank, self.world_size = rank, world_size
 
-    def latest(self) -> dict[str, Any] | None:
+    def latest(self) -> dict[str, Any]:
+        """The committed checkpoint's metadata; a clear error if there is none."""
         path = self.dir / "latest.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            raise FileNotFoundError(
+                f"--resume: no checkpoint in {self.dir} (latest.json is missing); "
+                "run without --resume to start fresh"
+            )
+        return json.loads(path.read_text())
 
     def save(self, step: int, model: nn.Module, opt: Any, meta: dict[str, Any]) -> None:
         folder = self.dir / f"step_{step:06d}"
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
         _barrier(self.world_size)
+        _params_ready(opt)
         if self.rank == 0:
             _atomic_save(model.state_dict(), folder / "model.pt")
         _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
@@ -269,21 +313,7 @@ class Checkpointer:
 
     def load(self, model: nn.Module, opt: Any, args: TrainArgs) -> dict[str, Any]:
         info = self.latest()
-        if info is None:
-            raise FileNotFoundError(
-                f"--resume: no checkpoint in {self.dir} (latest.json is missing); "
-                "run without --resume to start fresh"
-            )
-        saved = info["args"]
-        mismatched = [
-            f"{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}"
-            for k in ("optimizer", "config", "batch", "seed", "data", "steps")
-            if saved.get(k) != getattr(args, k)
-        ]
-        if info["world_size"] != self.world_size:
-            mismatched.append(f"nproc: checkpoint {info['world_size']}, now {self.world_size}")
-        if mismatched:
-            raise ValueError("--resume: the checkpoint does not match this run: " + "; ".join(mismatched))
+        check_resumable(info, args, self.world_size)
         folder = self.dir / info["folder"]
         model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
         opt.load_state_dict(torch.load(folder / f"optim_rank{self.rank}.pt", weights_only=False))
@@ -363,12 +393,17 @@ def _train(
     opt = make_optimizer(model, args, world_size)
     for g in opt.param_groups:
         g["initial_lr"] = g["lr"]
-    val = [(x.to(device), y.to(device)) for x, y in val_batches(
-        corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed
-    )]
+    val = [
+        (x.to(device), y.to(device))
+        for x, y in val_batches(corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed)
+    ]
     log.info(
         "model %s (%d params), optimizer %s, world size %d, device %s",
-        args.config, sum(p.numel() for p in model.parameters()), args.optimizer, world_size, device,
+        args.config,
+        sum(p.numel() for p in model.parameters()),
+        args.optimizer,
+        world_size,
+        device,
     )
 
     ckpt = Checkpointer(out, rank, world_size)
@@ -391,14 +426,22 @@ def _train(
     if rank == 0 and args.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, initial=start, desc=f"{args.optimizer}", unit="step",
-                   dynamic_ncols=True, mininterval=0.5)
+        bar = tqdm(
+            total=args.steps,
+            initial=start,
+            desc=f"{args.optimizer}",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
     val_loss = None
     if start == 0:
         val_loss = evaluate(model, val, rank, world_size)
         if metrics_file:
-            metrics_file.write(json.dumps(dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)) + "\n")
+            metrics_file.write(
+                json.dumps(dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)) + "\n"
+            )
             metrics_file.flush()
     comm = (0.0, 0.0)
     try:
@@ -425,7 +468,9 @@ def _train(
             comm = _comm_totals(opt)
             (train_loss,) = _all_sum([loss.item() / world_size], world_size)
             if not math.isfinite(train_loss):
-                raise FloatingPointError(f"training loss is {train_loss} at step {step}; lower --lr")
+                raise FloatingPointError(
+                    f"training loss is {train_loss} at step {step}; lower --lr"
+                )
             row: dict[str, Any] = dict(
                 step=step,
                 train_loss=train_loss,
@@ -520,6 +565,10 @@ def launch(args: TrainArgs, nproc: int) -> dict[str, Any]:
     args.validate()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if args.resume:
+        check_resumable(Checkpointer(Path(args.out), 0, nproc).latest(), args, nproc)
+    # A bad --data fails here, once, before any rank starts.
+    load_corpus(args.data, min_bytes=get_config(args.config).seq_len + 1)
     if nproc == 1:
         return run(args)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

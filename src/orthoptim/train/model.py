@@ -137,12 +137,12 @@ class GPT(nn.Module):
                 continue
             nn.init.normal_(p, mean=0.0, std=std)
             if name.endswith("proj.weight"):
-                # Residual-branch outputs scaled by depth (GPT-2) so the stream's variance stays flat.
+                # Residual-branch outputs scaled by depth (GPT-2): the stream's variance stays flat.
                 p.data.mul_(1.0 / math.sqrt(2 * self.cfg.n_layer))
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
         T = idx.shape[1]
-        if T > self.cfg.seq_len:
+        if self.cfg.seq_len < T:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.embed(idx)
