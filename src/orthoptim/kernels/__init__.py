@@ -1,29 +1,138 @@
-"""Symmetric products for Newton-Schulz: X·Xᵀ (`gram`) and b·A + c·A·A (`sym_poly`).
+"""Symmetric products for Newton-Schulz: X·Xᵀ (`gram`), A·A (`sym_square`) and b·A + c·A·A
+(`sym_poly`) for symmetric A.
 
-Both results are symmetric, so only one triangle needs computing. These entry points are
-where the device/dtype dispatch lives; every caller goes through them.
+All three results are symmetric, so only one triangle needs computing (a SYRK): about half
+the flops of the general product. These entry points are where the device/dtype dispatch
+lives; every caller goes through them:
+
+- CPU, float32/float64, at least `CPU_SYRK_MIN_ROWS` rows: a recursive blocked SYRK over
+  torch matmuls (`orthoptim.kernels.syrk_cpu`); below that size plain matmul is faster.
+- CUDA, float16/bfloat16/float32, when `triton` imports: a Triton kernel that launches only
+  the tiles on one side of the diagonal and mirrors them (`orthoptim.kernels.triton_syrk`).
+- anything else (and whenever autograd needs to flow through): plain matmul.
+
+`ORTHOPTIM_KERNELS=matmul` in the environment, or the `force_matmul()` context manager,
+forces the matmul path everywhere (for benchmarks and for checking results).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
+from orthoptim.kernels import syrk_cpu
+
+ENV_VAR = "ORTHOPTIM_KERNELS"
+MODES = ("auto", "matmul")
+# Below this many rows the blocked SYRK's extra launches cost more than the flops it saves
+# (measured with `orthoptim bench ns`: 256×1024 was no faster, 512×2048 ≈ 1.1×).
+CPU_SYRK_MIN_ROWS = 512
+
+_CPU_DTYPES = (torch.float32, torch.float64)
+_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_forced_matmul = 0
+
+__all__ = [
+    "CPU_SYRK_MIN_ROWS",
+    "ENV_VAR",
+    "MODES",
+    "backend_for",
+    "force_matmul",
+    "gram",
+    "kernel_mode",
+    "sym_poly",
+    "sym_square",
+    "triton_available",
+]
+
+
+def kernel_mode() -> str:
+    """The active mode: "matmul" inside `force_matmul()` or with ORTHOPTIM_KERNELS=matmul,
+    else "auto" (dispatch on device, dtype and size)."""
+    if _forced_matmul:
+        return "matmul"
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(
+            f"environment variable {ENV_VAR}={mode!r} is not a kernel mode; "
+            f"set it to one of {', '.join(MODES)} or unset it"
+        )
+    return mode
+
+
+@contextmanager
+def force_matmul(enabled: bool = True) -> Iterator[None]:
+    """Within the block every symmetric product uses plain matmul (nestable)."""
+    global _forced_matmul
+    step = 1 if enabled else 0
+    _forced_matmul += step
+    try:
+        yield
+    finally:
+        _forced_matmul -= step
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the optional `triton` package imports (install with `.[triton]`)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def backend_for(X: Tensor) -> str:
+    """Which implementation a symmetric product of the rows of `X` ([..., m, n]) uses:
+    "triton", "cpu_syrk" or "matmul"."""
+    if kernel_mode() == "matmul" or (X.requires_grad and torch.is_grad_enabled()):
+        return "matmul"
+    if X.device.type == "cuda" and X.dtype in _CUDA_DTYPES and triton_available():
+        return "triton"
+    if X.device.type == "cpu" and X.dtype in _CPU_DTYPES and X.shape[-2] >= CPU_SYRK_MIN_ROWS:
+        return "cpu_syrk"
+    return "matmul"
+
+
+def _check(name: str, T: Tensor, square: bool) -> None:
+    if T.ndim < 2:
+        raise ValueError(
+            f"{name} needs a matrix or a batch [..., m, n], got shape {tuple(T.shape)}"
+        )
+    if square and T.shape[-1] != T.shape[-2]:
+        raise ValueError(f"{name} needs square symmetric matrices, got shape {tuple(T.shape)}")
+
+
+def _syrk(X: Tensor, C: Tensor | None, beta: float, alpha: float) -> Tensor:
+    """beta·C + alpha·X·Xᵀ with C symmetric (or absent), through the chosen backend."""
+    backend = backend_for(X)
+    if backend == "cpu_syrk":
+        return syrk_cpu.syrk(X, C, beta=beta, alpha=alpha)
+    if backend == "triton":
+        from orthoptim.kernels import triton_syrk
+
+        return triton_syrk.syrk(X, C, beta=beta, alpha=alpha)
+    return syrk_cpu.syrk_matmul(X, C, beta=beta, alpha=alpha)
+
 
 def gram(X: Tensor) -> Tensor:
-    """X·Xᵀ for a matrix or a batch [..., m, n] (result [..., m, m])."""
-    return X @ X.mT
+    """X·Xᵀ for a matrix or a batch [..., m, n] (result [..., m, m], symmetric)."""
+    _check("gram", X, square=False)
+    return _syrk(X, None, 0.0, 1.0)
 
 
 def sym_square(A: Tensor) -> Tensor:
-    """A·A for a symmetric A (or a batch of them)."""
-    return A @ A
+    """A·A for a symmetric A (or a batch of them): equal to A·Aᵀ, so a SYRK."""
+    _check("sym_square", A, square=True)
+    return _syrk(A, None, 0.0, 1.0)
 
 
 def sym_poly(A: Tensor, b: float, c: float) -> Tensor:
-    """b·A + c·A·A for a symmetric A (or a batch of them)."""
-    if A.ndim == 2:
-        return torch.addmm(A, A, A, beta=b, alpha=c)
-    lead = A.shape[:-2]
-    Af = A.reshape(-1, *A.shape[-2:])
-    return torch.baddbmm(Af, Af, Af, beta=b, alpha=c).reshape(*lead, *A.shape[-2:])
+    """b·A + c·A·A for a symmetric A (or a batch of them), fused into one SYRK pass."""
+    _check("sym_poly", A, square=True)
+    return _syrk(A, A, float(b), float(c))

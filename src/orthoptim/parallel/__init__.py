@@ -1,5 +1,15 @@
 """Distributed machinery: who owns which matrix, and the collectives that move them."""
 
+from orthoptim.parallel.assignment import Assignment, Unit, assign, unit_cost, units_from_model
 from orthoptim.parallel.collectives import CommStats
+from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 
-__all__ = ["CommStats"]
+__all__ = [
+    "Assignment",
+    "CommStats",
+    "LayerwiseDistributedOptimizer",
+    "Unit",
+    "assign",
+    "unit_cost",
+    "units_from_model",
+]

@@ -145,20 +145,28 @@ def all_gatherv(
     group: Any = None,
     stats: CommStats | None = None,
     async_op: bool = False,
+    out: Tensor | None = None,
 ) -> _Gathered:
     """Gather a flat tensor whose length differs by rank (`sizes[r]` elements on rank r).
 
     gloo has no uneven all-gather, so every rank pads to max(sizes) and one all-gather runs;
     the result is sliced back. Returns a handle whose `wait()` gives the per-rank tensors.
+    `local` may already be padded to max(sizes) (its tail is then sent as is, no copy);
+    `out` (N·max(sizes) elements) receives the padded result instead of a new buffer.
     """
     rank, n = world(group)
-    if local.ndim != 1 or local.numel() != sizes[rank]:
+    width = max(sizes) if sizes else 0
+    if local.ndim != 1 or local.numel() not in (sizes[rank], width):
         raise ValueError(
             f"all_gatherv: rank {rank} holds {local.numel()} elements (ndim {local.ndim}) "
-            f"but sizes says {sizes[rank]}"
+            f"but sizes says {sizes[rank]} (or {width} when padded)"
         )
-    width = max(sizes) if sizes else 0
-    buffer = local.new_empty(width * n)
+    if out is not None and (out.ndim != 1 or out.numel() != width * n or out.dtype != local.dtype):
+        raise ValueError(
+            f"all_gatherv: out must be a flat {local.dtype} tensor of {width * n} elements, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
+    buffer = out if out is not None else local.new_empty(width * n)
     if n == 1:
         buffer[: local.numel()].copy_(local)
         return _Gathered(None, buffer, sizes)
@@ -169,6 +177,32 @@ def all_gatherv(
     )
     work = all_gather(buffer, padded, group=group, stats=stats, async_op=async_op)
     return _Gathered(work if async_op else None, buffer, sizes)
+
+
+def global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of `group_rank` in `group` (what broadcast / reduce take as src / dst)."""
+    if group is None or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def reduce(
+    t: Tensor,
+    dst: int,
+    op: Any = None,
+    group: Any = None,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Sum `t` over ranks into global rank `dst` (in place there; undefined elsewhere)."""
+    _, n = world(group)
+    if stats is not None and n > 1:
+        b = _nbytes(t)
+        is_dst = dist.get_rank() == dst
+        stats.record("reduce", 0 if is_dst else b, b if is_dst else 0)
+    if n == 1:
+        return None
+    return dist.reduce(t, dst=dst, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def broadcast(

@@ -130,42 +130,6 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
     )
 
 
-class _AllReduceOptimizer:
-    """Data parallelism by averaging every gradient with one all-reduce before the step."""
-
-    def __init__(self, model: nn.Module, inner: torch.optim.Optimizer) -> None:
-        self.model, self.inner = model, inner
-        self._stats = collectives.CommStats()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    def step(self) -> None:
-        self._stats.reset()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        collectives.all_reduce(flat, stats=self._stats)
-        flat /= collectives.world()[1]
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
-        self.inner.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-
-    def comm_stats(self) -> dict[str, dict[str, float]]:
-        return self._stats.as_dict()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-
 def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
     """The optimizer for this rank: `build_optimizer` on one rank; on more, the layer-wise
     distributed optimizer (each matrix owned whole by one rank)."""

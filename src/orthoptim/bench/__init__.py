@@ -1,0 +1,199 @@
+"""Benchmark helpers shared by every `orthoptim bench` module.
+
+The rules: candidates are timed side by side in one process (round-robin, so load on a
+shared machine hits them alike), each figure is the median of repeats, and results are
+reported as ratios to a named baseline. `--json` prints one machine-readable document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class Case:
+    """One candidate: `run()` is timed; `skip` (a reason) marks it unavailable here."""
+
+    name: str
+    run: Callable[[], object] | None = None
+    note: str = ""
+    skip: str | None = None
+    setup: Callable[[], None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, repeats: int, warmup: int = 1) -> None:
+    """The options every benchmark shares: --device, --repeats, --warmup, --threads, --json."""
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument(
+        "--repeats", type=int, default=repeats, help=f"timed repeats per case (default {repeats})"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=warmup, help=f"untimed runs per case first ({warmup})"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def setup_device(args: argparse.Namespace) -> torch.device:
+    """Validate --device/--repeats/--warmup/--threads (apply --threads with `thread_count`)."""
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was given but torch sees no CUDA device; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device must be cpu or cuda, got {args.device!r}")
+    return device
+
+
+@contextlib.contextmanager
+def thread_count(threads: int | None) -> Iterator[None]:
+    """Run the block with `threads` intra-op threads (None: unchanged), then restore."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def parse_dtypes(text: str) -> list[torch.dtype]:
+    """'float32,bfloat16' → dtypes, with a clear error naming the bad entry."""
+    out = []
+    for name in (t.strip() for t in text.split(",") if t.strip()):
+        if name not in DTYPES:
+            raise SystemExit(f"--dtypes: unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+        out.append(DTYPES[name])
+    if not out:
+        raise SystemExit("--dtypes must name at least one dtype")
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work so wall-clock times are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_side_by_side(
+    cases: Sequence[Case], device: torch.device, repeats: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per run of each available case, timed round-robin (case order rotates)."""
+    live = [c for c in cases if c.skip is None and c.run is not None]
+    times: dict[str, list[float]] = {c.name: [] for c in live}
+    for c in live:
+        for _ in range(warmup):
+            if c.setup is not None:
+                c.setup()
+            c.run()
+    synchronize(device)
+    for r in range(repeats):
+        order = live[r % len(live) :] + live[: r % len(live)] if live else []
+        for c in order:
+            if c.setup is not None:
+                c.setup()
+            synchronize(device)
+            start = time.perf_counter()
+            c.run()
+            synchronize(device)
+            times[c.name].append(time.perf_counter() - start)
+    return times
+
+
+def summarize(
+    cases: Sequence[Case], times: dict[str, list[float]], baseline: str
+) -> list[dict[str, Any]]:
+    """Per case: median seconds and speedup = baseline median / case median (> 1: faster)."""
+    base = statistics.median(times[baseline]) if times.get(baseline) else math.nan
+    rows = []
+    for c in cases:
+        row: dict[str, Any] = {"name": c.name, "note": c.note, **c.extra}
+        if c.name in times:
+            med = statistics.median(times[c.name])
+            row.update(median_s=med, times_s=times[c.name], speedup_vs_baseline=base / med)
+        else:
+            row.update(skipped=c.skip or "not run")
+        rows.append(row)
+    return rows
+
+
+def import_optional(module: str) -> tuple[ModuleType | None, str | None]:
+    """Import a peer that is not a dependency; return (module, None) or (None, reason)."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:  # a peer may fail on import for many reasons; report which
+        return None, f"{module} does not import here ({type(exc).__name__}: {exc})"[:300]
+
+
+def torch_zeropower_fp32(
+    grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz line for line, with float32 in place of bfloat16."""
+    a, b, c = ns_coefficients
+    ortho_grad = grad.float()
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    ortho_grad.div_(ortho_grad.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram_matrix = ortho_grad @ ortho_grad.T
+        gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+        ortho_grad = torch.addmm(ortho_grad, gram_update, ortho_grad, beta=a)
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    return ortho_grad
+
+
+@contextlib.contextmanager
+def torch_muon_fp32() -> Iterator[Callable[..., Any]]:
+    """Make torch.optim.Muon orthogonalize in float32 (it hard-codes bfloat16) in the block.
+
+    Yields the float32 function. bfloat16 matmul is ~50× slower than float32 on CPUs without
+    native bf16, so a comparison against the unpatched optimizer would say nothing.
+    """
+    from torch.optim import _muon
+
+    original = _muon._zeropower_via_newtonschulz
+    _muon._zeropower_via_newtonschulz = torch_zeropower_fp32
+    try:
+        yield torch_zeropower_fp32
+    finally:
+        _muon._zeropower_via_newtonschulz = original
+
+
+def emit(report: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
+    """Print the report as JSON or as the benchmark's text table."""
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report))
+
+
+def environment() -> dict[str, Any]:
+    """What the figures were measured on."""
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }

@@ -1,0 +1,597 @@
+"""The layer-wise distributed optimizer: every parameter is owned whole by one data-parallel rank.
+
+One training step::
+
+    backward ──► per bucket, as soon as its gradients are ready: one async reduce-scatter
+                 of a flat buffer laid out rank by rank (shard r = the parameters rank r
+                 owns, padded to the bucket's largest shard), so each owner receives the
+                 summed gradient of exactly what it owns; a bucket owned by one rank is
+                 reduced to it instead
+    step()   ──► wait, average by world size, agree on non-finite gradients and on which
+                 parameters had a gradient anywhere (one small all-reduce), owners run the
+                 inner optimizer (Muon, SOAP, AdamW, the hybrid) on what they own
+             ──► all-gather of the updated parameters per bucket (optionally in bf16),
+                 asynchronous: the forward pre-hook of each module waits for its buckets
+
+The model is not wrapped; the optimizer registers the hooks it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from orthoptim.optim.base import NonFiniteGradientError, check_nonfinite_policy, logger
+from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
+from orthoptim.parallel import collectives as C
+from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
+
+_NOT_HYPER = ("params", "param_names", "optimizer")
+
+
+class _Slot:
+    """Where one parameter lives in its bucket: owner rank and offset in the owner's shard."""
+
+    __slots__ = ("name", "numel", "offset", "owner", "param", "unit")
+
+    def __init__(self, name: str, param: nn.Parameter, unit: int, owner: int) -> None:
+        self.name, self.param, self.unit, self.owner = name, param, unit, owner
+        self.numel = param.numel()
+        self.offset = 0
+
+
+class _Bucket:
+    """The parameters of one assignment bucket that share a dtype: flat layout, buffers and
+    the collectives in flight.
+
+    Scatter mode (several owners): flat = N shards of `width` elements, shard r holding rank
+    r's parameters back to back; one reduce-scatter, one all-gather. Single mode (one owner):
+    flat = that owner's parameters; one reduce to it, one broadcast from it.
+    """
+
+    def __init__(
+        self,
+        slots: list[_Slot],
+        rank: int,
+        world_size: int,
+        gather_dtype: torch.dtype | None,
+    ) -> None:
+        self.slots = slots
+        self.rank, self.n = rank, world_size
+        self.dtype = slots[0].param.dtype
+        self.gather_dtype = gather_dtype or self.dtype
+        self.owners = sorted({s.owner for s in slots})
+        self.single = len(self.owners) == 1 and world_size > 1
+        shard = [0] * world_size
+        for s in slots:
+            s.offset = shard[s.owner]
+            shard[s.owner] += s.numel
+        self.shard_numel = shard
+        self.width = max(shard)
+        self.mine = [s for s in slots if s.owner == rank]
+        self.flat_numel = self.width if self.single else self.width * world_size
+        device = slots[0].param.device
+        self.grad_flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=device)
+        self.grad_shard: Tensor | None = None
+        if not self.single:
+            self.grad_shard = torch.zeros(self.width, dtype=self.dtype, device=device)
+        elif rank == self.owners[0]:
+            self.grad_shard = self.grad_flat
+        # The gradient buffer is free once reduced, so the gather reuses it when dtypes agree,
+        # except on a single owner, whose gradients are views of it until the next backward.
+        reuse = self.gather_dtype == self.dtype and self.grad_shard is not self.grad_flat
+        self.gather_flat = (
+            self.grad_flat
+            if reuse
+            else torch.zeros(self.flat_numel, dtype=self.gather_dtype, device=device)
+        )
+        self.gather_in = (
+            None if self.single else torch.zeros(self.width, dtype=self.gather_dtype, device=device)
+        )
+        self.ready: set[int] = set()
+        self.launched = False
+        self.pending = False
+        self.reduce_work: Any = None
+        self.gather_work: Any = None
+
+    # -- gradients ---------------------------------------------------------------------
+    def flat_slice(self, s: _Slot) -> Tensor:
+        start = s.offset if self.single else s.owner * self.width + s.offset
+        return self.grad_flat[start : start + s.numel]
+
+    def put_grad(self, s: _Slot) -> None:
+        """Copy the parameter's local gradient (or zeros when it has none) into the flat."""
+        dst = self.flat_slice(s)
+        g = s.param.grad
+        if g is None:
+            dst.zero_()
+        else:
+            dst.copy_(g.reshape(-1))
+
+    def launch_reduce(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
+        if self.single:
+            dst = C.global_rank(group, self.owners[0])
+            self.reduce_work = C.reduce(
+                self.grad_flat, dst, group=group, stats=stats, async_op=async_op
+            )
+        else:
+            self.reduce_work = C.reduce_scatter(
+                self.grad_shard, self.grad_flat, group=group, stats=stats, async_op=async_op
+            )
+        self.launched = True
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction and turn the owner's shard into averaged gradients."""
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+            self.reduce_work = None
+        if self.grad_shard is not None and self.n > 1:
+            self.grad_shard.div_(self.n)
+
+    def shard_view(self, s: _Slot) -> Tensor:
+        """The reduced gradient of a parameter this rank owns, shaped like the parameter."""
+        assert self.grad_shard is not None
+        return self.grad_shard[s.offset : s.offset + s.numel].view_as(s.param)
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.launched = False
+
+    # -- parameters --------------------------------------------------------------------
+    def launch_gather(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
+        if self.single:
+            owner = self.owners[0]
+            if self.rank == owner:
+                for s in self.mine:
+                    self.gather_flat[s.offset : s.offset + s.numel].copy_(s.param.reshape(-1))
+            src = C.global_rank(group, owner)
+            self.gather_work = C.broadcast(
+                self.gather_flat, src, group=group, stats=stats, async_op=async_op
+            )
+        else:
+            assert self.gather_in is not None
+            for s in self.mine:
+                self.gather_in[s.offset : s.offset + s.numel].copy_(s.param.reshape(-1))
+            self.gather_work = C.all_gatherv(
+                self.gather_in,
+                self.shard_numel,
+                group=group,
+                stats=stats,
+                async_op=async_op,
+                out=self.gather_flat,
+            )
+        self.pending = True
+        if not async_op:
+            self.finish_gather()
+
+    @torch.no_grad()
+    def finish_gather(self) -> None:
+        """Wait for the gather and copy every parameter out of it (the owner's own too when
+        the gather dtype rounds, so that every replica holds the same values)."""
+        if not self.pending:
+            return
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+        self.pending = False
+        rounds = self.gather_dtype != self.dtype
+        for s in self.slots:
+            if s.owner == self.rank and not rounds:
+                continue
+            start = s.offset if self.single else s.owner * self.width + s.offset
+            s.param.view(-1).copy_(self.gather_flat[start : start + s.numel])
+
+
+class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
+    """Layer-wise distributed optimizer: each parameter is owned whole by one rank.
+
+    Every rank builds `build_optimizer(model, optimizer, params=<what it owns>, ...)`; the
+    assignment (`opt.assignment`) and the routing are computed from the whole model, so every
+    rank agrees. `param_groups` has one group per inner group of the whole-model optimizer on
+    every rank (empty `params` where this rank owns none), so LR schedulers act identically on
+    every rank. Works without an initialised process group (world size 1).
+
+    Arguments: `balance` ("cost", "round_robin", "capped"), `bucket_mb` (bucket size),
+    `overlap_grad_reduce` (reduce during backward from gradient hooks, else in `step()`),
+    `overlap_param_gather` (gather asynchronously, waited for in module forward pre-hooks,
+    else in `step()`), `gather_dtype` (e.g. torch.bfloat16: parameters travel in it and every
+    replica holds the rounded value, the owner keeps a master copy in the parameter dtype),
+    `route` (as `build_optimizer`), `nonfinite` ("raise" or "skip", agreed by all ranks);
+    other keyword arguments go to `build_optimizer`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: str = "muon",
+        lr: float | None = None,
+        process_group: Any = None,
+        balance: str = "cost",
+        bucket_mb: float = 25,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = True,
+        gather_dtype: torch.dtype | None = None,
+        route: RoutePredicate | None = None,
+        nonfinite: str = "raise",
+        **inner_kwargs: Any,
+    ) -> None:
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if gather_dtype is not None and not gather_dtype.is_floating_point:
+            raise ValueError(
+                f"gather_dtype must be a floating-point dtype or None, got {gather_dtype}"
+            )
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        self.model = model
+        self.process_group = process_group
+        self.rank, self.world_size = C.world(process_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.gather_dtype = gather_dtype
+        rule = route if route is not None else default_route(model)
+
+        # The whole-model optimizer fixes the hyper-parameter groups every rank exposes (and
+        # validates the arguments on every rank); it holds no state.
+        template = build_optimizer(
+            model, optimizer=optimizer, lr=lr, route=rule, nonfinite=nonfinite, **dict(inner_kwargs)
+        )
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.units = units_from_model(model, optimizer=optimizer, route=rule)
+        self.assignment: Assignment = assign(
+            self.units, self.world_size, balance=balance, bucket_bytes=int(bucket_mb * 2**20)
+        )
+        owned_names = {u.name for u, r in zip(self.units, self.assignment.owners) if r == self.rank}
+        owned = [(n, p) for n, p in named.items() if n in owned_names]
+        self.owner_of: dict[str, int] = {
+            u.name: r for u, r in zip(self.units, self.assignment.owners)
+        }
+        self.inner = (
+            build_optimizer(
+                model,
+                optimizer=optimizer,
+                lr=lr,
+                route=rule,
+                nonfinite=nonfinite,
+                params=owned,
+                **dict(inner_kwargs),
+            )
+            if owned
+            else None
+        )
+
+        groups: list[dict[str, Any]] = []
+        inner_groups = list(self.inner.param_groups) if self.inner is not None else []
+        for tg in template.param_groups:
+            match = next((g for g in inner_groups if g["optimizer"] == tg["optimizer"]), None)
+            if match is not None:
+                inner_groups.remove(match)
+                groups.append(match)
+            else:
+                g = {k: v for k, v in tg.items() if k not in ("params", "param_names")}
+                groups.append({**g, "params": [], "param_names": []})
+        super().__init__([{"params": list(named.values())}], {})
+        self.param_groups = groups
+        self.state = self.inner.state if self.inner is not None else self.state
+
+        self._stats = C.CommStats()
+        self._last_stats = C.CommStats()
+        self._sync = True
+        self._build_buckets()
+        self._master: dict[str, Tensor] = {}
+        for s in self._slots.values():
+            if s.owner == self.rank and self.gather_dtype not in (None, s.param.dtype):
+                self._master[s.name] = s.param.detach().clone()
+        self._hooks: list[Any] = []
+        self._register_hooks()
+
+    # -- construction ------------------------------------------------------------------
+    def _build_buckets(self) -> None:
+        named = dict(self.model.named_parameters())
+        self._slots: dict[int, _Slot] = {}
+        self._buckets: list[_Bucket] = []
+        for unit_ids in self.assignment.buckets:
+            by_dtype: dict[torch.dtype, list[_Slot]] = {}
+            for i in unit_ids:
+                u = self.units[i]
+                if u.part is not None:
+                    raise NotImplementedError(
+                        f"{u.name}: expert slices (Unit.part) are not owned separately yet; "
+                        "build units without split_experts"
+                    )
+                p = named[u.name]
+                if p.numel() == 0:
+                    continue
+                slot = _Slot(u.name, p, i, self.assignment.owners[i])
+                self._slots[id(p)] = slot
+                by_dtype.setdefault(p.dtype, []).append(slot)
+            for slots in by_dtype.values():
+                self._buckets.append(_Bucket(slots, self.rank, self.world_size, self.gather_dtype))
+        self._bucket_of: dict[int, _Bucket] = {
+            id(s.param): b for b in self._buckets for s in b.slots
+        }
+        self._next_launch = 0
+
+    def _register_hooks(self) -> None:
+        if self.overlap_grad_reduce:
+            for s in self._slots.values():
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._grad_hook))
+        if self.overlap_param_gather and self.world_size > 1:
+            for module in self.model.modules():
+                mine = []
+                for p in module.parameters(recurse=False):
+                    b = self._bucket_of.get(id(p))
+                    if b is not None and b not in mine:
+                        mine.append(b)
+                if mine:
+                    self._hooks.append(module.register_forward_pre_hook(_waiter(mine)))
+
+    def remove_hooks(self) -> None:
+        """Detach every hook this optimizer put on the model (after waiting for parameters)."""
+        self.wait_for_params()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # -- gradient path -----------------------------------------------------------------
+    def _grad_hook(self, p: Tensor) -> None:
+        if not self._sync:
+            return
+        slot = self._slots[id(p)]
+        bucket = self._bucket_of[id(p)]
+        bucket.finish_gather()
+        if slot.unit in bucket.ready:
+            raise RuntimeError(
+                f"the gradient of {slot.name} arrived twice before step(): accumulate "
+                "micro-batches inside `with opt.no_sync():` except for the last one"
+            )
+        if bucket.launched:
+            raise RuntimeError(
+                f"the gradient of {slot.name} arrived after its bucket was reduced; call "
+                "step() before the next backward"
+            )
+        bucket.put_grad(slot)
+        bucket.ready.add(slot.unit)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, strictly in bucket order (the same order on every rank), every bucket
+        whose gradients are all in."""
+        while self._next_launch < len(self._buckets):
+            b = self._buckets[self._next_launch]
+            if len(b.ready) < len(b.slots):
+                return
+            b.launch_reduce(self.process_group, self._stats, async_op=True)
+            self._next_launch += 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) for the backward passes inside;
+        the backward after the block reduces the accumulated gradients."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _reduce_all(self) -> None:
+        """Launch every bucket not yet launched (gradients missing here count as zeros), in
+        order, and wait for all reductions."""
+        for b in self._buckets[self._next_launch :]:
+            for s in b.slots:
+                if s.unit not in b.ready:
+                    b.put_grad(s)
+            b.launch_reduce(self.process_group, self._stats, async_op=True)
+        self._next_launch = len(self._buckets)
+        for b in self._buckets:
+            b.finish_reduce()
+
+    def _agree(self) -> tuple[list[bool], list[str]]:
+        """One all-reduce: which units had a gradient on some rank, which owned gradients are
+        non-finite. Returns (present per unit, names of non-finite parameters)."""
+        n_units = len(self.units)
+        flags = torch.zeros(2 * n_units, dtype=torch.int32)
+        for s in self._slots.values():
+            if s.param.grad is not None:
+                flags[s.unit] = 1
+        for b in self._buckets:
+            if b.mine and not bool(torch.isfinite(b.grad_shard).all()):
+                for s in b.mine:
+                    if not bool(torch.isfinite(b.shard_view(s)).all()):
+                        flags[n_units + s.unit] = 1
+        C.all_reduce(flags, group=self.process_group, stats=self._stats)
+        present = [bool(v) for v in flags[:n_units].tolist()]
+        bad = [self.units[i].name for i, v in enumerate(flags[n_units:].tolist()) if v]
+        return present, bad
+
+    # -- the step ----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce gradients to owners, step the owners, gather the updated parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.wait_for_params()
+        self._reduce_all()
+        present, bad = self._agree()
+        try:
+            if bad:
+                listed = ", ".join(bad)
+                if self.nonfinite == "raise":
+                    raise NonFiniteGradientError(
+                        f"non-finite gradient (NaN or Inf) in {listed} (agreed by all "
+                        f"{self.world_size} ranks); optimizer state and parameters are untouched. "
+                        "Pass nonfinite='skip' to skip such steps instead."
+                    )
+                message = f"skipping optimizer step on every rank: non-finite gradient in {listed}"
+                logger.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                return loss
+            self._step_owned(present)
+        finally:
+            for b in self._buckets:
+                b.reset()
+            self._next_launch = 0
+        for b in reversed(self._buckets):  # forward order: the first layers arrive first
+            b.launch_gather(self.process_group, self._stats, async_op=self.overlap_param_gather)
+        self._last_stats = self._stats
+        self._stats = C.CommStats()
+        return loss
+
+    def _step_owned(self, present: list[bool]) -> None:
+        for b in self._buckets:
+            for s in b.mine:
+                s.param.grad = b.shard_view(s) if present[s.unit] else None
+        if self.inner is None:
+            return
+        for name, master in self._master.items():
+            self._slot_by_name(name).param.copy_(master)
+        self.inner.step()
+        for name, master in self._master.items():
+            master.copy_(self._slot_by_name(name).param)
+
+    def _slot_by_name(self, name: str) -> _Slot:
+        if not hasattr(self, "_slots_by_name"):
+            self._slots_by_name = {s.name: s for s in self._slots.values()}
+        return self._slots_by_name[name]
+
+    def wait_for_params(self) -> None:
+        """Finish every parameter gather in flight (forward pre-hooks do this per module;
+        call it before reading parameters outside a forward pass)."""
+        for b in self._buckets:
+            b.finish_gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every trainable parameter of the model (owned or not)."""
+        for s in self._slots.values():
+            p = s.param
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported once built: ownership is computed from the whole model at construction."""
+        if not hasattr(self, "_slots"):
+            super().add_param_group(param_group)
+            return
+        raise ValueError(
+            "LayerwiseDistributedOptimizer cannot add param groups: ownership is computed from "
+            "the whole model at construction; build a new optimizer instead"
+        )
+
+    def comm_stats(self) -> dict[str, dict[str, float]]:
+        """Bytes sent / received per collective kind (and calls) in the last step: the
+        reductions of its gradients, the agreement all-reduce and the parameter gathers."""
+        return self._last_stats.as_dict()
+
+    def expected_comm_bytes(self) -> dict[str, dict[str, float]]:
+        """What `comm_stats()` should report for one step of this layout (sent, received per
+        collective kind), computed from the bucket layout alone."""
+        n, rank = self.world_size, self.rank
+        out: dict[str, dict[str, float]] = {}
+
+        def add(kind: str, sent: float, received: float) -> None:
+            d = out.setdefault(kind, {"sent": 0.0, "received": 0.0, "calls": 0})
+            d["sent"] += sent
+            d["received"] += received
+            d["calls"] += 1
+
+        if n == 1:
+            return out
+        for b in self._buckets:
+            gsize = torch.empty(0, dtype=b.gather_dtype).element_size()
+            psize = torch.empty(0, dtype=b.dtype).element_size()
+            if b.single:
+                owner = b.owners[0] == rank
+                nb = b.flat_numel * psize
+                add("reduce", 0 if owner else nb, nb if owner else 0)
+                gb = b.flat_numel * gsize
+                add("broadcast", gb if owner else 0, 0 if owner else gb)
+            else:
+                rs = (n - 1) / n * b.flat_numel * psize
+                add("reduce_scatter", rs, rs)
+                ag = (n - 1) / n * b.flat_numel * gsize
+                add("all_gather", ag, ag)
+        ar = 2 * (n - 1) / n * 2 * len(self.units) * 4
+        add("all_reduce", ar, ar)
+        return out
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state keyed by parameter name (only what it owns), the
+        hyper-parameters of every group, and the ownership it was saved under."""
+        self.wait_for_params()
+        groups = [
+            {**{k: v for k, v in g.items() if k not in ("params", "param_names")}}
+            for g in self.param_groups
+        ]
+        state: dict[str, dict[str, Any]] = {}
+        if self.inner is not None:
+            for g in self.inner.param_groups:
+                for name, p in zip(g["param_names"], g["params"]):
+                    if self.inner.state.get(p):
+                        state[name] = dict(self.inner.state[p])
+        return {
+            "state": state,
+            "master": dict(self._master),
+            "param_groups": groups,
+            "owners": dict(self.owner_of),
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict()`: hyper-parameters for every group, and the state of each
+        parameter this rank owns that the dict holds (a dict saved by the same rank at the same
+        world size, or the union of every rank's dicts)."""
+        self.wait_for_params()
+        saved_groups = state_dict["param_groups"]
+        kinds = [g.get("optimizer") for g in self.param_groups]
+        if [g.get("optimizer") for g in saved_groups] != kinds:
+            raise ValueError(
+                "state_dict's param groups do not match this optimizer's routing (saved "
+                f"{[g.get('optimizer') for g in saved_groups]}, here {kinds})"
+            )
+        unknown = sorted(set(state_dict["state"]) - set(self.owner_of))
+        if unknown:
+            raise ValueError(f"state_dict holds state for parameters this model lacks: {unknown}")
+        for g, sg in zip(self.param_groups, saved_groups):
+            g.update({k: v for k, v in sg.items() if k not in _NOT_HYPER})
+        for name, master in state_dict.get("master", {}).items():
+            if name in self._master:
+                self._master[name].copy_(master)
+        if self.inner is None:
+            return
+        inner_sd = self.inner.state_dict()
+        new_state: dict[int, Any] = {}
+        for g in inner_sd["param_groups"]:
+            for idx, name in zip(g["params"], g["param_names"]):
+                if name in state_dict["state"]:
+                    new_state[idx] = state_dict["state"][name]
+        self.inner.load_state_dict({"state": new_state, "param_groups": inner_sd["param_groups"]})
+        self.state = self.inner.state
+        # torch's load replaced the inner groups: expose the new dicts.
+        inner_groups = list(self.inner.param_groups)
+        for i, g in enumerate(self.param_groups):
+            match = next((ig for ig in inner_groups if ig["optimizer"] == g["optimizer"]), None)
+            if match is not None:
+                inner_groups.remove(match)
+                self.param_groups[i] = match
+
+
+def _waiter(buckets: list[_Bucket]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        for b in buckets:
+            b.finish_gather()
+
+    return hook

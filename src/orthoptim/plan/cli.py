@@ -1,0 +1,231 @@
+"""`orthoptim plan`: print (or write as JSON, or plot) a model's optimizer figures at scale."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from orthoptim.plan.hardware import load_hardware, shipped_hardware
+from orthoptim.plan.model import load_model, shipped_models
+from orthoptim.plan.planner import BALANCES, DTYPE_BYTES, Layout, make_plan
+
+
+def _si(x: float, unit: str = "") -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _bytes(x: float) -> str:
+    for factor, prefix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3g} {prefix}"
+    return f"{x:.0f} B"
+
+
+def format_report(p: dict[str, Any]) -> str:
+    """The human-readable report of a plan dict (as `make_plan` returns it)."""
+    m, lay, o = p["model"], p["layout"], p["overhead"]
+    lines = [
+        f"orthoptim plan: {m['name']} on {p['hardware']}: DP {lay['dp']} x TP {lay['tp']} "
+        f"(EP {lay['ep']}) = {lay['gpus']} GPUs",
+        f"model: {_si(m['params_total'])} params"
+        + (f" (published {_si(m['published_total'])})" if m["published_total"] else "")
+        + f", {_si(m['params_active'])} active per token"
+        + (f" (published {_si(m['published_active'])})" if m["published_active"] else "")
+        + f"; {m['units']:,} optimizer units, {m['muon_units']:,} of them Muon",
+    ]
+    if lay["ep"] > 1 or lay["experts_per_ep_rank"]:
+        lines.append(
+            f"experts: {lay['experts_per_ep_rank']} per layer on each EP rank, assigned over "
+            f"the expert-data-parallel group of {lay['expert_dp']}; the rest over DP {lay['dp']}"
+        )
+    lines += [
+        "",
+        f"Newton-Schulz per rank ({lay['ns_steps']} steps, full matrices)   max        mean"
+        "       max/mean",
+    ]
+    for b in BALANCES:
+        s = p["balancing"][b]
+        label = "capped (1.3x mean/bucket)" if b == "capped" else b
+        lines.append(
+            f"  {label:<45}{_si(s['ns_flops_max'], 'FLOP'):>11}"
+            f"{_si(s['ns_flops_mean'], 'FLOP'):>11}{s['ns_flops_imbalance']:>10.4f}"
+        )
+    mem = p["memory"]
+    extra = " + fp32 master weights" if lay["master_weights"] else ""
+    lines += [
+        "",
+        f"optimizer state per rank (fp32 Muon momentum / AdamW moments{extra}):",
+        f"  layer-wise Muon (cost)     max {_bytes(mem['layerwise_state_bytes_max'])}, "
+        f"mean {_bytes(mem['layerwise_state_bytes_mean'])}",
+        f"  ZeRO-1 AdamW               {_bytes(mem['zero1_adamw_state_bytes_per_rank'])}",
+        f"  replicated Muon (no shard) {_bytes(mem['replicated_muon_state_bytes'])}",
+        "",
+        f"bytes per rank per step ({lay['grad_dtype']} grads; the larger of sent and received)",
+        "                 layer-wise Muon (ratio)   unpadded v-collectives (ratio)   ZeRO-1 AdamW",
+    ]
+    for gather in ("fp32", "bf16"):
+        c = p["comm"][f"{gather}_gather"]
+        lines.append(
+            f"  {gather} gather  {_bytes(c['layerwise_muon_bytes']):>12} ({c['ratio']:6.3f})"
+            f"   {_bytes(c['layerwise_unpadded_bytes']):>16} ({c['unpadded_ratio']:6.3f})"
+            f"   {_bytes(c['zero1_adamw_bytes']):>14}"
+        )
+    t = p["tp"]
+    if lay["tp"] > 1:
+        lines += [
+            "",
+            f"tensor-parallel Newton-Schulz, TP {lay['tp']} ({lay['ns_dtype']}), busiest rank:",
+            "                 bytes sent       flops   flops max/mean       time",
+        ]
+        for mode in ("duplicated", "distributed", "blockwise", "auto"):
+            r = t[mode]
+            lines.append(
+                f"  {mode:<12}{_bytes(r['bytes_max']):>13}{_si(r['flops_max'], 'FLOP'):>12}"
+                f"{r['flops_imbalance']:>17.4f}{r['time_max_s'] * 1e3:>9.2f} ms"
+            )
+        picks = t["auto_picks"]
+        lines.append(
+            f"  auto picks duplicated for {picks['duplicated']} and distributed for "
+            f"{picks['distributed']} TP-split matrices (cost model: {t['cost_model']}; "
+            "blockwise only on request)"
+        )
+    lines += ["", f"optimizer overhead at {o['tokens_per_step']:,} tokens per step:"]
+    if o["tokens_per_step"]:
+        lines += [
+            f"  model 6·active·tokens per GPU {_si(o['model_flops_per_gpu'], 'FLOP')}; "
+            f"Newton-Schulz per GPU mean {_si(o['ns_flops_per_gpu_mean'], 'FLOP')}, "
+            f"max {_si(o['ns_flops_per_gpu_max'], 'FLOP')}",
+            f"  Newton-Schulz share of model flops: {o['ns_share_of_model_flops_mean']:.2%} "
+            f"(mean rank), {o['ns_share_of_model_flops_max']:.2%} (busiest rank)",
+            f"  modelled time: Newton-Schulz {o['ns_time_s_max'] * 1e3:.1f} ms vs model "
+            f"{o['model_time_s'] * 1e3:.0f} ms → {o['ns_share_of_step_time']:.2%} of the step",
+        ]
+    pub = o.get("published_gb300")
+    if pub:
+        lines += [
+            f"  published, GB300 {pub['layout']}: AdamW {pub['adamw_tflops']:,} vs Muon "
+            f"{pub['muon_tflops']:,} TFLOP/s/GPU ({pub['muon_model_tflops']:,} model + "
+            f"{pub['muon_ns_tflops']} Newton-Schulz)",
+            f"    → Newton-Schulz {pub['ns_share_of_model_flops']:.2%} of model flops; model "
+            f"throughput {pub['model_throughput_loss']:.1%} below AdamW",
+        ]
+        if pub["tokens_per_step_matching_share"]:
+            lines.append(
+                "    the modelled share equals the published one at "
+                f"{pub['tokens_per_step_matching_share']:,.0f} tokens per step"
+            )
+    return "\n".join(lines)
+
+
+def plot_plan(p: dict[str, Any], path: str | Path) -> None:
+    """Per-rank Newton-Schulz load bars, one panel per balancing, saved to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        len(BALANCES), 1, figsize=(10, 2.4 * len(BALANCES)), sharex=True, sharey=True
+    )
+    for ax, b in zip(axes, BALANCES):
+        s = p["balancing"][b]
+        loads = [f / 1e12 for f in s["ns_flops_per_rank"]]
+        ax.bar(range(len(loads)), loads, width=0.85, color="tab:blue")
+        ax.axhline(s["ns_flops_mean"] / 1e12, color="k", linestyle="--", linewidth=1, label="mean")
+        ax.set_title(f"{b}: max/mean = {s['ns_flops_imbalance']:.4f}", fontsize=10)
+        ax.set_ylabel("NS TFLOP")
+    axes[-1].set_xlabel("data-parallel rank")
+    axes[0].legend(loc="lower right", fontsize=8)
+    lay = p["layout"]
+    fig.suptitle(
+        f"{p['model']['name']}: Newton-Schulz work per rank, DP {lay['dp']} TP {lay['tp']} "
+        f"EP {lay['ep']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    try:
+        desc = load_model(args.model)
+        hw = load_hardware(args.hardware)
+        layout = Layout(
+            dp=args.dp,
+            tp=args.tp,
+            ep=args.ep,
+            tokens_per_step=args.tokens_per_step,
+            ns_steps=args.ns_steps,
+            ns_dtype=args.ns_dtype,
+            grad_dtype=args.grad_dtype,
+            bucket_mb=args.bucket_mb,
+            master_weights=not args.no_master_weights,
+        )
+        plan = make_plan(desc, hw, layout)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"orthoptim plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.plot:
+        plot_plan(plan, args.plot)
+    if args.json:
+        json.dump(plan, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_report(plan))
+        if args.plot:
+            print(f"\nplot: {args.plot}")
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `orthoptim plan`."""
+    p = subparsers.add_parser(
+        "plan",
+        help="a real model's optimizer at 8-1024 GPUs: load balance, bytes, memory, TP modes",
+        description="Run the layer-wise optimizer's assignment on a real model's matrices and "
+        "report per-rank Newton-Schulz work, optimizer state, communication and overhead.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"one of {', '.join(shipped_models())}, or a path to a .json description",
+    )
+    p.add_argument("--dp", type=int, required=True, help="data-parallel size")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size, dividing --dp (default 1)"
+    )
+    p.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=0,
+        help="global tokens per optimizer step (default: the model file's)",
+    )
+    p.add_argument(
+        "--hardware",
+        default="h200",
+        help=f"one of {', '.join(shipped_hardware())}, or a .json file (default h200)",
+    )
+    p.add_argument("--ns-steps", type=int, default=5)
+    p.add_argument("--ns-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    p.add_argument(
+        "--grad-dtype",
+        default="fp32",
+        choices=sorted(DTYPE_BYTES),
+        help="dtype gradients are reduced in (default fp32)",
+    )
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument(
+        "--no-master-weights",
+        action="store_true",
+        help="parameters are fp32 themselves: no separate fp32 master copy",
+    )
+    p.add_argument("--json", action="store_true", help="print the full plan as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="write per-rank load bars per balancing")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,163 @@
+"""Flop and byte formulas of one optimizer step, per rank.
+
+Bytes follow the ring accounting of `orthoptim.parallel.collectives` (bytes a rank sends;
+it receives the same amount):
+
+    all_reduce      2·(N−1)/N · S
+    reduce_scatter  (N−1)/N · S_in
+    all_gather      (N−1)/N · S_out
+
+Layer-wise optimizer, per bucket b of the assignment: gradients are reduce-scattered over a
+flat buffer of N equal shards, each padded to the largest rank's share w_b of that bucket,
+then the updated parameters are all-gathered with the same padding; a bucket with a single
+owner is reduced to it and broadcast from it instead (S_b = the bucket's elements):
+
+    sent = Σ_b (N−1)·w_b·(grad_bytes + gather_bytes)      (shared buckets)
+         + Σ_b S_b·(gather_bytes if owner else grad_bytes) (single-owner buckets)
+
+ZeRO-1 AdamW has the same two collectives over equal element shards of all P parameters:
+
+    sent = (N−1)·⌈P/N⌉·(grad_bytes + gather_bytes)
+
+Newton-Schulz on an m×n matrix (a = min, b = max), plain matmuls, per step: 4a²b + 2a³.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+
+TP_MODES = ("duplicated", "distributed", "blockwise")
+
+
+@lru_cache(maxsize=4096)
+def ns_flops(shape: tuple[int, ...], steps: int) -> float:
+    """Flops of `steps` plain-matmul Newton-Schulz iterations on one matrix."""
+    a, b = sorted(shape[-2:])
+    return float(steps * (4 * a * a * b + 2 * a**3))
+
+
+def ring_all_reduce(nbytes: float, n: int) -> float:
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def ring_reduce_scatter(in_bytes: float, n: int) -> float:
+    return (n - 1) / n * in_bytes if n > 1 else 0.0
+
+
+def ring_all_gather(out_bytes: float, n: int) -> float:
+    return (n - 1) / n * out_bytes if n > 1 else 0.0
+
+
+def layerwise_bytes(
+    owners: Sequence[int],
+    buckets: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    world: int,
+    grad_bytes: int,
+    gather_bytes: int,
+) -> tuple[list[float], list[float]]:
+    """(sent, received) bytes of every rank in one layer-wise step, per the bucket layout.
+
+    A bucket shared by several owners is one reduce-scatter of N shards padded to the largest
+    share w and one padded all-gather: (N−1)·w·(grad_bytes + gather_bytes) each way on every
+    rank. A bucket with a single owner is reduced to it and broadcast from it: the owner
+    receives S·grad_bytes and sends S·gather_bytes, every other rank the reverse (S = the
+    bucket's elements).
+    """
+    sent = [0.0] * world
+    received = [0.0] * world
+    if world == 1:
+        return sent, received
+    for bucket in buckets:
+        share = [0] * world
+        for i in bucket:
+            share[owners[i]] += numels[i]
+        holders = [r for r in range(world) if share[r]]
+        if len(holders) == 1:
+            owner, size = holders[0], share[holders[0]]
+            for r in range(world):
+                mine = r == owner
+                sent[r] += size * (gather_bytes if mine else grad_bytes)
+                received[r] += size * (grad_bytes if mine else gather_bytes)
+            continue
+        width = max(share)
+        each = ring_reduce_scatter(world * width * grad_bytes, world) + ring_all_gather(
+            world * width * gather_bytes, world
+        )
+        for r in range(world):
+            sent[r] += each
+            received[r] += each
+    return sent, received
+
+
+def layerwise_unpadded_bytes(
+    owners: Sequence[int],
+    buckets: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    world: int,
+    grad_bytes: int,
+    gather_bytes: int,
+) -> list[float]:
+    """Bytes every rank sends per step if shared buckets used true variable-size collectives
+    (no padding): the shares of the other ranks, S_b − share_r, once each way. Single-owner
+    buckets as in `layerwise_bytes`. The floor a reduce-scatter-v / all-gather-v reaches."""
+    sent = [0.0] * world
+    if world == 1:
+        return sent
+    for bucket in buckets:
+        share = [0] * world
+        for i in bucket:
+            share[owners[i]] += numels[i]
+        size = sum(share)
+        holders = [r for r in range(world) if share[r]]
+        for r in range(world):
+            if len(holders) == 1:
+                sent[r] += size * (gather_bytes if r == holders[0] else grad_bytes)
+            else:
+                sent[r] += (size - share[r]) * (grad_bytes + gather_bytes)
+    return sent
+
+
+def zero1_bytes(numel: int, world: int, grad_bytes: int, gather_bytes: int) -> float:
+    """Bytes one rank sends per step under ZeRO-1: reduce-scatter grads, all-gather params."""
+    shard = math.ceil(numel / world)
+    return ring_reduce_scatter(world * shard * grad_bytes, world) + ring_all_gather(
+        world * shard * gather_bytes, world
+    )
+
+
+@lru_cache(maxsize=4096)
+def tp_ns_cost(
+    shape: tuple[int, ...], tp_dim: int | None, tp: int, mode: str, steps: int, dtype_bytes: int
+) -> tuple[float, float, int]:
+    """(bytes sent, flops, collective rounds) per TP rank to orthogonalize one matrix.
+
+    `shape` is the full matrix, split along `tp_dim` over `tp` ranks (None: replicated, every
+    rank orthogonalizes it alone). Modes as in the tensor-parallel orthogonalizer:
+    duplicated all-gathers the shards in the NS dtype and iterates on the full matrix;
+    distributed keeps the shards, takes the Gram matrix over the unsharded side g (the
+    sharded dim is summed over) and all-reduces its packed triangle g(g+1)/2 once per step,
+    applying B·X_i either by forming A² (2g³, replicated) or as b·AX_i + c·A(AX_i),
+    whichever costs less; blockwise orthogonalizes the local shard alone.
+    """
+    if mode not in TP_MODES:
+        raise ValueError(f"mode must be one of {TP_MODES}, got {mode!r}")
+    if tp_dim is None or tp == 1:
+        return 0.0, ns_flops(shape, steps), 0
+    rows, cols = shape[-2:]
+    sharded = (rows, cols)[tp_dim]
+    g = (rows, cols)[1 - tp_dim]
+    local = sharded // tp
+    if mode == "duplicated":
+        return ring_all_gather(rows * cols * dtype_bytes, tp), ns_flops(shape, steps), 1
+    if mode == "blockwise":
+        return 0.0, ns_flops((g, local), steps), 0
+    gram = 2 * g * g * local
+    apply = min(2 * g**3 + 2 * g * g * local, 4 * g * g * local)
+    axpy = 2 * g * local
+    packed = g * (g + 1) // 2 * dtype_bytes
+    # one scalar all-reduce for the Frobenius norm, then one packed Gram per step
+    sent = steps * ring_all_reduce(packed, tp) + ring_all_reduce(4, tp)
+    return sent, float(steps * (gram + apply + axpy)), steps + 1

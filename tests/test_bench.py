@@ -1,0 +1,130 @@
+"""Smoke runs of `orthoptim bench` at tiny sizes: the registry, the JSON report, the ratios."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.optim import _muon
+
+from orthoptim import cli
+from orthoptim.bench import cli as bench_cli
+from orthoptim.bench import torch_muon_fp32, torch_zeropower_fp32
+from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    threads = torch.get_num_threads()
+    assert cli.main(argv) == 0
+    assert torch.get_num_threads() == threads  # --threads is restored afterwards
+    return json.loads(capsys.readouterr().out)
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_bench_registry_lists_every_module(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "orthoptim.bench.cli" in cli.SUBCOMMAND_MODULES
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for module in bench_cli.BENCH_MODULES:
+        assert module.rsplit(".", 1)[1] in out
+    assert cli.main(["bench"]) == 2  # no benchmark named: help, failure status
+
+
+def test_bench_ns_json(capsys: pytest.CaptureFixture[str]) -> None:
+    report = _run_json(
+        capsys,
+        [
+            "bench",
+            "ns",
+            "--shapes",
+            "24x40,2x16x24",
+            "--dtypes",
+            "float32,bfloat16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--json",
+        ],
+    )
+    assert report["benchmark"] == "ns" and report["baseline"] == "matmul_ns"
+    assert len(report["results"]) == 4
+    for res in report["results"]:
+        assert _positive_finite(res["matmul_gflops"])
+        if res["dtype"] == "bfloat16":  # scaled down by 4 on cpu, and said so
+            assert res["shape"][1:] == [r // 4 for r in res["requested_shape"][1:]]
+        names = {c["name"]: c for c in res["cases"]}
+        assert {"orthoptim", "matmul_ns", "torch_muon", "emerging_optimizers", "heavyball"} <= set(
+            names
+        )
+        for name in ("orthoptim", "matmul_ns", "torch_muon"):
+            case = names[name]
+            assert _positive_finite(case["speedup_vs_baseline"])
+            assert _positive_finite(case["effective_gflops"])
+            assert _positive_finite(case["fraction_of_matmul"])
+            assert len(case["times_s"]) == res["repeats"]
+        assert names["matmul_ns"]["speedup_vs_baseline"] == 1.0
+        for peer in ("emerging_optimizers", "heavyball"):
+            assert "skipped" in names[peer] or _positive_finite(names[peer]["speedup_vs_baseline"])
+        for gemm in ("gemm_gram", "gemm_square", "gemm_apply"):
+            assert _positive_finite(names[gemm]["gflops"])
+
+
+def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
+    report = _run_json(
+        capsys,
+        [
+            "bench",
+            "step",
+            "--layers",
+            "1",
+            "--width",
+            "16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+        ],
+    )
+    assert report["optimizer"] == "muon" and report["matrices"] == 6
+    assert report["parameters"] == 4 * 16 * 16 + 2 * 16 * 64
+    names = {c["name"]: c for c in report["cases"]}
+    for name in ("orthoptim_muon", "orthoptim_muon_matmul", "torch_muon", "torch_adamw_foreach"):
+        assert _positive_finite(names[name]["speedup_vs_baseline"]), name
+    for name, case in names.items():
+        assert "skipped" in case or _positive_finite(case["median_s"]), name
+    assert report["headline"]["ours"] == "orthoptim_muon"
+    assert _positive_finite(report["headline"]["speedup_vs_fastest_peer"])
+
+
+def test_bench_step_rejects_unknown_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="--optimizer"):
+        cli.main(["bench", "step", "--optimizer", "nope", "--layers", "1", "--width", "8"])
+
+
+def test_bench_ns_rejects_bad_shape() -> None:
+    with pytest.raises(SystemExit, match="--shapes"):
+        cli.main(["bench", "ns", "--shapes", "12by4"])
+
+
+def test_torch_muon_fp32_patch_is_float32_newton_schulz() -> None:
+    G = torch.randn(24, 40, dtype=torch.float64)
+    original = _muon._zeropower_via_newtonschulz
+    with torch_muon_fp32():
+        assert _muon._zeropower_via_newtonschulz is torch_zeropower_fp32
+        out = _muon._zeropower_via_newtonschulz(G.T, COEFFICIENT_SETS["simple"][0], 5, 1e-7)
+    assert _muon._zeropower_via_newtonschulz is original
+    assert out.dtype == torch.float32
+    ref = newton_schulz(G.T, steps=5, coefficients="simple", dtype=torch.float64)
+    assert (out.double() - ref).abs().max().item() < 1e-4

@@ -1,0 +1,174 @@
+"""The symmetric-product kernels against plain matmul, and Newton-Schulz with and without them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from orthoptim import kernels
+from orthoptim.kernels import syrk_cpu
+from orthoptim.newton_schulz import newton_schulz, polar_factor
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "shape",
+    # rows around the leaf (16) and split alignment (32), odd sizes, batches, tall and wide
+    [
+        (15, 40),
+        (16, 40),
+        (17, 40),
+        (31, 7),
+        (32, 33),
+        (33, 64),
+        (63, 5),
+        (65, 130),
+        (3, 47, 29),
+        (2, 3, 70, 20),
+    ],
+)
+def test_blocked_syrk_matches_matmul(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    X = torch.randn(*shape, dtype=dtype)
+    want = X @ X.mT
+    got = syrk_cpu.syrk(X, leaf=16)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert _rel_err(got, want) < TOL[dtype]
+    A = want / want.abs().max()
+    fused = syrk_cpu.syrk(A, A, beta=0.7, alpha=-1.3, leaf=16)
+    assert _rel_err(fused, 0.7 * A - 1.3 * (A @ A)) < TOL[dtype]
+
+
+def test_blocked_syrk_recurses_and_mirrors() -> None:
+    # 70 rows with leaf 16 split at 64/32/16: the off-diagonal blocks are exact mirrors.
+    X = torch.randn(70, 50, dtype=torch.float64)
+    G = syrk_cpu.syrk(X, leaf=16)
+    assert torch.equal(G[32:, :32], G[:32, 32:].mT)
+    with pytest.raises(ValueError, match="leaf"):
+        syrk_cpu.syrk(X, leaf=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(512, 300), (513, 257), (2, 600, 100)])
+def test_dispatch_uses_cpu_syrk_and_matches(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    X = torch.randn(*shape, dtype=dtype)
+    assert kernels.backend_for(X) == "cpu_syrk"
+    assert _rel_err(kernels.gram(X), X @ X.mT) < TOL[dtype]
+    A = kernels.gram(X) / X.shape[-1]
+    assert _rel_err(kernels.sym_square(A), A @ A) < TOL[dtype]
+    assert _rel_err(kernels.sym_poly(A, -2.0, 0.5), -2.0 * A + 0.5 * (A @ A)) < TOL[dtype]
+
+
+def test_dispatch_falls_back_to_matmul() -> None:
+    small = torch.randn(kernels.CPU_SYRK_MIN_ROWS - 1, 600)
+    assert kernels.backend_for(small) == "matmul"
+    assert kernels.backend_for(torch.randn(600, 600, dtype=torch.bfloat16)) == "matmul"
+    assert kernels.backend_for(torch.randn(600, 60, requires_grad=True)) == "matmul"
+    with torch.no_grad():
+        assert kernels.backend_for(torch.randn(600, 60, requires_grad=True)) == "cpu_syrk"
+    bf = torch.randn(40, 30, dtype=torch.bfloat16)
+    assert torch.equal(kernels.gram(bf), bf @ bf.mT)
+
+
+def test_force_matmul_and_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    X = torch.randn(600, 64)
+    assert kernels.kernel_mode() == "auto"
+    with kernels.force_matmul():
+        with kernels.force_matmul(False):
+            assert kernels.backend_for(X) == "matmul"  # the outer block still forces
+        assert kernels.kernel_mode() == "matmul"
+    assert kernels.backend_for(X) == "cpu_syrk"
+    monkeypatch.setenv(kernels.ENV_VAR, "matmul")
+    assert kernels.backend_for(X) == "matmul"
+    monkeypatch.setenv(kernels.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=kernels.ENV_VAR):
+        kernels.gram(X)
+
+
+def test_bad_shapes_are_named() -> None:
+    with pytest.raises(ValueError, match="gram"):
+        kernels.gram(torch.randn(5))
+    with pytest.raises(ValueError, match="square"):
+        kernels.sym_poly(torch.randn(4, 5), 1.0, 1.0)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the blocked SYRK kick in at small sizes so Newton-Schulz tests stay fast."""
+    monkeypatch.setattr(kernels, "CPU_SYRK_MIN_ROWS", 32)
+    monkeypatch.setattr(syrk_cpu, "LEAF_ROWS", 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(80, 130), (130, 80), (2, 72, 100)])
+def test_newton_schulz_with_kernels_matches_matmul(
+    shape: tuple[int, ...], dtype: torch.dtype, small_blocks: None
+) -> None:
+    G = torch.randn(*shape, dtype=dtype)
+    assert kernels.backend_for(G.mT if shape[-2] > shape[-1] else G) == "cpu_syrk"
+    fast = newton_schulz(G, steps=5)
+    with kernels.force_matmul():
+        plain = newton_schulz(G, steps=5)
+    tol = 1e-4 if dtype == torch.float32 else 1e-11
+    assert (fast - plain).abs().max().item() < tol
+    # and it still orthogonalizes: the quintic maps singular values into roughly [0.7, 1.2]
+    s = torch.linalg.svdvals(fast.double())
+    assert s.min() > 0.5 and s.max() < 1.25
+    P = polar_factor(G)
+    assert ((fast.double() - P).norm() / P.norm()).item() < 0.35
+
+
+def test_newton_schulz_default_sizes_match_matmul() -> None:
+    G = torch.randn(520, 600)
+    fast = newton_schulz(G, steps=2)
+    with kernels.force_matmul():
+        plain = newton_schulz(G, steps=2)
+    assert (fast - plain).abs().max().item() < 1e-4
+
+
+_TRITON_CHECK = textwrap.dedent(
+    """
+    import torch
+    from orthoptim.kernels import triton_syrk
+    torch.manual_seed(0)
+    worst = 0.0
+    for shape, block, block_k in (((64, 96), 32, 32), ((2, 37, 50), 16, 16), ((33, 20), 16, 8)):
+        X = torch.randn(*shape)
+        G = triton_syrk.syrk(X, block=block, block_k=block_k)
+        want = X @ X.mT
+        worst = max(worst, ((G - want).abs().max() / want.abs().max()).item())
+        A = want / want.abs().max()
+        P = triton_syrk.syrk(A, A, beta=0.5, alpha=-1.5, block=block, block_k=block_k)
+        ref = 0.5 * A - 1.5 * (A @ A)
+        worst = max(worst, ((P - ref).abs().max() / ref.abs().max()).item())
+    print("worst", worst)
+    assert worst < 1e-5, worst
+    """
+)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (optional extra: pip install .[triton])",
+)
+def test_triton_syrk_under_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "worst" in proc.stdout

@@ -1,0 +1,388 @@
+"""The layer-wise distributed optimizer against the single-process optimizer on the same batch.
+
+Multi-rank checks are batched into one spawned gloo run per world size (spawning is the slow
+part); the reference runs in the test process.
+"""
+
+import copy
+import functools
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orthoptim import build_optimizer
+from orthoptim.optim.base import NonFiniteGradientError
+from orthoptim.parallel import LayerwiseDistributedOptimizer
+
+from distributed import run_ranks
+
+HAS_SOAP = importlib.util.find_spec("orthoptim.optim.soap") is not None
+VOCAB, SEQ, WIDTH, BATCH, STEPS = 64, 8, 32, 8, 10
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        # No qkv bias: the key bias has an exactly-zero gradient (softmax is shift-invariant),
+        # and AdamW turns the rounding noise of a zero gradient into full-size steps.
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
+        self.fc, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, 2, C // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """Tied embedding / head, 1-D norms and biases, and a module no forward ever uses."""
+
+    def __init__(self, d=WIDTH, layers=2):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.unused = nn.Linear(d, d)  # never called: no gradient on any rank
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.lm_head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def loss_fn(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def all_matrices(name, p):
+    return p.ndim >= 2
+
+
+CONFIGS = {
+    "muon": dict(optimizer="muon", lr=0.02, adamw_lr=3e-3, route=all_matrices),
+    "hybrid": dict(optimizer="muon", lr=0.02, adamw_lr=3e-3, weight_decay=0.01),
+    "adamw": dict(optimizer="adamw", lr=3e-3),
+    "soap": dict(optimizer="soap", lr=3e-3, adamw_lr=3e-3),
+}
+
+
+def config_names():
+    return [c for c in CONFIGS if c != "soap" or HAS_SOAP]
+
+
+@functools.cache
+def reference(config, steps=STEPS):
+    """Parameters after `steps` single-process steps on the full batch."""
+    model = make_model()
+    opt = build_optimizer(model, **CONFIGS[config])
+    for step in range(steps):
+        x, y = batch(step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_layerwise(rank, world_size, config, steps=STEPS, micro=1, **kw):
+    model = make_model()
+    opt = LayerwiseDistributedOptimizer(model, **CONFIGS[config], **kw)
+    per = BATCH // world_size
+    for step in range(steps):
+        x, y = batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        chunk = per // micro
+        for m in range(micro):
+            xs, ys = x[m * chunk : (m + 1) * chunk], y[m * chunk : (m + 1) * chunk]
+            if m < micro - 1:
+                with opt.no_sync():
+                    (loss_fn(model, xs, ys) / micro).backward()
+            else:
+                (loss_fn(model, xs, ys) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return opt, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_close_rel(got, want, rtol=1e-5, label=""):
+    errors = {n: ((got[n] - w).norm() / w.norm()).item() for n, w in want.items()}
+    bad = {n: e for n, e in errors.items() if not e <= rtol}
+    assert not bad, f"{label}: relative errors above {rtol}: {bad}"
+
+
+def layout_bytes(assignment, world_size, rank, gather_ratio=1.0):
+    """Bytes per collective kind for one step, from the owners and unit sizes alone."""
+    n, out = world_size, {}
+
+    def add(kind, sent, received):
+        d = out.setdefault(kind, [0.0, 0.0])
+        d[0] += sent
+        d[1] += received
+
+    for bucket in assignment.buckets:
+        shard = [0] * n
+        for i in bucket:
+            shard[assignment.owners[i]] += assignment.unit_bytes[i]
+        owners = [r for r in range(n) if shard[r]]
+        if len(owners) == 1:
+            size = shard[owners[0]]
+            add("reduce", 0 if owners[0] == rank else size, size if owners[0] == rank else 0)
+            g = size * gather_ratio
+            add("broadcast", g if owners[0] == rank else 0, 0 if owners[0] == rank else g)
+        else:
+            add("reduce_scatter", (n - 1) * max(shard), (n - 1) * max(shard))
+            g = (n - 1) * max(shard) * gather_ratio
+            add("all_gather", g, g)
+    flags = 2 * (n - 1) / n * 8 * len(assignment.owners)  # 2 int32 flags per unit
+    add("all_reduce", flags, flags)
+    return out
+
+
+def dyadic_grads(model, seed):
+    """Gradients whose sums over ranks and division by 2 or 4 are exact in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randint(-8, 9, p.shape, generator=g).float() / 16
+
+
+def _owner_independence(rank, world_size):
+    """One step from identical dyadic gradients under two balances (different owners)."""
+    out = {}
+    for balance in ("cost", "round_robin"):
+        model = make_model()
+        opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], balance=balance)
+        dyadic_grads(model, 7)
+        opt.step()
+        opt.wait_for_params()
+        out[balance] = (
+            {n: p.detach().clone() for n, p in model.named_parameters()},
+            dict(opt.owner_of),
+        )
+    return out
+
+
+def _edge_cases(rank, world_size):
+    """More ranks than matrices (ranks that own nothing), non-finite agreement."""
+    out = {}
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 6, bias=False), nn.Tanh(), nn.Linear(6, 6, bias=False))
+    x = torch.randn(world_size * 2, 6, generator=torch.Generator().manual_seed(5))
+    opt = LayerwiseDistributedOptimizer(model, lr=0.05)
+    out["owns"] = len(opt.assignment.units_of(rank))
+    for _ in range(3):
+        model(x[rank * 2 : rank * 2 + 2]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    out["small"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    for policy in ("raise", "skip"):
+        model = make_model()
+        opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], nonfinite=policy)
+        if rank == world_size - 1:  # during backward, before the gradient is reduced
+            model.blocks[0].fc.weight.register_hook(lambda g: g.index_fill(0, _ZERO, math.nan))
+        loss_fn(model, *batch(0)).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            with pytest.warns(RuntimeWarning) if policy == "skip" else _nothing():
+                opt.step()
+            raised = None
+        except NonFiniteGradientError as e:
+            raised = str(e)
+        opt.wait_for_params()
+        out[policy] = (
+            raised,
+            all(torch.equal(p, before[n]) for n, p in model.named_parameters()),
+            len(opt.state),
+        )
+    return out
+
+
+_ZERO = torch.tensor([0])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _distributed_checks(rank, world_size, configs):
+    res = {}
+    for config in configs:
+        opt, res[config] = train_layerwise(rank, world_size, config)
+    res["imbalance"] = opt.assignment.imbalance
+    opt, res["round_robin"] = train_layerwise(rank, world_size, "hybrid", balance="round_robin")
+    res["rr_owners"] = opt.assignment.owners
+    opt, res["no_overlap"] = train_layerwise(
+        rank, world_size, "hybrid", overlap_grad_reduce=False, overlap_param_gather=False
+    )
+    opt, res["no_sync"] = train_layerwise(rank, world_size, "hybrid", steps=3, micro=2)
+    opt, res["bf16"] = train_layerwise(
+        rank, world_size, "hybrid", steps=3, gather_dtype=torch.bfloat16, bucket_mb=0.01
+    )
+    res["bf16_stats"] = opt.comm_stats()
+    # Small buckets: several buckets, some with one owner (reduce + broadcast).
+    opt, res["small_buckets"] = train_layerwise(rank, world_size, "hybrid", steps=3, bucket_mb=0.01)
+    res["stats"] = opt.comm_stats()
+    res["assignment"] = opt.assignment
+    res["owner_independence"] = _owner_independence(rank, world_size)
+    res["edge"] = _edge_cases(rank, world_size)
+    return res
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_layerwise_matches_single_process(world_size):
+    configs = config_names()
+    results = run_ranks(_distributed_checks, world_size, args=(configs,))
+    r0 = results[0]
+    for rank, res in enumerate(results):
+        # every replica holds the same parameters
+        for key in [*configs, "round_robin", "no_overlap", "no_sync", "bf16", "small_buckets"]:
+            for n, p in res[key].items():
+                assert torch.equal(p, r0[key][n]), f"rank {rank} differs on {key} {n}"
+    for config in configs:
+        assert_close_rel(r0[config], reference(config), label=config)
+    assert_close_rel(r0["round_robin"], reference("hybrid"), label="round_robin")
+    assert_close_rel(r0["no_overlap"], reference("hybrid"), label="no_overlap")
+    assert_close_rel(r0["no_sync"], reference("hybrid", 3), label="no_sync")
+    assert_close_rel(r0["small_buckets"], reference("hybrid", 3), label="small_buckets")
+    assert r0["imbalance"] >= 1.0
+    # bf16 gather: every replica holds bf16-representable values near the fp32 run
+    for n, p in r0["bf16"].items():
+        assert torch.equal(p, p.bfloat16().float()), n
+    assert_close_rel(r0["bf16"], reference("hybrid", 3), rtol=2e-2, label="bf16")
+
+    # comm_stats bytes equal the layout formula
+    a = r0["assignment"]
+    assert len(a.buckets) > 3
+    for rank, res in enumerate(results):
+        want = layout_bytes(a, world_size, rank)
+        got = {k: v for k, v in res["stats"].items() if k != "total"}
+        assert set(got) == set(want)
+        for kind, (sent, received) in want.items():
+            assert got[kind]["sent"] == pytest.approx(sent), kind
+            assert got[kind]["received"] == pytest.approx(received), kind
+            assert a.comm_bytes(rank)[kind] == pytest.approx((sent, received))
+        bf16 = res["bf16_stats"]
+        for kind, (sent, received) in layout_bytes(a, world_size, rank, 0.5).items():
+            assert bf16[kind]["sent"] == pytest.approx(sent), kind
+            assert bf16[kind]["received"] == pytest.approx(received), kind
+
+    # owner independence: different owners, bitwise-equal updates, equal to one local step
+    cost_params, cost_owners = r0["owner_independence"]["cost"]
+    rr_params, rr_owners = r0["owner_independence"]["round_robin"]
+    assert any(cost_owners[n] != rr_owners[n] for n in cost_owners)
+    model = make_model()
+    opt = build_optimizer(model, **CONFIGS["hybrid"])
+    dyadic_grads(model, 7)
+    opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(cost_params[n], p), n
+        assert torch.equal(rr_params[n], p), n
+
+    # edge cases: ranks that own nothing train like everyone else
+    owns = [res["edge"]["owns"] for res in results]
+    if world_size == 4:
+        assert 0 in owns
+    torch.manual_seed(3)
+    small = nn.Sequential(nn.Linear(6, 6, bias=False), nn.Tanh(), nn.Linear(6, 6, bias=False))
+    sopt = build_optimizer(small, lr=0.05)
+    x = torch.randn(world_size * 2, 6, generator=torch.Generator().manual_seed(5))
+    for _ in range(3):
+        small(x).square().mean().backward()
+        sopt.step()
+        sopt.zero_grad()
+    want = {n: p.detach() for n, p in small.named_parameters()}
+    for res in results:
+        assert_close_rel(res["edge"]["small"], want, label="edge")
+        raised, untouched, nstate = res["edge"]["raise"]
+        assert raised is not None and "blocks.0.fc.weight" in raised and untouched
+        assert nstate == 0
+        raised, untouched, nstate = res["edge"]["skip"]
+        assert raised is None and untouched and nstate == 0
+
+
+# ---- world size 1 (no process group): the same machinery in this process -------------------
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_world_size_one_equals_single_process(config):
+    _, params = train_layerwise(0, 1, config, bucket_mb=0.01)
+    ref = reference(config)
+    for n, p in params.items():
+        assert torch.equal(p, ref[n]), n
+
+
+def test_state_dict_continuation_and_scheduler():
+    model = make_model()
+    opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        loss_fn(model, *batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.02 / 8, 3e-3 / 8]
+    saved = copy.deepcopy(opt.state_dict())
+    assert set(saved["state"]) == {n for n, p in model.named_parameters() if "unused" not in n}
+    snapshot = copy.deepcopy(model.state_dict())
+
+    def cont(m, o):
+        for step in range(3, 6):
+            loss_fn(m, *batch(step)).backward()
+            o.step()
+            o.zero_grad()
+        return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    want = cont(model, opt)
+    model2 = make_model(seed=1)
+    model2.load_state_dict(snapshot)
+    opt2 = LayerwiseDistributedOptimizer(model2, **CONFIGS["hybrid"], bucket_mb=0.01)
+    opt2.load_state_dict(saved)
+    assert [g["lr"] for g in opt2.param_groups] == [0.02 / 8, 3e-3 / 8]
+    got = cont(model2, opt2)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+
+def test_bad_arguments_are_named():
+    model = make_model()
+    with pytest.raises(ValueError, match="balance"):
+        LayerwiseDistributedOptimizer(model, balance="greedy")
+    with pytest.raises(ValueError, match="bucket_mb"):
+        LayerwiseDistributedOptimizer(model, bucket_mb=0)
+    with pytest.raises(ValueError, match="optimizer"):
+        LayerwiseDistributedOptimizer(model, optimizer="sgd")
+    with pytest.raises(ValueError, match="lr"):
+        LayerwiseDistributedOptimizer(model, lr=-1.0)
+    opt = LayerwiseDistributedOptimizer(model)
+    with pytest.raises(ValueError, match="param groups"):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    loss_fn(model, *batch(0)).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        loss_fn(model, *batch(1)).backward()  # a second backward without no_sync
+    assert math.isfinite(opt.assignment.imbalance)

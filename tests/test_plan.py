@@ -1,0 +1,338 @@
+"""`orthoptim plan`: model descriptions, the matrices the optimizer sees, flop and byte
+formulas, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from orthoptim.cli import main
+from orthoptim.newton_schulz import newton_schulz
+from orthoptim.optim.hybrid import default_route
+from orthoptim.parallel import collectives
+from orthoptim.parallel.assignment import units_from_model
+from orthoptim.plan import Layout, expand, load_hardware, load_model, make_plan, param_counts
+from orthoptim.plan.costs import layerwise_bytes, ns_flops, tp_ns_cost, zero1_bytes
+from orthoptim.plan.model import model_from_dict
+from orthoptim.plan.planner import backward_order, to_units
+
+from distributed import run_ranks
+
+# Published totals (and active parameters per token for MoE models), from the model cards
+# and technical reports named in each description's "source".
+PUBLISHED_TOTAL = {
+    "kimi-k2": 1.04e12,  # Kimi K2 technical report: 1.04T total
+    "deepseek-v3": 671e9,  # DeepSeek-V3 report: 671B (main model, without the 14B MTP module)
+    "qwen3-30b-a3b": 30.5e9,  # model card: 30.5B
+    "qwen3-235b-a22b": 235e9,  # model card: 235B
+    "llama3-8b": 8.03e9,  # model card: 8.03B
+    "llama3-70b": 70.6e9,  # model card: 70.6B
+    "gpt-small": 124_439_808,  # GPT-2 small (124M), exact count of the released checkpoint
+}
+PUBLISHED_ACTIVE = {
+    "kimi-k2": 32.6e9,
+    "deepseek-v3": 37e9,
+    "qwen3-30b-a3b": 3.3e9,
+    "qwen3-235b-a22b": 22e9,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TOTAL))
+def test_param_count_matches_published_total(name: str) -> None:
+    counts = param_counts(expand(load_model(name)))
+    assert counts["total"] == pytest.approx(PUBLISHED_TOTAL[name], rel=0.02)
+    if name in PUBLISHED_ACTIVE:
+        assert counts["active"] == pytest.approx(PUBLISHED_ACTIVE[name], rel=0.03)
+
+
+def test_gpt_small_count_is_exact() -> None:
+    assert param_counts(expand(load_model("gpt-small")))["total"] == 124_439_808
+
+
+# --- a real module with the description's layout: the optimizer's view of it -------------
+
+
+class TinyGPT(nn.Module):
+    """A GPT-2-style model (fused QKV, GELU MLP, LayerNorm, learned positions, tied head)
+    whose parameter names follow the planner's naming; forward is a real causal LM."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, inter: int, pos: int):
+        super().__init__()
+        self.heads = heads
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.embed_positions = nn.Embedding(pos, d)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            block = nn.Module()
+            block.input_layernorm = nn.LayerNorm(d)
+            block.self_attn = nn.Module()
+            block.self_attn.qkv_proj = nn.Linear(d, 3 * d)
+            block.self_attn.o_proj = nn.Linear(d, d)
+            block.post_attention_layernorm = nn.LayerNorm(d)
+            block.mlp = nn.Module()
+            block.mlp.fc_in = nn.Linear(d, inter)
+            block.mlp.fc_out = nn.Linear(inter, d)
+            self.layers.append(block)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        x = self.embed_tokens(idx) + self.embed_positions(torch.arange(t))
+        for blk in self.layers:
+            q, k, v = blk.self_attn.qkv_proj(blk.input_layernorm(x)).chunk(3, dim=-1)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk.self_attn.o_proj(a.transpose(1, 2).reshape(b, t, -1))
+            h = blk.post_attention_layernorm(x)
+            x = x + blk.mlp.fc_out(F.gelu(blk.mlp.fc_in(h)))
+        return self.norm(x) @ self.embed_tokens.weight.T
+
+
+def tiny_gpt_description(d: int = 32, layers: int = 2, vocab: int = 64) -> dict:
+    """gpt-small's description with the width, depth and vocabulary scaled down."""
+    raw = json.loads(json.dumps(load_model("gpt-small").__dict__))
+    raw.pop("extra")
+    raw.update(
+        name="tiny-gpt",
+        hidden_size=d,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=d // 4,
+        intermediate_size=4 * d,
+        vocab_size=vocab,
+        max_position_embeddings=16,
+    )
+    return raw
+
+
+def tiny_gpt(raw: dict) -> TinyGPT:
+    return TinyGPT(
+        raw["vocab_size"],
+        raw["hidden_size"],
+        raw["num_hidden_layers"],
+        raw["num_attention_heads"],
+        raw["intermediate_size"],
+        raw["max_position_embeddings"],
+    )
+
+
+def optimizer_view(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, unit shape, kind) of every unit, from the model and the default routing:
+    a 3-D [E, out, in] parameter is E units, as Muon's matrix_view treats it."""
+    route = default_route(model)
+    out = []
+    for name, p in model.named_parameters():
+        kind = "muon" if route(name, p) else "adamw"
+        if p.ndim == 3:
+            out += [(f"{name}[{e}]", tuple(p.shape[1:]), kind) for e in range(p.shape[0])]
+        else:
+            out.append((name, tuple(p.shape), kind))
+    return out
+
+
+def test_expand_matches_a_real_gpt_and_its_routing() -> None:
+    raw = tiny_gpt_description()
+    model = tiny_gpt(raw)
+    matrices = expand(model_from_dict(raw))
+    assert [(m.name, m.shape, m.kind) for m in matrices] == optimizer_view(model)
+    # the units the layer-wise optimizer builds from the module, order and bytes included
+    assert to_units(backward_order(matrices), 1, 4) == units_from_model(model)
+
+
+class TinyMoE(nn.Module):
+    """A Qwen3-MoE-style block stack (GQA with q/k norms, router, stacked experts)."""
+
+    def __init__(
+        self, vocab: int, d: int, layers: int, heads: int, kv: int, hd: int, e: int, inter: int
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            blk = nn.Module()
+            blk.input_layernorm = nn.RMSNorm(d)
+            attn = blk.self_attn = nn.Module()
+            attn.q_proj = nn.Linear(d, heads * hd, bias=False)
+            attn.k_proj = nn.Linear(d, kv * hd, bias=False)
+            attn.v_proj = nn.Linear(d, kv * hd, bias=False)
+            attn.q_norm = nn.RMSNorm(hd)
+            attn.k_norm = nn.RMSNorm(hd)
+            attn.o_proj = nn.Linear(heads * hd, d, bias=False)
+            blk.post_attention_layernorm = nn.RMSNorm(d)
+            blk.mlp = nn.Module()
+            blk.mlp.gate = nn.Linear(d, e, bias=False)
+            blk.mlp.experts = nn.Module()
+            blk.mlp.experts.gate_proj = nn.Parameter(torch.zeros(e, inter, d))
+            blk.mlp.experts.up_proj = nn.Parameter(torch.zeros(e, inter, d))
+            blk.mlp.experts.down_proj = nn.Parameter(torch.zeros(e, d, inter))
+            self.layers.append(blk)
+        self.norm = nn.RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+
+def test_expand_matches_a_real_moe_and_its_routing() -> None:
+    raw = json.loads(json.dumps(load_model("qwen3-30b-a3b").__dict__))
+    raw.pop("extra")
+    raw.update(
+        name="tiny-moe",
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        vocab_size=40,
+    )
+    model = TinyMoE(40, 16, 2, 4, 2, 8, 4, 12)
+    matrices = expand(model_from_dict(raw))
+    assert [(m.name, m.shape, m.kind) for m in matrices] == optimizer_view(model)
+    assert to_units(backward_order(matrices), 1, 4) == units_from_model(model, split_experts=True)
+
+
+# --- formulas ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)])
+def test_ns_flops_equal_counted_matmul_flops(shape: tuple[int, int]) -> None:
+    """The formula is the plain-matmul iteration; torch's flop counter is the oracle. The
+    library's own newton_schulz never costs more (SYRK kernels only remove work)."""
+    X = torch.randn(*shape)
+    with FlopCounterMode(display=False) as plain:
+        Y = X.mT if shape[0] > shape[1] else X
+        for _ in range(5):
+            A = Y @ Y.mT
+            B = 2.0 * A + (A @ A)
+            Y = Y + B @ Y
+    with FlopCounterMode(display=False) as lib:
+        newton_schulz(X, steps=5)
+    assert plain.get_total_flops() == ns_flops(shape, 5)
+    assert 0 < lib.get_total_flops() <= ns_flops(shape, 5)
+
+
+def test_tp_costs_are_consistent() -> None:
+    shape, steps = (64, 256), 5
+    dup = tp_ns_cost(shape, 0, 4, "duplicated", steps, 2)
+    dist = tp_ns_cost(shape, 0, 4, "distributed", steps, 2)
+    block = tp_ns_cost(shape, 0, 4, "blockwise", steps, 2)
+    # duplicated: one all-gather of the whole matrix, full iteration on every rank
+    assert dup == (3 / 4 * 64 * 256 * 2, ns_flops(shape, steps), 1)
+    # distributed: Gram over the unsharded side (256) summed over the sharded one; packed
+    # triangle all-reduced once per step (+ one scalar norm all-reduce)
+    g = 256
+    assert dist[0] == steps * 2 * 3 / 4 * g * (g + 1) // 2 * 2 + 2 * 3 / 4 * 4
+    assert dist[2] == steps + 1
+    assert block == (0.0, ns_flops((16, 256), steps), 0)
+    # replicated matrices cost the full iteration and no bytes in every mode
+    assert tp_ns_cost(shape, None, 4, "distributed", steps, 2) == (0.0, ns_flops(shape, 5), 0)
+
+
+def _emulate_layout(
+    rank: int, world: int, owners: list[int], buckets: list[list[int]], numels: list[int]
+) -> dict:
+    """One step of the layer-wise layout through collectives.py (per bucket a reduce-scatter
+    over N shards padded to the largest share, then a variable-size all-gather) and one
+    ZeRO-1 step (reduce-scatter + all-gather over equal shards)."""
+    out = {}
+    for label, gather_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        stats = collectives.CommStats()
+        for bucket in buckets:
+            share = [sum(numels[i] for i in bucket if owners[i] == r) for r in range(world)]
+            w = max(share)
+            collectives.reduce_scatter(torch.empty(w), torch.ones(world * w), stats=stats)
+            local = torch.ones(share[rank], dtype=gather_dtype)
+            collectives.all_gatherv(local, share, stats=stats).wait()
+        total = stats.as_dict()["total"]
+        out[f"layerwise_{label}"] = (total["sent"], total["received"])
+        stats = collectives.CommStats()
+        shard = math.ceil(sum(numels) / world)
+        collectives.reduce_scatter(torch.empty(shard), torch.ones(world * shard), stats=stats)
+        collectives.all_gather(
+            torch.empty(world * shard, dtype=gather_dtype),
+            torch.ones(shard, dtype=gather_dtype),
+            stats=stats,
+        )
+        out[f"zero1_{label}"] = stats.as_dict()["total"]["sent"]
+    return out
+
+
+def test_byte_formulas_equal_counted_collectives() -> None:
+    """Real 2-rank gloo collectives; bytes counted by collectives.py equal the formulas."""
+    numels = [300, 120, 50, 50, 700, 33, 9]
+    owners = [0, 1, 1, 0, 1, 0, 0]
+    buckets = [[0, 1], [2, 3], [4, 5, 6]]
+    results = run_ranks(_emulate_layout, 2, (owners, buckets, numels))
+    for rank, r in enumerate(results):
+        for label, gb in (("fp32", 4), ("bf16", 2)):
+            sent, received = layerwise_bytes(owners, buckets, numels, 2, 4, gb)
+            assert r[f"layerwise_{label}"] == (sent[rank], received[rank])
+            assert r[f"zero1_{label}"] == zero1_bytes(sum(numels), 2, 4, gb)
+
+
+# --- planner and CLI -----------------------------------------------------------------------
+
+
+def test_plan_figures_add_up() -> None:
+    desc = load_model("qwen3-30b-a3b")
+    plan = make_plan(desc, load_hardware("gb300"), Layout(dp=8, ep=8, tokens_per_step=2**20))
+    total_ns = sum(ns_flops(m.shape, 5) for m in expand(desc) if m.kind == "muon")
+    for b in ("cost", "round_robin", "capped"):
+        s = plan["balancing"][b]
+        # every Muon matrix is orthogonalized exactly once across the data-parallel ranks:
+        # the dense ones once in DP, each EP rank's experts once in its group
+        assert sum(s["ns_flops_per_rank"]) == pytest.approx(total_ns, rel=1e-12)
+        assert s["ns_flops_imbalance"] >= 1.0
+    over = plan["overhead"]
+    assert over["model_flops_per_step"] == pytest.approx(
+        6 * param_counts(expand(desc))["matmul_active"] * 2**20
+    )
+    assert over["published_gb300"]["ns_share_of_model_flops"] == pytest.approx(35 / 686)
+
+
+def test_cli_json_plot_and_errors(tmp_path, capsys) -> None:
+    png = tmp_path / "load.png"
+    assert main(["plan", "--model", "gpt-small", "--dp", "4", "--json", "--plot", str(png)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layout"]["dp"] == 4 and len(plan["balancing"]["cost"]["ns_flops_per_rank"]) == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert main(["plan", "--model", "llama3-8b", "--dp", "8", "--tp", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "auto picks" in text and "duplicated" in text
+
+    custom = tmp_path / "mine.json"
+    custom.write_text(json.dumps(tiny_gpt_description()))
+    hw = tmp_path / "hw.json"
+    hw.write_text((load_hardware("h200").__dict__ | {"name": "mine"}).__repr__().replace("'", '"'))
+    assert main(["plan", "--model", str(custom), "--dp", "2", "--hardware", str(hw)]) == 0
+    assert "tiny-gpt on mine" in capsys.readouterr().out
+
+    for argv, words in (
+        (["--model", "qwen3-30b-a3b", "--dp", "8", "--ep", "3"], "--ep 3"),
+        (["--model", "llama3-8b", "--dp", "8", "--ep", "2"], "no routed experts"),
+        (["--model", "llama3-8b", "--dp", "8", "--tp", "3"], "--tp 3"),
+        (["--model", "no-such-model", "--dp", "8"], "unknown model"),
+        (["--model", "gpt-small", "--dp", "0"], "--dp"),
+        (["--model", "gpt-small", "--dp", "2", "--hardware", "tpu"], "unknown hardware"),
+    ):
+        assert main(["plan", *argv]) == 2
+        assert words in capsys.readouterr().err
+
+
+def test_bad_description_names_the_key() -> None:
+    raw = tiny_gpt_description()
+    with pytest.raises(ValueError, match="hidden_sise"):
+        model_from_dict({**raw, "hidden_sise": 3})
+    with pytest.raises(ValueError, match="'attention'"):
+        model_from_dict({**raw, "attention": "linear"})
+    del raw["vocab_size"]
+    with pytest.raises(ValueError, match="vocab_size"):
+        model_from_dict(raw)
