@@ -34,6 +34,7 @@ from torch import nn
 
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.parallel import collectives
+from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.train.data import get_batch, load_corpus, val_batches
 from orthoptim.train.model import GPT, get_config
 
@@ -136,12 +137,6 @@ def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
     kwargs = _optimizer_kwargs(args)
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
-    try:
-        from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
-    except ImportError:
-        return _AllReduceOptimizer(
-            model, build_optimizer(model, optimizer=args.optimizer, **kwargs)
-        )
     return LayerwiseDistributedOptimizer(model, optimizer=args.optimizer, **kwargs)
 
 
