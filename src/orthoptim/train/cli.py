@@ -25,7 +25,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="LR of the matrix optimizer (of everything for adamw); "
-        "default muon 0.02, adamw 3e-3, soap 3e-3",
+        "default muon 0.05, adamw 3e-3, soap 3e-3",
     )
     p.add_argument(
         "--adamw-lr",
@@ -139,6 +139,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int, default=d.seed)
     c.add_argument("--eval-every", type=int, default=d.eval_every)
     c.add_argument("--adamw-lr", type=float, default=None, help="AdamW's LR (default 3e-3)")
-    c.add_argument("--muon-lr", type=float, default=None, help="Muon's LR (default 0.02)")
+    c.add_argument("--muon-lr", type=float, default=None, help="Muon's LR (default 0.05)")
     c.add_argument("--no-progress", dest="progress", action="store_false")
     c.set_defaults(func=_compare_cmd)

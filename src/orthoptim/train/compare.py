@@ -17,7 +17,7 @@ from orthoptim.train.loop import DEFAULT_LR, TrainArgs, _read_metrics, launch
 
 COMPARED = ("adamw", "muon")
 # --sweep: the matrix optimizer's LR grid (AdamW: every parameter; Muon: hidden matrices).
-SWEEP_GRID = {"adamw": (1e-3, 3e-3, 1e-2), "muon": (0.01, 0.02, 0.04)}
+SWEEP_GRID = {"adamw": (1.5e-3, 3e-3, 6e-3), "muon": (0.02, 0.05, 0.1)}
 TARGET_STEPS_FRACTION = 0.70
 TARGET_THROUGHPUT_RATIO = 0.98
 
@@ -27,7 +27,7 @@ class CompareArgs:
     """Options of one comparison; every run shares everything except the optimizer and LR."""
 
     nproc: int = 2
-    steps: int = 150
+    steps: int = 100
     batch: int = 16
     config: str = "tiny"
     out: str = "runs/compare"
