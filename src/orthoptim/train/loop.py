@@ -93,8 +93,8 @@ class TrainArgs:
             )
         if self.tp > 1:
             raise ValueError(
-                f"--tp {self.tp}: tensor-parallel training is not available in this version "
-                "(orthoptim.parallel.tensor_parallel is not installed); use --tp 1"
+                f"--tp {self.tp}: `orthoptim train` does not run tensor parallelism yet "
+                "(TensorParallelOrthogonalizer works on your own DTensor models); use --tp 1"
             )
 
     @property
