@@ -182,3 +182,32 @@ def test_add_param_group_routes_by_key():
     assert opt.param_groups[-1] is opt.inner["muon"].param_groups[-1]
     with pytest.raises(ValueError, match="'optimizer' key"):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "param_names": ["v"]})
+
+
+def test_bf16_resume_keeps_fp32_state():
+    """torch's loader casts state to the parameter dtype; fp32 master state must survive it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch.bfloat16)
+    opt = build_optimizer(model, lr=0.02, adamw_lr=1e-3)
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    clone = copy.deepcopy(model)
+    resumed = build_optimizer(clone, lr=0.02, adamw_lr=1e-3)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, q in zip(model.parameters(), clone.parameters()):
+        for key, value in opt.state[p].items():
+            assert resumed.state[q][key].dtype == value.dtype, key
+    muon_buf = resumed.state[clone[0].weight]["momentum_buffer"]
+    assert muon_buf.dtype == torch.float32
+    torch.testing.assert_close(
+        muon_buf, opt.state[model[0].weight]["momentum_buffer"], rtol=0, atol=0
+    )
+    for m, o in ((model, opt), (clone, resumed)):
+        o.zero_grad()
+        m(x).float().pow(2).mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), clone.parameters()):
+        assert torch.equal(p, q)

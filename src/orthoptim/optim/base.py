@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterable
+from itertools import chain
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -69,6 +71,27 @@ def apply_nonfinite_policy(
     logger.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
     return True
+
+
+def state_dtype(p: Tensor) -> torch.dtype:
+    """The dtype of a parameter's optimizer state: float32 for bf16/fp16 (fp32 master state)."""
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Undo torch's cast of floating state to the parameter's dtype after `load_state_dict`.
+
+    `torch.optim.Optimizer.load_state_dict` casts every floating-point state tensor to its
+    parameter's dtype, which would turn the float32 master state of a bf16/fp16 parameter
+    into bf16. Each such tensor is restored from `state_dict` in the dtype it was saved in.
+    """
+    saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    params = chain.from_iterable(g["params"] for g in optimizer.param_groups)
+    for saved_id, p in zip(saved_ids, params):
+        for key, value in state_dict["state"].get(saved_id, {}).items():
+            cast = torch.is_tensor(value) and value.is_floating_point() and value.dtype != p.dtype
+            if cast and key != "step":
+                optimizer.state[p][key] = value.to(device=p.device)
 
 
 def matrix_view(p: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from orthoptim.optim.base import (
     apply_nonfinite_policy,
     check_nonfinite_policy,
     nonfinite_params,
+    restore_state_dtypes,
 )
 from orthoptim.optim.muon import Muon
 
@@ -127,6 +128,7 @@ class HybridOptimizer(torch.optim.Optimizer):
                 f"here {[g.get('optimizer') for g in self.param_groups]})"
             )
         super().load_state_dict(state_dict)
+        restore_state_dtypes(self, state_dict)
         for key, opt in self.inner.items():
             opt.param_groups = [g for g in self.param_groups if g["optimizer"] == key]
             opt.state = self.state

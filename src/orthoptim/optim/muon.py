@@ -29,6 +29,8 @@ from orthoptim.optim.base import (
     check_nonfinite_policy,
     matrix_view,
     nonfinite_params,
+    restore_state_dtypes,
+    state_dtype,
 )
 
 LR_SCALES = ("keller", "spectral", "match_adamw_rms", "none")
@@ -123,6 +125,11 @@ class Muon(torch.optim.Optimizer):
                     f"Muon does not support complex parameters (shape {tuple(p.shape)})"
                 )
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but keeps float32 momentum for bf16/fp16 parameters."""
+        super().load_state_dict(state_dict)
+        restore_state_dtypes(self, state_dict)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Muon step over every parameter that has a gradient."""
@@ -149,9 +156,7 @@ class Muon(torch.optim.Optimizer):
             if p.grad.is_sparse:
                 raise ValueError(f"Muon does not support sparse gradients (shape {tuple(p.shape)})")
             state = self.state[p]
-            grad = (
-                p.grad.to(torch.float32) if p.dtype in (torch.float16, torch.bfloat16) else p.grad
-            )
+            grad = p.grad.to(state_dtype(p))
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(
                     grad, memory_format=torch.preserve_format

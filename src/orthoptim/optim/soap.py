@@ -28,7 +28,6 @@ parameters.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import chain
 from typing import Any
 
 import torch
@@ -40,6 +39,8 @@ from orthoptim.optim.base import (
     matrix_view,
     nonfinite_params,
     param_names,
+    restore_state_dtypes,
+    state_dtype,
 )
 
 REFRESH_METHODS = ("qr", "eigh")
@@ -89,10 +90,6 @@ def rotate_back(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Ten
     if q_right is not None:
         x = x @ q_right.mT
     return x
-
-
-def _state_dtype(p: Tensor) -> torch.dtype:
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -174,21 +171,9 @@ class SOAP(torch.optim.Optimizer):
                 raise ValueError(f"SOAP does not support complex parameters ({name})")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, but keeps float32 state for bf16/fp16 parameters.
-
-        torch casts every floating-point state tensor to its parameter's dtype on load; SOAP's
-        state is float32 master state, so it is restored from `state_dict` at full precision.
-        """
+        """As torch's, but keeps float32 state for bf16/fp16 parameters."""
         super().load_state_dict(state_dict)
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id)
-            if saved is None or _state_dtype(p) == p.dtype:
-                continue
-            for key, value in saved.items():
-                if torch.is_tensor(value) and value.is_floating_point():
-                    self.state[p][key] = value.to(device=p.device, dtype=_state_dtype(p))
+        restore_state_dtypes(self, state_dict)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -213,7 +198,7 @@ class SOAP(torch.optim.Optimizer):
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
-        dtype = _state_dtype(p)
+        dtype = state_dtype(p)
         grad = p.grad.to(dtype)
         if p.ndim >= 2:
             grad = matrix_view(grad)
