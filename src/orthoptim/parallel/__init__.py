@@ -3,11 +3,14 @@
 from orthoptim.parallel.assignment import Assignment, Unit, assign, unit_cost, units_from_model
 from orthoptim.parallel.collectives import CommStats
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.parallel.tensor_parallel import CostModel, TensorParallelOrthogonalizer
 
 __all__ = [
     "Assignment",
     "CommStats",
+    "CostModel",
     "LayerwiseDistributedOptimizer",
+    "TensorParallelOrthogonalizer",
     "Unit",
     "assign",
     "unit_cost",
