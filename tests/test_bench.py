@@ -74,8 +74,11 @@ def test_bench_ns_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert names["matmul_ns"]["speedup_vs_baseline"] == 1.0
         for peer in ("emerging_optimizers", "heavyball"):
             assert "skipped" in names[peer] or _positive_finite(names[peer]["speedup_vs_baseline"])
-        for gemm in ("gemm_gram", "gemm_square", "gemm_apply"):
+        for gemm in ("gemm_gram", "gemm_square", "gemm_apply", "kernel_gram"):
             assert _positive_finite(names[gemm]["gflops"])
+        # the matmul rate is the best plain GEMM, never the SYRK's effective rate
+        plain = [names[g]["gflops"] for g in ("gemm_gram", "gemm_square", "gemm_apply")]
+        assert res["matmul_gflops"] == max(plain)
 
 
 def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,8 @@ from orthoptim import kernels
 from orthoptim.kernels import syrk_cpu
 from orthoptim.newton_schulz import newton_schulz, polar_factor
 
+from conftest import ill_conditioned
+
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
 
 
@@ -128,6 +130,34 @@ def test_newton_schulz_with_kernels_matches_matmul(
     assert s.min() > 0.5 and s.max() < 1.25
     P = polar_factor(G)
     assert ((fast.double() - P).norm() / P.norm()).item() < 0.35
+
+
+@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
+@pytest.mark.parametrize("shape", [(48, 130), (130, 48), (2, 40, 96)])
+def test_gram_form_matches_matmul_and_svd(
+    shape: tuple[int, ...], coefficients: str, small_blocks: None
+) -> None:
+    X, U, V, _ = ill_conditioned(shape[-2], shape[-1], cond=1e3)
+    if len(shape) == 3:
+        X = torch.stack([X, X.flip(0)])
+    G = X.float()
+    wide = G.mT if shape[-2] > shape[-1] else G
+    assert kernels.gram_form_pays(wide)
+    fast = newton_schulz(G, steps=5, coefficients=coefficients)
+    with kernels.force_matmul():
+        assert not kernels.gram_form_pays(wide)
+        plain = newton_schulz(G, steps=5, coefficients=coefficients)
+    assert (fast - plain).abs().max().item() < 1e-4
+    # same singular vectors as the input (the test of tests/test_newton_schulz.py)
+    D = U.T @ fast[0 if len(shape) == 3 else ...].double() @ V
+    assert (D - torch.diag(torch.diagonal(D))).abs().max() < 1e-4
+
+
+def test_gram_form_only_where_it_pays(small_blocks: None) -> None:
+    assert kernels.gram_form_pays(torch.randn(40, 80))
+    assert not kernels.gram_form_pays(torch.randn(40, 79))  # n < 2m: step form is cheaper
+    assert not kernels.gram_form_pays(torch.randn(40, 96, dtype=torch.bfloat16))
+    assert not kernels.gram_form_pays(torch.randn(16, 96))  # below the kernels' row threshold
 
 
 def test_newton_schulz_default_sizes_match_matmul() -> None:

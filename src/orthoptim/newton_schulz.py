@@ -132,8 +132,11 @@ def newton_schulz(
         Y.to(torch.float64 if compute == torch.float64 else torch.float32), keepdim=True
     )
     Y = (Y / norm.clamp_min(eps)).to(compute)
-    for a, b, c in schedule:
-        Y = newton_schulz_step(Y, a, b, c)
+    if kernels.gram_form_pays(Y):
+        Y = newton_schulz_gram_form(Y, schedule)
+    else:
+        for a, b, c in schedule:
+            Y = newton_schulz_step(Y, a, b, c)
     if transposed:
         Y = Y.mT
     return Y.to(X.dtype).contiguous()
@@ -149,6 +152,34 @@ def newton_schulz_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
     Xf = X.reshape(-1, *X.shape[-2:])
     out = torch.baddbmm(Xf, B.reshape(-1, *B.shape[-2:]), Xf, beta=a)
     return out.reshape(*lead, *X.shape[-2:])
+
+
+# Steps the Gram form takes before recomputing X and its Gram (rounding in A_k compounds:
+# without a restart the singular vectors of a 5-step float32 run drift ~100x further).
+GRAM_FORM_RESTART = 3
+
+
+def newton_schulz_gram_form(X: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
+    """The same iteration run on the m×m Gram matrix, for wide X ([..., m, n], n >= 2m).
+
+    Every step multiplies X by Q_k = a·I + b·A_k + c·A_k², a polynomial in A_k = X_k·X_kᵀ, so
+    over a run of steps X ← R·X with R = ···Q_1·Q_0 and A_{k+1} = Q_k·A_k·Q_k = A_k·Q_k²
+    (they all commute). Only the Gram and R·X touch n: per run of GRAM_FORM_RESTART steps
+    ≈ 3m²n + 6·steps·m³ flops instead of steps·(3m²n + m³) (fewer from n ≈ 1.7m).
+    """
+    for start in range(0, len(schedule), GRAM_FORM_RESTART):
+        run = schedule[start : start + GRAM_FORM_RESTART]
+        A = kernels.gram(X)
+        R: Tensor | None = None
+        for k, (a, b, c) in enumerate(run):
+            Q = kernels.sym_poly(A, b, c)
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+            R = Q if R is None else torch.matmul(Q, R)
+            if k < len(run) - 1:
+                A = torch.matmul(A, kernels.sym_square(Q))
+        assert R is not None
+        X = torch.matmul(R, X)
+    return X
 
 
 def polar_factor(X: Tensor) -> Tensor:

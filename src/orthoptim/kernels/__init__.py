@@ -32,6 +32,8 @@ MODES = ("auto", "matmul")
 # Below this many rows the blocked SYRK's extra launches cost more than the flops it saves
 # (measured with `orthoptim bench ns`: 256×1024 was no faster, 512×2048 ≈ 1.1×).
 CPU_SYRK_MIN_ROWS = 512
+# Newton-Schulz iterates on the m×m Gram matrix when columns >= this many times rows.
+GRAM_FORM_ASPECT = 2.0
 
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,10 +42,12 @@ _forced_matmul = 0
 __all__ = [
     "CPU_SYRK_MIN_ROWS",
     "ENV_VAR",
+    "GRAM_FORM_ASPECT",
     "MODES",
     "backend_for",
     "force_matmul",
     "gram",
+    "gram_form_pays",
     "kernel_mode",
     "sym_poly",
     "sym_square",
@@ -97,6 +101,19 @@ def backend_for(X: Tensor) -> str:
     if X.device.type == "cpu" and X.dtype in _CPU_DTYPES and X.shape[-2] >= CPU_SYRK_MIN_ROWS:
         return "cpu_syrk"
     return "matmul"
+
+
+def gram_form_pays(X: Tensor) -> bool:
+    """Whether Newton-Schulz on `X` ([..., m, n], m <= n) should iterate on its m×m Gram
+    matrix (`newton_schulz_gram_form`): n >= GRAM_FORM_ASPECT·m, float32/float64, and the
+    kernels active at this size. Fewer flops from n ≈ 1.7m; half precision is left alone
+    (the Gram form squares the condition number)."""
+    m, n = X.shape[-2], X.shape[-1]
+    if kernel_mode() == "matmul" or X.dtype not in _CPU_DTYPES or n < GRAM_FORM_ASPECT * m:
+        return False
+    if X.requires_grad and torch.is_grad_enabled():
+        return False
+    return X.device.type != "cpu" or m >= CPU_SYRK_MIN_ROWS
 
 
 def _check(name: str, T: Tensor, square: bool) -> None:
