@@ -15,12 +15,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from orthoptim.cli import main
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.optim.hybrid import default_route
-from orthoptim.parallel import collectives
 from orthoptim.parallel.assignment import units_from_model
 from orthoptim.plan import Layout, expand, load_hardware, load_model, make_plan, param_counts
-from orthoptim.plan.costs import layerwise_bytes, ns_flops, tp_ns_cost, zero1_bytes
+from orthoptim.plan.costs import ns_flops, tp_ns_cost, zero1_bytes
 from orthoptim.plan.model import model_from_dict
-from orthoptim.plan.planner import backward_order, to_units
+from orthoptim.plan.planner import backward_order, plan_groups, to_units
 
 from distributed import run_ranks
 
@@ -235,59 +234,112 @@ def test_tp_costs_are_consistent() -> None:
     assert tp_ns_cost(shape, None, 4, "distributed", steps, 2) == (0.0, ns_flops(shape, 5), 0)
 
 
-def _emulate_layout(
-    rank: int, world: int, owners: list[int], buckets: list[list[int]], numels: list[int]
-) -> dict:
-    """One step of the layer-wise layout through collectives.py (per bucket a reduce-scatter
-    over N shards padded to the largest share, then a variable-size all-gather) and one
-    ZeRO-1 step (reduce-scatter + all-gather over equal shards)."""
+BUCKET_MB = 0.02  # ~20 KiB: the tiny GPT spans several buckets, some with a single owner
+
+
+def _layerwise_steps(rank: int, world: int, raw: dict) -> dict:
+    """Real LayerwiseDistributedOptimizer steps on a tiny GPT: every balancing over all
+    `world` ranks, and fp32 / bf16 parameter gathers over a 2-rank subgroup (ranks 0, 1).
+    Each returns its units, assignment, comm_stats() and the matmul flops its step() counted
+    (plain-matmul kernels, the formula's convention)."""
+    import torch.distributed as dist
+
+    from orthoptim import kernels
+    from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+
+    pair = dist.new_group([0, 1])
+    runs = [(b, "fp32", None) for b in ("cost", "round_robin", "capped")]
+    if rank < 2:
+        runs += [("cost", "fp32", pair), ("cost", "bf16", pair)]
     out = {}
-    for label, gather_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        stats = collectives.CommStats()
-        for bucket in buckets:
-            share = [sum(numels[i] for i in bucket if owners[i] == r) for r in range(world)]
-            w = max(share)
-            collectives.reduce_scatter(torch.empty(w), torch.ones(world * w), stats=stats)
-            local = torch.ones(share[rank], dtype=gather_dtype)
-            collectives.all_gatherv(local, share, stats=stats).wait()
-        total = stats.as_dict()["total"]
-        out[f"layerwise_{label}"] = (total["sent"], total["received"])
-        stats = collectives.CommStats()
-        shard = math.ceil(sum(numels) / world)
-        collectives.reduce_scatter(torch.empty(shard), torch.ones(world * shard), stats=stats)
-        collectives.all_gather(
-            torch.empty(world * shard, dtype=gather_dtype),
-            torch.ones(shard, dtype=gather_dtype),
-            stats=stats,
+    for balance, gather, group in runs:
+        torch.manual_seed(0)
+        model = tiny_gpt(raw)
+        opt = LayerwiseDistributedOptimizer(
+            model,
+            optimizer="muon",
+            lr=0.02,
+            process_group=group,
+            balance=balance,
+            bucket_mb=BUCKET_MB,
+            gather_dtype=torch.bfloat16 if gather == "bf16" else None,
+            overlap_param_gather=False,
         )
-        out[f"zero1_{label}"] = stats.as_dict()["total"]["sent"]
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.randint(0, raw["vocab_size"], (2, 8), generator=g)
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        with kernels.force_matmul(), FlopCounterMode(display=False) as counter:
+            opt.step()
+        out[(balance, gather, 2 if group is not None else world)] = {
+            "owners": list(opt.assignment.owners),
+            "units": list(opt.units),
+            "comm": opt.comm_stats(),
+            "flops": counter.get_total_flops(),
+        }
     return out
 
 
-def test_byte_formulas_equal_counted_collectives() -> None:
-    """Real 2-rank gloo collectives; bytes counted by collectives.py equal the formulas."""
-    numels = [300, 120, 50, 50, 700, 33, 9]
-    owners = [0, 1, 1, 0, 1, 0, 0]
-    buckets = [[0, 1], [2, 3], [4, 5, 6]]
-    results = run_ranks(_emulate_layout, 2, (owners, buckets, numels))
-    for rank, r in enumerate(results):
-        for label, gb in (("fp32", 4), ("bf16", 2)):
-            sent, received = layerwise_bytes(owners, buckets, numels, 2, 4, gb)
-            assert r[f"layerwise_{label}"] == (sent[rank], received[rank])
-            assert r[f"zero1_{label}"] == zero1_bytes(sum(numels), 2, 4, gb)
+def _plan_for(raw: dict, dp: int, balance: str = "cost") -> tuple:
+    desc = model_from_dict(raw)
+    layout = Layout(dp=dp, bucket_mb=BUCKET_MB, grad_dtype="fp32")
+    (group,) = plan_groups(desc, layout, balance)[0]
+    return group, make_plan(desc, load_hardware("h200"), layout)
+
+
+@pytest.fixture(scope="module")
+def layerwise_runs() -> list[dict]:
+    return run_ranks(_layerwise_steps, 4, (tiny_gpt_description(),))
+
+
+@pytest.mark.parametrize("balance", ["cost", "round_robin", "capped"])
+def test_planner_assignment_and_flops_equal_the_layerwise_optimizer(layerwise_runs, balance):
+    """gpt-small's layout (scaled to width 32) at world size 4 over gloo: the planner's units
+    and assignment are the optimizer's, and the Newton-Schulz flops each rank's step()
+    performed are the planner's per-rank figures."""
+    group, plan = _plan_for(tiny_gpt_description(), 4, balance)
+    planned_flops = plan["balancing"][balance]["ns_flops_per_rank"]
+    for rank in range(4):
+        run = layerwise_runs[rank][(balance, "fp32", 4)]
+        assert run["units"] == group.units
+        assert run["owners"] == group.assignment.owners
+        assert run["flops"] == planned_flops[rank]
+    assert len(set(group.assignment.owners)) == 4
+
+
+def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
+    """A 2-rank gloo group, fp32 and bf16 parameter gathers: the bytes each rank's step sent
+    and received (collectives.py's counts, per collective kind) equal the planner's formula.
+    The optimizer's small agreement all-reduce (two flags per unit) is left out of the plan."""
+    group, plan = _plan_for(tiny_gpt_description(), 2)
+    kinds = ("reduce_scatter", "all_gather", "reduce", "broadcast")
+    for gather in ("fp32", "bf16"):
+        c = plan["comm"][f"{gather}_gather"]
+        for rank in range(2):
+            comm = layerwise_runs[rank][("cost", gather, 2)]["comm"]
+            assert {"reduce_scatter", "reduce"} <= set(comm)  # shared and single-owner buckets
+            sent = sum(comm[x]["sent"] for x in kinds if x in comm)
+            received = sum(comm[x]["received"] for x in kinds if x in comm)
+            assert sent == c["layerwise_sent_per_rank"][rank]
+            assert received == c["layerwise_received_per_rank"][rank]
+    numel = sum(math.prod(u.shape) for u in group.units)
+    assert plan["comm"]["fp32_gather"]["zero1_adamw_bytes"] == zero1_bytes(numel, 2, 4, 4)
 
 
 # --- planner and CLI -----------------------------------------------------------------------
 
 
-def test_plan_figures_add_up() -> None:
+@pytest.mark.parametrize("layout", [dict(dp=8, ep=8), dict(dp=4, ep=2, pp=3)])
+def test_plan_figures_add_up(layout: dict) -> None:
     desc = load_model("qwen3-30b-a3b")
-    plan = make_plan(desc, load_hardware("gb300"), Layout(dp=8, ep=8, tokens_per_step=2**20))
+    plan = make_plan(desc, load_hardware("gb300"), Layout(**layout, tokens_per_step=2**20))
     total_ns = sum(ns_flops(m.shape, 5) for m in expand(desc) if m.kind == "muon")
+    pp = layout.get("pp", 1)
+    assert plan["layout"]["layers_per_stage"] == [48 // pp] * pp
     for b in ("cost", "round_robin", "capped"):
         s = plan["balancing"][b]
-        # every Muon matrix is orthogonalized exactly once across the data-parallel ranks:
-        # the dense ones once in DP, each EP rank's experts once in its group
+        assert len(s["ns_flops_per_rank"]) == pp * layout["dp"]
+        # every Muon matrix is orthogonalized exactly once over all stages and DP ranks: the
+        # dense ones by one DP rank, each expert by one rank of its EP rank's expert-DP group
         assert sum(s["ns_flops_per_rank"]) == pytest.approx(total_ns, rel=1e-12)
         assert s["ns_flops_imbalance"] >= 1.0
     over = plan["overhead"]

@@ -100,15 +100,27 @@ def synchronize(device: torch.device) -> None:
 def time_side_by_side(
     cases: Sequence[Case], device: torch.device, repeats: int, warmup: int
 ) -> dict[str, list[float]]:
-    """Seconds per run of each available case, timed round-robin (case order rotates)."""
+    """Seconds per run of each available case, timed round-robin (case order rotates).
+
+    Peers (extra["peer"]) run once untimed even without warm-up; one that raises is marked
+    skipped with the error instead of ending the benchmark.
+    """
     live = [c for c in cases if c.skip is None and c.run is not None]
-    times: dict[str, list[float]] = {c.name: [] for c in live}
-    for c in live:
-        for _ in range(warmup):
+    for c in list(live):
+        for _ in range(max(warmup, 1 if c.extra.get("peer") else 0)):
             if c.setup is not None:
                 c.setup()
-            c.run()
+            try:
+                c.run()
+            except Exception as exc:
+                if not c.extra.get("peer"):
+                    raise
+                # an outside implementation failing here is a result to report, not a crash
+                c.skip = f"failed here: {type(exc).__name__}: {exc}"[:300]
+                live.remove(c)
+                break
     synchronize(device)
+    times: dict[str, list[float]] = {c.name: [] for c in live}
     for r in range(repeats):
         order = live[r % len(live) :] + live[: r % len(live)] if live else []
         for c in order:

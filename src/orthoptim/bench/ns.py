@@ -11,7 +11,8 @@ which each candidate's effective GFLOP/s (plain-matmul flops / time) is set.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +36,10 @@ from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz
 
 DEFAULT_SHAPES = "1024x1024,1024x4096,4096x1024,8x768x3072"
 BASELINE = "matmul_ns"
+HEAVYBALL_BF16 = (
+    "heavyball's Newton-Schulz rounds its input to bfloat16 (float64 excepted): "
+    "timed in the bfloat16 rows only"
+)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -59,6 +64,17 @@ def ns_flops(batch: int, rows: int, cols: int, steps: int) -> float:
     return float(batch * steps * (4 * m * m * n + 2 * m**3))
 
 
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str) -> Iterator[None]:
+    """torch.set_float32_matmul_precision within the block."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def _peer_cases(X: Tensor, dtype: torch.dtype, steps: int, coefficients: str) -> list[Case]:
     cases = []
     eo, reason = import_optional("emerging_optimizers.orthogonalized_optimizers.muon_utils")
@@ -67,28 +83,37 @@ def _peer_cases(X: Tensor, dtype: torch.dtype, steps: int, coefficients: str) ->
     if eo is None:
         cases.append(Case("emerging_optimizers", skip=reason))
     else:
-        Xd = X.to(dtype)
+        Xf = X.float()  # it takes float32 only; bfloat16 comes from torch's matmul precision
+        precision = "highest" if dtype == torch.float32 else "medium"
+
+        def emerging() -> Tensor:
+            with float32_matmul_precision(precision):
+                return eo.newton_schulz(Xf, steps=steps, coefficient_type=coefficients)
+
         cases.append(
             Case(
                 "emerging_optimizers",
-                lambda: eo.newton_schulz(Xd, steps=steps, coefficient_type=coefficients),
-                note=f"muon_utils.newton_schulz in {str(dtype).removeprefix('torch.')}",
+                emerging,
+                note=f"muon_utils.newton_schulz, float32 input, matmul precision {precision!r}",
                 extra={"peer": True},
             )
         )
     hb, reason = import_optional("heavyball.utils")
     if hb is not None and not hasattr(hb, "zeropower_via_newtonschulz5"):
         hb, reason = None, "heavyball has no utils.zeropower_via_newtonschulz5 here"
+    if hb is not None and dtype != torch.bfloat16:
+        hb, reason = None, HEAVYBALL_BF16
     if hb is None:
         cases.append(Case("heavyball", skip=reason))
     else:
         if hasattr(hb, "compile_mode"):
             hb.compile_mode = None  # its first compiled call takes ~25 s on CPU
+        Xb = X.to(dtype)
         cases.append(
             Case(
                 "heavyball",
-                lambda: hb.zeropower_via_newtonschulz5(X),
-                note="utils.zeropower_via_newtonschulz5 (bfloat16 internally, by design)",
+                lambda: hb.zeropower_via_newtonschulz5(Xb),
+                note="utils.zeropower_via_newtonschulz5 in bfloat16",
                 extra={"peer": True},
             )
         )

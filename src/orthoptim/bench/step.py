@@ -142,8 +142,18 @@ def muon_candidates(args: argparse.Namespace) -> list[StepCandidate]:
             )
         )
     hb, reason = import_optional("heavyball")
-    if hb is None or not hasattr(hb, "Muon"):
-        cands.append(StepCandidate("heavyball_muon", skip=reason or "heavyball has no Muon"))
+    if hb is not None and not hasattr(hb, "Muon"):
+        hb, reason = None, "heavyball has no Muon here"
+    if hb is not None and args.device == "cpu" and not args.bf16_peers:
+        hb, reason = (
+            None,
+            (
+                "heavyball.Muon's Newton-Schulz is bfloat16 by design, ~50x slower than float32 "
+                "matmul on CPUs without bf16 units (minutes per step); --bf16-peers times it anyway"
+            ),
+        )
+    if hb is None:
+        cands.append(StepCandidate("heavyball_muon", skip=reason))
     else:
         hb_utils, _ = import_optional("heavyball.utils")
         if hb_utils is not None and hasattr(hb_utils, "compile_mode"):
@@ -152,7 +162,7 @@ def muon_candidates(args: argparse.Namespace) -> list[StepCandidate]:
             StepCandidate(
                 "heavyball_muon",
                 lambda ps: hb.Muon(ps, lr=0.02),
-                note="heavyball.Muon, compile off (its Newton-Schulz is bfloat16 by design)",
+                note="heavyball.Muon, compile off (Newton-Schulz in bfloat16 by design)",
                 peer=True,
             )
         )
@@ -282,4 +292,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bf16-peers",
+        action="store_true",
+        help="on cpu, also time peers whose Newton-Schulz is bfloat16 (very slow there)",
+    )
     p.set_defaults(func=_cmd)

@@ -18,14 +18,21 @@ LEAF_ROWS = 256
 ALIGN = 32
 
 
-def _product(X1: Tensor, X2: Tensor, C: Tensor | None, beta: float, alpha: float) -> Tensor:
-    """beta·C + alpha·X1·X2ᵀ for 2-D or 3-D operands."""
+def _product(
+    X1: Tensor,
+    X2: Tensor,
+    C: Tensor | None,
+    beta: float,
+    alpha: float,
+    out: Tensor | None = None,
+) -> Tensor:
+    """beta·C + alpha·X1·X2ᵀ for 2-D or 3-D operands, into `out` when given."""
     if C is None:
-        out = torch.matmul(X1, X2.mT)
-        return out if alpha == 1.0 else out.mul_(alpha)
+        res = torch.matmul(X1, X2.mT, out=out)
+        return res if alpha == 1.0 else res.mul_(alpha)
     if X1.ndim == 2:
-        return torch.addmm(C, X1, X2.mT, beta=beta, alpha=alpha)
-    return torch.baddbmm(C, X1, X2.mT, beta=beta, alpha=alpha)
+        return torch.addmm(C, X1, X2.mT, beta=beta, alpha=alpha, out=out)
+    return torch.baddbmm(C, X1, X2.mT, beta=beta, alpha=alpha, out=out)
 
 
 def syrk_matmul(
@@ -39,19 +46,23 @@ def syrk_matmul(
     return out.reshape(*lead, X.shape[-2], X.shape[-2])
 
 
-def _blocked(X: Tensor, C: Tensor | None, beta: float, alpha: float, leaf: int) -> Tensor:
+def _blocked_into(
+    X: Tensor, C: Tensor | None, beta: float, alpha: float, leaf: int, out: Tensor
+) -> None:
+    """Fill `out` (a row-major view, so BLAS writes into it directly) with beta·C + alpha·X·Xᵀ."""
     m = X.shape[-2]
     if m <= leaf:
-        return _product(X, X, C, beta, alpha)
+        _product(X, X, C, beta, alpha, out=out)
+        return
     h = min(m - 1, (m // 2 + ALIGN - 1) // ALIGN * ALIGN)
     X1, X2 = X[..., :h, :], X[..., h:, :]
     C11 = C21 = C22 = None
     if C is not None:
         C11, C21, C22 = C[..., :h, :h], C[..., h:, :h], C[..., h:, h:]
-    D1 = _blocked(X1, C11, beta, alpha, leaf)
-    D2 = _blocked(X2, C22, beta, alpha, leaf)
-    L = _product(X2, X1, C21, beta, alpha)
-    return torch.cat((torch.cat((D1, L.mT), -1), torch.cat((L, D2), -1)), -2)
+    _blocked_into(X1, C11, beta, alpha, leaf, out[..., :h, :h])
+    _blocked_into(X2, C22, beta, alpha, leaf, out[..., h:, h:])
+    _product(X2, X1, C21, beta, alpha, out=out[..., h:, :h])
+    out[..., :h, h:] = out[..., h:, :h].mT
 
 
 def syrk(
@@ -73,5 +84,6 @@ def syrk(
     lead = X.shape[:-2]
     X3 = X.reshape(-1, *X.shape[-2:]) if X.ndim > 2 else X
     C3 = C.reshape(-1, *C.shape[-2:]) if C is not None and C.ndim > 2 else C
-    out = _blocked(X3, C3, beta, alpha, leaf)
+    out = X3.new_empty((*X3.shape[:-1], X3.shape[-2]))
+    _blocked_into(X3, C3, beta, alpha, leaf, out)
     return out.reshape(*lead, X.shape[-2], X.shape[-2])

@@ -32,7 +32,8 @@ def format_report(p: dict[str, Any]) -> str:
     m, lay, o = p["model"], p["layout"], p["overhead"]
     lines = [
         f"orthoptim plan: {m['name']} on {p['hardware']}: DP {lay['dp']} x TP {lay['tp']} "
-        f"(EP {lay['ep']}) = {lay['gpus']} GPUs",
+        f"x PP {lay['pp']} (EP {lay['ep']}) = {lay['gpus']} GPUs"
+        + (f"; layers per stage {lay['layers_per_stage']}" if lay["pp"] > 1 else ""),
         f"model: {_si(m['params_total'])} params"
         + (f" (published {_si(m['published_total'])})" if m["published_total"] else "")
         + f", {_si(m['params_active'])} active per token"
@@ -46,8 +47,9 @@ def format_report(p: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Newton-Schulz per rank ({lay['ns_steps']} steps, full matrices)   max        mean"
-        "       max/mean",
+        f"Newton-Schulz per rank{' (stage x DP rank)' if lay['pp'] > 1 else ''} "
+        f"({lay['ns_steps']} steps, full matrices)   max        mean       max/mean"
+        "   (unit_cost max/mean)",
     ]
     for b in BALANCES:
         s = p["balancing"][b]
@@ -55,6 +57,7 @@ def format_report(p: dict[str, Any]) -> str:
         lines.append(
             f"  {label:<45}{_si(s['ns_flops_max'], 'FLOP'):>11}"
             f"{_si(s['ns_flops_mean'], 'FLOP'):>11}{s['ns_flops_imbalance']:>10.4f}"
+            f"{s['cost_imbalance']:>13.4f}"
         )
     mem = p["memory"]
     extra = " + fp32 master weights" if lay["master_weights"] else ""
@@ -130,22 +133,24 @@ def plot_plan(p: dict[str, Any], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(
-        len(BALANCES), 1, figsize=(10, 2.4 * len(BALANCES)), sharex=True, sharey=True
-    )
+    fig, axes = plt.subplots(len(BALANCES), 1, figsize=(10, 2.4 * len(BALANCES)), sharex=True)
     for ax, b in zip(axes, BALANCES):
         s = p["balancing"][b]
-        loads = [f / 1e12 for f in s["ns_flops_per_rank"]]
+        mean = s["ns_flops_mean"] or 1.0
+        loads = [f / mean for f in s["ns_flops_per_rank"]]
         ax.bar(range(len(loads)), loads, width=0.85, color="tab:blue")
-        ax.axhline(s["ns_flops_mean"] / 1e12, color="k", linestyle="--", linewidth=1, label="mean")
+        ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label=f"mean {_si(mean, 'FLOP')}")
+        ax.set_ylim(min(0.9, min(loads) - 0.01), max(1.1, max(loads) + 0.01))
         ax.set_title(f"{b}: max/mean = {s['ns_flops_imbalance']:.4f}", fontsize=10)
-        ax.set_ylabel("NS TFLOP")
-    axes[-1].set_xlabel("data-parallel rank")
-    axes[0].legend(loc="lower right", fontsize=8)
+        ax.set_ylabel("load / mean")
+        ax.legend(loc="lower right", fontsize=8)
+    axes[-1].set_xlabel(
+        "pipeline stage x data-parallel rank" if p["layout"]["pp"] > 1 else "data-parallel rank"
+    )
     lay = p["layout"]
     fig.suptitle(
         f"{p['model']['name']}: Newton-Schulz work per rank, DP {lay['dp']} TP {lay['tp']} "
-        f"EP {lay['ep']}"
+        f"PP {lay['pp']} EP {lay['ep']}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -160,6 +165,7 @@ def _cmd(args: argparse.Namespace) -> int:
             dp=args.dp,
             tp=args.tp,
             ep=args.ep,
+            pp=args.pp,
             tokens_per_step=args.tokens_per_step,
             ns_steps=args.ns_steps,
             ns_dtype=args.ns_dtype,
@@ -200,6 +206,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument(
         "--ep", type=int, default=1, help="expert-parallel size, dividing --dp (default 1)"
+    )
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel stages (contiguous layers; default 1)"
     )
     p.add_argument(
         "--tokens-per-step",

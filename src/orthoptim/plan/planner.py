@@ -66,6 +66,7 @@ class Layout:
     dp: int
     tp: int = 1
     ep: int = 1
+    pp: int = 1
     tokens_per_step: int = 0
     ns_steps: int = 5
     ns_dtype: str = "bf16"
@@ -75,7 +76,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
     @property
     def expert_dp(self) -> int:
@@ -84,9 +85,18 @@ class Layout:
 
 def check_layout(desc: ModelDescription, layout: Layout) -> None:
     """Raise a ValueError naming the flag when the layout does not fit the model."""
-    for flag, v in (("--dp", layout.dp), ("--tp", layout.tp), ("--ep", layout.ep)):
+    for flag, v in (
+        ("--dp", layout.dp),
+        ("--tp", layout.tp),
+        ("--ep", layout.ep),
+        ("--pp", layout.pp),
+    ):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{flag} must be a positive integer, got {v!r}")
+    if layout.pp > desc.num_hidden_layers:
+        raise ValueError(
+            f"--pp {layout.pp} exceeds the {desc.num_hidden_layers} layers of {desc.name!r}"
+        )
     if layout.dp % layout.ep:
         raise ValueError(
             f"--ep {layout.ep} must divide --dp {layout.dp} (expert parallelism runs inside "
@@ -195,95 +205,141 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     return {"max": mx, "mean": mean, "imbalance": mx / mean if mean else 1.0}
 
 
-def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dict[str, Any]:
-    """Every figure `orthoptim plan` reports, as a JSON-ready dict."""
+def stage_of_layers(num_layers: int, pp: int) -> list[int]:
+    """Pipeline stage of every block: contiguous, the first `num_layers mod pp` stages one
+    block longer."""
+    base, extra = divmod(num_layers, pp)
+    stages: list[int] = []
+    for s in range(pp):
+        stages += [s] * (base + (s < extra))
+    return stages
+
+
+def _stage(m: Matrix, stages: list[int], pp: int) -> int:
+    if m.layer is not None:
+        return stages[m.layer]
+    return 0 if m.param.startswith("embed") else pp - 1
+
+
+def plan_groups(
+    desc: ModelDescription,
+    layout: Layout,
+    balance: str = "cost",
+    dense: list[Matrix] | None = None,
+    experts: list[Matrix] | None = None,
+) -> list[list[_Group]]:
+    """Per pipeline stage, the assignments the layer-wise optimizers of one TP rank make: the
+    replicated units over `dp` ranks, then (MoE) EP rank 0's experts over `dp/ep` ranks.
+    Each group holds its matrices and units in the optimizer's (backward) order."""
     check_layout(desc, layout)
-    tp, dp, ep = layout.tp, layout.dp, layout.ep
+    if dense is None or experts is None:
+        dense, experts = split_matrices(expand(desc), desc, layout.ep)
+    stages = stage_of_layers(desc.num_hidden_layers, layout.pp)
+    grad_b = DTYPE_BYTES[layout.grad_dtype]
+    bucket_bytes = int(layout.bucket_mb * 2**20)
+    by_stage: list[list[_Group]] = []
+    for s in range(layout.pp):
+        stage_groups = []
+        for mats, world in ((dense, layout.dp), (experts, layout.expert_dp)):
+            ordered = backward_order([m for m in mats if _stage(m, stages, layout.pp) == s])
+            if not ordered:
+                continue
+            units = to_units(ordered, layout.tp, grad_b)
+            a = assign(units, world, balance=balance, bucket_bytes=bucket_bytes)
+            stage_groups.append(_Group(ordered, units, world, a))
+        by_stage.append(stage_groups)
+    return by_stage
+
+
+# One GPU of one TP rank: the (group, rank in that group) pairs whose units it owns.
+Slot = list[tuple[_Group, int]]
+
+
+def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dict[str, Any]:
+    """Every figure `orthoptim plan` reports, as a JSON-ready dict.
+
+    Per-rank lists hold one entry per (pipeline stage, data-parallel rank), stage-major.
+    """
+    check_layout(desc, layout)
+    tp, dp, ep, pp = layout.tp, layout.dp, layout.ep, layout.pp
     grad_b = DTYPE_BYTES[layout.grad_dtype]
     ns_b = DTYPE_BYTES[layout.ns_dtype]
-    bucket_bytes = int(layout.bucket_mb * 2**20)
     matrices = expand(desc)
     dense, experts = split_matrices(matrices, desc, ep)
     counts = param_counts(matrices)
     tokens = layout.tokens_per_step or desc.default_tokens_per_step
+    stages = stage_of_layers(desc.num_hidden_layers, pp)
 
-    def rank_groups(balance: str) -> list[_Group]:
-        groups = []
-        for mats, world in ((dense, dp), (experts, layout.expert_dp)):
-            if not mats:
-                continue
-            ordered = backward_order(mats)
-            units = to_units(ordered, tp, grad_b)
-            groups.append(
-                _Group(
-                    ordered,
-                    units,
-                    world,
-                    assign(units, world, balance=balance, bucket_bytes=bucket_bytes),
-                )
-            )
-        return groups
-
-    def group_rank(group: _Group, r: int) -> int:
-        return r if group.world == dp else r // ep
+    def make_slots(balance: str) -> tuple[list[Slot], list[list[_Group]]]:
+        by_stage = plan_groups(desc, layout, balance, dense, experts)
+        slots: list[Slot] = [[] for _ in range(pp * dp)]
+        for s, stage_groups in enumerate(by_stage):
+            for g in stage_groups:
+                for r in range(dp):
+                    slots[s * dp + r].append((g, r if g.world == dp else r // ep))
+        return slots, by_stage
 
     steps = layout.ns_steps
     balancing: dict[str, Any] = {}
-    assignments: dict[str, list[_Group]] = {}
+    per_balance: dict[str, tuple[list[Slot], list[list[_Group]]]] = {}
     for balance in BALANCES:
-        groups = rank_groups(balance)
-        assignments[balance] = groups
+        slots, by_stage = per_balance[balance] = make_slots(balance)
         flops = [
             sum(
                 ns_flops(g.matrices[i].shape, steps)
-                for g in groups
-                for i in g.owned(group_rank(g, r))
+                for g, gr in slot
+                for i in g.owned(gr)
                 if g.matrices[i].kind == "muon"
             )
-            for r in range(dp)
+            for slot in slots
         ]
-        cost = [sum(g.assignment.rank_cost[group_rank(g, r)] for g in groups) for r in range(dp)]
+        cost = [sum(g.assignment.rank_cost[gr] for g, gr in slot) for slot in slots]
         balancing[balance] = {
             "ns_flops_per_rank": flops,
             **{f"ns_flops_{k}": v for k, v in _stats(flops).items()},
             "cost_imbalance": _stats(cost)["imbalance"],
-            "matrices_per_rank_max": max(
-                sum(len(g.owned(group_rank(g, r))) for g in groups) for r in range(dp)
-            ),
+            "matrices_per_rank_max": max(sum(len(g.owned(gr)) for g, gr in slot) for slot in slots),
         }
 
-    groups = assignments["cost"]
+    slots, by_stage = per_balance["cost"]
     master = 4 if layout.master_weights else 0
+
+    def numel(m: Matrix) -> int:
+        return math.prod(local_shape(m, tp))
+
     state = [
         sum(
-            math.prod(local_shape(g.matrices[i], tp))
-            * ((4 if g.matrices[i].kind == "muon" else 8) + master)
-            for g in groups
-            for i in g.owned(group_rank(g, r))
+            numel(g.matrices[i]) * ((4 if g.matrices[i].kind == "muon" else 8) + master)
+            for g, gr in slot
+            for i in g.owned(gr)
         )
-        for r in range(dp)
+        for slot in slots
     ]
-    zero1_state = sum(
-        math.ceil(sum(math.prod(local_shape(m, tp)) for m in g.matrices) / g.world) * (8 + master)
-        for g in groups
+    zero1_state = max(
+        sum(math.ceil(sum(numel(m) for m in g.matrices) / g.world) * (8 + master) for g in sg)
+        for sg in by_stage
     )
-    local_params = sum(math.prod(local_shape(m, tp)) for g in groups for m in g.matrices)
+    replicated_state = max(
+        sum(numel(m) * ((4 if m.kind == "muon" else 8) + master) for g in sg for m in g.matrices)
+        for sg in by_stage
+    )
 
     comm: dict[str, Any] = {}
-    bw, _ = hardware.link(layout.gpus)
+    bw, _ = hardware.link(dp * tp)
     for gather in ("fp32", "bf16"):
         gb = DTYPE_BYTES[gather]
-        sent, received, unpadded = [0.0] * dp, [0.0] * dp, [0.0] * dp
-        for g in groups:
-            s_g, r_g = g.comm(grad_b, gb)
-            u_g = g.comm_unpadded(grad_b, gb)
-            for r in range(dp):
-                sent[r] += s_g[group_rank(g, r)]
-                received[r] += r_g[group_rank(g, r)]
-                unpadded[r] += u_g[group_rank(g, r)]
-        z1 = sum(
-            zero1_bytes(sum(math.prod(u.shape) for u in g.units), g.world, grad_b, gb)
-            for g in groups
+        per_group = {
+            id(g): (*g.comm(grad_b, gb), g.comm_unpadded(grad_b, gb)) for sg in by_stage for g in sg
+        }
+        sent = [sum(per_group[id(g)][0][gr] for g, gr in slot) for slot in slots]
+        received = [sum(per_group[id(g)][1][gr] for g, gr in slot) for slot in slots]
+        unpadded = [sum(per_group[id(g)][2][gr] for g, gr in slot) for slot in slots]
+        z1 = max(
+            sum(
+                zero1_bytes(sum(math.prod(u.shape) for u in g.units), g.world, grad_b, gb)
+                for g in sg
+            )
+            for sg in by_stage
         )
         lw = max(max(sent), max(received))
         comm[f"{gather}_gather"] = {
@@ -298,7 +354,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "zero1_time_s": z1 / bw,
         }
 
-    tp_section = _tp_modes(groups, layout, hardware, group_rank)
+    tp_section = _tp_modes(slots, by_stage, layout, hardware)
     chosen = tp_section["auto"] if tp > 1 else tp_section["duplicated"]
     model_flops = 6 * counts["matmul_active"] * tokens
     per_gpu_model = model_flops / layout.gpus
@@ -345,6 +401,8 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "dp": dp,
             "tp": tp,
             "ep": ep,
+            "pp": pp,
+            "layers_per_stage": [stages.count(k) for k in range(pp)],
             "gpus": layout.gpus,
             "expert_dp": layout.expert_dp,
             "experts_per_ep_rank": len({m.expert for m in experts}),
@@ -361,12 +419,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "layerwise_state_bytes_max": max(state),
             "layerwise_state_bytes_mean": sum(state) / len(state),
             "zero1_adamw_state_bytes_per_rank": zero1_state,
-            "replicated_muon_state_bytes": sum(
-                math.prod(local_shape(m, tp)) * ((4 if m.kind == "muon" else 8) + master)
-                for g in groups
-                for m in g.matrices
-            ),
-            "params_per_rank": local_params,
+            "replicated_muon_state_bytes": replicated_state,
         },
         "comm": comm,
         "tp": tp_section,
@@ -374,7 +427,9 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     }
 
 
-def _tp_modes(groups: list[_Group], layout: Layout, hw: Hardware, group_rank: Any) -> dict:
+def _tp_modes(
+    slots: list[Slot], by_stage: list[list[_Group]], layout: Layout, hw: Hardware
+) -> dict[str, Any]:
     """Per TP mode: bytes, flops and modelled time of the busiest rank; what auto picks."""
     tp, steps = layout.tp, layout.ns_steps
     ns_b = DTYPE_BYTES[layout.ns_dtype]
@@ -388,26 +443,28 @@ def _tp_modes(groups: list[_Group], layout: Layout, hw: Hardware, group_rank: An
     def cost(m: Matrix, mode: str) -> tuple[float, float, int]:
         if mode != "auto":
             return tp_ns_cost(m.shape, m.tp_dim, tp, mode, steps, ns_b)
-        options = [cost(m, k) for k in ("duplicated", "distributed")]
-        return min(options, key=time)
+        return min((cost(m, k) for k in ("duplicated", "distributed")), key=time)
 
     out: dict[str, Any] = {}
     for mode in (*TP_MODES, "auto"):
-        # (sent, flops, time) of every matrix of every group, then summed per rank
-        per_matrix = [
-            [
-                (lambda c: (c[0], c[1], time(c)))(cost(m, mode)) if m.kind == "muon" else (0, 0, 0)
+        # (sent, flops, time) of every matrix, then summed per rank
+        per_matrix = {
+            id(g): [
+                (c[0], c[1], time(c)) if m.kind == "muon" else (0.0, 0.0, 0.0)
                 for m in g.matrices
+                for c in (cost(m, mode) if m.kind == "muon" else (0.0, 0.0, 0),)
             ]
-            for g in groups
+            for sg in by_stage
+            for g in sg
+        }
+        per_rank = [
+            tuple(
+                sum(per_matrix[id(g)][i][j] for g, gr in slot for i in g.owned(gr))
+                for j in range(3)
+            )
+            for slot in slots
         ]
-        per_rank = []
-        for r in range(layout.dp):
-            owned = [
-                per_matrix[k][i] for k, g in enumerate(groups) for i in g.owned(group_rank(g, r))
-            ]
-            per_rank.append(tuple(sum(c[j] for c in owned) for j in range(3)))
-        worst = max(range(layout.dp), key=lambda r: per_rank[r][2])
+        worst = max(range(len(per_rank)), key=lambda r: per_rank[r][2])
         out[mode] = {
             "bytes_max": max(p[0] for p in per_rank),
             "flops_max": max(p[1] for p in per_rank),
@@ -417,11 +474,12 @@ def _tp_modes(groups: list[_Group], layout: Layout, hw: Hardware, group_rank: An
             "time_per_rank_s": [p[2] for p in per_rank],
         }
     picks = {"duplicated": 0, "distributed": 0}
-    for g in groups:
-        for m in g.matrices:
-            if m.kind == "muon" and m.tp_dim is not None and tp > 1:
-                best = min(("duplicated", "distributed"), key=lambda k: time(cost(m, k)))
-                picks[best] += 1
+    for sg in by_stage:
+        for g in sg:
+            for m in g.matrices:
+                if m.kind == "muon" and m.tp_dim is not None and tp > 1:
+                    best = min(("duplicated", "distributed"), key=lambda k: time(cost(m, k)))
+                    picks[best] += 1
     out["auto_picks"] = picks
     out["cost_model"] = "orthoptim.plan.costs.tp_ns_cost"
     return out
