@@ -45,7 +45,10 @@ def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return []
-    flags = torch.stack([torch.isfinite(p.grad).all() for p in with_grad]).cpu()
+    checks = [torch.isfinite(p.grad).all() for p in with_grad]
+    # A sharded (DTensor) gradient's check is reduced over its mesh, so every rank agrees.
+    checks = [c.full_tensor() if hasattr(c, "full_tensor") else c for c in checks]
+    flags = torch.stack(checks).cpu()
     return [p for p, ok in zip(with_grad, flags.tolist()) if not ok]
 
 

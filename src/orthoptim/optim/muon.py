@@ -9,7 +9,8 @@ Per matrix parameter W with gradient G, one step is::
 
 Same-shape matrices (and the experts of a 3-D parameter) are orthogonalized in one batched
 call. Muon never talks to a process group: a tensor-parallel orthogonalizer plugs in through
-`orthogonalizer`.
+`orthogonalizer`. DTensor parameters (e.g. from `parallelize_module`) stay DTensors here:
+shapes, and so LR scales, are global, and the orthogonalizer gets the stacked DTensor batch.
 """
 
 from __future__ import annotations
@@ -139,10 +140,9 @@ class Muon(torch.optim.Optimizer):
     def _step_group(self, group: dict[str, Any]) -> None:
         momentum, nesterov = group["momentum"], group["nesterov"]
         lr, wd = group["lr"], group["weight_decay"]
-        # (rows, cols) → [(param, update matrices [k, rows, cols])]
-        batches: dict[tuple[int, int, torch.device], list[tuple[Tensor, Tensor]]] = defaultdict(
-            list
-        )
+        # (rows, cols, device, layout) → [(param, update matrices [k, rows, cols])]; a DTensor's
+        # layout (mesh, placements) is part of the key so a batch never mixes shardings.
+        batches: dict[tuple[Any, ...], list[tuple[Tensor, Tensor]]] = defaultdict(list)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -160,9 +160,10 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(grad, 1.0 - momentum)
             update = grad.lerp(buf, momentum) if nesterov else buf
             mats = matrix_view(update)
-            batches[(mats.shape[-2], mats.shape[-1], mats.device)].append((p, mats))
+            layout = (getattr(mats, "device_mesh", None), tuple(getattr(mats, "placements", ())))
+            batches[(mats.shape[-2], mats.shape[-1], mats.device, layout)].append((p, mats))
 
-        for (rows, cols, _), items in batches.items():
+        for (rows, cols, _, _), items in batches.items():
             stacked = torch.cat([m for _, m in items]) if len(items) > 1 else items[0][1]
             ortho = self._orthogonalize(stacked, group)
             scale = lr * lr_scale_factor(group["lr_scale"], rows, cols)

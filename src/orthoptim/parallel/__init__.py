@@ -4,12 +4,15 @@ from orthoptim.parallel.assignment import Assignment, Unit, assign, unit_cost, u
 from orthoptim.parallel.collectives import CommStats
 from orthoptim.parallel.fsdp import FSDPOptimizer
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.parallel.tensor_parallel import CostModel, TensorParallelOrthogonalizer
 
 __all__ = [
     "Assignment",
     "CommStats",
+    "CostModel",
     "FSDPOptimizer",
     "LayerwiseDistributedOptimizer",
+    "TensorParallelOrthogonalizer",
     "Unit",
     "assign",
     "unit_cost",

@@ -75,12 +75,13 @@ def all_reduce(
     group: Any = None,
     stats: CommStats | None = None,
     async_op: bool = False,
+    kind: str = "all_reduce",
 ) -> Any:
-    """In-place all-reduce (sum by default) of `t`."""
+    """In-place all-reduce (sum by default) of `t`; `kind` is the name `stats` files it under."""
     _, n = world(group)
     if stats is not None and n > 1:
         b = 2 * (n - 1) / n * _nbytes(t)
-        stats.record("all_reduce", b, b)
+        stats.record(kind, b, b)
     if n == 1:
         return None
     return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -113,12 +114,13 @@ def all_gather(
     group: Any = None,
     stats: CommStats | None = None,
     async_op: bool = False,
+    kind: str = "all_gather",
 ) -> Any:
     """`out` (N × inp elements, rank-major) ← every rank's `inp`."""
     _, n = world(group)
     if stats is not None and n > 1:
         b = (n - 1) / n * _nbytes(out)
-        stats.record("all_gather", b, b)
+        stats.record(kind, b, b)
     if n == 1:
         out.copy_(inp.reshape(out.shape))
         return None
@@ -146,6 +148,7 @@ def all_gatherv(
     stats: CommStats | None = None,
     async_op: bool = False,
     out: Tensor | None = None,
+    kind: str = "all_gather",
 ) -> _Gathered:
     """Gather a flat tensor whose length differs by rank (`sizes[r]` elements on rank r).
 
@@ -175,7 +178,7 @@ def all_gatherv(
         if local.numel() == width
         else torch.cat([local, local.new_zeros(width - local.numel())])
     )
-    work = all_gather(buffer, padded, group=group, stats=stats, async_op=async_op)
+    work = all_gather(buffer, padded, group=group, stats=stats, async_op=async_op, kind=kind)
     return _Gathered(work if async_op else None, buffer, sizes)
 
 
@@ -264,7 +267,9 @@ def unpack_upper(packed: Tensor, m: int) -> Tensor:
     return A
 
 
-def all_reduce_symmetric(A: Tensor, group: Any = None, stats: CommStats | None = None) -> Tensor:
+def all_reduce_symmetric(
+    A: Tensor, group: Any = None, stats: CommStats | None = None, kind: str = "all_reduce"
+) -> Tensor:
     """Sum symmetric [..., m, m] matrices over ranks, sending only the packed upper triangle.
 
     m(m+1)/2 elements cross the wire instead of m², half the bytes for large m.
@@ -274,5 +279,5 @@ def all_reduce_symmetric(A: Tensor, group: Any = None, stats: CommStats | None =
     if n == 1:
         return A.clone()
     packed = pack_upper(A).contiguous()
-    all_reduce(packed, group=group, stats=stats)
+    all_reduce(packed, group=group, stats=stats, kind=kind)
     return unpack_upper(packed, A.shape[-1])

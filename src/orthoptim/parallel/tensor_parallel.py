@@ -1,0 +1,538 @@
+"""Newton-Schulz for matrices split across tensor-parallel ranks.
+
+Under tensor parallelism each rank holds a slice of every weight matrix (column-parallel:
+a block of output rows; row-parallel: a block of input columns), but Newton-Schulz needs the
+whole matrix. `TensorParallelOrthogonalizer` is the callable Muon takes as `orthogonalizer`;
+it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of four modes:
+
+- ``duplicated``: all-gather the shards (in the Newton-Schulz dtype, so bf16 halves the
+  bytes), run the full iteration on every rank, keep the local slice. One collective, T×
+  the compute.
+- ``distributed``: with the sharded dimension moved last, W = [W_1 | ... | W_T], the Gram
+  matrix A = W·Wᵀ = Σ_i W_i·W_iᵀ is a sum over ranks, and the update W_i ← a·W_i + B·W_i with
+  B = b·A + c·A·A needs only A and the local block. Each step all-reduces the partial Gram
+  once, packed (the upper triangle, p(p+1)/2 elements instead of p²). B·W_i is applied in
+  one of three forms: ``apply`` computes b·(A·W_i) + c·(A·(A·W_i)) (4p²q/T flops, no p³
+  product, no extra communication); ``square`` forms B on every rank (2p³ + 2p²q/T);
+  ``split`` has each rank form a balanced share of B's upper triangle (about p³/T) and
+  all-gathers the packed pieces (one more collective of about p²/2 elements per step).
+  The cost model picks the cheapest per shape; `orthoptim bench tp` measures all three. The
+  matrix is
+  normalised by its global Frobenius norm (one k-element all-reduce). Since
+  (X·Xᵀ)·X = X·(Xᵀ·X), using the Gram side that sums over the sharded dimension gives the
+  same iteration as the single-device one whatever the global orientation.
+- ``blockwise``: each rank orthogonalizes its own shard, no communication. Not the same
+  as full Newton-Schulz: every shard becomes (near) orthogonal on its own, so a column-
+  parallel slice gets orthonormal rows where the full result's slice would not; the
+  deviation is measured by `orthoptim bench tp`.
+- ``auto``: a cost model (bytes ÷ bandwidth + rounds × latency + flops ÷ throughput) picks
+  duplicated or distributed per batch, identically on every rank. Never blockwise.
+
+Inputs are DTensors (as `parallelize_module` makes them: the group and shard dimension are
+read from the mesh and placements, uneven shards allowed) or plain local shards (the group
+and `shard_dim` given at construction; shards must be equal in size). Every collective goes
+through `orthoptim.parallel.collectives`, counted in `stats`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from orthoptim import kernels
+from orthoptim.newton_schulz import (
+    CoefficientsLike,
+    coefficient_schedule,
+    newton_schulz,
+    ns_compute_dtype,
+)
+from orthoptim.parallel import collectives
+from orthoptim.parallel.collectives import CommStats
+
+MODES = ("auto", "duplicated", "distributed", "blockwise")
+FORMS = ("auto", "apply", "square", "split")
+
+# CommStats kinds, so benchmarks and tests can tell the collectives of each mode apart.
+GRAM_KIND = "all_reduce_gram"
+NORM_KIND = "all_reduce_norm"
+GATHER_KIND = "all_gather"
+SPLIT_KIND = "all_gather_split"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds a mode is expected to take: bytes ÷ bandwidth + rounds·latency + flops ÷ throughput.
+
+    `bandwidth` is bytes per second one rank pushes through a collective (ring algorithm),
+    `latency` the fixed cost of one collective, `throughput` the matmul flop rate. The
+    defaults describe a GPU node with NVLink; `calibrate` measures the actual group.
+    """
+
+    bandwidth: float = 100e9
+    latency: float = 20e-6
+    throughput: float = 100e12
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth", "latency", "throughput"):
+            value = getattr(self, name)
+            if not (value >= 0.0 and math.isfinite(value)) or (name != "latency" and value == 0):
+                raise ValueError(f"CostModel.{name} must be a finite positive number, got {value}")
+
+    def seconds(self, cost: TPCost) -> float:
+        """Expected time of a mode whose per-rank cost is `cost`."""
+        return (
+            cost.bytes_sent / self.bandwidth
+            + cost.rounds * self.latency
+            + cost.flops / self.throughput
+        )
+
+    @classmethod
+    def calibrate(
+        cls,
+        group: Any = None,
+        nbytes: int = 4 << 20,
+        matmul_size: int = 512,
+        repeats: int = 5,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> CostModel:
+        """Measure bandwidth, latency and matmul throughput on `group` with a quick probe.
+
+        Every rank of `group` must call it. The slowest rank's figures are used on all ranks
+        (a max all-reduce), so every rank's cost model, and hence `auto`'s choice, agrees.
+        """
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        _, n = collectives.world(group)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        elem = torch.empty((), dtype=dtype).element_size()
+
+        def timed(fn: Any) -> float:
+            fn()
+            samples = []
+            for _ in range(repeats):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                samples.append(time.perf_counter() - t0)
+            return statistics.median(samples)
+
+        big = torch.zeros(max(1, nbytes // elem), dtype=dtype, device=dev)
+        tiny = torch.zeros(1, dtype=dtype, device=dev)
+        a = torch.randn(matmul_size, matmul_size, dtype=dtype, device=dev)
+        t_big = timed(lambda: collectives.all_reduce(big, group=group)) if n > 1 else 0.0
+        t_tiny = timed(lambda: collectives.all_reduce(tiny, group=group)) if n > 1 else 0.0
+        t_mm = timed(lambda: a @ a)
+        times = torch.tensor([t_big, t_tiny, t_mm], dtype=torch.float64)
+        collectives.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        t_big, t_tiny, t_mm = times.tolist()
+        defaults = cls()
+        sent = 2 * (n - 1) / n * big.numel() * elem
+        bandwidth = sent / max(t_big - t_tiny, 1e-9) if n > 1 else defaults.bandwidth
+        return cls(
+            bandwidth=bandwidth,
+            latency=max(t_tiny, 0.0) if n > 1 else defaults.latency,
+            throughput=2 * matmul_size**3 / max(t_mm, 1e-12),
+        )
+
+
+@dataclass(frozen=True)
+class TPCost:
+    """Per-rank cost of orthogonalizing one batch: bytes sent, collective rounds, flops."""
+
+    bytes_sent: float
+    rounds: int
+    flops: float
+
+
+def shard_sizes(size: int, world_size: int) -> list[int]:
+    """Sizes of the `world_size` shards of a dimension of `size` (torch.chunk / DTensor rule)."""
+    full = -(-size // world_size)
+    return [max(0, min(full, size - r * full)) for r in range(world_size)]
+
+
+def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """Row blocks [(start, stop), ...] of a p×p symmetric product's upper triangle, per rank.
+
+    Block rows s..e−1 cost (e−s)·(p−s) multiply-adds (a row slab times the columns from s on);
+    about 4 blocks per rank, dealt largest first to the least loaded rank, balance that work.
+    """
+    nblocks = max(1, min(p, 4 * world_size))
+    bounds = [round(i * p / nblocks) for i in range(nblocks + 1)]
+    blocks = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    load = [0] * world_size
+    plan: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    for a, b in sorted(blocks, key=lambda blk: -(blk[1] - blk[0]) * (p - blk[0])):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += (b - a) * (p - a)
+        plan[r].append((a, b))
+    return [sorted(blks) for blks in plan]
+
+
+def _packed_offset(row: int, p: int) -> int:
+    """Index of element (row, row) in the packed upper triangle of a p×p matrix."""
+    return row * p - row * (row - 1) // 2
+
+
+def _block_count(a: int, b: int, p: int) -> int:
+    return _packed_offset(b, p) - _packed_offset(a, p)
+
+
+def _distributed_flops(p: int, q_local: int, world_size: int, form: str) -> tuple[float, float]:
+    """(flops per step per matrix, elements all-gathered per step per matrix) of a form."""
+    gram = 2 * p * p * q_local
+    if form == "apply":
+        return gram + 4 * p * p * q_local, 0.0
+    if form == "square":
+        return gram + 2 * p**3 + 2 * p * p * q_local, 0.0
+    if form == "split":
+        plan = split_plan(p, world_size)
+        share = max(sum(2 * (b - a) * p * (p - a) for a, b in blks) for blks in plan)
+        widest = max(sum(_block_count(a, b, p) for a, b in blks) for blks in plan)
+        return gram + share + 2 * p * p * q_local, float(widest)
+    raise ValueError(f"form must be one of {FORMS[1:]}, got {form!r}")
+
+
+def tp_cost(
+    mode: str,
+    k: int,
+    rows: int,
+    cols: int,
+    shard_dim: int,
+    world_size: int,
+    steps: int,
+    element_size: int,
+    form: str = "apply",
+) -> TPCost:
+    """Per-rank cost of `mode` on k global rows×cols matrices sharded along `shard_dim` (0/1).
+
+    `form` is distributed mode's way of applying B (apply, square or split).
+
+    Flops count plain matmuls (2·m·n·k each). Bytes are what one rank sends under the ring
+    algorithm, as `collectives.CommStats` records them.
+    """
+    T = world_size
+    m, n = min(rows, cols), max(rows, cols)
+    if mode == "duplicated":
+        widest = max(shard_sizes((rows, cols)[shard_dim], T))
+        other = (cols, rows)[shard_dim]
+        sent = (T - 1) * k * widest * other * element_size
+        flops = steps * k * (4 * m * m * n + 2 * m**3)
+        return TPCost(sent, 1 if T > 1 else 0, flops)
+    if mode == "distributed":
+        q = (rows, cols)[shard_dim]
+        p = (cols, rows)[shard_dim]
+        q_local = max(shard_sizes(q, T))
+        if form == "auto":
+            raise ValueError("tp_cost needs a concrete form (apply, square or split)")
+        per_step, gathered = _distributed_flops(p, q_local, T, form)
+        ring = 2 * (T - 1) / T
+        gram = ring * k * collectives.packed_triangle_size(p) * element_size
+        split = (T - 1) * k * gathered * element_size
+        norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
+        rounds = (steps * (2 if form == "split" else 1) + 1) if T > 1 else 0
+        return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
+    if mode == "blockwise":
+        local = [rows, cols]
+        local[shard_dim] = max(shard_sizes(local[shard_dim], T))
+        ml, nl = min(local), max(local)
+        return TPCost(0.0, 0, steps * k * (4 * ml * ml * nl + 2 * ml**3))
+    raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a stacked batch lives: the TP group, which stack dim is sharded, global sizes."""
+
+    group: Any
+    world_size: int
+    rank: int
+    dim: int | None  # -2 (matrix rows), -1 (matrix columns), None: nothing to gather
+    sizes: tuple[int, ...]  # shard sizes along `dim`, by group rank
+
+
+class TensorParallelOrthogonalizer:
+    """Newton-Schulz on tensor-parallel shards; pass it to `Muon(..., orthogonalizer=...)`.
+
+    `group` is the tensor-parallel process group (None: the default group) and `shard_dim`
+    the matrix dimension the plain local shards are split along (0: rows, as column-parallel
+    layers split their weight; 1: columns, row-parallel). Both are ignored for DTensor
+    inputs, whose device mesh and placements say it. `mode` is one of MODES; `form` how
+    distributed mode applies B·W (FORMS); `cost_model` drives `auto`. The last batch's
+    choices are in `last_modes` / `last_forms`; bytes are counted in `stats`.
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        mode: str = "auto",
+        shard_dim: int | None = None,
+        steps: int = 5,
+        coefficients: CoefficientsLike = "quintic",
+        ns_dtype: torch.dtype | None = None,
+        eps: float = 1e-7,
+        form: str = "auto",
+        cost_model: CostModel | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        if shard_dim is not None and shard_dim not in (0, 1, -1, -2):
+            raise ValueError(
+                f"shard_dim must be 0 (rows: column-parallel) or 1 (columns: row-parallel) of "
+                f"each matrix, or None for DTensor inputs, got {shard_dim!r}"
+            )
+        if ns_dtype is not None and not ns_dtype.is_floating_point:
+            raise ValueError(f"ns_dtype must be a floating-point dtype or None, got {ns_dtype}")
+        if not eps > 0.0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        self.schedule = coefficient_schedule(coefficients, steps)
+        self.group = group
+        self.mode = mode
+        self.shard_dim = None if shard_dim is None else shard_dim % 2
+        self.steps = steps
+        self.coefficients = coefficients
+        self.ns_dtype = ns_dtype
+        self.eps = eps
+        self.form = form
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.stats = stats if stats is not None else CommStats()
+        self.last_modes: list[str] = []
+        self.last_forms: list[str] = []
+
+    def calibrate(self, **kw: Any) -> CostModel:
+        """Replace the cost model by one measured on this group (`CostModel.calibrate`)."""
+        self.cost_model = CostModel.calibrate(self.group, **kw)
+        return self.cost_model
+
+    # -- entry point -------------------------------------------------------------------------
+
+    def __call__(self, mats: Tensor) -> Tensor:
+        """Orthogonalize every matrix of `mats` ([..., rows, cols], shards); same shape back."""
+        if mats.ndim < 2:
+            raise ValueError(
+                f"TensorParallelOrthogonalizer needs a batch of matrices, got shape "
+                f"{tuple(mats.shape)}"
+            )
+        dtensor = _is_dtensor(mats)
+        local, layout = self._local_and_layout(mats)
+        flat = local.reshape(-1, *local.shape[-2:])
+        global_rows, global_cols = flat.shape[-2], flat.shape[-1]
+        if layout.dim == -2:
+            global_rows = sum(layout.sizes)
+        elif layout.dim == -1:
+            global_cols = sum(layout.sizes)
+        mode = self.choose_mode(flat.shape[0], global_rows, global_cols, layout)
+        self.last_modes.append(mode)
+        if mode == "duplicated":
+            out = self._duplicated(flat, layout)
+        elif mode == "distributed":
+            out = self._distributed(flat, layout)
+        else:
+            out = self._newton_schulz(flat)
+        out = out.reshape(local.shape)
+        if dtensor:
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(
+                out, mats.device_mesh, mats.placements, shape=mats.shape, stride=mats.stride()
+            )
+        return out
+
+    def choose_mode(self, k: int, rows: int, cols: int, layout: _Layout) -> str:
+        """The mode for k global rows×cols matrices: `mode`, or the cost model's pick."""
+        if layout.dim is None or layout.world_size == 1:
+            return "blockwise" if self.mode == "blockwise" else "local"
+        if self.mode != "auto":
+            return self.mode
+        shard = 0 if layout.dim == -2 else 1
+        elem = torch.empty((), dtype=self._compute_dtype(torch.float32)).element_size()
+        args = (k, rows, cols, shard, layout.world_size, self.steps, elem)
+        form = self.choose_form(*args)
+        costs = {
+            "duplicated": self.cost_model.seconds(tp_cost("duplicated", *args)),
+            "distributed": self.cost_model.seconds(tp_cost("distributed", *args, form=form)),
+        }
+        return min(costs, key=costs.__getitem__)
+
+    def choose_form(
+        self,
+        k: int,
+        rows: int,
+        cols: int,
+        shard_dim: int,
+        world_size: int,
+        steps: int,
+        element_size: int,
+    ) -> str:
+        """Distributed mode's form for this shape: `form`, or the cost model's cheapest."""
+        if self.form != "auto":
+            return self.form
+        costs = {
+            f: self.cost_model.seconds(
+                tp_cost("distributed", k, rows, cols, shard_dim, world_size, steps, element_size, f)
+            )
+            for f in FORMS[1:]
+        }
+        return min(costs, key=costs.__getitem__)
+
+    # -- layouts -----------------------------------------------------------------------------
+
+    def _local_and_layout(self, mats: Tensor) -> tuple[Tensor, _Layout]:
+        if _is_dtensor(mats):
+            return mats.to_local(), _dtensor_layout(mats)
+        if self.shard_dim is None:
+            raise ValueError(
+                "TensorParallelOrthogonalizer got a plain tensor but no shard_dim: pass "
+                "shard_dim=0 (column-parallel: rows split) or 1 (row-parallel: columns split), "
+                "or give it DTensor parameters"
+            )
+        rank, n = collectives.world(self.group)
+        dim = -2 if self.shard_dim == 0 else -1
+        return mats, _Layout(self.group, n, rank, dim, (mats.shape[dim],) * n)
+
+    def _compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return ns_compute_dtype(dtype, self.ns_dtype)
+
+    def _newton_schulz(self, X: Tensor) -> Tensor:
+        return newton_schulz(
+            X,
+            steps=self.steps,
+            coefficients=self.schedule,
+            eps=self.eps,
+            dtype=self._compute_dtype(X.dtype),
+        )
+
+    # -- modes -------------------------------------------------------------------------------
+
+    def _duplicated(self, X: Tensor, layout: _Layout) -> Tensor:
+        """All-gather the shards in the compute dtype, full iteration, keep the local slice."""
+        compute = self._compute_dtype(X.dtype)
+        dim = layout.dim
+        assert dim is not None
+        local = X.to(compute).contiguous()
+        if local.shape[dim] != layout.sizes[layout.rank]:
+            raise ValueError(
+                f"rank {layout.rank} holds a shard of {local.shape[dim]} along dim {dim}, "
+                f"expected {layout.sizes[layout.rank]}"
+            )
+        other = local.numel() // max(1, local.shape[dim])
+        sizes = [s * other for s in layout.sizes]
+        parts = collectives.all_gatherv(
+            local.reshape(-1), sizes, group=layout.group, stats=self.stats
+        ).wait()
+        shape = list(local.shape)
+        blocks = []
+        for part, s in zip(parts, layout.sizes):
+            shape[dim] = s
+            blocks.append(part.view(shape))
+        full = torch.cat(blocks, dim=dim)
+        out = self._newton_schulz(full)
+        offset = sum(layout.sizes[: layout.rank])
+        return out.narrow(dim, offset, layout.sizes[layout.rank]).to(X.dtype).contiguous()
+
+    def _distributed(self, X: Tensor, layout: _Layout) -> Tensor:
+        """Sharded iteration: one packed partial-Gram all-reduce per step."""
+        compute = self._compute_dtype(X.dtype)
+        W = X if layout.dim == -1 else X.mT  # the sharded dimension last: W is [k, p, q_i]
+        norm_dtype = torch.float64 if compute == torch.float64 else torch.float32
+        sq = W.to(norm_dtype).square().sum(dim=(-2, -1))
+        collectives.all_reduce(sq, group=layout.group, stats=self.stats, kind=NORM_KIND)
+        if not bool(torch.isfinite(sq).all()):
+            raise ValueError("TensorParallelOrthogonalizer got a matrix with NaN or Inf entries")
+        norm = sq.sqrt().clamp_min(self.eps)[:, None, None]
+        W = (W.to(norm_dtype) / norm).to(compute)
+        k, p = W.shape[0], W.shape[-2]
+        rows, cols = (p, sum(layout.sizes)) if layout.dim == -1 else (sum(layout.sizes), p)
+        shard = 1 if layout.dim == -1 else 0
+        elem = torch.empty((), dtype=compute).element_size()
+        form = self.choose_form(k, rows, cols, shard, layout.world_size, self.steps, elem)
+        self.last_forms.append(form)
+        for a, b, c in self.schedule:
+            A = collectives.all_reduce_symmetric(
+                kernels.gram(W), group=layout.group, stats=self.stats, kind=GRAM_KIND
+            )
+            if form == "apply":
+                AW = A @ W
+                W = torch.baddbmm(AW, A, AW, beta=b, alpha=c).add_(W, alpha=a)
+            elif form == "square":
+                W = torch.baddbmm(W, kernels.sym_poly(A, b, c), W, beta=a)
+            else:
+                W = torch.baddbmm(W, self._split_poly(A, b, c, layout), W, beta=a)
+        out = W if layout.dim == -1 else W.mT
+        return out.to(X.dtype).contiguous()
+
+    def _split_poly(self, A: Tensor, b: float, c: float, layout: _Layout) -> Tensor:
+        """B = b·A + c·A·A with each rank computing its share of the upper triangle."""
+        k, p = A.shape[0], A.shape[-1]
+        plan = split_plan(p, layout.world_size)
+        pieces = []
+        for lo, hi in plan[layout.rank]:
+            slab = torch.baddbmm(A[:, lo:hi, lo:], A[:, lo:hi, :], A[:, :, lo:], beta=b, alpha=c)
+            r, cidx = torch.triu_indices(hi - lo, p - lo, device=A.device)
+            pieces.append(slab[:, r, cidx])
+        mine = torch.cat(pieces, dim=1) if pieces else A.new_zeros(k, 0)
+        counts = [sum(_block_count(lo, hi, p) for lo, hi in blks) for blks in plan]
+        parts = collectives.all_gatherv(
+            mine.reshape(-1).contiguous(),
+            [k * n for n in counts],
+            group=layout.group,
+            stats=self.stats,
+            kind=SPLIT_KIND,
+        ).wait()
+        packed = A.new_empty(k, collectives.packed_triangle_size(p))
+        for blks, part, n in zip(plan, parts, counts):
+            part = part.view(k, n)
+            at = 0
+            for lo, hi in blks:
+                size = _block_count(lo, hi, p)
+                start = _packed_offset(lo, p)
+                packed[:, start : start + size] = part[:, at : at + size]
+                at += size
+        return collectives.unpack_upper(packed, p)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def _dtensor_layout(mats: Any) -> _Layout:
+    """Read the TP group and shard dim of a stacked DTensor batch from its mesh/placements."""
+    from torch.distributed.tensor import Partial, Shard
+
+    mesh, placements = mats.device_mesh, mats.placements
+    sharded = [(i, pl) for i, pl in enumerate(placements) if isinstance(pl, Shard)]
+    if any(isinstance(pl, Partial) for pl in placements):
+        raise ValueError(
+            f"TensorParallelOrthogonalizer got a DTensor with a Partial placement "
+            f"({placements}); reduce it first"
+        )
+    if len(sharded) > 1:
+        raise ValueError(
+            f"TensorParallelOrthogonalizer supports one sharded mesh dimension, got placements "
+            f"{placements}; shard the matrices over the tensor-parallel mesh dimension only"
+        )
+    if not sharded:
+        return _Layout(None, 1, 0, None, ())
+    mesh_dim, placement = sharded[0]
+    dim = placement.dim % mats.ndim
+    group = mesh.get_group(mesh_dim)
+    rank, n = collectives.world(group)
+    if dim < mats.ndim - 2:
+        # Split along the stack (experts): every rank holds whole matrices.
+        return _Layout(group, n, rank, None, ())
+    size = mats.shape[dim]
+    return _Layout(group, n, rank, dim - mats.ndim, tuple(shard_sizes(size, n)))

@@ -1,0 +1,367 @@
+"""Tensor-parallel Newton-Schulz against the full matrix, on real gloo ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from orthoptim import kernels
+from orthoptim.newton_schulz import newton_schulz
+from orthoptim.parallel import TensorParallelOrthogonalizer
+from orthoptim.parallel.collectives import (
+    CommStats,
+    all_reduce,
+    all_reduce_symmetric,
+    packed_triangle_size,
+)
+from orthoptim.parallel.tensor_parallel import (
+    GRAM_KIND,
+    NORM_KIND,
+    SPLIT_KIND,
+    CostModel,
+    _Layout,
+    shard_sizes,
+    split_plan,
+    tp_cost,
+)
+
+from distributed import run_ranks
+
+STEPS = 5
+# fp32: the sharded iteration sums the Gram in another order than the single-device one;
+# five steps amplify that rounding to well under this (entries are O(1/sqrt(cols))).
+FP32_TOL = 2e-5
+VARIANTS = (
+    ("duplicated", "apply"),
+    ("distributed", "apply"),
+    ("distributed", "square"),
+    ("distributed", "split"),
+    ("blockwise", "apply"),
+)
+# (k, rows, cols): tall and wide, divisible by 2 and 4.
+SHAPES = [(2, 24, 40), (3, 48, 16)]
+
+
+def _full(k, rows, cols, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(k, rows, cols, generator=g)
+
+
+def _matmul_flops(fn):
+    # plain matmuls, so the count can be checked against the cost model's formula
+    with kernels.force_matmul(), FlopCounterMode(display=False) as counter:
+        out = fn()
+    return out, counter.get_total_flops()
+
+
+def _sharded_modes(group, mesh):
+    """Every mode on plain shards and on DTensors, against the full matrix's Newton-Schulz."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    results = {}
+    for si, (k, rows, cols) in enumerate(SHAPES):
+        G = _full(k, rows, cols, seed=si)
+        ref = newton_schulz(G, steps=STEPS)
+        for shard_dim in (0, 1):
+            local = G.chunk(world_size, dim=1 + shard_dim)[rank].contiguous()
+            ref_local = ref.chunk(world_size, dim=1 + shard_dim)[rank]
+            for mode, form in VARIANTS:
+                stats = CommStats()
+                orth = TensorParallelOrthogonalizer(
+                    group, mode=mode, shard_dim=shard_dim, steps=STEPS, form=form, stats=stats
+                )
+                out, flops = _matmul_flops(lambda o=orth, x=local: o(x))
+                expected = newton_schulz(local, steps=STEPS) if mode == "blockwise" else ref_local
+                results[(si, shard_dim, mode, form)] = {
+                    "err": (out - expected).abs().max().item(),
+                    "shape_ok": out.shape == local.shape and out.dtype == local.dtype,
+                    "flops": flops,
+                    "model": tp_cost(mode, k, rows, cols, shard_dim, world_size, STEPS, 4, form),
+                    "stats": stats.as_dict(),
+                }
+
+    # The packed Gram all-reduce on its own: the full symmetric sum, m(m+1)/2 elements.
+    m = 9
+    X = _full(1, m, 5, seed=100 + rank)[0]
+    stats = CommStats()
+    summed = all_reduce_symmetric(X @ X.T, group=group, stats=stats, kind=GRAM_KIND)
+    all_reduce((X @ X.T).contiguous(), group=group, stats=stats)
+    results["packed"] = {"summed": summed, "stats": stats.as_dict()}
+
+    # DTensor inputs (as Muon hands them over): group and shard dim come from the placement,
+    # and uneven shards (rows 10 and cols 13 do not divide by 4) work.
+    G = _full(2, 10, 13, seed=7)
+    ref = newton_schulz(G, steps=STEPS)
+    for dim in (1, 2):
+        D = distribute_tensor(G, mesh, [Shard(dim)])
+        for mode in ("duplicated", "distributed", "auto"):
+            orth = TensorParallelOrthogonalizer(mode=mode, steps=STEPS)
+            out = orth(D)
+            results[("dtensor", dim, mode)] = {
+                "err": (out.full_tensor() - ref).abs().max().item(),
+                "placements": out.placements == D.placements,
+                "modes": orth.last_modes,
+            }
+    return results
+
+
+def _all_checks(rank, world_size):
+    """Everything multi-rank in one spawn (starting ranks is the slow part): the modes at
+    TP = 4 (all ranks) and TP = 2 (two subgroups), then the GPT on a (dp=2)×(tp=2) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {4: _sharded_modes(None, init_device_mesh("cpu", (4,)))}
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out[2] = _sharded_modes(mesh2d["tp"].get_group(), mesh2d["tp"])
+    out["gpt"] = {mode: _gpt_2d(mesh2d, mode) for mode in ("duplicated", "distributed")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(_all_checks, 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_modes_match_full_newton_schulz(four_ranks, world_size):
+    T = world_size
+    res = [r[T] for r in four_ranks]
+    # with TP = 2 the tp groups are {0, 1} and {2, 3}; each rank compared its own slice
+    for r in res:
+        for si, (k, rows, cols) in enumerate(SHAPES):
+            for shard_dim in (0, 1):
+                p = (cols, rows)[shard_dim]
+                for mode, form in VARIANTS:
+                    key = (si, shard_dim, mode, form)
+                    got = r[key]
+                    assert got["shape_ok"], key
+                    tol = 0.0 if mode in ("duplicated", "blockwise") else FP32_TOL
+                    assert got["err"] <= tol, (key, got["err"])
+                    # counted flops and bytes are what the cost model says (flops: the
+                    # busiest rank; split's shares of the triangle differ a little by rank)
+                    assert got["flops"] <= got["model"].flops, (key, got)
+                    assert max(q[key]["flops"] for q in res) == got["model"].flops, key
+                    assert got["stats"]["total"]["sent"] == pytest.approx(
+                        got["model"].bytes_sent
+                    ), key
+                    assert got["stats"]["total"]["calls"] == got["model"].rounds, key
+                # the packed Gram: p(p+1)/2 elements per step per matrix
+                ring = 2 * (T - 1) / T
+                for form in ("apply", "square", "split"):
+                    stats = r[(si, shard_dim, "distributed", form)]["stats"]
+                    assert stats[GRAM_KIND]["calls"] == STEPS
+                    assert stats[GRAM_KIND]["sent"] == pytest.approx(
+                        STEPS * ring * k * packed_triangle_size(p) * 4
+                    )
+                    assert stats[NORM_KIND]["sent"] == pytest.approx(ring * k * 4)
+                assert r[(si, shard_dim, "distributed", "split")]["stats"][SPLIT_KIND]["calls"] == (
+                    STEPS
+                )
+                dup = r[(si, shard_dim, "duplicated", "apply")]["stats"]
+                assert dup["total"]["calls"] == 1
+                assert dup["all_gather"]["sent"] == pytest.approx((T - 1) * k * rows * cols / T * 4)
+                assert r[(si, shard_dim, "blockwise", "apply")]["stats"]["total"]["calls"] == 0
+
+        packed = r["packed"]
+        total = sum((X @ X.T) for X in (_full(1, 9, 5, seed=100 + q)[0] for q in range(T)))
+        torch.testing.assert_close(packed["summed"], total)
+        torch.testing.assert_close(packed["summed"], packed["summed"].T, rtol=0, atol=0)
+        s = packed["stats"]
+        assert s[GRAM_KIND]["sent"] == pytest.approx(2 * (T - 1) / T * 9 * 10 / 2 * 4)
+        assert s[GRAM_KIND]["sent"] / s["all_reduce"]["sent"] == pytest.approx(10 / 18)
+
+        for dim in (1, 2):
+            for mode in ("duplicated", "distributed", "auto"):
+                got = r[("dtensor", dim, mode)]
+                assert got["err"] <= FP32_TOL, (dim, mode, got)
+                assert got["placements"]
+                assert got["modes"] and got["modes"][0] in ("duplicated", "distributed")
+    # auto decides on global shapes and a shared cost model: every rank picks the same mode.
+    for d in (1, 2):
+        assert len({tuple(r[("dtensor", d, "auto")]["modes"]) for r in res}) == 1
+
+
+def test_blockwise_differs_from_full_newton_schulz():
+    """Per-shard orthogonalization is not the full polar factor (why it is opt-in)."""
+    G = _full(1, 16, 32, seed=3)
+    full = newton_schulz(G, steps=STEPS)
+    blocks = torch.cat([newton_schulz(b, steps=STEPS) for b in G.chunk(2, dim=1)], dim=1)
+    assert (blocks - full).norm() / full.norm() > 0.1
+
+
+def test_cost_model_and_forms():
+    assert shard_sizes(10, 4) == [3, 3, 3, 1]
+    assert shard_sizes(8, 4) == [2, 2, 2, 2]
+    for p, T in ((24, 2), (40, 4), (1024, 4), (3, 4)):
+        plan = split_plan(p, T)
+        rows = sorted(r for blks in plan for a, b in blks for r in range(a, b))
+        assert rows == list(range(p))  # every row of the triangle once
+        load = [sum((b - a) * (p - a) for a, b in blks) for blks in plan]
+        if p >= 4 * T:
+            assert max(load) <= 1.35 * sum(load) / T, (p, T, load)
+    # split halves the replicated p³ product, at the price of one more all-gather
+    sq = tp_cost("distributed", 1, 256, 1024, 1, 4, 5, 4, "square")
+    sp = tp_cost("distributed", 1, 256, 1024, 1, 4, 5, 4, "split")
+    assert sp.flops < sq.flops and sp.bytes_sent > sq.bytes_sent
+    plain = 5 * (4 * 256**2 * 1024 + 2 * 256**3)
+    assert sp.flops <= plain / 4
+    layout = _Layout(None, 4, 0, -1, (256,) * 4)
+    # Slow links and fast matmuls favour one gather; fast links and slow matmuls the
+    # distributed iteration; blockwise is never chosen by auto.
+    slow_link = TensorParallelOrthogonalizer(
+        cost_model=CostModel(bandwidth=1e6, latency=1e-3, throughput=1e15)
+    )
+    assert slow_link.choose_mode(4, 256, 1024, layout) == "duplicated"
+    slow_math = TensorParallelOrthogonalizer(
+        cost_model=CostModel(bandwidth=1e12, latency=0.0, throughput=1e6)
+    )
+    assert slow_math.choose_mode(4, 256, 1024, layout) == "distributed"
+    assert tp_cost("blockwise", 1, 256, 1024, 1, 4, 5, 4).bytes_sent == 0
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="mode"):
+        TensorParallelOrthogonalizer(mode="fast")
+    with pytest.raises(ValueError, match="shard_dim"):
+        TensorParallelOrthogonalizer(shard_dim=2)
+    with pytest.raises(ValueError, match="form"):
+        TensorParallelOrthogonalizer(form="x")
+    with pytest.raises(ValueError, match="shard_dim"):
+        TensorParallelOrthogonalizer(mode="duplicated")(torch.randn(1, 4, 4))
+    with pytest.raises(ValueError, match="bandwidth"):
+        CostModel(bandwidth=0.0)
+
+
+# -- end to end: a small GPT, (dp = 2) × (tp = 2) ----------------------------------------------
+
+VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, TRAIN_STEPS = 32, 16, 4, 2, 8, 4, 10
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
+        self.fc = nn.Linear(WIDTH, 4 * WIDTH, bias=False)
+        self.proj = nn.Linear(4 * WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        h = self.ln1(x)
+        # -1 heads: under tensor parallelism each rank holds HEADS / tp of them.
+        q, k, v = (
+            f(h).view(B, S, -1, WIDTH // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(att.transpose(1, 2).reshape(B, S, -1))
+        return x + self.proj(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(x)
+
+
+def _batches():
+    """Counting sequences (random start and stride, mod VOCAB): learnable in a few steps."""
+    g = torch.Generator().manual_seed(11)
+    batches = []
+    for _ in range(TRAIN_STEPS):
+        start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+        stride = torch.randint(1, 3, (BATCH, 1), generator=g)
+        batches.append((start + stride * torch.arange(SEQ + 1)) % VOCAB)
+    return batches
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _train(model, opt, batches, grad_hook=None):
+    losses = []
+    for tokens in batches:
+        loss = _loss(model, tokens)
+        loss.backward()
+        if grad_hook is not None:
+            grad_hook()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _build(orthogonalizer=None):
+    from orthoptim import build_optimizer
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    return model, lambda: build_optimizer(
+        model, optimizer="muon", lr=0.02, adamw_lr=3e-3, orthogonalizer=orthogonalizer
+    )
+
+
+def _gpt_2d(mesh, mode):
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+    orth = TensorParallelOrthogonalizer(mode=mode, steps=STEPS)
+    model, make_opt = _build(orth)
+    plan = {}
+    for i in range(LAYERS):
+        plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "fc")})
+        plan.update({f"blocks.{i}.{n}": RowwiseParallel() for n in ("o", "proj")})
+    parallelize_module(model, mesh["tp"], plan)
+    opt = make_opt()
+    stats = CommStats()
+
+    def average_over_dp():
+        for p in model.parameters():
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            all_reduce(g, group=dp_group, stats=stats)
+            g.div_(2)
+
+    halves = [t.chunk(2)[dp_rank] for t in _batches()]
+    losses = _train(model, opt, halves, average_over_dp)
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
+        for n, p in model.named_parameters()
+    }
+    return {"losses": torch.stack(losses), "params": full, "modes": set(orth.last_modes)}
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_gpt_dp2_tp2_follows_single_process(four_ranks, mode):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is many times faster on a busy host
+    try:
+        model, make_opt = _build()
+        ref_losses = torch.stack(_train(model, make_opt(), _batches()))
+    finally:
+        torch.set_num_threads(threads)
+    ref = dict(model.named_parameters())
+    assert ref_losses[-1] < ref_losses[0] - 0.1  # it trains
+    res = [r["gpt"][mode] for r in four_ranks]
+    for r in res:
+        assert r["modes"] == {mode}
+        # each dp rank's loss is over its half of the batch; their mean is the full batch's
+    mean_losses = (res[0]["losses"] + res[2]["losses"]) / 2
+    torch.testing.assert_close(mean_losses, ref_losses, rtol=1e-4, atol=1e-4)
+    for r in res:
+        for n, p in r["params"].items():
+            torch.testing.assert_close(p, ref[n].detach(), rtol=1e-4, atol=1e-4, msg=n)
