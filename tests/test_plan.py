@@ -16,6 +16,7 @@ from orthoptim.cli import main
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.optim.hybrid import default_route
 from orthoptim.parallel.assignment import units_from_model
+from orthoptim.parallel.tensor_parallel import CostModel
 from orthoptim.plan import Layout, expand, load_hardware, load_model, make_plan, param_counts
 from orthoptim.plan.costs import ns_flops, tp_ns_cost, zero1_bytes
 from orthoptim.plan.model import model_from_dict
@@ -217,21 +218,18 @@ def test_ns_flops_equal_counted_matmul_flops(shape: tuple[int, int]) -> None:
     assert 0 < lib.get_total_flops() <= ns_flops(shape, 5)
 
 
-def test_tp_costs_are_consistent() -> None:
-    shape, steps = (64, 256), 5
-    dup = tp_ns_cost(shape, 0, 4, "duplicated", steps, 2)
-    dist = tp_ns_cost(shape, 0, 4, "distributed", steps, 2)
-    block = tp_ns_cost(shape, 0, 4, "blockwise", steps, 2)
-    # duplicated: one all-gather of the whole matrix, full iteration on every rank
-    assert dup == (3 / 4 * 64 * 256 * 2, ns_flops(shape, steps), 1)
-    # distributed: Gram over the unsharded side (256) summed over the sharded one; packed
-    # triangle all-reduced once per step (+ one scalar norm all-reduce)
-    g = 256
-    assert dist[0] == steps * 2 * 3 / 4 * g * (g + 1) // 2 * 2 + 2 * 3 / 4 * 4
-    assert dist[2] == steps + 1
-    assert block == (0.0, ns_flops((16, 256), steps), 0)
+def test_tp_costs_equal_a_real_tensor_parallel_run(layerwise_runs) -> None:
+    """Per TP mode and shard dim, the planner's per-rank bytes and flops for a matrix equal
+    what a real 2-rank TensorParallelOrthogonalizer (same cost model) sent and computed."""
+    for rank in range(2):
+        for shape, dim in TP_SHAPES:
+            for mode in ("duplicated", "distributed", "blockwise"):
+                cost, _ = tp_ns_cost(shape, dim, 2, mode, 5, 4, TP_MODEL)
+                sent, flops = layerwise_runs[rank]["tp"][(shape, dim, mode)]
+                assert (cost.bytes_sent, cost.flops) == (sent, flops), (shape, dim, mode)
     # replicated matrices cost the full iteration and no bytes in every mode
-    assert tp_ns_cost(shape, None, 4, "distributed", steps, 2) == (0.0, ns_flops(shape, 5), 0)
+    cost, _ = tp_ns_cost((48, 80), None, 2, "distributed", 5, 2, TP_MODEL)
+    assert (cost.bytes_sent, cost.flops) == (0.0, ns_flops((48, 80), 5))
 
 
 BUCKET_MB = 0.02  # ~20 KiB: the tiny GPT spans several buckets, some with a single owner
@@ -252,6 +250,8 @@ def _layerwise_steps(rank: int, world: int, raw: dict) -> dict:
     if rank < 2:
         runs += [("cost", "fp32", pair), ("cost", "bf16", pair)]
     out = {}
+    if rank < 2:
+        out["tp"] = _tp_runs(rank, pair)
     for balance, gather, group in runs:
         torch.manual_seed(0)
         model = tiny_gpt(raw)
@@ -276,6 +276,32 @@ def _layerwise_steps(rank: int, world: int, raw: dict) -> dict:
             "comm": opt.comm_stats(),
             "flops": counter.get_total_flops(),
         }
+    return out
+
+
+TP_SHAPES = [((48, 80), 0), ((48, 80), 1), ((96, 40), 0), ((96, 40), 1)]
+TP_MODEL = CostModel(bandwidth=1e9, latency=1e-5, throughput=1e11)
+
+
+def _tp_runs(rank: int, pair: object) -> dict:
+    """A real 2-rank TensorParallelOrthogonalizer on the local shard of full matrices, per
+    mode: the bytes collectives.py counted and the matmul flops of this rank."""
+    from orthoptim import kernels
+    from orthoptim.parallel.collectives import CommStats
+    from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
+
+    out = {}
+    for shape, dim in TP_SHAPES:
+        full = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+        local = full.chunk(2, dim=dim)[rank].contiguous()
+        for mode in ("duplicated", "distributed", "blockwise"):
+            stats = CommStats()
+            orth = TensorParallelOrthogonalizer(
+                pair, mode=mode, shard_dim=dim, steps=5, cost_model=TP_MODEL, stats=stats
+            )
+            with kernels.force_matmul(), FlopCounterMode(display=False) as counter:
+                orth(local.unsqueeze(0))
+            out[(shape, dim, mode)] = (stats.as_dict()["total"]["sent"], counter.get_total_flops())
     return out
 
 
@@ -358,7 +384,7 @@ def test_cli_json_plot_and_errors(tmp_path, capsys) -> None:
 
     assert main(["plan", "--model", "llama3-8b", "--dp", "8", "--tp", "4"]) == 0
     text = capsys.readouterr().out
-    assert "auto picks" in text and "duplicated" in text
+    assert "TP-split Muon matrices" in text and "distributed form" in text
 
     custom = tmp_path / "mine.json"
     custom.write_text(json.dumps(tiny_gpt_description()))

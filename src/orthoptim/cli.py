@@ -10,7 +10,12 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute subcommands, in the order `orthoptim --help` lists them.
-SUBCOMMAND_MODULES = ("orthoptim.demo", "orthoptim.bench.cli", "orthoptim.plan")
+SUBCOMMAND_MODULES = (
+    "orthoptim.demo",
+    "orthoptim.train.cli",
+    "orthoptim.bench.cli",
+    "orthoptim.plan",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -93,10 +93,10 @@ def format_report(p: dict[str, Any]) -> str:
                 f"{r['flops_imbalance']:>17.4f}{r['time_max_s'] * 1e3:>9.2f} ms"
             )
         picks = t["auto_picks"]
+        chosen = ", ".join(f"{k} {v}" for k, v in sorted(picks.items()))
         lines.append(
-            f"  auto picks duplicated for {picks['duplicated']} and distributed for "
-            f"{picks['distributed']} TP-split matrices (cost model: {t['cost_model']}; "
-            "blockwise only on request)"
+            f"  TP-split Muon matrices: {chosen} (cost model: {t['cost_model']}; "
+            "auto never picks blockwise)"
         )
     lines += ["", f"optimizer overhead at {o['tokens_per_step']:,} tokens per step:"]
     if o["tokens_per_step"]:

@@ -20,6 +20,8 @@ ZeRO-1 AdamW has the same two collectives over equal element shards of all P par
     sent = (N−1)·⌈P/N⌉·(grad_bytes + gather_bytes)
 
 Newton-Schulz on an m×n matrix (a = min, b = max), plain matmuls, per step: 4a²b + 2a³.
+Tensor-parallel modes are costed by `orthoptim.parallel.tensor_parallel.tp_cost`, the model
+the orthogonalizer's `auto` mode itself uses.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from functools import lru_cache
+
+from orthoptim.parallel.tensor_parallel import (
+    CostModel,
+    TensorParallelOrthogonalizer,
+    TPCost,
+    tp_cost,
+)
 
 TP_MODES = ("duplicated", "distributed", "blockwise")
 
@@ -130,34 +139,30 @@ def zero1_bytes(numel: int, world: int, grad_bytes: int, gather_bytes: int) -> f
 
 @lru_cache(maxsize=4096)
 def tp_ns_cost(
-    shape: tuple[int, ...], tp_dim: int | None, tp: int, mode: str, steps: int, dtype_bytes: int
-) -> tuple[float, float, int]:
-    """(bytes sent, flops, collective rounds) per TP rank to orthogonalize one matrix.
+    shape: tuple[int, ...],
+    tp_dim: int | None,
+    tp: int,
+    mode: str,
+    steps: int,
+    dtype_bytes: int,
+    cost_model: CostModel,
+) -> tuple[TPCost, str]:
+    """Per-TP-rank cost of orthogonalizing one matrix, and distributed mode's form.
 
-    `shape` is the full matrix, split along `tp_dim` over `tp` ranks (None: replicated, every
-    rank orthogonalizes it alone). Modes as in the tensor-parallel orthogonalizer:
-    duplicated all-gathers the shards in the NS dtype and iterates on the full matrix;
-    distributed keeps the shards, takes the Gram matrix over the unsharded side g (the
-    sharded dim is summed over) and all-reduces its packed triangle g(g+1)/2 once per step,
-    applying B·X_i either by forming A² (2g³, replicated) or as b·AX_i + c·A(AX_i),
-    whichever costs less; blockwise orthogonalizes the local shard alone.
+    The tensor-parallel orthogonalizer's own cost model (`tp_cost`): `shape` is the full
+    matrix, split along `tp_dim` over `tp` ranks; distributed mode uses the form (apply,
+    square, split) the orthogonalizer's `cost_model` would choose. A replicated matrix
+    (`tp_dim` None) or tp = 1 costs the full single-device iteration and no bytes.
     """
     if mode not in TP_MODES:
         raise ValueError(f"mode must be one of {TP_MODES}, got {mode!r}")
     if tp_dim is None or tp == 1:
-        return 0.0, ns_flops(shape, steps), 0
+        return TPCost(0.0, 0, ns_flops(shape, steps)), ""
     rows, cols = shape[-2:]
-    sharded = (rows, cols)[tp_dim]
-    g = (rows, cols)[1 - tp_dim]
-    local = sharded // tp
-    if mode == "duplicated":
-        return ring_all_gather(rows * cols * dtype_bytes, tp), ns_flops(shape, steps), 1
-    if mode == "blockwise":
-        return 0.0, ns_flops((g, local), steps), 0
-    gram = 2 * g * g * local
-    apply = min(2 * g**3 + 2 * g * g * local, 4 * g * g * local)
-    axpy = 2 * g * local
-    packed = g * (g + 1) // 2 * dtype_bytes
-    # one scalar all-reduce for the Frobenius norm, then one packed Gram per step
-    sent = steps * ring_all_reduce(packed, tp) + ring_all_reduce(4, tp)
-    return sent, float(steps * (gram + apply + axpy)), steps + 1
+    form = "apply"
+    if mode == "distributed":
+        chooser = TensorParallelOrthogonalizer(
+            mode="distributed", shard_dim=tp_dim, steps=steps, cost_model=cost_model
+        )
+        form = chooser.choose_form(1, rows, cols, tp_dim, tp, steps, dtype_bytes)
+    return tp_cost(mode, 1, rows, cols, tp_dim, tp, steps, dtype_bytes, form=form), form

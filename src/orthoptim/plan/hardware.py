@@ -64,7 +64,12 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
             )
         text = (resources.files("orthoptim.plan") / "hardware" / f"{name_or_path}.json").read_text()
         origin = f"shipped hardware {name_or_path!r}"
-    raw = json.loads(text)
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{origin}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{origin}: expected a JSON object of hardware fields")
     known = {f.name for f in fields(Hardware)}
     unknown = sorted(set(raw) - known)
     missing = sorted(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orthoptim.parallel.assignment import Assignment, Unit, assign
+from orthoptim.parallel.tensor_parallel import CostModel, TPCost
 from orthoptim.plan.costs import (
     TP_MODES,
     layerwise_bytes,
@@ -430,33 +431,42 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
 def _tp_modes(
     slots: list[Slot], by_stage: list[list[_Group]], layout: Layout, hw: Hardware
 ) -> dict[str, Any]:
-    """Per TP mode: bytes, flops and modelled time of the busiest rank; what auto picks."""
+    """Per TP mode: bytes, flops and modelled time of the busiest rank; what auto picks.
+
+    Costs and the auto choice come from the tensor-parallel orthogonalizer's cost model
+    (`tp_cost`, `CostModel.seconds`, its choice of distributed form), with the hardware's
+    TP-link bandwidth and latency and its Newton-Schulz matmul rate.
+    """
     tp, steps = layout.tp, layout.ns_steps
     ns_b = DTYPE_BYTES[layout.ns_dtype]
-    rate = hw.matmul_flops_per_s(ns_b)
     bw, lat = hw.link(tp)
+    model = CostModel(bandwidth=bw, latency=lat, throughput=hw.matmul_flops_per_s(ns_b))
 
-    def time(cost: tuple[float, float, int]) -> float:
-        sent, flops, rounds = cost
-        return rounds * lat + sent / bw + flops / rate
-
-    def cost(m: Matrix, mode: str) -> tuple[float, float, int]:
+    def cost(m: Matrix, mode: str) -> tuple[TPCost, str]:
         if mode != "auto":
-            return tp_ns_cost(m.shape, m.tp_dim, tp, mode, steps, ns_b)
-        return min((cost(m, k) for k in ("duplicated", "distributed")), key=time)
+            return tp_ns_cost(m.shape, m.tp_dim, tp, mode, steps, ns_b, model)
+        options = {k: cost(m, k) for k in ("duplicated", "distributed")}
+        best = min(options, key=lambda k: model.seconds(options[k][0]))
+        return options[best][0], best if m.tp_dim is not None and tp > 1 else ""
 
     out: dict[str, Any] = {}
+    picks: dict[str, int] = {}
     for mode in (*TP_MODES, "auto"):
-        # (sent, flops, time) of every matrix, then summed per rank
-        per_matrix = {
-            id(g): [
-                (c[0], c[1], time(c)) if m.kind == "muon" else (0.0, 0.0, 0.0)
-                for m in g.matrices
-                for c in (cost(m, mode) if m.kind == "muon" else (0.0, 0.0, 0),)
-            ]
-            for sg in by_stage
-            for g in sg
-        }
+        # (sent, flops, seconds) of every matrix, then summed per rank
+        per_matrix: dict[int, list[tuple[float, float, float]]] = {}
+        for sg in by_stage:
+            for g in sg:
+                rows = []
+                for m in g.matrices:
+                    if m.kind != "muon":
+                        rows.append((0.0, 0.0, 0.0))
+                        continue
+                    c, choice = cost(m, mode)
+                    rows.append((c.bytes_sent, c.flops, model.seconds(c)))
+                    if mode in ("auto", "distributed") and choice:
+                        key = choice if mode == "auto" else f"distributed form {choice}"
+                        picks[key] = picks.get(key, 0) + 1
+                per_matrix[id(g)] = rows
         per_rank = [
             tuple(
                 sum(per_matrix[id(g)][i][j] for g, gr in slot for i in g.owned(gr))
@@ -473,13 +483,6 @@ def _tp_modes(
             "time_max_s": per_rank[worst][2],
             "time_per_rank_s": [p[2] for p in per_rank],
         }
-    picks = {"duplicated": 0, "distributed": 0}
-    for sg in by_stage:
-        for g in sg:
-            for m in g.matrices:
-                if m.kind == "muon" and m.tp_dim is not None and tp > 1:
-                    best = min(("duplicated", "distributed"), key=lambda k: time(cost(m, k)))
-                    picks[best] += 1
     out["auto_picks"] = picks
-    out["cost_model"] = "orthoptim.plan.costs.tp_ns_cost"
+    out["cost_model"] = "orthoptim.parallel.tensor_parallel (tp_cost, CostModel)"
     return out

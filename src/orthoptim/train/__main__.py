@@ -1,0 +1,31 @@
+"""`torchrun --nproc-per-node N -m orthoptim.train [flags]`: one rank of `orthoptim train`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from orthoptim.train.cli import add_train_arguments, train_args_from
+from orthoptim.train.loop import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orthoptim.train")
+    add_train_arguments(parser)
+    args = train_args_from(parser.parse_args(argv))
+    try:
+        result = run(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: result.get(k) for k in ("last_step", "final_val_loss")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""`orthoptim train` and `orthoptim compare`, and the flags `torchrun -m orthoptim.train` reads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from orthoptim.train.loop import OPTIMIZERS, TrainArgs, launch
+from orthoptim.train.model import CONFIGS
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of one training run (everything but --nproc)."""
+    d = TrainArgs()
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    p.add_argument("--config", choices=sorted(CONFIGS), default=d.config)
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (1: none)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="LR of the matrix optimizer (of everything for adamw); "
+        "default muon 0.05, adamw 3e-3, soap 3e-3",
+    )
+    p.add_argument(
+        "--adamw-lr",
+        type=float,
+        default=None,
+        help="AdamW LR for embeddings, head and gains under muon/soap (default 3e-3)",
+    )
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear LR warmup steps")
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="checkpoint interval")
+    p.add_argument("--out", default=d.out, help="output folder (metrics, logs, checkpoints)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in --out"
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="leave after this step (the LR schedule still spans --steps)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--data", default=None, help="a text file or folder (default: Python's stdlib source)"
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def train_args_from(ns: argparse.Namespace) -> TrainArgs:
+    """TrainArgs from parsed flags."""
+    return TrainArgs.from_dict(vars(ns))
+
+
+def _fail(msg: str) -> int:
+    print(f"orthoptim: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _train_cmd(ns: argparse.Namespace) -> int:
+    args = train_args_from(ns)
+    try:
+        result = launch(args, ns.nproc)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    except ChildFailedError as e:
+        return _fail(f"a rank failed ({e.get_first_failure()[1].message}); see {args.out}/logs")
+    keys = ("last_step", "final_val_loss", "tokens_per_s", "optimizer_share")
+    print(json.dumps({k: result.get(k) for k in keys}))
+    return 0
+
+
+def _compare_cmd(ns: argparse.Namespace) -> int:
+    from orthoptim.train.compare import CompareArgs, run_compare, table
+
+    opts = CompareArgs(
+        nproc=ns.nproc,
+        steps=ns.steps,
+        batch=ns.batch,
+        config=ns.config,
+        out=ns.out,
+        sweep=ns.sweep,
+        data=ns.data,
+        seed=ns.seed,
+        eval_every=ns.eval_every,
+        adamw_lr=ns.adamw_lr,
+        muon_lr=ns.muon_lr,
+        progress=ns.progress,
+    )
+    try:
+        for name in ("adamw", "muon"):
+            args = TrainArgs(
+                optimizer=name,
+                config=opts.config,
+                steps=opts.steps,
+                batch=opts.batch,
+                eval_every=opts.eval_every,
+                data=opts.data,
+            )
+            args.validate()
+        summary = run_compare(opts)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+    except ChildFailedError as e:
+        return _fail(f"a rank failed ({e.get_first_failure()[1].message}); see {opts.out}/*/logs")
+    print(table(summary))
+    print(f"\nwrote {opts.out}/report.md, loss.png, summary.json")
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `orthoptim train` and `orthoptim compare`."""
+    p = subparsers.add_parser("train", help="train a small byte-level GPT on N ranks")
+    p.add_argument("--nproc", type=int, default=1, help="ranks to start on this machine")
+    add_train_arguments(p)
+    p.set_defaults(func=_train_cmd)
+
+    from orthoptim.train.compare import CompareArgs
+
+    d = CompareArgs()
+    c = subparsers.add_parser("compare", help="train with Muon and AdamW, report and plot")
+    c.add_argument("--nproc", type=int, default=d.nproc)
+    c.add_argument("--steps", type=int, default=d.steps)
+    c.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    c.add_argument("--config", choices=sorted(CONFIGS), default=d.config)
+    c.add_argument("--out", default=d.out)
+    c.add_argument("--sweep", action="store_true", help="try a small LR grid for each optimizer")
+    c.add_argument(
+        "--data", default=None, help="a text file or folder (default: Python's stdlib source)"
+    )
+    c.add_argument("--seed", type=int, default=d.seed)
+    c.add_argument("--eval-every", type=int, default=d.eval_every)
+    c.add_argument("--adamw-lr", type=float, default=None, help="AdamW's LR (default 3e-3)")
+    c.add_argument("--muon-lr", type=float, default=None, help="Muon's LR (default 0.05)")
+    c.add_argument("--no-progress", dest="progress", action="store_false")
+    c.set_defaults(func=_compare_cmd)

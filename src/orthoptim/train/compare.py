@@ -1,0 +1,258 @@
+"""`orthoptim compare`: train the same model on the same batches with AdamW and with Muon,
+then report what Muon buys (steps to AdamW's final validation loss) and what it costs
+(throughput, optimizer share of step time, memory, communication).
+
+Writes `report.md`, `loss.png` and `summary.json` under the output folder; each run's own
+files (metrics.jsonl, logs, checkpoints) are in a subfolder named after it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orthoptim.train.loop import DEFAULT_LR, TrainArgs, _read_metrics, launch
+
+COMPARED = ("adamw", "muon")
+# --sweep: the matrix optimizer's LR grid (AdamW: every parameter; Muon: hidden matrices).
+SWEEP_GRID = {"adamw": (1.5e-3, 3e-3, 6e-3), "muon": (0.02, 0.05, 0.1)}
+TARGET_STEPS_FRACTION = 0.70
+TARGET_THROUGHPUT_RATIO = 0.98
+
+
+@dataclass
+class CompareArgs:
+    """Options of one comparison; every run shares everything except the optimizer and LR."""
+
+    nproc: int = 2
+    steps: int = 100
+    batch: int = 16
+    config: str = "tiny"
+    out: str = "runs/compare"
+    sweep: bool = False
+    data: str | None = None
+    seed: int = 0
+    eval_every: int = 10
+    adamw_lr: float | None = None
+    muon_lr: float | None = None
+    progress: bool = True
+
+
+def steps_to_reach(rows: list[dict[str, Any]], target: float) -> int | None:
+    """First evaluated step whose validation loss is ≤ target (None if never)."""
+    for r in rows:
+        if "val_loss" in r and r["val_loss"] <= target:
+            return int(r["step"])
+    return None
+
+
+def _run(opts: CompareArgs, optimizer: str, lr: float, out: Path) -> dict[str, Any]:
+    args = TrainArgs(
+        optimizer=optimizer,
+        config=opts.config,
+        steps=opts.steps,
+        batch=opts.batch,
+        lr=lr,
+        eval_every=opts.eval_every,
+        ckpt_every=opts.steps,
+        out=str(out),
+        seed=opts.seed,
+        data=opts.data,
+        progress=opts.progress,
+    )
+    result = launch(args, opts.nproc)
+    result["metrics"] = _read_metrics(out / "metrics.jsonl")
+    return result
+
+
+def _record(result: dict[str, Any]) -> dict[str, Any]:
+    """The summary.json entry of one run."""
+    rows = result["metrics"]
+    return dict(
+        lr=result["args"]["lr"],
+        final_val_loss=result["final_val_loss"],
+        tokens_per_s=result.get("tokens_per_s"),
+        median_step_time_s=result.get("median_step_time_s"),
+        median_optimizer_time_s=result.get("median_optimizer_time_s"),
+        optimizer_share_of_step_time=result.get("optimizer_share"),
+        train_time_s=rows[-1]["train_time_s"] if rows else None,
+        peak_memory_bytes_per_rank=result["peak_memory_bytes_per_rank"],
+        comm_bytes_per_step_per_rank=[
+            dict(sent=s, received=r)
+            for s, r in zip(
+                result["comm_sent_bytes_per_step_per_rank"],
+                result["comm_received_bytes_per_step_per_rank"],
+            )
+        ],
+        optimizer_class=result["optimizer_class"],
+        val_curve=[(r["step"], r["train_time_s"], r["val_loss"]) for r in rows if "val_loss" in r],
+    )
+
+
+def summarize(opts: CompareArgs, results: dict[str, dict[str, Any]], sweep: dict) -> dict[str, Any]:
+    """summary.json: both runs, Muon's steps to AdamW's final loss, the throughput ratio."""
+    adamw, muon = results["adamw"], results["muon"]
+    target = adamw["final_val_loss"]
+    reach = steps_to_reach(muon["metrics"], target)
+    ratio = (
+        muon["tokens_per_s"] / adamw["tokens_per_s"]
+        if muon.get("tokens_per_s") and adamw.get("tokens_per_s")
+        else None
+    )
+    fraction = reach / opts.steps if reach is not None else None
+    return dict(
+        config=opts.config,
+        nproc=opts.nproc,
+        steps=opts.steps,
+        batch_per_rank=opts.batch,
+        tokens_per_step=adamw["tokens_per_step"],
+        eval_every=opts.eval_every,
+        device=adamw["device"],
+        threads_per_rank=adamw["threads_per_rank"],
+        data=opts.data or "python stdlib",
+        runs={name: _record(r) for name, r in results.items()},
+        adamw_final_val_loss=target,
+        muon_final_val_loss=muon["final_val_loss"],
+        muon_steps_to_adamw_final_val_loss=reach,
+        muon_steps_fraction=fraction,
+        tokens_per_s_ratio_muon_over_adamw=ratio,
+        targets=dict(
+            steps_fraction_at_most=TARGET_STEPS_FRACTION,
+            steps_fraction_met=fraction is not None and fraction <= TARGET_STEPS_FRACTION,
+            throughput_ratio_at_least=TARGET_THROUGHPUT_RATIO,
+            throughput_ratio_met=ratio is not None and ratio >= TARGET_THROUGHPUT_RATIO,
+        ),
+        sweep=sweep,
+    )
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Validation loss vs step and vs training wall-clock, one line per optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for name, run in summary["runs"].items():
+        steps, times, losses = zip(*run["val_curve"])
+        label = f"{name} (lr {run['lr']:g})"
+        ax_step.plot(steps, losses, marker=".", label=label)
+        ax_time.plot(times, losses, marker=".", label=label)
+    ax_step.axhline(summary["adamw_final_val_loss"], color="gray", lw=0.8, ls="--")
+    ax_time.axhline(summary["adamw_final_val_loss"], color="gray", lw=0.8, ls="--")
+    ax_step.set_xlabel("step")
+    ax_time.set_xlabel("training wall-clock (s, evaluation excluded)")
+    for ax in (ax_step, ax_time):
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"{summary['config']} GPT, {summary['nproc']} ranks, "
+        f"{summary['tokens_per_step']} tokens/step, {summary['data']}"
+    )
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(b) < 1024 or unit == "GiB":
+            return f"{b:.1f} {unit}" if unit != "B" else f"{b:.0f} B"
+        b /= 1024
+    return f"{b:.1f} GiB"
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The headline table (markdown)."""
+    lines = [
+        "| | AdamW | Muon |",
+        "| --- | --- | --- |",
+    ]
+    a, m = summary["runs"]["adamw"], summary["runs"]["muon"]
+
+    def row(label: str, fn: Any) -> None:
+        lines.append(f"| {label} | {fn(a)} | {fn(m)} |")
+
+    row("learning rate", lambda r: f"{r['lr']:g}")
+    row("final validation loss", lambda r: f"{r['final_val_loss']:.4f}")
+    reach = summary["muon_steps_to_adamw_final_val_loss"]
+    frac = summary["muon_steps_fraction"]
+    lines.append(
+        f"| steps to AdamW's final val loss | {summary['steps']} | "
+        + (f"{reach} ({frac:.0%})" if reach is not None else "not reached")
+        + " |"
+    )
+    row("tokens/s (median step)", lambda r: f"{r['tokens_per_s']:,.0f}")
+    row("optimizer share of step time", lambda r: f"{r['optimizer_share_of_step_time']:.1%}")
+    row(
+        "peak memory per rank",
+        lambda r: " / ".join(_fmt_bytes(b) for b in r["peak_memory_bytes_per_rank"]),
+    )
+    row(
+        "bytes sent per step per rank",
+        lambda r: " / ".join(_fmt_bytes(c["sent"]) for c in r["comm_bytes_per_step_per_rank"]),
+    )
+    ratio = summary["tokens_per_s_ratio_muon_over_adamw"]
+    lines.append(f"| tokens/s ratio Muon / AdamW | | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
+def report(summary: dict[str, Any]) -> str:
+    """report.md: the table, the targets and what exactly was measured."""
+    t = summary["targets"]
+    ok = {True: "met", False: "not met"}
+    return f"""# orthoptim compare: Muon vs AdamW
+
+{summary["config"]} GPT on {summary["data"]}, {summary["nproc"]} ranks ({summary["device"]},
+{summary["threads_per_rank"]} thread(s) per rank), {summary["steps"]} steps of
+{summary["tokens_per_step"]} tokens (batch {summary["batch_per_rank"]} per rank), the same
+batches for both optimizers; validation every {summary["eval_every"]} steps on a fixed set.
+
+{table(summary)}
+
+![validation loss](loss.png)
+
+Targets: Muon reaches AdamW's final validation loss in ≤ {t["steps_fraction_at_most"]:.0%} of
+the steps — **{ok[t["steps_fraction_met"]]}**; Muon's tokens/s ≥ {t["throughput_ratio_at_least"]}×
+AdamW's — **{ok[t["throughput_ratio_met"]]}**.
+
+What was measured: "steps to AdamW's final val loss" is the first evaluation step (a
+multiple of {summary["eval_every"]}) at which Muon's validation loss is at or below AdamW's
+final one. Tokens/s is tokens per step over the median step time on rank 0 (forward,
+backward and optimizer step, evaluation and checkpoints excluded, first two steps skipped);
+the optimizer share is the summed `optimizer.step()` time (gradient reduction, the update
+and the parameter gather) over the summed step time. Peak memory is each rank's maximum
+resident set (CPU) or CUDA allocator peak (GPU). Bytes are those counted by
+`orthoptim.parallel.collectives` in the last step. The two runs ran one after the other on
+the same machine, so other load on it shows up in the throughput figures.
+"""
+
+
+def run_compare(opts: CompareArgs) -> dict[str, Any]:
+    """Train both optimizers (with --sweep: each over its LR grid, keeping the best final
+    validation loss) and write report.md, loss.png and summary.json."""
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = {"adamw": opts.adamw_lr, "muon": opts.muon_lr}
+    results: dict[str, dict[str, Any]] = {}
+    sweep: dict[str, dict[str, float]] = {}
+    for name in COMPARED:
+        if opts.sweep and chosen[name] is None:
+            tried = {}
+            for lr in SWEEP_GRID[name]:
+                r = _run(opts, name, lr, out / "sweep" / f"{name}_lr{lr:g}")
+                tried[f"{lr:g}"] = r["final_val_loss"]
+                if name not in results or r["final_val_loss"] < results[name]["final_val_loss"]:
+                    results[name] = r
+            sweep[name] = tried
+        else:
+            lr = chosen[name] if chosen[name] is not None else DEFAULT_LR[name]
+            results[name] = _run(opts, name, lr, out / name)
+    summary = summarize(opts, results, sweep)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(summary, out / "loss.png")
+    (out / "report.md").write_text(report(summary))
+    return summary

@@ -1,0 +1,556 @@
+"""The training loop every rank runs, and the launcher that starts the ranks.
+
+`run(args)` is one rank's whole job: build the model (same seed on every rank), the corpus and
+the optimizer (the layer-wise distributed optimizer when there is more than one rank), then
+train with a warmup + cosine LR schedule, evaluate on a fixed validation set, write metrics,
+checkpoints and a result file. `launch(args, nproc)` starts `nproc` ranks through PyTorch's
+elastic launcher (the machinery behind `torchrun`) and returns rank 0's result.
+
+Files under `out`:
+    metrics.jsonl          one JSON line per step (rank 0); `val_loss` on evaluation steps
+    result.json            the run's summary (rank 0), written at the end
+    logs/rank{R}.log       every rank's log
+    checkpoints/latest.json   the committed checkpoint: its step folder and metadata
+    checkpoints/step_NNNNNN/  model.pt (rank 0) and optim_rank{R}.pt (each rank)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from orthoptim.optim.hybrid import build_optimizer
+from orthoptim.parallel import collectives
+from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.train.data import get_batch, load_corpus, val_batches
+from orthoptim.train.model import GPT, get_config
+
+OPTIMIZERS = ("muon", "adamw", "soap")
+# Learning rates tuned on the tiny config at compare's defaults (100 steps of 32 x 128 tokens;
+# AdamW over {1.5e-3, 3e-3, 6e-3}, Muon over {0.02, 0.05, 0.1}, best final validation loss):
+# the matrix optimizer's LR, and the AdamW LR used for everything under "adamw" and for
+# embeddings / head / gains otherwise. SOAP's is AdamW's (it runs Adam in a rotated basis).
+DEFAULT_LR = {"muon": 0.05, "adamw": 3e-3, "soap": 3e-3}
+DEFAULT_ADAMW_LR = 3e-3
+
+
+@dataclass
+class TrainArgs:
+    """Everything one training run needs; the CLI flags map one to one onto these fields."""
+
+    optimizer: str = "muon"
+    config: str = "tiny"
+    steps: int = 200
+    batch: int = 16  # sequences per rank per step
+    lr: float | None = None  # None → DEFAULT_LR[optimizer]
+    adamw_lr: float | None = None  # None → DEFAULT_ADAMW_LR (embeddings, head, gains)
+    weight_decay: float = 0.0
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    eval_every: int = 10
+    eval_batches: int = 8
+    ckpt_every: int = 50
+    out: str = "runs/train"
+    resume: bool = False
+    stop_after: int | None = None  # leave after this step (as if interrupted)
+    seed: int = 0
+    data: str | None = None
+    tp: int = 1
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Reject bad values up front, naming the flag."""
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        get_config(self.config)
+        for name in ("steps", "batch", "eval_every", "eval_batches", "ckpt_every", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        for name in ("lr", "adamw_lr"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(
+                f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
+            )
+        if self.tp > 1:
+            raise ValueError(
+                f"--tp {self.tp}: `orthoptim train` does not run tensor parallelism yet "
+                "(TensorParallelOrthogonalizer works on your own DTensor models); use --tp 1"
+            )
+
+    @property
+    def matrix_lr(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def embed_lr(self) -> float:
+        return self.adamw_lr if self.adamw_lr is not None else DEFAULT_ADAMW_LR
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def lr_multiplier(step: int, args: TrainArgs) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `min_lr_ratio` at `steps`."""
+    if step <= args.warmup:
+        return step / max(1, args.warmup)
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
+    if args.optimizer == "adamw":
+        return dict(lr=args.matrix_lr, adamw_weight_decay=args.weight_decay)
+    return dict(
+        lr=args.matrix_lr,
+        adamw_lr=args.embed_lr,
+        weight_decay=args.weight_decay,
+        adamw_weight_decay=args.weight_decay,
+    )
+
+
+def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
+    """The optimizer for this rank: `build_optimizer` on one rank; on more, the layer-wise
+    distributed optimizer (each matrix owned whole by one rank)."""
+    kwargs = _optimizer_kwargs(args)
+    if world_size == 1:
+        return build_optimizer(model, optimizer=args.optimizer, **kwargs)
+    return LayerwiseDistributedOptimizer(model, optimizer=args.optimizer, **kwargs)
+
+
+def _params_ready(opt: Any) -> None:
+    """Wait for parameter gathers still in flight (before reading parameters outside forward)."""
+    wait = getattr(opt, "wait_for_params", None)
+    if wait is not None:
+        wait()
+
+
+def _comm_totals(opt: Any) -> tuple[float, float]:
+    """(bytes sent, bytes received) by this rank in the optimizer's last step."""
+    if not hasattr(opt, "comm_stats"):
+        return 0.0, 0.0
+    stats = opt.comm_stats()
+    if isinstance(stats, collectives.CommStats):
+        stats = stats.as_dict()
+    total = stats.get("total")
+    if total is None:
+        total = {
+            "sent": sum(v.get("sent", 0.0) for v in stats.values()),
+            "received": sum(v.get("received", 0.0) for v in stats.values()),
+        }
+    return float(total["sent"]), float(total["received"])
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPU, max resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(text: str, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def _all_sum(values: list[float], world_size: int) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    collectives.all_reduce(t)
+    return t.tolist() if world_size > 1 else values
+
+
+def _all_gather_floats(values: list[float], world_size: int) -> list[list[float]]:
+    """Every rank's `values`, in rank order."""
+    t = torch.tensor(values, dtype=torch.float64)
+    out = t.new_empty(world_size * t.numel())
+    collectives.all_gather(out, t)
+    return out.view(world_size, -1).tolist()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list, rank: int, world_size: int) -> float:
+    """Mean validation loss over the fixed batches, split across ranks."""
+    model.eval()
+    total, count = 0.0, 0.0
+    for x, y in batches[rank::world_size]:
+        total += model(x, y).item() * y.numel()
+        count += y.numel()
+    model.train()
+    total, count = _all_sum([total, count], world_size)
+    return total / count
+
+
+RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps")
+
+
+def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
+    """Refuse to resume a checkpoint of a different run, listing every mismatch."""
+    saved = info["args"]
+    mismatched = [
+        f"--{k}: checkpoint {saved.get(k)!r}, now {getattr(args, k)!r}"
+        for k in RESUME_MUST_MATCH
+        if saved.get(k) != getattr(args, k)
+    ]
+    if info["world_size"] != world_size:
+        mismatched.append(f"--nproc: checkpoint {info['world_size']}, now {world_size}")
+    if mismatched:
+        raise ValueError(
+            "--resume: the checkpoint does not match this run: " + "; ".join(mismatched)
+        )
+
+
+class Checkpointer:
+    """Atomic checkpoints: every file is written aside and renamed, then `latest.json` (the
+    commit point) is replaced to name the new step folder; older folders are removed after."""
+
+    def __init__(self, out: Path, rank: int, world_size: int) -> None:
+        self.dir = out / "checkpoints"
+        self.rank, self.world_size = rank, world_size
+
+    def latest(self) -> dict[str, Any]:
+        """The committed checkpoint's metadata; a clear error if there is none."""
+        path = self.dir / "latest.json"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"--resume: no checkpoint in {self.dir} (latest.json is missing); "
+                "run without --resume to start fresh"
+            )
+        return json.loads(path.read_text())
+
+    def save(self, step: int, model: nn.Module, opt: Any, meta: dict[str, Any]) -> None:
+        folder = self.dir / f"step_{step:06d}"
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        _barrier(self.world_size)
+        _params_ready(opt)
+        if self.rank == 0:
+            _atomic_save(model.state_dict(), folder / "model.pt")
+        _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
+        _barrier(self.world_size)
+        if self.rank == 0:
+            info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
+            _atomic_write_text(json.dumps(info, indent=1), self.dir / "latest.json")
+            for old in self.dir.glob("step_*"):
+                if old.name != folder.name:
+                    shutil.rmtree(old, ignore_errors=True)
+        _barrier(self.world_size)
+
+    def load(self, model: nn.Module, opt: Any, args: TrainArgs) -> dict[str, Any]:
+        info = self.latest()
+        check_resumable(info, args, self.world_size)
+        folder = self.dir / info["folder"]
+        model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
+        opt.load_state_dict(torch.load(folder / f"optim_rank{self.rank}.pt", weights_only=False))
+        return info
+
+
+def _setup_logging(out: Path, rank: int) -> logging.Logger:
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    log = logging.getLogger(f"orthoptim.train.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    handler = logging.FileHandler(out / "logs" / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(message)s"))
+    log.addHandler(handler)
+    return log
+
+
+def _init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group the launcher described in the environment (if any)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank, world_size = collectives.world()
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world_size, torch.device("cuda", local)
+    if "OMP_NUM_THREADS" not in os.environ:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return rank, world_size, torch.device("cpu")
+
+
+def _read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if upto is None or r["step"] <= upto]
+
+
+def run(args: TrainArgs) -> dict[str, Any]:
+    """Train on this rank (joining the launcher's process group if there is one).
+
+    Returns the run's summary (the content of result.json) on every rank.
+    """
+    args.validate()
+    rank, world_size, device = _init_distributed()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _barrier(world_size)
+    log = _setup_logging(out, rank)
+    try:
+        return _train(args, rank, world_size, device, out, log)
+    finally:
+        for h in list(log.handlers):
+            log.removeHandler(h)
+            h.close()
+
+
+def _train(
+    args: TrainArgs,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    out: Path,
+    log: logging.Logger,
+) -> dict[str, Any]:
+    cfg = get_config(args.config)
+    corpus = load_corpus(args.data, min_bytes=cfg.seq_len + 1)
+    log.info("corpus %s", corpus.describe())
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(device)
+    opt = make_optimizer(model, args, world_size)
+    for g in opt.param_groups:
+        g["initial_lr"] = g["lr"]
+    val = [
+        (x.to(device), y.to(device))
+        for x, y in val_batches(corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed)
+    ]
+    log.info(
+        "model %s (%d params), optimizer %s, world size %d, device %s",
+        args.config,
+        sum(p.numel() for p in model.parameters()),
+        args.optimizer,
+        world_size,
+        device,
+    )
+
+    ckpt = Checkpointer(out, rank, world_size)
+    metrics_path = out / "metrics.jsonl"
+    start, train_time = 0, 0.0
+    if args.resume:
+        info = ckpt.load(model, opt, args)
+        start, train_time = info["step"], info["train_time_s"]
+        log.info("resumed from step %d", start)
+        if rank == 0:
+            kept = _read_metrics(metrics_path, upto=start)
+            _atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
+    elif rank == 0:
+        metrics_path.write_text("")
+    _barrier(world_size)
+
+    tokens_per_step = args.batch * cfg.seq_len * world_size
+    last = args.stop_after or args.steps
+    bar = None
+    if rank == 0 and args.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=args.steps,
+            initial=start,
+            desc=f"{args.optimizer}",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )
+    metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
+    val_loss = None
+    if start == 0:
+        val_loss = evaluate(model, val, rank, world_size)
+        if metrics_file:
+            metrics_file.write(
+                json.dumps(dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)) + "\n"
+            )
+            metrics_file.flush()
+    comm = (0.0, 0.0)
+    try:
+        for step in range(start + 1, last + 1):
+            mult = lr_multiplier(step, args)
+            for g in opt.param_groups:
+                g["lr"] = g["initial_lr"] * mult
+            x, y = get_batch(corpus.train, args.batch, cfg.seq_len, args.seed, step, rank)
+            x, y = x.to(device), y.to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t2 = time.perf_counter()
+            train_time += t2 - t0
+            comm = _comm_totals(opt)
+            (train_loss,) = _all_sum([loss.item() / world_size], world_size)
+            if not math.isfinite(train_loss):
+                raise FloatingPointError(
+                    f"training loss is {train_loss} at step {step}; lower --lr"
+                )
+            row: dict[str, Any] = dict(
+                step=step,
+                train_loss=train_loss,
+                lr=opt.param_groups[0]["lr"],
+                step_time_s=t2 - t0,
+                opt_time_s=t2 - t1,
+                train_time_s=train_time,
+                tokens=step * tokens_per_step,
+                comm_sent_bytes=comm[0],
+                comm_received_bytes=comm[1],
+            )
+            if step % args.eval_every == 0 or step == args.steps:
+                val_loss = evaluate(model, val, rank, world_size)
+                row["val_loss"] = val_loss
+                log.info("step %d train %.4f val %.4f", step, train_loss, val_loss)
+            if metrics_file:
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+            if bar is not None:
+                bar.set_postfix(
+                    loss=f"{train_loss:.3f}",
+                    val=f"{val_loss:.3f}" if val_loss is not None else "-",
+                    tok_s=f"{tokens_per_step / (t2 - t0):,.0f}",
+                )
+                bar.update(1)
+            if step % args.ckpt_every == 0 or step == last:
+                meta = dict(args=args.to_dict(), train_time_s=train_time)
+                ckpt.save(step, model, opt, meta)
+                log.info("checkpoint at step %d", step)
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics_file:
+            metrics_file.close()
+
+    peaks = _all_gather_floats([float(peak_memory_bytes(device))], world_size)
+    comms = _all_gather_floats(list(comm), world_size)
+    result = dict(
+        args=args.to_dict(),
+        model=cfg.as_dict(),
+        world_size=world_size,
+        device=str(device),
+        threads_per_rank=torch.get_num_threads(),
+        tokens_per_step=tokens_per_step,
+        last_step=last,
+        final_val_loss=val_loss,
+        peak_memory_bytes_per_rank=[p[0] for p in peaks],
+        comm_sent_bytes_per_step_per_rank=[c[0] for c in comms],
+        comm_received_bytes_per_step_per_rank=[c[1] for c in comms],
+        optimizer_class=type(opt).__name__,
+    )
+    result.update(throughput(_read_metrics(metrics_path) if rank == 0 else [], tokens_per_step))
+    if rank == 0:
+        _atomic_write_text(json.dumps(result, indent=1), out / "result.json")
+    log.info("done: %s", json.dumps({k: result[k] for k in ("last_step", "final_val_loss")}))
+    _barrier(world_size)
+    return result
+
+
+def throughput(rows: list[dict[str, Any]], tokens_per_step: int, skip: int = 2) -> dict[str, Any]:
+    """Median step time, tokens/s and the optimizer's share of step time over the run's
+    steps (the first `skip` steps are left out: they pay one-off allocation costs)."""
+    steps = [r for r in rows if "step_time_s" in r]
+    steps = steps[skip:] if len(steps) > skip else steps
+    if not steps:
+        return {}
+    step_times = sorted(r["step_time_s"] for r in steps)
+    opt_times = sorted(r["opt_time_s"] for r in steps)
+    median = step_times[len(step_times) // 2]
+    return dict(
+        median_step_time_s=median,
+        median_optimizer_time_s=opt_times[len(opt_times) // 2],
+        tokens_per_s=tokens_per_step / median,
+        optimizer_share=sum(opt_times) / sum(step_times),
+    )
+
+
+def _elastic_entry(args_dict: dict[str, Any]) -> dict[str, Any]:
+    """What each rank started by `launch` runs (module level, so it pickles)."""
+    try:
+        return run(TrainArgs.from_dict(args_dict))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(args: TrainArgs, nproc: int) -> dict[str, Any]:
+    """Start `nproc` ranks on this machine through torch's elastic launcher and wait for them.
+
+    One rank runs in this process with no process group. Returns rank 0's result.
+    """
+    args.validate()
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if args.resume:
+        check_resumable(Checkpointer(Path(args.out), 0, nproc).latest(), args, nproc)
+    # A bad --data fails here, once, before any rank starts.
+    load_corpus(args.data, min_bytes=get_config(args.config).seq_len + 1)
+    if nproc == 1:
+        return run(args)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"orthoptim-{os.getpid()}-{time.time_ns()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    # Ranks share this machine's cores; one thread each unless the user set OMP_NUM_THREADS.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = saved or str(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        results = elastic_launch(config, _elastic_entry)(args.to_dict())
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+    return results[0]

@@ -1,0 +1,220 @@
+"""The main job: corpus loading, `orthoptim train` over 2 real ranks (resume included) and
+`orthoptim compare`. Runs are a few steps of the tiny model on small batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from orthoptim.cli import main
+from orthoptim.optim.hybrid import build_optimizer, routing_table
+from orthoptim.train.data import (
+    DataError,
+    get_batch,
+    load_corpus,
+    split_files,
+    stdlib_root,
+    val_batches,
+)
+from orthoptim.train.loop import TrainArgs
+from orthoptim.train.model import CONFIGS, GPT, GPTConfig
+
+SEQ = CONFIGS["tiny"].seq_len
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def test_stdlib_corpus_is_deterministic_and_splits_by_file():
+    a = load_corpus(min_bytes=SEQ + 1)
+    b = load_corpus(min_bytes=SEQ + 1)
+    assert a.train_files == b.train_files and a.val_files == b.val_files
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert not set(a.train_files) & set(a.val_files)
+    # Every stdlib .py file (outside site-packages) is on exactly one side.
+    on_disk = {
+        p.relative_to(stdlib_root()).as_posix()
+        for p in stdlib_root().rglob("*.py")
+        if "site-packages" not in p.parts and "__pycache__" not in p.parts
+    }
+    assert set(a.train_files) | set(a.val_files) == on_disk
+    sizes = {n: (stdlib_root() / n).stat().st_size for n in on_disk}
+    assert a.val.numel() == sum(sizes[n] for n in a.val_files)
+    assert a.train.numel() == sum(sizes[n] for n in a.train_files)
+    assert 0 < len(a.val_files) < len(a.train_files)
+
+
+def test_split_files_is_seeded_disjoint_and_complete():
+    files = [f"f{i:03d}.txt" for i in range(50)]
+    tr, va = split_files(files, 0.1, seed=1)
+    assert (tr, va) == split_files(files, 0.1, seed=1)
+    assert split_files(files, 0.1, seed=2)[1] != va
+    assert sorted(tr + va) == files and not set(tr) & set(va) and len(va) == 5
+
+
+def test_data_folder_and_file(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    texts = {f"doc{i}.txt": (f"document {i} " * 200).encode() for i in range(10)}
+    for name, body in texts.items():
+        (folder / name).write_bytes(body)
+    (folder / "empty.txt").write_bytes(b"")  # an empty file in a folder adds nothing
+    c = load_corpus(folder, val_fraction=0.2, min_bytes=SEQ + 1)
+    assert len(c.val_files) == 2 and not set(c.train_files) & set(c.val_files)
+    assert c.val.numel() == sum(len(texts.get(n, b"")) for n in c.val_files)
+    assert bytes(c.train[: len(texts[c.train_files[0]])].tolist()) == texts[c.train_files[0]]
+
+    single = folder / "doc1.txt"
+    c1 = load_corpus(single, val_fraction=0.25, min_bytes=SEQ + 1)
+    body = texts["doc1.txt"]
+    assert bytes(c1.train.tolist()) + bytes(c1.val.tolist()) == body
+    assert c1.val.numel() == round(0.25 * len(body))
+
+
+def test_empty_or_binary_data_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.txt is empty"):
+        load_corpus(empty)
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 10)
+    with pytest.raises(DataError, match=r"blob\.bin looks binary"):
+        load_corpus(binary)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello " * 100)
+    (folder / "b.dat").write_bytes(b"\x00\x01\x02" * 100)
+    with pytest.raises(DataError, match=r"b\.dat looks binary"):
+        load_corpus(folder)
+    with pytest.raises(DataError, match="does not exist"):
+        load_corpus(tmp_path / "nope")
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    with pytest.raises(DataError, match="fewer than"):
+        load_corpus(short, min_bytes=SEQ + 1)
+
+
+def test_batches_are_a_function_of_seed_step_rank():
+    data = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    x, y = get_batch(data, 4, 16, seed=0, step=3, rank=1)
+    x2, y2 = get_batch(data, 4, 16, seed=0, step=3, rank=1)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(x, get_batch(data, 4, 16, seed=0, step=3, rank=0)[0])
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next bytes
+    v = val_batches(data, 3, 4, 16, seed=0)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(v, val_batches(data, 3, 4, 16, seed=0)))
+
+
+# ---------------------------------------------------------------- model
+
+
+def test_model_routing_and_causality():
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16))
+    table = routing_table(build_optimizer(model, optimizer="muon"))
+    assert table["embed.weight"] == "adamw" and table["lm_head.weight"] == "adamw"
+    assert table["blocks.0.attn_norm.weight"] == "adamw"
+    for name in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj"):
+        assert table[f"blocks.1.{name}.weight"] == "muon"
+    idx = torch.randint(0, 256, (2, 16))
+    changed = idx.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 256
+    a, b = model(idx), model(changed)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-6)  # the future never leaks back
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+    with pytest.raises(ValueError, match="heads of even size"):
+        GPTConfig(d_model=30, n_head=2)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _train(out: Path, *extra: str) -> int:
+    return main(
+        [
+            "train", "--optimizer", "muon", "--nproc", "2", "--config", "tiny",
+            "--steps", "6", "--batch", "2", "--eval-every", "3", "--eval-batches", "2",
+            "--ckpt-every", "3", "--warmup", "2", "--out", str(out), "--no-progress", *extra,
+        ]
+    )  # fmt: skip
+
+
+def test_train_two_ranks_end_to_end_and_resume(tmp_path):
+    full = tmp_path / "full"
+    assert _train(full) == 0
+    step6 = "checkpoints/step_000006"
+    for f in ("metrics.jsonl", "result.json", "logs/rank0.log", "logs/rank1.log",
+              "checkpoints/latest.json", f"{step6}/model.pt", f"{step6}/optim_rank0.pt",
+              f"{step6}/optim_rank1.pt"):  # fmt: skip
+        assert (full / f).is_file(), f
+    rows = _metrics(full)
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert [r["step"] for r in rows] == list(range(7))
+    assert len(vals) == 3 and vals[-1] < vals[0]
+    result = json.loads((full / "result.json").read_text())
+    assert result["world_size"] == 2 and len(result["peak_memory_bytes_per_rank"]) == 2
+    assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
+
+    part = tmp_path / "part"
+    assert _train(part, "--stop-after", "3") == 0
+    assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3]
+    assert _train(part, "--resume") == 0
+    resumed = _metrics(part)
+    assert [r["step"] for r in resumed] == list(range(7))
+    for a, b in zip(rows[4:], resumed[4:]):
+        assert a["train_loss"] == b["train_loss"], (a, b)
+    assert rows[-1]["val_loss"] == resumed[-1]["val_loss"]
+
+
+def test_resume_refuses_another_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    ckpt.mkdir(parents=True)
+    saved = TrainArgs(batch=2, steps=6, out=str(out)).to_dict()
+    (ckpt / "latest.json").write_text(json.dumps(dict(args=saved, world_size=2, step=3)))
+    argv = ["train", "--nproc", "2", "--steps", "6", "--out", str(out), "--resume"]
+    assert main([*argv, "--batch", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch: checkpoint 2, now 3" in err and "--nproc" not in err
+    assert main([*argv[:2], "1", *argv[3:], "--batch", "2"]) == 2
+    assert "--nproc: checkpoint 2, now 1" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "none"), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_train_rejects_bad_flags(tmp_path, capsys):
+    assert main(["train", "--tp", "2", "--out", str(tmp_path)]) == 2
+    assert "--tp 2" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["train", "--data", str(empty), "--out", str(tmp_path)]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_compare_writes_summary_and_plot(tmp_path):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--nproc", "1", "--steps", "4", "--batch", "2", "--eval-every", "2",
+            "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["runs"]) == {"adamw", "muon"}
+    for run in summary["runs"].values():
+        assert run["final_val_loss"] == run["val_curve"][-1][2]
+        assert run["tokens_per_s"] > 0 and 0 < run["optimizer_share_of_step_time"] < 1
+        assert [s for s, _, _ in run["val_curve"]] == [0, 2, 4]
+    reach = summary["muon_steps_to_adamw_final_val_loss"]
+    muon_curve = summary["runs"]["muon"]["val_curve"]
+    if reach is None:
+        assert min(v for _, _, v in muon_curve) > summary["adamw_final_val_loss"]
+    else:
+        assert dict((s, v) for s, _, v in muon_curve)[reach] <= summary["adamw_final_val_loss"]
+    ratio = summary["runs"]["muon"]["tokens_per_s"] / summary["runs"]["adamw"]["tokens_per_s"]
+    assert summary["tokens_per_s_ratio_muon_over_adamw"] == pytest.approx(ratio)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| final validation loss |" in (out / "report.md").read_text()
