@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from orthoptim.parallel.assignment import (
+    Assignment,
     Unit,
     assign,
     make_buckets,
@@ -53,7 +54,9 @@ def test_cost_balance_within_lpt_bound_of_optimum(seed):
     n = 3
     shapes = [tuple(int(x) for x in torch.randint(8, 200, (2,), generator=g)) for _ in range(8)]
     units = [Unit(f"w{i}", s, "muon", 4 * s[0] * s[1]) for i, s in enumerate(shapes)]
-    a = assign(units, n, balance="cost")
+    # one unit per bucket (nothing to pad): plain longest-processing-time first
+    a = assign(units, n, balance="cost", bucket_bytes=1)
+    assert all(len(b) == 1 for b in a.buckets)
     opt = _brute_force_best_max([u.cost for u in units], n)
     # Graham's bound for longest-processing-time first.
     assert max(a.rank_cost) <= (4 / 3 - 1 / (3 * n)) * opt * (1 + 1e-12)
@@ -125,20 +128,56 @@ def test_capped_fills_ranks_in_order_up_to_the_cap():
     a = assign(units, 4, balance="capped", bucket_bytes=10**9)
     # mean per rank 20, cap 26: two units per rank, in order.
     assert a.owners == [0, 0, 1, 1, 2, 2, 3, 3]
-    b = assign(units, 4, balance="capped", bucket_bytes=120)
-    # buckets of 3 units (mean 7.5, cap 9.75: one unit per rank); each bucket starts after
-    # the rank the previous one ended on.
-    assert b.buckets == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    b = assign(units, 4, balance="capped", bucket_bytes=40)
+    # one unit per bucket: each bucket starts after the rank the previous one ended on
+    assert b.buckets == [[i] for i in range(8)]
     assert b.owners == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
-def test_buckets_are_contiguous_and_bounded():
+def test_buckets_cover_every_unit_once_and_are_bounded():
     nbytes = [5, 5, 20, 3, 3, 3, 9, 1]
     buckets = make_buckets(nbytes, 10)
-    assert [i for b in buckets for i in b] == list(range(len(nbytes)))
+    assert sorted(i for b in buckets for i in b) == list(range(len(nbytes)))
+    assert [b[0] for b in buckets] == sorted(b[0] for b in buckets)
     for b in buckets:
         assert len(b) == 1 or sum(nbytes[i] for i in b) <= 10
-    assert buckets[1] == [2]  # an oversized unit gets its own bucket
+    assert buckets == [[0, 1], [2], [3, 4, 5], [6, 7]]  # an oversized unit goes alone
+    # at N ranks a bucket may grow to 2·N × its largest unit, so whole units fill N shards;
+    # the oversized unit does not cut the bucket being filled
+    wide = make_buckets(nbytes, 10, world_size=2)
+    assert wide == [[0, 1, 3, 4, 5, 6, 7], [2]]
+
+
+def _gpt_units(layers=12, d=768, vocab=50304):
+    """A GPT's units in backward order: per layer q, k, v, o (d×d), fc (4d×d), proj (d×4d)."""
+    units = [Unit("embed", (vocab, d), "adamw", 4 * vocab * d)]
+    for i in range(layers):
+        for name, shape in (
+            ("q", (d, d)),
+            ("k", (d, d)),
+            ("v", (d, d)),
+            ("o", (d, d)),
+            ("fc", (4 * d, d)),
+            ("proj", (d, 4 * d)),
+        ):
+            units.append(Unit(f"{i}.{name}", shape, "muon", 4 * shape[0] * shape[1]))
+        units.append(Unit(f"{i}.norm", (d,), "adamw", 4 * d))
+    units.append(Unit("head", (vocab, d), "adamw", 4 * vocab * d))
+    return units[::-1]
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_cost_balance_keeps_bucket_shards_even(world_size):
+    units = _gpt_units()
+    total = sum(u.nbytes for u in units)
+    a = assign(units, world_size)
+    # padding of the communicated buckets stays small ...
+    assert a.padded_bytes() <= 1.12 * total
+    # ... and below what balancing cost alone over the same buckets gives
+    lpt_owners = assign(units, world_size, bucket_bytes=1).owners
+    lpt = Assignment(lpt_owners, a.rank_cost, a.rank_bytes, a.buckets, a.unit_bytes)
+    assert a.padded_bytes() <= lpt.padded_bytes()
+    assert a.imbalance <= 1.06
 
 
 def test_padded_bytes_layout_formula():

@@ -6,6 +6,7 @@ and, separately, resume the 2-rank checkpoint for 2 more steps. The reference ru
 """
 
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orthoptim import build_optimizer
+from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.parallel.fsdp import FSDPOptimizer
 
 from distributed import run_ranks
@@ -117,6 +119,11 @@ def worker(rank, world_size, ckpt):
         dcp.save(
             {"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=ckpt
         )
+        out.update(nonfinite_checks(model, opt, rank))
+        try:
+            FSDPOptimizer(make_model())
+        except ValueError as e:
+            out["plain_error"] = str(e)
         return out
     # 4 ranks: resume the 2-rank checkpoint (resharded by DCP) and take EXTRA more steps.
     model = sharded_model(world_size)
@@ -146,6 +153,31 @@ def worker(rank, world_size, ckpt):
     train(model, opt, rank, world_size, range(1))
     out["bf16_params"] = local_params(model)
     out["bf16_stats"] = opt.comm_stats()
+    return out
+
+
+def nonfinite_checks(model, opt, rank):
+    """A NaN in one rank's gradient shard only: both ranks skip together, or both raise."""
+    x, y = batch(0)
+    loss_fn(model, x[:4], y[:4]).backward()
+    if rank == 1:
+        dict(model.named_parameters())["blocks.1.fc.weight"].grad.to_local()[0, 0] = float("nan")
+    before = local_params(model)
+    opt.nonfinite = "skip"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    after = local_params(model)
+    out = {
+        "skipped": all(torch.equal(before[n], after[n]) for n in before),
+        "skip_warned": any("blocks.1.fc.weight" in str(w.message) for w in caught),
+    }
+    opt.nonfinite = "raise"
+    try:
+        opt.step()
+    except NonFiniteGradientError as e:
+        out["raised"] = str(e)
+    opt.zero_grad()
     return out
 
 
@@ -240,6 +272,28 @@ def test_hsdp_matches_single_process_muon(runs):
     r4 = runs[4]
     for replica in (r4[:2], r4[2:]):
         assert_close(full(replica, "hsdp"), runs["ref"][STEPS], 1e-5)
+
+
+def test_nonfinite_on_one_rank_is_agreed_and_plain_model_rejected(runs):
+    for r in runs[2]:
+        assert r["skipped"] and r["skip_warned"]
+        assert "blocks.1.fc.weight" in r["raised"]
+        assert "not a DTensor" in r["plain_error"] and "fully_shard" in r["plain_error"]
+
+
+def test_state_dict_round_trip_at_world_size_one():
+    model = make_model()
+    opt = FSDPOptimizer(model, **KW)
+    x, y = batch(0)
+    loss_fn(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    other = FSDPOptimizer(model, **KW)
+    other.load_state_dict(opt.state_dict())
+    other.param_groups[0]["lr"] = 0.5  # reaches the group the step reads
+    assert other._matrices[0].group["lr"] == 0.5
+    p = other._matrices[0].param
+    assert torch.equal(other.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
 
 
 def test_resume_2_rank_checkpoint_at_4_ranks(runs):

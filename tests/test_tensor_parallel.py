@@ -32,6 +32,8 @@ STEPS = 5
 # fp32: the sharded iteration sums the Gram in another order than the single-device one;
 # five steps amplify that rounding to well under this (entries are O(1/sqrt(cols))).
 FP32_TOL = 2e-5
+# bf16 iteration: entries are O(0.2) here, bf16 keeps 8 bits of mantissa.
+BF16_TOL = 0.05
 VARIANTS = (
     ("duplicated", "apply"),
     ("distributed", "apply"),
@@ -81,6 +83,31 @@ def _sharded_modes(group, mesh):
                     "model": tp_cost(mode, k, rows, cols, shard_dim, world_size, STEPS, 4, form),
                     "stats": stats.as_dict(),
                 }
+
+    # bf16 as the Newton-Schulz dtype: the shards and Grams travel in it (half the bytes),
+    # the result comes back in the input's dtype.
+    k, rows, cols = SHAPES[0]
+    local = _full(k, rows, cols, seed=0).chunk(world_size, dim=2)[rank].contiguous()
+    for mode in ("duplicated", "distributed"):
+        stats = CommStats()
+        orth = TensorParallelOrthogonalizer(
+            group,
+            mode=mode,
+            shard_dim=1,
+            steps=STEPS,
+            form="apply",
+            ns_dtype=torch.bfloat16,
+            stats=stats,
+        )
+        out = orth(local)
+        ref_local = newton_schulz(_full(k, rows, cols, seed=0), steps=STEPS).chunk(
+            world_size, dim=2
+        )[rank]
+        results[("bf16", mode)] = {
+            "err": (out - ref_local).abs().max().item(),
+            "dtype": out.dtype,
+            "stats": stats.as_dict(),
+        }
 
     # The packed Gram all-reduce on its own: the full symmetric sum, m(m+1)/2 elements.
     m = 9
@@ -163,6 +190,17 @@ def test_modes_match_full_newton_schulz(four_ranks, world_size):
                 assert dup["total"]["calls"] == 1
                 assert dup["all_gather"]["sent"] == pytest.approx((T - 1) * k * rows * cols / T * 4)
                 assert r[(si, shard_dim, "blockwise", "apply")]["stats"]["total"]["calls"] == 0
+
+        # bf16 halves the bytes of the gather and of every Gram all-reduce
+        k, rows, cols = SHAPES[0]
+        fp32_dup = r[(0, 1, "duplicated", "apply")]["stats"]
+        fp32_dist = r[(0, 1, "distributed", "apply")]["stats"]
+        bf16_dup, bf16_dist = r[("bf16", "duplicated")], r[("bf16", "distributed")]
+        assert bf16_dup["stats"]["all_gather"]["sent"] == fp32_dup["all_gather"]["sent"] / 2
+        assert bf16_dist["stats"][GRAM_KIND]["sent"] == fp32_dist[GRAM_KIND]["sent"] / 2
+        for got in (bf16_dup, bf16_dist):
+            assert got["dtype"] == torch.float32
+            assert got["err"] <= BF16_TOL, got["err"]
 
         packed = r["packed"]
         total = sum((X @ X.T) for X in (_full(1, 9, 5, seed=100 + q)[0] for q in range(T)))

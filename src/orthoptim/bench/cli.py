@@ -13,6 +13,7 @@ import importlib
 BENCH_MODULES = (
     "orthoptim.bench.ns",
     "orthoptim.bench.step",
+    "orthoptim.bench.dist",
     "orthoptim.bench.fsdp",
     "orthoptim.bench.tp",
 )

@@ -33,15 +33,17 @@ from orthoptim.parallel.tensor_parallel import (
     TensorParallelOrthogonalizer,
 )
 
-DEFAULT_SHAPES = "1024x1024,512x2048,2048x512"
-# (label, mode, form)
+DEFAULT_SHAPES = "512x512,256x1024,1024x256"
+# (label, mode, form, cost model: "default" or "calibrated")
 VARIANTS = (
-    ("duplicated", "duplicated", "auto"),
-    ("distributed/apply", "distributed", "apply"),
-    ("distributed/square", "distributed", "square"),
-    ("distributed/auto", "distributed", "auto"),
-    ("blockwise", "blockwise", "auto"),
-    ("auto", "auto", "auto"),
+    ("duplicated", "duplicated", "auto", "default"),
+    ("distributed/apply", "distributed", "apply", "default"),
+    ("distributed/square", "distributed", "square", "default"),
+    ("distributed/split", "distributed", "split", "default"),
+    ("distributed/auto", "distributed", "auto", "calibrated"),
+    ("blockwise", "blockwise", "auto", "default"),
+    ("auto/default", "auto", "auto", "default"),
+    ("auto/calibrated", "auto", "auto", "calibrated"),
 )
 
 
@@ -94,9 +96,9 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
             W = local if shard_dim == 1 else local.mT
             collectives.all_reduce(kernels.gram(W).contiguous(), stats=unpacked)
             unpacked_bytes = unpacked.sent["all_reduce"] * args.steps
-            for label, mode, form in VARIANTS:
+            for label, mode, form, model in VARIANTS:
                 stats = CommStats()
-                cm = calibrated if args.calibrated else CostModel()
+                cm = calibrated if model == "calibrated" else CostModel()
                 orth = TensorParallelOrthogonalizer(
                     mode=mode,
                     shard_dim=shard_dim,
@@ -121,7 +123,8 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
                         "shape": f"{rows}x{cols}",
                         "shard_dim": shard_dim,
                         "mode": label,
-                        "chosen": orth.last_modes[0],
+                        "chosen": orth.last_modes[0]
+                        + (f"/{orth.last_forms[0]}" if orth.last_forms else ""),
                         "seconds": seconds,
                         "single_seconds": t_single,
                         "bytes_per_rank": sent,
@@ -175,7 +178,7 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "throughput {throughput:.3g} flop/s".format(**calibrated)
     )
     head = (
-        f"{'shape':>10} {'shard':>5} {'mode':<19} {'chose':<11} {'ms':>8} {'x single':>8} "
+        f"{'shape':>10} {'shard':>5} {'mode':<19} {'chose':<18} {'ms':>8} {'x single':>8} "
         f"{'KiB/rank':>10} {'MFLOP/rank':>11} {'fl/(pl/T)':>9} {'gram/unp':>8} {'rel dev':>9}"
     )
     print(head)
@@ -183,7 +186,7 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for r in rows:
         gram = r["gram_bytes_vs_unpacked"]
         print(
-            f"{r['shape']:>10} {r['shard_dim']:>5} {r['mode']:<19} {r['chosen']:<11} "
+            f"{r['shape']:>10} {r['shard_dim']:>5} {r['mode']:<19} {r['chosen']:<18} "
             f"{r['seconds'] * 1e3:8.1f} {r['seconds'] / r['single_seconds']:8.2f} "
             f"{r['bytes_per_rank'] / 1024:10.1f} {r['flops_per_rank'] / 1e6:11.1f} "
             f"{r['flops_vs_plain_over_T']:9.3f} {'' if gram is None else f'{gram:.3f}':>8} "
@@ -193,7 +196,8 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "ms: median time of the slowest rank; x single: ÷ full Newton-Schulz of the whole matrix "
         "on one rank; fl/(pl/T): flops per rank ÷ (single-device plain iteration "
         "steps·(4m²n+2m³) ÷ T); gram/unp: packed Gram bytes ÷ unpacked all-reduce of the same "
-        "Gram; rel dev: ‖out − NS(full)‖_F ÷ ‖NS(full)‖_F over all ranks."
+        "Gram; rel dev: ‖out − NS(full)‖_F ÷ ‖NS(full)‖_F over all ranks. auto/default uses "
+        "CostModel() (a GPU node), auto/calibrated and distributed/auto the probe above."
     )
 
 
@@ -217,11 +221,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    p.add_argument(
-        "--calibrated",
-        action="store_true",
-        help="let auto use a cost model measured on this machine instead of the defaults",
-    )
     p.set_defaults(func=_cmd)
 
 

@@ -3,7 +3,7 @@ distributed optimizer.
 
 A model's trainable parameters become `Unit`s (a matrix, a vector, or a slice of the experts
 of a 3-D parameter), listed in backward order. `assign` gives every unit one owner rank and
-cuts the list into contiguous communication buckets. It is a pure function of its inputs, so
+cuts the list into communication buckets (`make_buckets`). It is a pure function of its inputs, so
 every rank (and the planner, for models nobody can run here) computes the same assignment.
 """
 
@@ -19,6 +19,7 @@ from torch import nn
 KINDS = ("muon", "soap", "adamw")
 BALANCES = ("cost", "round_robin", "capped")
 CAPPED_FACTOR = 1.3
+SPREAD = 2.0
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,16 @@ class Assignment:
         return shard
 
     def padded_bytes(self) -> int:
-        """Total bytes of the flat buckets once every shard is padded to its bucket's largest.
-
-        This is the tensor size one reduce-scatter (and one all-gather) per bucket moves;
-        the bytes each rank sends per collective are (N−1)/N of it.
+        """Total bytes of the flat buckets the optimizer communicates: a bucket with several
+        owners is N shards padded to its largest (what its reduce-scatter and all-gather
+        move), a bucket with one owner is just its units (reduced to it, broadcast from it).
         """
-        n = self.world_size
-        return sum(n * max(self.bucket_shard_bytes(b)) for b in range(len(self.buckets)))
+        total = 0
+        for b in range(len(self.buckets)):
+            shard = self.bucket_shard_bytes(b)
+            owners = sum(1 for x in shard if x)
+            total += max(shard) * (self.world_size if owners > 1 else 1)
+        return total
 
     def comm_bytes(self, rank: int, gather_ratio: float = 1.0) -> dict[str, tuple[float, float]]:
         """(sent, received) bytes per collective kind for `rank` in one step of the layer-wise
@@ -153,23 +157,81 @@ class Assignment:
         return out
 
 
-def make_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Cut units (in the given order) into contiguous buckets of at most `bucket_bytes`.
+def make_buckets(
+    nbytes: Sequence[int], bucket_bytes: int, world_size: int = 1, spread: float = SPREAD
+) -> list[list[int]]:
+    """Cut units (in the given order) into buckets, listed by their first unit.
 
-    A unit larger than `bucket_bytes` gets a bucket of its own.
+    A unit of at least `bucket_bytes` gets a bucket of its own (one owner: reduced to it and
+    broadcast from it, nothing to pad) and does not interrupt the bucket being filled. The
+    others fill contiguous runs (contiguous but for such big units) of up to
+    max(bucket_bytes, spread × world_size × their largest unit), so that whole units can make
+    N shards of nearly equal size: a greedy split pads by less than about 1 + 1/spread.
     """
     buckets: list[list[int]] = []
     current: list[int] = []
-    size = 0
+    size = largest = 0
     for i, b in enumerate(nbytes):
-        if current and size + b > bucket_bytes:
+        if b >= bucket_bytes:
+            buckets.append([i])
+            continue
+        cap = bucket_bytes
+        if world_size > 1:
+            cap = max(bucket_bytes, int(spread * world_size * max(largest, b)))
+        if current and size + b > cap:
             buckets.append(current)
-            current, size = [], 0
+            current, size, largest = [], 0, 0
         current.append(i)
         size += b
+        largest = max(largest, b)
     if current:
         buckets.append(current)
+    buckets.sort(key=lambda bucket: bucket[0])
     return buckets
+
+
+def _bucketed_lpt(
+    costs: Sequence[float], nbytes: Sequence[int], buckets: list[list[int]], world_size: int
+) -> list[int]:
+    """Cost balancing that keeps every bucket's shards even.
+
+    First the buckets of several units, in order: inside one, units go largest cost first,
+    each to the least-loaded rank (total cost so far, then bytes, then rank) among those
+    whose shard in this bucket stays within the bucket's current largest shard, or, when none
+    can, to the rank with the smallest shard. Then the one-unit buckets (one owner, nothing
+    to pad) fill the gaps longest-processing-time first. Deterministic: every rank computes
+    the same owners.
+    """
+    owners = [0] * len(costs)
+    load = [0.0] * world_size
+    used = [0] * world_size
+
+    def give(i: int, r: int) -> None:
+        owners[i] = r
+        load[r] += costs[i]
+        used[r] += nbytes[i]
+
+    for bucket in buckets:
+        if len(bucket) == 1:
+            continue
+        shard = [0] * world_size
+        for i in sorted(bucket, key=lambda i: (-costs[i], -nbytes[i], i)):
+            top = max(shard)
+            fits = [r for r in range(world_size) if shard[r] + nbytes[i] <= top]
+            if fits:
+                r = min(fits, key=lambda r: (load[r], used[r], r))
+            else:
+                r = min(range(world_size), key=lambda r: (shard[r], load[r], used[r], r))
+            shard[r] += nbytes[i]
+            give(i, r)
+    solo = sorted((b[0] for b in buckets if len(b) == 1), key=lambda i: (-costs[i], -nbytes[i], i))
+    heap = [(load[r], used[r], r) for r in range(world_size)]
+    heapq.heapify(heap)
+    for i in solo:
+        _, _, r = heapq.heappop(heap)
+        give(i, r)
+        heapq.heappush(heap, (load[r], used[r], r))
+    return owners
 
 
 def _lpt(costs: Sequence[float], nbytes: Sequence[int], world_size: int) -> list[int]:
@@ -222,10 +284,10 @@ def assign(
 ) -> Assignment:
     """Give every unit one owner rank among `world_size` and cut the units into buckets.
 
-    balance: "cost" (longest-processing-time first over all units by `unit_cost`, ties broken
-    deterministically), "round_robin" (size-sorted dealing, the simple baseline) or "capped"
-    (fill ranks in order up to 1.3 × the mean cost per bucket). Buckets are contiguous runs of
-    the given order of at most `bucket_bytes`; ownership inside a bucket is free because the
+    balance: "cost" (balance `unit_cost` over ranks while keeping each bucket's shards even,
+    see `_bucketed_lpt`), "round_robin" (size-sorted dealing, the simple baseline) or "capped"
+    (fill ranks in order up to 1.3 × the mean cost per bucket). Buckets come from
+    `make_buckets(…, bucket_bytes, world_size)`; ownership inside a bucket is free because the
     optimizer lays each bucket out rank by rank.
     """
     if world_size < 1:
@@ -236,9 +298,9 @@ def assign(
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     costs = [unit_cost(u.shape, u.kind) for u in units]
     nbytes = [int(u.nbytes) for u in units]
-    buckets = make_buckets(nbytes, bucket_bytes)
+    buckets = make_buckets(nbytes, bucket_bytes, world_size)
     if balance == "cost":
-        owners = _lpt(costs, nbytes, world_size)
+        owners = _bucketed_lpt(costs, nbytes, buckets, world_size)
     elif balance == "round_robin":
         owners = _round_robin(nbytes, world_size)
     else:

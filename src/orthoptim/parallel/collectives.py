@@ -15,7 +15,10 @@ needs for uneven all-gathers is counted as sent, since it crosses the wire.
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,3 +284,99 @@ def all_reduce_symmetric(
     packed = pack_upper(A).contiguous()
     all_reduce(packed, group=group, stats=stats, kind=kind)
     return unpack_upper(packed, A.shape[-1])
+
+
+# -- objects, barriers and named phases -----------------------------------------------------
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the phase that was waiting."""
+
+
+@contextlib.contextmanager
+def phase(name: str, group: Any = None) -> Iterator[None]:
+    """Re-raise a failure of the collectives inside as a `CollectiveError` naming `name`.
+
+    A rank that died or stalled makes the others' waits fail (connection closed) or time out
+    after the process group's timeout (`init_process_group(timeout=...)`); without the phase a
+    user sees only a socket error from deep inside the backend.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveError):
+            raise
+        rank, n = world(group)
+        raise CollectiveError(
+            f"rank {rank} of {n}: {name} failed: {exc}. Another rank probably died or stalled; "
+            "the process-group timeout (init_process_group(timeout=...)) bounds this wait. "
+            "Restart every rank from the last checkpoint."
+        ) from exc
+
+
+def wait(work: Any, name: str, group: Any = None) -> Any:
+    """`work.wait()` (when `work` is not None) with failures reported under phase `name`."""
+    if work is None:
+        return None
+    with phase(name, group):
+        return work.wait()
+
+
+def barrier(group: Any = None, stats: CommStats | None = None) -> None:
+    """Every rank waits for every other (a one-element all-reduce, so it is counted)."""
+    all_reduce(torch.zeros(1), group=group, stats=stats)
+
+
+def _to_bytes(obj: Any) -> Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(t: Tensor) -> Any:
+    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=False)
+
+
+def all_gather_object(obj: Any, group: Any = None, stats: CommStats | None = None) -> list[Any]:
+    """Every rank's `obj` (tensors included, serialised with torch.save), in rank order."""
+    rank, n = world(group)
+    if n == 1:
+        return [obj]
+    data = _to_bytes(obj)
+    sizes = torch.zeros(n, dtype=torch.int64)
+    sizes[rank] = data.numel()
+    all_reduce(sizes, group=group, stats=stats)
+    parts = all_gatherv(data, sizes.tolist(), group=group, stats=stats).wait()
+    return [_from_bytes(p) for p in parts]
+
+
+def gather_object(
+    obj: Any, dst: int = 0, group: Any = None, stats: CommStats | None = None
+) -> list[Any] | None:
+    """Every rank's `obj` on group rank `dst` (point to point, so only `dst` holds them all);
+    None on the other ranks."""
+    rank, n = world(group)
+    if n == 1:
+        return [obj]
+    data = _to_bytes(obj)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    if rank != dst:
+        peer = global_rank(group, dst)
+        dist.send(size, peer, group=group)
+        dist.send(data, peer, group=group)
+        if stats is not None:
+            stats.record("gather", size.numel() * 8 + data.numel(), 0)
+        return None
+    out: list[Any] = []
+    for r in range(n):
+        if r == rank:
+            out.append(obj)
+            continue
+        peer = global_rank(group, r)
+        dist.recv(size, peer, group=group)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(buf, peer, group=group)
+        if stats is not None:
+            stats.record("gather", 0, 8 + buf.numel())
+        out.append(_from_bytes(buf))
+    return out

@@ -121,11 +121,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
 
         self.muon: Muon | None = self.template.inner.get("muon")  # type: ignore[assignment]
         self.adamw: torch.optim.Optimizer | None = self.template.inner.get("adamw")
-        group_of = {}
-        if self.muon is not None:
-            for g in self.muon.param_groups:
-                for n in g["param_names"]:
-                    group_of[n] = g
+        group_of = self._muon_groups()
         units = [u for u in units_from_model(model, optimizer=optimizer, route=rule)]
         self.units = [u for u in units if u.name in group_of]
         self.assignment: Assignment = assign(
@@ -153,6 +149,12 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
         self._built = True
+
+    def _muon_groups(self) -> dict[str, dict[str, Any]]:
+        """Matrix name → its (current) Muon param group."""
+        if self.muon is None:
+            return {}
+        return {n: g for g in self.muon.param_groups for n in g["param_names"]}
 
     # -- the step ----------------------------------------------------------------------
     def _agree(self) -> tuple[list[bool], list[str]]:
@@ -365,6 +367,16 @@ class FSDPOptimizer(torch.optim.Optimizer):
             "FSDPOptimizer cannot add param groups: ownership is computed from the whole model "
             "at construction; build a new optimizer instead"
         )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict()` saved at the same world size (torch's format: state tensors
+        are this rank's DTensor shards); use `sharded_state_dict()` with DCP to reshard."""
+        self.template.load_state_dict(state_dict)
+        self.param_groups = self.template.param_groups
+        self.state = self.template.state
+        groups = self._muon_groups()
+        for m in self._matrices:
+            m.group = groups[m.name]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter."""

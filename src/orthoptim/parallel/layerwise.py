@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from orthoptim import checkpoint
 from orthoptim.optim.base import NonFiniteGradientError, check_nonfinite_policy, logger
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.parallel import collectives as C
@@ -93,6 +94,7 @@ class _Bucket:
         self.gather_in = (
             None if self.single else torch.zeros(self.width, dtype=self.gather_dtype, device=device)
         )
+        self.label = "bucket"  # named in errors, set by the optimizer ("bucket 2")
         self.ready: set[int] = set()
         self.launched = False
         self.pending = False
@@ -113,7 +115,17 @@ class _Bucket:
         else:
             dst.copy_(g.reshape(-1))
 
+    def reduce_phase(self) -> str:
+        return f"gradient {'reduce' if self.single else 'reduce-scatter'} of {self.label}"
+
+    def gather_phase(self) -> str:
+        return f"parameter {'broadcast' if self.single else 'all-gather'} of {self.label}"
+
     def launch_reduce(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
+        with C.phase(self.reduce_phase(), group):
+            self._launch_reduce(group, stats, async_op)
+
+    def _launch_reduce(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
         if self.single:
             dst = C.global_rank(group, self.owners[0])
             self.reduce_work = C.reduce(
@@ -128,7 +140,7 @@ class _Bucket:
     def finish_reduce(self) -> None:
         """Wait for the reduction and turn the owner's shard into averaged gradients."""
         if self.reduce_work is not None:
-            self.reduce_work.wait()
+            C.wait(self.reduce_work, self.reduce_phase())
             self.reduce_work = None
         if self.grad_shard is not None and self.n > 1:
             self.grad_shard.div_(self.n)
@@ -144,6 +156,10 @@ class _Bucket:
 
     # -- parameters --------------------------------------------------------------------
     def launch_gather(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
+        with C.phase(self.gather_phase(), group):
+            self._launch_gather(group, stats, async_op)
+
+    def _launch_gather(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
         if self.single:
             owner = self.owners[0]
             if self.rank == owner:
@@ -176,7 +192,7 @@ class _Bucket:
         if not self.pending:
             return
         if self.gather_work is not None:
-            self.gather_work.wait()
+            C.wait(self.gather_work, self.gather_phase())
             self.gather_work = None
         self.pending = False
         rounds = self.gather_dtype != self.dtype
@@ -313,6 +329,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                 by_dtype.setdefault(p.dtype, []).append(slot)
             for slots in by_dtype.values():
                 self._buckets.append(_Bucket(slots, self.rank, self.world_size, self.gather_dtype))
+                self._buckets[-1].label = f"bucket {len(self._buckets) - 1}"
         self._bucket_of: dict[int, _Bucket] = {
             id(s.param): b for b in self._buckets for s in b.slots
         }
@@ -405,7 +422,8 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                 for s in b.mine:
                     if not bool(torch.isfinite(b.shard_view(s)).all()):
                         flags[n_units + s.unit] = 1
-        C.all_reduce(flags, group=self.process_group, stats=self._stats)
+        with C.phase("non-finite gradient agreement (all-reduce)", self.process_group):
+            C.all_reduce(flags, group=self.process_group, stats=self._stats)
         present = [bool(v) for v in flags[:n_units].tolist()]
         bad = [self.units[i].name for i, v in enumerate(flags[n_units:].tolist()) if v]
         return present, bad
@@ -553,8 +571,12 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a `state_dict()`: hyper-parameters for every group, and the state of each
         parameter this rank owns that the dict holds (a dict saved by the same rank at the same
-        world size, or the union of every rank's dicts)."""
+        world size, or the union of every rank's dicts), or a full torch-format dict
+        (`full_state_dict()`, or a single-process optimizer's `state_dict()`)."""
         self.wait_for_params()
+        if checkpoint.is_full_state_dict(state_dict):
+            checkpoint.load_full_state_dict(self, state_dict)
+            return
         saved_groups = state_dict["param_groups"]
         kinds = [g.get("optimizer") for g in self.param_groups]
         if [g.get("optimizer") for g in saved_groups] != kinds:
@@ -587,6 +609,21 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             if match is not None:
                 inner_groups.remove(match)
                 self.param_groups[i] = match
+
+    def full_state_dict(self, to_rank0: bool = False) -> dict[str, Any]:
+        """The whole optimizer's state in the format of `build_optimizer(model, ...)`'s
+        `state_dict()`, gathered to every rank (or to rank 0 only: the others get {}); see
+        `orthoptim.checkpoint.full_state_dict`. Collective."""
+        return checkpoint.full_state_dict(self, to_rank0=to_rank0)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """What this rank owns, for torch.distributed.checkpoint, under world-size-free keys;
+        see `orthoptim.checkpoint` (`save_sharded` / `load_sharded` save and reshard)."""
+        return checkpoint.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
+        checkpoint.load_sharded_state_dict(self, state_dict)
 
 
 def _waiter(buckets: list[_Bucket]) -> Callable[..., None]:

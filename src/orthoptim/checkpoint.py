@@ -1,0 +1,579 @@
+"""Optimizer checkpoints that do not depend on the data-parallel size, saved atomically.
+
+Every optimizer state is keyed by parameter NAME, never by rank or position, so a checkpoint
+written by N ranks loads on any other number of ranks, or in a single process:
+
+    full_state_dict(opt)        torch's optimizer format over the whole model (integer
+                                indices in the order `build_optimizer(model, ...)` uses, plus
+                                `param_names`): `build_optimizer(...).load_state_dict(sd)`
+                                takes it as is; gathered to every rank, or to rank 0 only.
+    sharded_state_dict(opt)     flat dict for torch.distributed.checkpoint (DCP): each rank
+                                holds only what it owns, under `optim/state/<name>/<key>`.
+    save_sharded / load_sharded DCP save (written aside, then renamed into place) and load
+                                at any world size, model state included if given.
+    atomic_save / atomic_load   torch.save to a temporary file, fsync, rename.
+
+Before anything is loaded the checkpoint is compared with the optimizer (parameter names
+and shapes, the optimizer of each group, hyper-parameters that change what the state means);
+every difference is listed in one `CheckpointMismatchError` and nothing is modified.
+
+Hyper-parameters a scheduler may change (`SCHEDULED_HYPERS`) are restored from the
+checkpoint, as torch does; every other hyper-parameter must be equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from orthoptim.parallel import collectives as C
+
+FORMAT_VERSION = 1
+SCHEDULED_HYPERS = frozenset(
+    {
+        "lr",
+        "initial_lr",
+        "weight_decay",
+        "momentum",
+        "betas",
+        "max_lr",
+        "min_lr",
+        "base_lr",
+        "base_momentum",
+        "max_momentum",
+    }
+)
+# Implementation switches that do not change the maths, so a checkpoint may differ in them.
+IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+_NOT_HYPER = ("params", "param_names", "optimizer")
+_META_KEY = "optim/meta"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written for another model or optimizer; lists every difference."""
+
+    def __init__(self, mismatches: list[str]) -> None:
+        self.mismatches = mismatches
+        listed = "\n".join(f"  - {m}" for m in mismatches)
+        super().__init__(
+            f"checkpoint does not match this model/optimizer ({len(mismatches)} "
+            f"mismatch{'es' if len(mismatches) != 1 else ''}); nothing was loaded:\n{listed}"
+        )
+
+
+# -- what an optimizer is, independent of ranks ----------------------------------------------
+
+
+def _is_layerwise(opt: torch.optim.Optimizer) -> bool:
+    return hasattr(opt, "owner_of") and hasattr(opt, "units")
+
+
+def _hypers(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def describe(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a checkpoint of `opt` must agree with: per group its optimizer and hyper-parameters
+    and the names of ALL its parameters (on every rank, not only the owned ones), and the
+    shape of every parameter."""
+    groups = []
+    shapes: dict[str, list[int]] = {}
+    if _is_layerwise(opt):
+        named = {n: p for n, p in opt.model.named_parameters()}
+        order = [u.name for u in reversed(opt.units)]  # units are in backward order
+        kinds = {u.name: u.kind for u in opt.units}
+        for g in opt.param_groups:
+            names = [n for n in order if kinds[n] == g["optimizer"]]
+            groups.append({"hypers": _hypers(g), "names": names})
+        shapes = {n: list(named[n].shape) for n in order}
+    else:
+        for gi, g in enumerate(opt.param_groups):
+            names = g.get("param_names")
+            if names is None:
+                raise ValueError(
+                    f"param group {gi} has no 'param_names': checkpoints are keyed by name; "
+                    "build the optimizer with named parameters (orthoptim.build_optimizer does)"
+                )
+            groups.append({"hypers": _hypers(g), "names": list(names)})
+            for n, p in zip(names, g["params"]):
+                shapes[n] = list(p.shape)
+    return {"format": FORMAT_VERSION, "groups": groups, "shapes": shapes}
+
+
+def _owned(opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """Name → parameter for the parameters whose state lives on this rank."""
+    inner = opt.inner if _is_layerwise(opt) else opt
+    if inner is None:
+        return {}
+    out: dict[str, Tensor] = {}
+    for g in inner.param_groups:
+        out.update(zip(g["param_names"], g["params"]))
+    return out
+
+
+def _state_holder(opt: torch.optim.Optimizer) -> dict[Any, Any] | None:
+    if _is_layerwise(opt):
+        return opt.inner.state if opt.inner is not None else None
+    return opt.state
+
+
+def _local_state(opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """Name → state (the live tensors) of the owned parameters that have state."""
+    state = _state_holder(opt)
+    if state is None:
+        return {}
+    return {n: dict(state[p]) for n, p in _owned(opt).items() if state.get(p)}
+
+
+def _masters(opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    return dict(getattr(opt, "_master", {}))
+
+
+def compare(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """Every difference between two `describe()` results, as readable lines ([] if none)."""
+    out: list[str] = []
+    if saved.get("format") != here["format"]:
+        out.append(f"checkpoint format {saved.get('format')!r}, this code reads {here['format']}")
+        return out
+    sg, hg = saved["groups"], here["groups"]
+    kinds_s = [g["hypers"].get("optimizer") for g in sg]
+    kinds_h = [g["hypers"].get("optimizer") for g in hg]
+    if kinds_s != kinds_h:
+        out.append(f"param groups: optimizers {kinds_s} in the checkpoint, {kinds_h} here")
+    group_of_s = {n: g["hypers"].get("optimizer") for g in sg for n in g["names"]}
+    group_of_h = {n: g["hypers"].get("optimizer") for g in hg for n in g["names"]}
+    for n in sorted(set(group_of_h) - set(group_of_s)):
+        out.append(f"parameter {n}: in this model, missing from the checkpoint")
+    for n in sorted(set(group_of_s) - set(group_of_h)):
+        out.append(f"parameter {n}: in the checkpoint, not in this model")
+    for n in sorted(set(group_of_s) & set(group_of_h)):
+        if group_of_s[n] != group_of_h[n]:
+            out.append(
+                f"parameter {n}: optimized by {group_of_s[n]} in the checkpoint, "
+                f"by {group_of_h[n]} here"
+            )
+        ss, hs = saved["shapes"].get(n), here["shapes"].get(n)
+        if ss != hs:
+            out.append(f"parameter {n}: shape {tuple(ss)} in the checkpoint, {tuple(hs)} here")
+    if kinds_s == kinds_h:
+        for i, (a, b) in enumerate(zip(sg, hg)):
+            label = f"param group {i} ({kinds_h[i]})"
+            free = SCHEDULED_HYPERS | IMPLEMENTATION_HYPERS | {"optimizer"}
+            ha = {k: v for k, v in a["hypers"].items() if k not in free}
+            hb = {k: v for k, v in b["hypers"].items() if k not in free}
+            for k in sorted(set(ha) - set(hb)):
+                out.append(f"{label}: hyper-parameter {k!r} in the checkpoint, unknown here")
+            for k in sorted(set(hb) - set(ha)):
+                out.append(f"{label}: hyper-parameter {k!r} here, missing from the checkpoint")
+            for k in sorted(set(ha) & set(hb)):
+                if not _equal(ha[k], hb[k]):
+                    out.append(f"{label}: {k} = {ha[k]!r} in the checkpoint, {hb[k]!r} here")
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except Exception:
+        return repr(a) == repr(b)
+
+
+# -- install, shared by every loader -----------------------------------------------------------
+
+
+@torch.no_grad()
+def _install(
+    opt: torch.optim.Optimizer,
+    saved_meta: dict[str, Any],
+    state: dict[str, dict[str, Any]],
+    masters: dict[str, Tensor],
+) -> None:
+    """Replace `opt`'s hyper-parameters and the state of every owned parameter with the
+    checkpoint's (called only after `compare` found nothing)."""
+    for g, sg in zip(opt.param_groups, saved_meta["groups"]):
+        g.update(
+            {
+                k: v
+                for k, v in sg["hypers"].items()
+                if k not in _NOT_HYPER and k not in IMPLEMENTATION_HYPERS
+            }
+        )
+    holder = _state_holder(opt)
+    if holder is not None:
+        for n, p in _owned(opt).items():
+            holder.pop(p, None)
+            if n in state:
+                holder[p] = {
+                    k: (v.detach().to(p.device, copy=True) if isinstance(v, Tensor) else v)
+                    for k, v in state[n].items()
+                }
+    own = getattr(opt, "_master", {})
+    named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
+    for n, m in own.items():
+        m.copy_(masters[n] if n in masters else named[n])
+
+
+def validate(opt: torch.optim.Optimizer, saved_meta: dict[str, Any]) -> None:
+    """Raise `CheckpointMismatchError` listing every difference from `opt`; None if none."""
+    mismatches = compare(saved_meta, describe(opt))
+    if mismatches:
+        raise CheckpointMismatchError(mismatches)
+
+
+# -- full state dicts (torch format) ------------------------------------------------------------
+
+
+def is_full_state_dict(sd: dict[str, Any]) -> bool:
+    """True for a dict in torch's optimizer format (what `full_state_dict` returns)."""
+    return "param_groups" in sd and all("params" in g for g in sd["param_groups"])
+
+
+def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[str, Any]:
+    """The whole optimizer's state in torch's format, as `build_optimizer(model, ...)` over
+    the whole model would return it: integer indices numbered group by group in model order,
+    each group's `param_names`, and an `"orthoptim"` entry (the `describe()` of the optimizer
+    and the fp32 master copies of a `gather_dtype` run) that the loaders check.
+
+    On a layer-wise optimizer the owners' states are gathered: to every rank, or with
+    `to_rank0=True` to rank 0 only (the others return {}). Tensors are copies on the CPU.
+    """
+    meta = describe(opt)
+    local = {
+        "state": {n: {k: _cpu(v) for k, v in st.items()} for n, st in _local_state(opt).items()},
+        "master": {n: _cpu(m) for n, m in _masters(opt).items()},
+    }
+    if _is_layerwise(opt):
+        opt.wait_for_params()
+        group = opt.process_group
+        with C.phase("full state dict gather", group):
+            if to_rank0:
+                parts = C.gather_object(local, dst=0, group=group)
+            else:
+                parts = C.all_gather_object(local, group=group)
+        if parts is None:
+            return {}
+    else:
+        parts = [local]
+    state: dict[str, dict[str, Any]] = {}
+    master: dict[str, Tensor] = {}
+    for part in parts:
+        state.update(part["state"])
+        master.update(part["master"])
+    index: dict[str, int] = {}
+    groups = []
+    for g in meta["groups"]:
+        ids = []
+        for n in g["names"]:
+            index[n] = len(index)
+            ids.append(index[n])
+        groups.append({**g["hypers"], "params": ids, "param_names": list(g["names"])})
+    return {
+        "state": {index[n]: st for n, st in state.items()},
+        "param_groups": groups,
+        "orthoptim": {"meta": meta, "master": master},
+    }
+
+
+def _cpu(v: Any) -> Any:
+    return v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
+
+
+def _meta_from_full(sd: dict[str, Any]) -> dict[str, Any]:
+    extra = sd.get("orthoptim")
+    if extra is not None:
+        return extra["meta"]
+    # A plain torch dict from a single-process optimizer: names from param_names, shapes
+    # unknown (taken from the state tensors' parameters where the loader has them).
+    groups, shapes = [], {}
+    for gi, g in enumerate(sd["param_groups"]):
+        names = g.get("param_names")
+        if names is None:
+            raise CheckpointMismatchError(
+                [
+                    f"param group {gi} of the state dict has no 'param_names'; it cannot be "
+                    "matched to parameters by name"
+                ]
+            )
+        groups.append({"hypers": _hypers(g), "names": list(names)})
+    return {"format": FORMAT_VERSION, "groups": groups, "shapes": shapes}
+
+
+def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Load a `full_state_dict` (or a single-process optimizer's `state_dict()`) into a
+    layer-wise or single-process optimizer: each rank takes the state of what it owns.
+
+    Every mismatch is listed in one `CheckpointMismatchError` before anything changes. State
+    tensors keep their saved dtype (torch's own loader would cast a bf16 parameter's fp32
+    momentum to bf16).
+    """
+    saved_meta = _meta_from_full(sd)
+    here = describe(opt)
+    if not saved_meta["shapes"]:
+        saved_meta = {**saved_meta, "shapes": _shapes_from_state(sd, saved_meta, here)}
+    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    state = {names[i]: st for i, st in sd["state"].items()}
+    validate(opt, saved_meta)
+    _install(opt, saved_meta, state, sd.get("orthoptim", {}).get("master", {}))
+
+
+def _shapes_from_state(
+    sd: dict[str, Any], meta: dict[str, Any], here: dict[str, Any]
+) -> dict[str, list[int]]:
+    """Shapes of a plain torch dict's parameters, read off state tensors shaped like them
+    (momentum, exp_avg); parameters without such state are assumed to match."""
+    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    out = {n: here["shapes"].get(n) for g in meta["groups"] for n in g["names"]}
+    for i, st in sd["state"].items():
+        for k in ("momentum_buffer", "exp_avg"):
+            if isinstance(st.get(k), Tensor):
+                out[names[i]] = list(st[k].shape)
+    return out
+
+
+# -- sharded state dicts (DCP) --------------------------------------------------------------------
+
+
+def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's share of the optimizer for `torch.distributed.checkpoint.save`: the state
+    of each parameter it owns under `optim/state/<name>/<key>`, fp32 master copies under
+    `optim/master/<name>`, and `optim/meta` (the same on every rank). No key mentions a rank
+    or a world size. Values are the live tensors (no copy)."""
+    if _is_layerwise(opt):
+        opt.wait_for_params()
+    out: dict[str, Any] = {_META_KEY: _pack(describe(opt))}
+    for n, st in _local_state(opt).items():
+        for k, v in st.items():
+            out[f"optim/state/{n}/{k}"] = v
+    for n, m in _masters(opt).items():
+        out[f"optim/master/{n}"] = m
+    return out
+
+
+def load_sharded_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Install a dict read with DCP (keys as `sharded_state_dict`, for the parameters this
+    rank owns now, whatever world size wrote them); validates first, lists every mismatch."""
+    saved_meta = _unpack(sd[_META_KEY])
+    validate(opt, saved_meta)
+    state: dict[str, dict[str, Any]] = {}
+    masters: dict[str, Tensor] = {}
+    for key, v in sd.items():
+        if key.startswith("optim/state/"):
+            name, _, k = key[len("optim/state/") :].rpartition("/")
+            state.setdefault(name, {})[k] = v
+        elif key.startswith("optim/master/"):
+            masters[key[len("optim/master/") :]] = v
+    _install(opt, saved_meta, state, masters)
+
+
+def _pack(obj: Any) -> bytes:
+    """Serialise a nested value so that DCP stores it as one item (DCP flattens dicts)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every call made without a process group; that is intended here."""
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def _dcp() -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _group(opt: torch.optim.Optimizer) -> Any:
+    return opt.process_group if _is_layerwise(opt) else None
+
+
+def save_sharded(
+    path: str | os.PathLike[str],
+    opt: torch.optim.Optimizer,
+    model: nn.Module | None = None,
+    extra: dict[str, Any] | None = None,
+    _before_rename: Callable[[str], None] | None = None,
+) -> None:
+    """Save `opt` (and `model`'s state, and `extra` picklable values) as a DCP checkpoint at
+    `path`, atomically: every rank writes into `<path>.partial`, then rank 0 swaps it into
+    place (`path` → `<path>.old`, `.partial` → `path`, `.old` removed). A save killed at any
+    point leaves a loadable checkpoint: `path`, or `<path>.old` between the two renames, which
+    `load_sharded` falls back to. Collective: call on every rank of the optimizer's group.
+    """
+    dcp = _dcp()
+    group = _group(opt)
+    rank, _ = C.world(group)
+    path = os.fspath(path)
+    partial, old = path + ".partial", path + ".old"
+    sd: dict[str, Any] = dict(sharded_state_dict(opt))
+    if model is not None:
+        sd.update({f"model/{k}": v for k, v in model.state_dict().items()})
+    for k, v in (extra or {}).items():
+        sd[f"extra/{k}"] = _pack(v)
+    if rank == 0 and os.path.exists(partial):
+        shutil.rmtree(partial)
+    with C.phase("checkpoint save", group):
+        C.barrier(group)
+        with _quiet():
+            dcp.save(sd, checkpoint_id=partial, process_group=group)
+        if rank == 0:
+            if _before_rename is not None:
+                _before_rename(partial)
+            if os.path.exists(path):
+                if os.path.exists(old):
+                    shutil.rmtree(old)
+                os.replace(path, old)
+            os.replace(partial, path)
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            if os.path.exists(old):
+                shutil.rmtree(old)
+        C.barrier(group)
+
+
+def resolve(path: str | os.PathLike[str]) -> str:
+    """The directory to load for checkpoint `path`: `path`, or `<path>.old` when a save was
+    killed between its two renames."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if os.path.isdir(path + ".old"):
+        return path + ".old"
+    raise FileNotFoundError(f"no checkpoint at {path} (nor {path}.old)")
+
+
+def load_sharded(
+    path: str | os.PathLike[str],
+    opt: torch.optim.Optimizer,
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
+    """Load a `save_sharded` checkpoint written at any world size into `opt` (and `model`).
+
+    Each rank reads only the state of the parameters it owns now. Names, shapes, optimizers
+    and hyper-parameters are checked first, for the model too; every mismatch is listed in
+    one `CheckpointMismatchError` and neither the model nor the optimizer is touched.
+    Returns the `extra` values saved with it. Collective: call on every rank.
+    """
+    dcp = _dcp()
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    group = _group(opt)
+    path = resolve(path)
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    with C.phase("checkpoint load (metadata)", group):
+        head: dict[str, Any] = {_META_KEY: None}
+        with _quiet():
+            dcp.load(head, checkpoint_id=path, process_group=group)
+    saved_meta = _unpack(head[_META_KEY])
+    mismatches = compare(saved_meta, describe(opt))
+    model_sd = model.state_dict() if model is not None else {}
+    if model is not None:
+        saved_model = {k[len("model/") :]: v for k, v in stored.items() if k.startswith("model/")}
+        for k in sorted(set(model_sd) - set(saved_model)):
+            mismatches.append(f"model entry {k}: in this model, missing from the checkpoint")
+        for k in sorted(set(saved_model) - set(model_sd)):
+            mismatches.append(f"model entry {k}: in the checkpoint, not in this model")
+        for k in sorted(set(saved_model) & set(model_sd)):
+            size = getattr(saved_model[k], "size", None)
+            if size is not None and list(size) != list(model_sd[k].shape):
+                mismatches.append(
+                    f"model entry {k}: shape {tuple(size)} in the checkpoint, "
+                    f"{tuple(model_sd[k].shape)} here"
+                )
+    if mismatches:
+        raise CheckpointMismatchError(mismatches)
+
+    owned = set(_owned(opt))
+    want: dict[str, Any] = {}
+    for key, md in stored.items():
+        if key.startswith("optim/state/"):
+            name = key[len("optim/state/") :].rpartition("/")[0]
+        elif key.startswith("optim/master/"):
+            name = key[len("optim/master/") :]
+        elif key.startswith("extra/"):
+            want[key] = None
+            continue
+        else:
+            continue
+        if name not in owned and not key.startswith("optim/master/"):
+            continue
+        if key.startswith("optim/master/") and name not in _masters(opt):
+            continue
+        if isinstance(md, BytesStorageMetadata):
+            want[key] = None
+        else:
+            want[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}
+    want.update(fresh_model)
+    with C.phase("checkpoint load", group), _quiet():
+        dcp.load(want, checkpoint_id=path, process_group=group)
+    # Both reads succeeded: only now change anything.
+    with torch.no_grad():
+        for k, v in model_sd.items():
+            v.copy_(fresh_model[f"model/{k}"])
+    load_sharded_state_dict(opt, {**want, _META_KEY: head[_META_KEY]})
+    return {k[len("extra/") :]: _unpack(v) for k, v in want.items() if k.startswith("extra/")}
+
+
+# -- single-file atomic save ------------------------------------------------------------------
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(
+    obj: Any,
+    path: str | os.PathLike[str],
+    _before_rename: Callable[[str], None] | None = None,
+) -> None:
+    """`torch.save(obj, path)` that never leaves a partial file at `path`: written to a
+    temporary file in the same directory, flushed to disk, then renamed over `path`."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if _before_rename is not None:
+            _before_rename(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_load(path: str | os.PathLike[str], map_location: Any = "cpu") -> Any:
+    """Load what `atomic_save` wrote (tensors onto `map_location`)."""
+    return torch.load(os.fspath(path), map_location=map_location, weights_only=False)

@@ -1,0 +1,305 @@
+"""Checkpoints: full and DCP-sharded optimizer state that reshards across data-parallel sizes,
+atomic saves, and mismatch errors that list everything and load nothing.
+
+The oracle for every resumed run is an uninterrupted run of the same optimizer on the same
+batches: bitwise at the same world size, within 1e-6 relative at another one.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orthoptim import build_optimizer
+from orthoptim import checkpoint as ckpt
+from orthoptim.parallel import LayerwiseDistributedOptimizer
+
+from distributed import run_ranks
+
+VOCAB, SEQ, WIDTH, BATCH = 16, 4, 8, 8
+BEFORE, AFTER = 3, 10  # steps before the checkpoint, steps resumed after it
+KW = dict(optimizer="muon", lr=0.02, adamw_lr=3e-3, weight_decay=0.01, bucket_mb=0.0005)
+HYBRID_KW = {k: v for k, v in KW.items() if k != "bucket_mb"}
+
+
+class Net(nn.Module):
+    """Embedding tied to the head (AdamW), a LayerNorm and biases (AdamW), two hidden
+    matrices (Muon), and a frozen matrix that no optimizer holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.ln = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH, bias=False)
+        self.frozen = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.frozen.weight.requires_grad_(False)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln(x)))) + 0.1 * self.frozen(x)
+        return self.head(x)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batch(step, rank=0, world_size=1):
+    g = torch.Generator().manual_seed(100 + step)
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    per = BATCH // world_size
+    idx = idx[rank * per : (rank + 1) * per]
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train(model, opt, steps, rank=0, world_size=1):
+    for step in steps:
+        x, y = batch(step, rank, world_size)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    if hasattr(opt, "wait_for_params"):
+        opt.wait_for_params()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def rel_err(got, want):
+    return max(((got[n] - w).norm() / w.norm()).item() for n, w in want.items())
+
+
+def _save_and_resume(rank, world_size, path):
+    """World size 2: save after BEFORE steps (DCP + full dicts), resume in fresh objects."""
+    out = {}
+    model = make_model()
+    opt = LayerwiseDistributedOptimizer(model, **KW)
+    train(model, opt, range(BEFORE), rank, world_size)
+    ckpt.save_sharded(path, opt, model, extra={"step": BEFORE})
+    out["full"] = opt.full_state_dict()
+    out["full_rank0"] = opt.full_state_dict(to_rank0=True)
+    out["owned"] = sorted(ckpt.sharded_state_dict(opt))
+    out["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+    out["uninterrupted"] = train(model, opt, range(BEFORE, BEFORE + AFTER), rank, world_size)
+
+    model2 = make_model(seed=1)
+    opt2 = LayerwiseDistributedOptimizer(model2, **KW)
+    out["extra"] = ckpt.load_sharded(path, opt2, model2)
+    out["resumed_dcp"] = train(model2, opt2, range(BEFORE, BEFORE + AFTER), rank, world_size)
+
+    model3 = make_model(seed=1)
+    model3.load_state_dict(out["model"])
+    opt3 = LayerwiseDistributedOptimizer(model3, **KW)
+    opt3.load_state_dict(out["full"])
+    out["resumed_full"] = train(model3, opt3, range(BEFORE, BEFORE + AFTER), rank, world_size)
+    return out
+
+
+def _resume_at(rank, world_size, path):
+    model = make_model(seed=1)
+    opt = LayerwiseDistributedOptimizer(model, **KW)
+    extra = ckpt.load_sharded(path, opt, model)
+    assert extra == {"step": BEFORE}
+    return train(model, opt, range(BEFORE, BEFORE + AFTER), rank, world_size)
+
+
+def test_reshard_and_resume(tmp_path):
+    path = str(tmp_path / "ckpt")
+    r = run_ranks(_save_and_resume, 2, args=(path,))
+    want = r[0]["uninterrupted"]
+    for rank in range(2):
+        for key in ("resumed_dcp", "resumed_full"):
+            for n, p in r[rank][key].items():
+                assert torch.equal(p, r[rank]["uninterrupted"][n]), (rank, key, n)
+        assert r[rank]["extra"] == {"step": BEFORE}
+    # each rank wrote only the state of what it owns; keys name parameters, not ranks
+    keys = [set(k for k in r[rank]["owned"] if k.startswith("optim/state/")) for rank in range(2)]
+    assert keys[0] and keys[1] and not keys[0] & keys[1]
+    assert not any("rank" in k for k in keys[0] | keys[1])
+    # full dicts: the same on every rank; to_rank0 only on rank 0
+    assert r[1]["full_rank0"] == {}
+    full = r[0]["full"]
+    assert set(full["state"]) == set(r[0]["full_rank0"]["state"])
+
+    # world size 1 from the DCP checkpoint (no process group), and 4 ranks
+    got1 = _resume_at(0, 1, path)
+    assert rel_err(got1, want) <= 1e-6, rel_err(got1, want)
+    for res in run_ranks(_resume_at, 4, args=(path,)):
+        assert rel_err(res, want) <= 1e-6, rel_err(res, want)
+
+    # the single-process optimizer takes the full dict as is (torch's own load_state_dict)
+    model = make_model(seed=1)
+    model.load_state_dict(r[0]["model"])
+    single = build_optimizer(model, **HYBRID_KW)
+    single.load_state_dict(full)
+    got = train(model, single, range(BEFORE, BEFORE + AFTER))
+    assert rel_err(got, want) <= 1e-6, rel_err(got, want)
+    # and the single-process optimizer's own dict loads into the layer-wise one
+    model = make_model()
+    opt = build_optimizer(model, **HYBRID_KW)
+    train(model, opt, range(BEFORE))
+    lw = LayerwiseDistributedOptimizer(model, **KW)
+    lw.load_state_dict(opt.state_dict())
+    got = train(model, lw, range(BEFORE, BEFORE + AFTER))
+    assert rel_err(got, want) <= 1e-6, rel_err(got, want)
+
+
+# ---- mismatches --------------------------------------------------------------------------------
+
+
+class Other(Net):
+    """Net with a renamed matrix, a resized one and an extra one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, 3 * WIDTH)
+        self.fc2 = nn.Linear(3 * WIDTH, WIDTH, bias=False)
+        self.extra = nn.Linear(WIDTH, WIDTH, bias=False)
+
+
+def _snapshot(model, opt):
+    return (
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        {k: v for k, v in ckpt.full_state_dict(opt).items() if k != "orthoptim"},
+    )
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_mismatched_checkpoint_lists_every_mismatch_and_loads_nothing(tmp_path):
+    model = make_model()
+    opt = LayerwiseDistributedOptimizer(model, **KW)
+    train(model, opt, range(2))
+    ckpt.save_sharded(tmp_path / "a", opt, model)
+    full = opt.full_state_dict()
+
+    other = Other()
+    other_opt = LayerwiseDistributedOptimizer(other, **{**KW, "ns_steps": 3})
+    train(other, other_opt, range(1))
+    before = _snapshot(other, other_opt)
+    for load in (
+        lambda: ckpt.load_sharded(tmp_path / "a", other_opt, other),
+        lambda: other_opt.load_state_dict(full),
+    ):
+        with pytest.raises(ckpt.CheckpointMismatchError) as info:
+            load()
+        msg = str(info.value)
+        for needle in (
+            "parameter extra.weight: in this model, missing from the checkpoint",
+            "parameter fc1.weight: shape (16, 8) in the checkpoint, (24, 8) here",
+            "parameter fc2.weight: shape (8, 16) in the checkpoint, (8, 24) here",
+            "parameter fc1.bias: shape (16,) in the checkpoint, (24,) here",
+            "ns_steps = 5 in the checkpoint, 3 here",
+        ):
+            assert needle in msg, msg
+        assert _same(_snapshot(other, other_opt), before)  # nothing half-loaded
+    with pytest.raises(ckpt.CheckpointMismatchError, match="model entry extra.weight"):
+        ckpt.load_sharded(tmp_path / "a", other_opt, other)
+
+    # another optimizer type for the same model
+    adamw = LayerwiseDistributedOptimizer(make_model(), optimizer="adamw", lr=1e-3)
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
+        adamw.load_state_dict(full)
+    assert "optimizers ['muon', 'adamw'] in the checkpoint, ['adamw'] here" in str(info.value)
+
+    # hyper-parameters a scheduler changes come from the checkpoint, as in torch, whether or
+    # not a scheduler was attached on either side
+    same = LayerwiseDistributedOptimizer(make_model(), **{**KW, "lr": 0.5})
+    torch.optim.lr_scheduler.StepLR(same, step_size=1)
+    same.load_state_dict(full)
+    assert same.param_groups[0]["lr"] == 0.02
+
+
+# ---- atomic saves ----------------------------------------------------------------------------
+
+
+def test_atomic_save_interrupted_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "x.pt"
+    ckpt.atomic_save({"v": torch.ones(3)}, path)
+
+    def boom(tmp):
+        assert os.path.exists(tmp)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.atomic_save({"v": torch.zeros(3)}, path, _before_rename=boom)
+    assert torch.equal(ckpt.atomic_load(path)["v"], torch.ones(3))
+    assert os.listdir(tmp_path) == ["x.pt"]
+
+    # DCP: interrupted after writing, and between the two renames
+    model = make_model()
+    opt = LayerwiseDistributedOptimizer(model, **KW)
+    train(model, opt, range(1))
+    d = tmp_path / "c"
+    ckpt.save_sharded(d, opt, model)
+    want = ckpt.full_state_dict(opt)
+    train(model, opt, range(1, 2))
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_sharded(d, opt, model, _before_rename=boom)
+    real_replace = os.replace
+    calls = []
+
+    def replace_once(a, b):
+        calls.append(a)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_replace(a, b)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace_once)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_sharded(d, opt, model)
+    monkeypatch.undo()
+    assert not d.exists() and (tmp_path / "c.old").exists()
+    fresh = LayerwiseDistributedOptimizer(make_model(seed=1), **KW)
+    ckpt.load_sharded(d, fresh)
+    assert _same(ckpt.full_state_dict(fresh)["state"], want["state"])
+    # the next save completes the directory swap
+    ckpt.save_sharded(d, opt, model)
+    assert d.exists() and not (tmp_path / "c.old").exists()
+
+
+KILLED_SAVE = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from test_checkpoint import make_model, train, KW
+from orthoptim import checkpoint as ckpt
+from orthoptim.parallel import LayerwiseDistributedOptimizer
+model = make_model()
+opt = LayerwiseDistributedOptimizer(model, **KW)
+train(model, opt, range(2))
+ckpt.save_sharded({path!r}, opt, model)
+train(model, opt, range(2, 3))
+ckpt.save_sharded({path!r}, opt, model,
+                  _before_rename=lambda tmp: os.kill(os.getpid(), signal.SIGKILL))
+"""
+
+
+def test_save_killed_between_write_and_rename(tmp_path):
+    path = str(tmp_path / "c")
+    code = KILLED_SAVE.format(tests=os.path.dirname(__file__), path=path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert os.path.exists(path + ".partial")  # the killed save's files
+    model = make_model(seed=1)
+    opt = LayerwiseDistributedOptimizer(model, **KW)
+    ckpt.load_sharded(path, opt, model)
+    ref_model = make_model()
+    ref = LayerwiseDistributedOptimizer(ref_model, **KW)
+    train(ref_model, ref, range(2))
+    assert _same(ckpt.full_state_dict(opt)["state"], ckpt.full_state_dict(ref)["state"])
+    for n, p in model.named_parameters():
+        assert torch.equal(p, dict(ref_model.named_parameters())[n]), n

@@ -1,0 +1,233 @@
+"""Faults: a rank killed mid-step, and degenerate matrices.
+
+One 3-rank gloo run (processes started here, not through run_ranks, because a rank must be
+able to die without the launcher tearing the others down) first steps a model of degenerate
+parameters, then saves a checkpoint and steps again while the last rank SIGKILLs itself
+during backward. The survivors must fail within the process-group timeout with an error that
+names the phase they were waiting in; the checkpoint must still load and train.
+"""
+
+import datetime
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from orthoptim import build_optimizer
+from orthoptim import checkpoint as ckpt
+from orthoptim.parallel import LayerwiseDistributedOptimizer
+from orthoptim.parallel.collectives import CollectiveError
+from test_checkpoint import KW, make_model, train
+
+from distributed import free_port
+
+WORLD = 3
+TIMEOUT_S = 6  # the process-group timeout the survivors must fail within
+
+
+class Degenerate(nn.Module):
+    """One parameter per degenerate case of the README's table."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.zero = nn.Parameter(torch.randn(6, 5, generator=g))  # gets a zero gradient
+        self.rank1 = nn.Parameter(torch.randn(6, 5, generator=g))  # rank-1 gradient
+        self.row = nn.Parameter(torch.randn(1, 7, generator=g))
+        self.col = nn.Parameter(torch.randn(7, 1, generator=g))
+        self.wide = nn.Parameter(torch.randn(2, 1024, generator=g))
+        self.tall = nn.Parameter(torch.randn(1024, 2, generator=g))
+        self.bf16 = nn.Parameter(torch.randn(4, 6, generator=g).bfloat16())
+        self.fp16 = nn.Parameter(torch.randn(6, 4, generator=g).half())
+        self.vec_bf16 = nn.Parameter(torch.randn(5, generator=g).bfloat16())
+        self.nograd = nn.Parameter(torch.randn(3, 3, generator=g))  # never gets a gradient
+        self.frozen = nn.Parameter(torch.randn(3, 3, generator=g), requires_grad=False)
+
+
+def degenerate_grads(model, step):
+    g = torch.Generator().manual_seed(step)
+    for name, p in model.named_parameters():
+        if name in ("nograd", "frozen"):
+            continue
+        if name == "zero":
+            p.grad = torch.zeros_like(p)
+        elif name == "rank1":
+            p.grad = torch.outer(torch.randn(6, generator=g), torch.randn(5, generator=g))
+        else:
+            p.grad = torch.randint(-8, 9, p.shape, generator=g).to(p.dtype) / 16
+
+
+def step_degenerate(opt, model, steps=3):
+    for step in range(steps):
+        degenerate_grads(model, step)
+        opt.step()
+        opt.zero_grad()
+    if hasattr(opt, "wait_for_params"):
+        opt.wait_for_params()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+DEGEN_KW = dict(lr=0.02, adamw_lr=1e-2, route=lambda n, p: p.ndim >= 2)
+
+
+def _rank(rank, port, path, outdir):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )
+        model = Degenerate()
+        opt = LayerwiseDistributedOptimizer(model, **DEGEN_KW, bucket_mb=0.001)
+        out["degenerate"] = step_degenerate(opt, model)
+
+        model = make_model()
+        opt = LayerwiseDistributedOptimizer(model, **KW)
+        train(model, opt, range(2), rank, WORLD)
+        ckpt.save_sharded(path, opt, model, extra={"step": 2})
+        out["saved"] = opt.full_state_dict()
+        out["saved_model"] = {k: v.clone() for k, v in model.state_dict().items()}
+        if rank == WORLD - 1:  # dies during backward, after some buckets were launched
+            model.fc1.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+        start = time.monotonic()
+        try:
+            train(model, opt, range(2, 4), rank, WORLD)
+            out["error"] = None
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            out["is_collective_error"] = isinstance(exc, CollectiveError)
+        out["elapsed"] = time.monotonic() - start
+    except BaseException as exc:
+        out["crash"] = repr(exc)
+    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    os._exit(1 if out.get("error") or out.get("crash") else 0)  # no teardown with a dead peer
+
+
+def test_dead_rank_names_phase_and_checkpoint_resumes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, path, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 600  # generous: the machine is shared and slow
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} hung instead of failing"
+    assert procs[-1].exitcode == -signal.SIGKILL
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD - 1)]
+    for rank, res in enumerate(results):
+        assert "crash" not in res, res.get("crash")
+        assert procs[rank].exitcode == 1
+        assert res["is_collective_error"], res["error"]
+        err = res["error"]
+        assert any(
+            phase in err
+            for phase in ("reduce-scatter of bucket", "reduce of bucket", "agreement", "all-gather")
+        ), err
+        assert "died or stalled" in err and f"rank {rank} of {WORLD}" in err
+        # within the process-group timeout (plus slack for a loaded machine)
+        assert res["elapsed"] < TIMEOUT_S + 30, res["elapsed"]
+
+    # the checkpoint written before the failure loads (here, at world size 1) and trains
+    model = make_model(seed=1)
+    opt = LayerwiseDistributedOptimizer(model, **KW)
+    assert ckpt.load_sharded(path, opt, model) == {"step": 2}
+    saved = results[0]["saved"]
+    got = opt.full_state_dict()
+    assert got["state"].keys() == saved["state"].keys()
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, results[0]["saved_model"][k]), k
+    after = train(model, opt, range(2, 4))
+    assert all(torch.isfinite(p).all() for p in after.values())
+
+    # degenerate matrices: the same on every rank, near the single-process optimizer
+    single = Degenerate()
+    before = {n: p.detach().clone() for n, p in single.named_parameters()}
+    want = step_degenerate(build_optimizer(single, **DEGEN_KW), single)
+    check_degenerate(want, before)
+    for res in results:
+        got = res["degenerate"]
+        check_degenerate(got, before)
+        for n, p in got.items():
+            assert torch.equal(p, results[0]["degenerate"][n]), n
+            tol = 1e-5 if p.dtype == torch.float32 else 2e-2
+            err = ((p.float() - want[n].float()).norm() / want[n].float().norm()).item()
+            assert err <= tol, (n, err)
+
+
+def check_degenerate(params, before):
+    """The documented behaviour of each case (README, "Degenerate parameters")."""
+    for n, p in params.items():
+        assert torch.isfinite(p).all(), n
+        assert p.dtype == before[n].dtype, n
+    for n in ("zero", "nograd", "frozen"):
+        assert torch.equal(params[n], before[n]), n  # no gradient signal, no decay: unchanged
+    for n in ("rank1", "row", "col", "wide", "tall", "bf16", "fp16"):
+        assert not torch.equal(params[n], before[n]), n
+
+
+def test_degenerate_newton_schulz_and_state_dtypes():
+    """Single process: each degenerate case's orthogonalized update and state dtype."""
+    from orthoptim import newton_schulz
+
+    for shape in [(6, 5), (1, 7), (7, 1), (2, 1024), (1024, 2)]:
+        zero = newton_schulz(torch.zeros(shape))
+        assert torch.equal(zero, torch.zeros(shape)), shape
+        g = torch.randn(shape)
+        out = newton_schulz(g)
+        assert torch.isfinite(out).all(), shape
+        # a rank-one (or vector) input maps to its normalised direction, scaled into the
+        # coefficient set's band around 1
+        u = torch.linalg.svdvals(out)
+        assert 0.6 < u[0] < 1.3, (shape, u)
+    rank1 = torch.outer(torch.randn(6), torch.randn(5))
+    s = torch.linalg.svdvals(newton_schulz(rank1))
+    assert 0.6 < s[0] < 1.3 and s[1:].max() < 1e-3, s
+
+    model = Degenerate()
+    opt = build_optimizer(model, **DEGEN_KW)
+    step_degenerate(opt, model, steps=1)
+    assert opt.state[model.bf16]["momentum_buffer"].dtype == torch.float32
+    assert opt.state[model.fp16]["momentum_buffer"].dtype == torch.float32
+    assert model.nograd not in opt.state and model.frozen not in opt.state
+    assert torch.isfinite(model.vec_bf16.detach()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_checkpoint_keeps_fp32_state(dtype, tmp_path):
+    """The fp32 momentum of a bf16/fp16 matrix survives both checkpoint paths in fp32."""
+    model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Linear(6, 4, bias=False)).to(dtype)
+    opt = LayerwiseDistributedOptimizer(model, lr=0.02)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape).to(dtype)
+    opt.step()
+    ckpt.save_sharded(tmp_path / "c", opt)
+    want = opt.full_state_dict()
+    for load in ("dcp", "full"):
+        fresh = LayerwiseDistributedOptimizer(model, lr=0.02)
+        if load == "dcp":
+            ckpt.load_sharded(tmp_path / "c", fresh)
+        else:
+            fresh.load_state_dict(want)
+        for i, st in fresh.full_state_dict()["state"].items():
+            buf = st["momentum_buffer"]
+            assert buf.dtype == torch.float32, load
+            assert torch.equal(buf, want["state"][i]["momentum_buffer"]), load
