@@ -137,8 +137,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # The parsed arguments carry the CLI's handler, which cannot be pickled to the ranks.
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_worker, args=(args.world_size, port, outdir, args), nprocs=args.world_size)
+        mp.spawn(_worker, args=(args.world_size, port, outdir, plain), nprocs=args.world_size)
         ranks = [
             torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
             for r in range(args.world_size)
