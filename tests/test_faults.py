@@ -28,6 +28,7 @@ from distributed import free_port
 
 WORLD = 3
 TIMEOUT_S = 6  # the process-group timeout the survivors must fail within
+PHASES = ("reduce-scatter of bucket", "reduce of bucket", "agreement", "all-gather", "broadcast")
 
 
 class Degenerate(nn.Module):
@@ -75,7 +76,9 @@ def step_degenerate(opt, model, steps=3):
 DEGEN_KW = dict(lr=0.02, adamw_lr=1e-2, route=lambda n, p: p.ndim >= 2)
 
 
-def _rank(rank, port, path, outdir):
+def _rank(rank, port, path, outdir, world=WORLD, stall=False):
+    """kill: degenerate steps, checkpoint, then the last rank SIGKILLs itself mid-backward.
+    stall: the last rank SIGSTOPs itself instead (alive, silent): only the timeout ends it."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     out = {}
@@ -84,9 +87,24 @@ def _rank(rank, port, path, outdir):
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=WORLD,
+            world_size=world,
             timeout=datetime.timedelta(seconds=TIMEOUT_S),
         )
+        if stall:
+            model = make_model()
+            opt = LayerwiseDistributedOptimizer(model, **KW)
+            train(model, opt, range(1), rank, world)
+            if rank == world - 1:
+                model.fc1.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGSTOP))
+            start = time.monotonic()
+            try:
+                train(model, opt, range(1, 2), rank, world)
+                out["error"] = None
+            except Exception as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+                out["is_collective_error"] = isinstance(exc, CollectiveError)
+            out["elapsed"] = time.monotonic() - start
+            raise SystemExit
         model = Degenerate()
         opt = LayerwiseDistributedOptimizer(model, **DEGEN_KW, bucket_mb=0.001)
         out["degenerate"] = step_degenerate(opt, model)
@@ -97,16 +115,18 @@ def _rank(rank, port, path, outdir):
         ckpt.save_sharded(path, opt, model, extra={"step": 2})
         out["saved"] = opt.full_state_dict()
         out["saved_model"] = {k: v.clone() for k, v in model.state_dict().items()}
-        if rank == WORLD - 1:  # dies during backward, after some buckets were launched
+        if rank == world - 1:  # dies during backward, after some buckets were launched
             model.fc1.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         start = time.monotonic()
         try:
-            train(model, opt, range(2, 4), rank, WORLD)
+            train(model, opt, range(2, 4), rank, world)
             out["error"] = None
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
             out["is_collective_error"] = isinstance(exc, CollectiveError)
         out["elapsed"] = time.monotonic() - start
+    except SystemExit:
+        pass
     except BaseException as exc:
         out["crash"] = repr(exc)
     torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
@@ -135,10 +155,7 @@ def test_dead_rank_names_phase_and_checkpoint_resumes(tmp_path):
         assert procs[rank].exitcode == 1
         assert res["is_collective_error"], res["error"]
         err = res["error"]
-        assert any(
-            phase in err
-            for phase in ("reduce-scatter of bucket", "reduce of bucket", "agreement", "all-gather")
-        ), err
+        assert any(phase in err for phase in PHASES), err
         assert "died or stalled" in err and f"rank {rank} of {WORLD}" in err
         # within the process-group timeout (plus slack for a loaded machine)
         assert res["elapsed"] < TIMEOUT_S + 30, res["elapsed"]
@@ -231,3 +248,27 @@ def test_low_precision_checkpoint_keeps_fp32_state(dtype, tmp_path):
             buf = st["momentum_buffer"]
             assert buf.dtype == torch.float32, load
             assert torch.equal(buf, want["state"][i]["momentum_buffer"]), load
+
+
+def test_stalled_rank_times_out_naming_phase(tmp_path):
+    """A rank that stops answering (SIGSTOP) without closing its connections: the other
+    fails after the process-group timeout, not before and not much after."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    args = [(r, port, "", str(tmp_path), 2, True) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=a) for a in args]
+    for p in procs:
+        p.start()
+    procs[0].join(600)
+    alive = procs[0].is_alive()
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not alive, "rank 0 hung past its timeout"
+    res = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert "crash" not in res, res.get("crash")
+    assert procs[0].exitcode == 1 and res["is_collective_error"], res
+    assert "rank 0 of 2" in res["error"], res["error"]
+    assert any(phase in res["error"] for phase in PHASES), res["error"]
+    assert TIMEOUT_S - 1 <= res["elapsed"] < TIMEOUT_S + 30, res["elapsed"]

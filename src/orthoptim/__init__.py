@@ -1,7 +1,7 @@
 """orthoptim: matrix-aware optimizers (Muon, SOAP) at data- and tensor-parallel scale."""
 
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_factor
-from orthoptim.optim import HybridOptimizer, Muon, build_optimizer, routing_table
+from orthoptim.optim import SOAP, HybridOptimizer, Muon, build_optimizer, routing_table
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer
 
@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "SOAP",
     "FSDPOptimizer",
     "HybridOptimizer",
     "LayerwiseDistributedOptimizer",

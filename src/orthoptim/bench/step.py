@@ -172,6 +172,31 @@ def muon_candidates(args: argparse.Namespace) -> list[StepCandidate]:
 register_suite("muon", muon_candidates, baseline="torch_muon")
 
 
+def soap_candidates(args: argparse.Namespace) -> list[StepCandidate]:
+    """orthoptim SOAP refreshing its bases every step and every 10 steps, Muon, AdamW.
+
+    A SOAP step that refreshes costs more than one that does not: at frequency 10 the median
+    is a step without a refresh, and the amortized step is t10 + (t1 − t10)/10.
+    """
+    from orthoptim.optim.muon import Muon
+    from orthoptim.optim.soap import SOAP
+
+    cands = [
+        StepCandidate(
+            f"orthoptim_soap_f{f}",
+            lambda ps, f=f: SOAP(ps, lr=3e-3, precondition_frequency=f),
+            note=f"SOAP(precondition_frequency={f}): QR refresh every {f} step(s)",
+            ours=f == 1,
+        )
+        for f in (1, 10)
+    ]
+    cands.append(StepCandidate("orthoptim_muon", lambda ps: Muon(ps, lr=0.02)))
+    return cands + adamw_candidates()
+
+
+register_suite("soap", soap_candidates, baseline="torch_adamw_fused")
+
+
 def _make_params(
     shapes: Sequence[tuple[int, int]], device: torch.device, seed: int
 ) -> tuple[list[Tensor], list[Tensor]]:

@@ -1,0 +1,308 @@
+"""SOAP: Adam run in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024,
+arXiv:2409.11321).
+
+Per matrix parameter W (m×n) with gradient G, after the first step::
+
+    G' ← Q_Lᵀ·G·Q_R                                   (rotate into the eigenbasis)
+    M ← β₁·M + (1−β₁)·G'        V ← β₂·V + (1−β₂)·G'⊙G'   (Adam moments, rotated basis)
+    N ← Q_L·[(M/c₁) / (√(V/c₂) + eps)]·Q_Rᵀ           (c = bias corrections, rotate back)
+    W ← W − lr·wd·W − lr·N                            (decoupled weight decay)
+    L ← β·L + (1−β)·G·Gᵀ        R ← β·R + (1−β)·Gᵀ·G      (Kronecker factors, β = shampoo_beta)
+    every `precondition_frequency` steps: refresh Q_L, Q_R from L, R and re-express M in them
+
+As in the reference implementation, the first step of a rotated parameter only initialises
+L, R and their eigenbases (full `eigh`) and leaves the parameter where it is, so a projection
+never uses the gradient it projects. Later refreshes take one step of orthogonal (power)
+iteration with QR from the previous basis: the columns are re-sorted by their estimated
+eigenvalues qᵢᵀ·L·qᵢ (descending) and V is permuted the same way so that it stays aligned.
+The first moment M is stored in the rotated basis and rotated into the new basis at each
+refresh, which is the paper's "project M each step" at a fraction of the matmuls.
+
+A side larger than `max_precond_dim` keeps the identity basis (no factor); a parameter with
+no rotated side — and every 1-D parameter — is plain AdamW, from the first step. A 3-D
+parameter [E, out, in] is E independent matrices (one L, R pair each); ≥4-D (conv) weights
+are one (out, rest) matrix. All state belongs to its own parameter, in float32 for bf16/fp16
+parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from orthoptim.optim.base import (
+    apply_nonfinite_policy,
+    check_nonfinite_policy,
+    matrix_view,
+    nonfinite_params,
+    param_names,
+)
+
+REFRESH_METHODS = ("qr", "eigh")
+
+
+def eigenbasis(factor: Tensor) -> Tensor:
+    """Eigenvectors of a (batch of) symmetric matrix, columns by descending eigenvalue.
+
+    Runs in the factor's dtype and retries in float64 when that eigensolver fails to
+    converge (which happens for ill-conditioned float32 factors).
+    """
+    try:
+        _, vecs = torch.linalg.eigh(factor)
+    except torch.linalg.LinAlgError:
+        _, vecs = torch.linalg.eigh(factor.to(torch.float64))
+        vecs = vecs.to(factor.dtype)
+    return vecs.flip(-1)
+
+
+def refine_eigenbasis(factor: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
+    """One step of orthogonal iteration from `basis`: QR(L·Q) with Q's columns re-sorted.
+
+    Returns the new basis and the column order applied (indices into the old basis, sorted
+    by the estimated eigenvalues qᵢᵀ·L·qᵢ, descending), so that per-column state can follow.
+    """
+    lq = factor @ basis
+    estimate = (basis * lq).sum(dim=-2)
+    order = estimate.argsort(dim=-1, descending=True)
+    lq = lq.gather(-1, order.unsqueeze(-2).expand_as(lq))
+    q, _ = torch.linalg.qr(lq)
+    return q, order
+
+
+def rotate(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Tensor:
+    """Q_Lᵀ·X·Q_R, with None standing for the identity."""
+    if q_left is not None:
+        x = q_left.mT @ x
+    if q_right is not None:
+        x = x @ q_right
+    return x
+
+
+def rotate_back(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Tensor:
+    """Q_L·X·Q_Rᵀ, the inverse of `rotate`."""
+    if q_left is not None:
+        x = q_left @ x
+    if q_right is not None:
+        x = x @ q_right.mT
+    return x
+
+
+def _state_dtype(p: Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class SOAP(torch.optim.Optimizer):
+    """SOAP for matrix parameters; Adam(W) for vectors and for sides above `max_precond_dim`.
+
+    Args:
+        lr: learning rate.
+        betas: Adam's (β₁, β₂) in the rotated basis.
+        shampoo_beta: EMA coefficient of the Kronecker factors L, R; None → betas[1].
+        eps: added to the bias-corrected √V (torch.optim.AdamW's placement).
+        weight_decay: decoupled, W ← W − lr·wd·W.
+        precondition_frequency: refresh the eigenbases every this many steps.
+        max_precond_dim: a side longer than this keeps the identity basis.
+        correct_bias: Adam's bias correction of M and V.
+        refresh_method: "qr" (eigh once, then one power-iteration step with QR per refresh,
+            as in the paper) or "eigh" (a full eigendecomposition at every refresh).
+        nonfinite: "raise" (default) or "skip" for NaN/Inf gradients, as in Muon.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        max_precond_dim: int = 10000,
+        correct_bias: bool = True,
+        refresh_method: str = "qr",
+        nonfinite: str = "raise",
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+        if shampoo_beta is not None and not 0.0 <= shampoo_beta < 1.0:
+            raise ValueError(f"shampoo_beta must be in [0, 1) or None, got {shampoo_beta}")
+        if not eps > 0.0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        _check_int("precondition_frequency", precondition_frequency, 1)
+        _check_int("max_precond_dim", max_precond_dim, 0)
+        if not isinstance(correct_bias, bool):
+            raise ValueError(f"correct_bias must be a bool, got {correct_bias!r}")
+        if refresh_method not in REFRESH_METHODS:
+            raise ValueError(
+                f"refresh_method must be one of {REFRESH_METHODS}, got {refresh_method!r}"
+            )
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            shampoo_beta=shampoo_beta,
+            eps=eps,
+            weight_decay=weight_decay,
+            precondition_frequency=precondition_frequency,
+            max_precond_dim=max_precond_dim,
+            correct_bias=correct_bias,
+            refresh_method=refresh_method,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, but rejects complex parameters, naming them."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            if p.is_complex():
+                name = names[i] if names is not None else f"parameter {i} of the new group"
+                raise ValueError(f"SOAP does not support complex parameters ({name})")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but keeps float32 state for bf16/fp16 parameters.
+
+        torch casts every floating-point state tensor to its parameter's dtype on load; SOAP's
+        state is float32 master state, so it is restored from `state_dict` at full precision.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if saved is None or _state_dtype(p) == p.dtype:
+                continue
+            for key, value in saved.items():
+                if torch.is_tensor(value) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, dtype=_state_dtype(p))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One SOAP step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for g in self.param_groups for p in g["params"]]
+        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
+            return loss
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(
+                        f"SOAP does not support sparse gradients (shape {tuple(p.shape)})"
+                    )
+                self._step_param(p, group)
+        return loss
+
+    def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        dtype = _state_dtype(p)
+        grad = p.grad.to(dtype)
+        if p.ndim >= 2:
+            grad = matrix_view(grad)
+        beta1, beta2 = group["betas"]
+        shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else beta2
+
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.contiguous_format)
+            if p.ndim >= 2:
+                for side, size in (("left", grad.shape[-2]), ("right", grad.shape[-1])):
+                    if size <= group["max_precond_dim"]:
+                        k = grad.shape[0]
+                        state[f"factor_{side}"] = grad.new_zeros(k, size, size)
+            if _factors(state):
+                # First step: initialise the factors and their eigenbases, do not move.
+                _fold_gradient(state, grad, shampoo_beta)
+                for side, factor in _factors(state):
+                    state[f"basis_{side}"] = eigenbasis(self._finite_factor(p, side, factor))
+                return
+
+        q_left, q_right = state.get("basis_left"), state.get("basis_right")
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        step = state["step"] + 1
+        g = rotate(grad, q_left, q_right)
+        exp_avg.lerp_(g, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        if group["correct_bias"]:
+            bias_correction1 = 1.0 - beta1**step
+            bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
+        else:
+            bias_correction1 = bias_correction2_sqrt = 1.0
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+        step_size = group["lr"] / bias_correction1
+
+        w = p if p.dtype == dtype else p.to(dtype)
+        if group["weight_decay"] != 0.0:
+            w.mul_(1.0 - group["lr"] * group["weight_decay"])
+        if q_left is None and q_right is None:
+            w.addcdiv_(exp_avg.view(w.shape), denom.view(w.shape), value=-step_size)
+        else:
+            update = rotate_back(exp_avg / denom, q_left, q_right)
+            w.add_(update.view(w.shape), alpha=-step_size)
+        if w is not p:
+            p.copy_(w)
+
+        state["step"] = step
+        if _factors(state):
+            _fold_gradient(state, grad, shampoo_beta)
+            if step % group["precondition_frequency"] == 0:
+                self._refresh(p, state, group["refresh_method"])
+
+    def _refresh(self, p: Tensor, state: dict[str, Any], method: str) -> None:
+        """New eigenbases from the factors; M re-expressed in them, V permuted along."""
+        old = (state.get("basis_left"), state.get("basis_right"))
+        exp_avg = rotate_back(state["exp_avg"], *old)
+        exp_avg_sq = state["exp_avg_sq"]
+        for side, factor in _factors(state):
+            factor = self._finite_factor(p, side, factor)
+            if method == "eigh":
+                state[f"basis_{side}"] = eigenbasis(factor)
+                continue
+            basis, order = refine_eigenbasis(factor, state[f"basis_{side}"])
+            state[f"basis_{side}"] = basis
+            if side == "left":
+                exp_avg_sq = exp_avg_sq.gather(-2, order.unsqueeze(-1).expand_as(exp_avg_sq))
+            else:
+                exp_avg_sq = exp_avg_sq.gather(-1, order.unsqueeze(-2).expand_as(exp_avg_sq))
+        state["exp_avg_sq"] = exp_avg_sq
+        state["exp_avg"] = rotate(exp_avg, state.get("basis_left"), state.get("basis_right"))
+
+    def _finite_factor(self, p: Tensor, side: str, factor: Tensor) -> Tensor:
+        if not torch.isfinite(factor).all():
+            name = param_names(self).get(id(p), f"shape {tuple(p.shape)}")
+            raise FloatingPointError(
+                f"SOAP: the {side} Kronecker factor of {name} is not finite (the gradient's "
+                "outer product overflowed); its eigenbasis is left as it was. Clip or rescale "
+                "the gradients, or reset this parameter's optimizer state."
+            )
+        return factor
+
+
+def _factors(state: dict[str, Any]) -> list[tuple[str, Tensor]]:
+    return [(s, state[f"factor_{s}"]) for s in ("left", "right") if f"factor_{s}" in state]
+
+
+def _fold_gradient(state: dict[str, Any], grad: Tensor, shampoo_beta: float) -> None:
+    """L ← β·L + (1−β)·G·Gᵀ and R ← β·R + (1−β)·Gᵀ·G for the sides that have a factor."""
+    for side, factor in _factors(state):
+        outer = grad @ grad.mT if side == "left" else grad.mT @ grad
+        factor.lerp_(outer, 1.0 - shampoo_beta)
