@@ -3,13 +3,14 @@
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_factor
 from orthoptim.optim import SOAP, HybridOptimizer, Muon, build_optimizer, routing_table
 from orthoptim.optim.base import NonFiniteGradientError
-from orthoptim.parallel import LayerwiseDistributedOptimizer
+from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "COEFFICIENT_SETS",
     "SOAP",
+    "FSDPOptimizer",
     "HybridOptimizer",
     "LayerwiseDistributedOptimizer",
     "Muon",

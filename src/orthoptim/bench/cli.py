@@ -14,6 +14,7 @@ BENCH_MODULES = (
     "orthoptim.bench.ns",
     "orthoptim.bench.step",
     "orthoptim.bench.dist",
+    "orthoptim.bench.fsdp",
     "orthoptim.bench.tp",
 )
 

@@ -2,6 +2,7 @@
 
 from orthoptim.parallel.assignment import Assignment, Unit, assign, unit_cost, units_from_model
 from orthoptim.parallel.collectives import CommStats
+from orthoptim.parallel.fsdp import FSDPOptimizer
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.tensor_parallel import CostModel, TensorParallelOrthogonalizer
 
@@ -9,6 +10,7 @@ __all__ = [
     "Assignment",
     "CommStats",
     "CostModel",
+    "FSDPOptimizer",
     "LayerwiseDistributedOptimizer",
     "TensorParallelOrthogonalizer",
     "Unit",

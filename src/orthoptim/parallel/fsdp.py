@@ -1,0 +1,479 @@
+"""Muon over a model sharded by FSDP2 (`torch.distributed.fsdp.fully_shard`, HSDP meshes).
+
+Under FSDP2 every parameter is a DTensor sharded along dim 0 and, after backward, every rank
+holds its dim-0 shard of the averaged gradient; nobody holds a full matrix. One step::
+
+    agree      one small all-reduce: which matrices have a gradient, which gradients are
+               non-finite (so every rank skips or raises together)
+    momentum   on the local shards (Muon's momentum is elementwise, so the buffer stays a
+               DTensor sharded like its parameter: memory is spread and checkpoints reshard)
+    forward    per bucket, ONE all-to-all: each rank sends the Nesterov update shard of every
+               matrix to that matrix's owner (cost-balanced `assign`, as the layer-wise
+               optimizer); the owner concatenates the shards in rank order = the full matrix
+    orthogonalize  owners run Newton-Schulz on what they own, batched by shape
+    back       per bucket, ONE all-to-all: the owner sends each rank the rows of the
+               orthogonalized update matching that rank's shard
+    apply      decoupled weight decay and the lr-scaled update on the local shards
+
+AdamW parameters (embeddings, head, vectors) are stepped by torch's AdamW on the DTensors:
+elementwise, so exact on local shards, no communication. Bytes per step for the matrices:
+every rank sends (and receives) each matrix shard it does not own once each way, about
+2 × (N−1)/N × its sharded matrix-gradient bytes (`expected_comm_bytes()` gives the exact
+figure, `comm_stats()` the measured one).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from orthoptim.optim.base import NonFiniteGradientError, check_nonfinite_policy, logger
+from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
+from orthoptim.optim.muon import Muon, lr_scale_factor
+from orthoptim.parallel import collectives as C
+from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
+
+_NOT_HYPER = ("params", "param_names", "optimizer")
+
+
+def shard_rows(rows: int, world_size: int) -> list[int]:
+    """Rows of dim 0 on each rank under DTensor's Shard(0) (torch.chunk semantics): chunks of
+    ceil(rows / N), so trailing ranks may hold fewer rows or none."""
+    chunk = -(-rows // world_size) if rows else 0
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world_size)]
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a plain tensor is its own shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class _Matrix:
+    """One matrix-optimizer parameter: owner, and each rank's flat shard size."""
+
+    __slots__ = ("group", "name", "numels", "owner", "param", "unit")
+
+    def __init__(
+        self, name: str, param: Tensor, unit: int, owner: int, world_size: int, group: dict
+    ) -> None:
+        self.name, self.param, self.unit, self.owner, self.group = name, param, unit, owner, group
+        row = param[0].numel() if param.shape[0] else 0
+        self.numels = [r * row for r in shard_rows(param.shape[0], world_size)]
+
+
+class FSDPOptimizer(torch.optim.Optimizer):
+    """Muon (hybrid with AdamW) over parameters sharded by FSDP2's `fully_shard`.
+
+    Build it after `fully_shard` (every trainable parameter a DTensor sharded on dim 0 of one
+    mesh dimension, replicated on the others, as FSDP and HSDP lay them out)::
+
+        fully_shard(block) for each block; fully_shard(model)
+        opt = FSDPOptimizer(model, optimizer="muon", lr=0.02)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    `param_groups` and `state` are those of `build_optimizer(model, optimizer, ...)` over the
+    DTensor parameters (so LR schedulers and `state_dict()` act as usual; every state tensor
+    is a DTensor sharded like its parameter). Arguments: `balance` ("cost", "round_robin",
+    "capped") and `bucket_mb` as the layer-wise optimizer (one all-to-all pair per bucket),
+    `comm_dtype` (e.g. torch.bfloat16: updates travel in it; state and parameters stay in
+    their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks); other keyword
+    arguments go to `build_optimizer`. Matrix optimizer: "muon" (or "adamw" for the baseline).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: str = "muon",
+        lr: float | None = None,
+        balance: str = "cost",
+        bucket_mb: float = 25,
+        comm_dtype: torch.dtype | None = None,
+        route: RoutePredicate | None = None,
+        nonfinite: str = "raise",
+        **inner_kwargs: Any,
+    ) -> None:
+        if optimizer not in ("muon", "adamw"):
+            raise ValueError(
+                f"FSDPOptimizer supports optimizer='muon' or 'adamw', got {optimizer!r} "
+                "(SOAP's preconditioners are not elementwise and need the layer-wise optimizer)"
+            )
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if comm_dtype is not None and not comm_dtype.is_floating_point:
+            raise ValueError(f"comm_dtype must be a floating-point dtype or None, got {comm_dtype}")
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        self.model = model
+        self.comm_dtype = comm_dtype
+        rule = route if route is not None else default_route(model)
+        self.template = build_optimizer(
+            model, optimizer=optimizer, lr=lr, route=rule, nonfinite=nonfinite, **inner_kwargs
+        )
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.process_group, self.mesh = _shard_group([(n, p) for n, p in named])
+        self.rank, self.world_size = C.world(self.process_group)
+
+        self.muon: Muon | None = self.template.inner.get("muon")  # type: ignore[assignment]
+        self.adamw: torch.optim.Optimizer | None = self.template.inner.get("adamw")
+        group_of = self._muon_groups()
+        units = [u for u in units_from_model(model, optimizer=optimizer, route=rule)]
+        self.units = [u for u in units if u.name in group_of]
+        self.assignment: Assignment = assign(
+            self.units, self.world_size, balance=balance, bucket_bytes=int(bucket_mb * 2**20)
+        )
+        params = dict(named)
+        self._matrices = [
+            _Matrix(u.name, params[u.name], i, owner, self.world_size, group_of[u.name])
+            for i, (u, owner) in enumerate(zip(self.units, self.assignment.owners))
+        ]
+        for m in self._matrices:
+            mine = _local(m.param).numel()
+            if mine != m.numels[self.rank]:
+                raise ValueError(
+                    f"{m.name}: local shard has {mine} elements but Shard(0) over "
+                    f"{self.world_size} ranks gives {m.numels[self.rank]}; FSDPOptimizer expects "
+                    "FSDP2's default dim-0 sharding (no custom shard_placement_fn)"
+                )
+        self.owner_of = {m.name: m.owner for m in self._matrices}
+        self._named = named
+
+        super().__init__([{"params": [p for _, p in named]}], {})
+        self.param_groups = self.template.param_groups
+        self.state = self.template.state
+        self._stats = C.CommStats()
+        self._last_stats = C.CommStats()
+        self._built = True
+
+    def _muon_groups(self) -> dict[str, dict[str, Any]]:
+        """Matrix name → its (current) Muon param group."""
+        if self.muon is None:
+            return {}
+        return {n: g for g in self.muon.param_groups for n in g["param_names"]}
+
+    # -- the step ----------------------------------------------------------------------
+    def _agree(self) -> tuple[list[bool], list[str]]:
+        """One all-reduce over the shard group: which matrices have a gradient on some rank,
+        which parameters have a non-finite gradient shard somewhere."""
+        n_mat, n_all = len(self._matrices), len(self._named)
+        flags = torch.zeros(n_mat + n_all, dtype=torch.int32)
+        for i, m in enumerate(self._matrices):
+            if m.param.grad is not None:
+                flags[i] = 1
+        for j, (_, p) in enumerate(self._named):
+            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
+                flags[n_mat + j] = 1
+        C.all_reduce(flags, group=self.process_group, stats=self._stats)
+        present = [bool(v) for v in flags[:n_mat].tolist()]
+        bad = [self._named[j][0] for j, v in enumerate(flags[n_mat:].tolist()) if v]
+        return present, bad
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Agree on gradients, Muon on the sharded matrices via their owners, AdamW locally."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        present, bad = self._agree()
+        if bad:
+            listed = ", ".join(bad)
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"non-finite gradient (NaN or Inf) in {listed} (agreed by all "
+                    f"{self.world_size} ranks); optimizer state and parameters are untouched. "
+                    "Pass nonfinite='skip' to skip such steps instead."
+                )
+            message = f"skipping optimizer step on every rank: non-finite gradient in {listed}"
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            self._finish_stats()
+            return loss
+        if self._matrices:
+            self._step_matrices(present)
+        if self.adamw is not None:
+            self.adamw.step()
+        self._finish_stats()
+        return loss
+
+    def _finish_stats(self) -> None:
+        self._last_stats = self._stats
+        self._stats = C.CommStats()
+
+    def _momentum(self, m: _Matrix) -> Tensor:
+        """Update the local momentum shard; return the local update shard (fp32, flat)."""
+        g = m.group
+        grad = m.param.grad
+        if m.param.dtype in (torch.float16, torch.bfloat16):
+            grad = grad.to(torch.float32)
+        state = self.state[m.param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad)
+        buf, gl = _local(state["momentum_buffer"]), _local(grad)
+        buf.lerp_(gl, 1.0 - g["momentum"])
+        update = gl.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+        return update.reshape(-1)
+
+    def _step_matrices(self, present: list[bool]) -> None:
+        n, rank = self.world_size, self.rank
+        wire = self.comm_dtype
+        live = [m for m in self._matrices if present[m.unit]]
+        updates = {m.unit: self._momentum(m) for m in live if m.param.grad is not None}
+        buckets = []
+        for unit_ids in self.assignment.buckets:
+            ms = [self._matrices[i] for i in unit_ids if present[i]]
+            if ms:
+                buckets.append(ms)
+
+        # Forward: per bucket, shards grouped by destination (owner) rank.
+        sent_layouts = []
+        for ms in buckets:
+            in_splits = [sum(m.numels[rank] for m in ms if m.owner == d) for d in range(n)]
+            out_splits = [sum(m.numels[s] for m in ms if m.owner == rank) for s in range(n)]
+            dtype = wire or torch.float32
+            parts = []
+            for d in range(n):
+                for m in ms:
+                    if m.owner == d and m.numels[rank]:
+                        u = updates.get(m.unit)
+                        # A matrix with no gradient here (but somewhere) contributes zeros.
+                        parts.append(u if u is not None else torch.zeros(m.numels[rank]))
+            send = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype)
+            recv = torch.empty(sum(out_splits), dtype=dtype)
+            work = C.all_to_all(
+                recv, send, out_splits, in_splits, self.process_group, self._stats, async_op=True
+            )
+            sent_layouts.append((ms, in_splits, out_splits, send, recv, work))
+
+        # Owners: rebuild full matrices, Newton-Schulz batched by (group, shape).
+        full: dict[int, Tensor] = {}
+        for ms, _, _, _, recv, work in sent_layouts:
+            if work is not None:
+                work.wait()
+            mine = [m for m in ms if m.owner == rank]
+            chunks: dict[int, list[Tensor]] = {m.unit: [] for m in mine}
+            offset = 0
+            for s in range(n):
+                for m in mine:
+                    chunks[m.unit].append(recv[offset : offset + m.numels[s]])
+                    offset += m.numels[s]
+            for m in mine:
+                full[m.unit] = torch.cat(chunks[m.unit]).to(torch.float32).view(m.param.shape)
+        ortho = self._orthogonalize([m for ms in buckets for m in ms if m.owner == rank], full)
+
+        # Back: the owner sends each rank its rows, laid out as the forward receive buffer.
+        back = []
+        for ms, in_splits, out_splits, send, recv, _ in sent_layouts:
+            mine = [m for m in ms if m.owner == rank]
+            parts = []
+            for s in range(n):
+                for m in mine:
+                    start = sum(m.numels[:s])
+                    parts.append(ortho[m.unit][start : start + m.numels[s]])
+            ret = torch.cat(parts).to(recv.dtype) if parts else torch.zeros(0, dtype=recv.dtype)
+            got = torch.empty_like(send)
+            work = C.all_to_all(
+                got, ret, in_splits, out_splits, self.process_group, self._stats, async_op=True
+            )
+            back.append((ms, got, work))
+
+        for ms, got, work in back:
+            if work is not None:
+                work.wait()
+            offset = 0
+            for d in range(n):
+                for m in ms:
+                    if m.owner != d or not m.numels[rank]:
+                        continue
+                    o = got[offset : offset + m.numels[rank]]
+                    offset += m.numels[rank]
+                    if m.param.grad is None:
+                        continue
+                    g = m.group
+                    rows, cols = _matrix_shape(m.param.shape)
+                    scale = g["lr"] * lr_scale_factor(g["lr_scale"], rows, cols)
+                    p = _local(m.param)
+                    if g["weight_decay"] != 0.0:
+                        p.mul_(1.0 - g["lr"] * g["weight_decay"])
+                    p.add_(o.view(p.shape).to(p.dtype), alpha=-scale)
+
+    def _orthogonalize(self, mine: list[_Matrix], full: dict[int, Tensor]) -> dict[int, Tensor]:
+        """Newton-Schulz on the owned full updates, batched by (param group, matrix shape);
+        returns flat orthogonalized updates by unit."""
+        assert self.muon is not None
+        batches: dict[tuple[int, int, int], list[_Matrix]] = defaultdict(list)
+        for m in mine:
+            rows, cols = _matrix_shape(m.param.shape)
+            batches[(id(m.group), rows, cols)].append(m)
+        out: dict[int, Tensor] = {}
+        for (_, rows, cols), ms in batches.items():
+            mats = [full[m.unit].reshape(-1, rows, cols) for m in ms]
+            stacked = torch.cat(mats) if len(mats) > 1 else mats[0]
+            result = self.muon._orthogonalize(stacked, ms[0].group)
+            offset = 0
+            for m, x in zip(ms, mats):
+                k = x.shape[0]
+                out[m.unit] = result[offset : offset + k].reshape(-1)
+                offset += k
+        return out
+
+    # -- accounting --------------------------------------------------------------------
+    def comm_stats(self) -> dict[str, dict[str, float]]:
+        """Bytes sent / received per collective kind (and calls) in the last step."""
+        return self._last_stats.as_dict()
+
+    def expected_comm_bytes(self, present: list[bool] | None = None) -> dict[str, dict[str, float]]:
+        """What `comm_stats()` should report for one step in which the matrices flagged in
+        `present` (default: all) have gradients, from the shard layout alone.
+
+        Per bucket, the forward all-to-all sends this rank's shard of every matrix owned
+        elsewhere and receives the other ranks' shards of what it owns; the backward one
+        sends and receives the reverse. So each rank sends and receives, per step, its
+        shards of others' matrices plus the others' shards of its own matrices: on average
+        2·(N−1)/N × its sharded matrix-gradient bytes.
+        """
+        n, rank = self.world_size, self.rank
+        out: dict[str, dict[str, float]] = {}
+        if n == 1:
+            return out
+        present = present if present is not None else [True] * len(self._matrices)
+        es = torch.empty(0, dtype=self.comm_dtype or torch.float32).element_size()
+        for unit_ids in self.assignment.buckets:
+            ms = [self._matrices[i] for i in unit_ids if present[i]]
+            if not ms:
+                continue
+            theirs = sum(m.numels[rank] for m in ms if m.owner != rank)
+            mine = sum(sum(m.numels) - m.numels[rank] for m in ms if m.owner == rank)
+            d = out.setdefault("all_to_all", {"sent": 0.0, "received": 0.0, "calls": 0})
+            d["sent"] += (theirs + mine) * es
+            d["received"] += (theirs + mine) * es
+            d["calls"] += 2
+        ar = 2 * (n - 1) / n * 4 * (len(self._matrices) + len(self._named))
+        out["all_reduce"] = {"sent": ar, "received": ar, "calls": 1}
+        return out
+
+    # -- state -------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported once built: ownership is computed from the whole model."""
+        if not getattr(self, "_built", False):
+            super().add_param_group(param_group)
+            return
+        raise ValueError(
+            "FSDPOptimizer cannot add param groups: ownership is computed from the whole model "
+            "at construction; build a new optimizer instead"
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict()` saved at the same world size (torch's format: state tensors
+        are this rank's DTensor shards); use `sharded_state_dict()` with DCP to reshard."""
+        self.template.load_state_dict(state_dict)
+        self.param_groups = self.template.param_groups
+        self.state = self.template.state
+        groups = self._muon_groups()
+        for m in self._matrices:
+            m.group = groups[m.name]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every trainable parameter."""
+        self.template.zero_grad(set_to_none=set_to_none)
+
+    def _init_state(self) -> None:
+        """Create zero state for every parameter that has none yet (the layout DCP loads into)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if st:
+                    continue
+                if g["optimizer"] == "muon":
+                    dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else None
+                    st["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+                else:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                    if g.get("amsgrad"):
+                        st["max_exp_avg_sq"] = torch.zeros_like(p)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """State keyed by parameter name, every tensor a DTensor sharded like its parameter
+        (AdamW's `step` a plain scalar), plus every group's hyper-parameters: pass it to
+        `torch.distributed.checkpoint.save`/`load` (which reshards across world sizes), then
+        give the loaded dict to `load_sharded_state_dict`. Creates zero state where none
+        exists yet, so a fresh optimizer offers the layout to load into."""
+        self._init_state()
+        names = {}
+        for g in self.param_groups:
+            for name, p in zip(g["param_names"], g["params"]):
+                names[name] = p
+        state = {name: dict(self.state[p]) for name, p in names.items()}
+        groups = [{k: v for k, v in g.items() if k not in _NOT_HYPER} for g in self.param_groups]
+        return {"state": state, "param_groups": {str(i): g for i, g in enumerate(groups)}}
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict of `sharded_state_dict()`'s layout (after DCP filled it in place)."""
+        names = {}
+        for g in self.param_groups:
+            for name, p in zip(g["param_names"], g["params"]):
+                names[name] = p
+        unknown = sorted(set(state_dict["state"]) - set(names))
+        if unknown:
+            raise ValueError(f"state_dict holds state for parameters this model lacks: {unknown}")
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved)} param groups, this optimizer {len(self.param_groups)}"
+            )
+        for i, g in enumerate(self.param_groups):
+            g.update({k: v for k, v in saved[str(i)].items() if k not in _NOT_HYPER})
+        self._init_state()
+        for name, st in state_dict["state"].items():
+            mine = self.state[names[name]]
+            for k, v in st.items():
+                if k in mine and isinstance(mine[k], Tensor):
+                    if mine[k] is not v:
+                        _local(mine[k]).copy_(_local(v))
+                else:
+                    mine[k] = v
+
+
+def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """(rows, cols) of the matrices a parameter of `shape` stands for (as `matrix_view`)."""
+    if len(shape) in (2, 3):
+        return shape[-2], shape[-1]
+    return shape[0], int(torch.Size(shape[1:]).numel())
+
+
+def _shard_group(named: list[tuple[str, Tensor]]) -> tuple[Any, Any]:
+    """The process group of the mesh dimension every parameter is Shard(0) on (None without
+    an initialised process group), checking the FSDP2 layout and naming what breaks it."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh, dim = None, None
+    for name, p in named:
+        if not isinstance(p, DTensor):
+            if C.world()[1] == 1:
+                continue
+            raise ValueError(
+                f"{name} is not a DTensor: apply fully_shard to the model (its root module "
+                "too) before building FSDPOptimizer"
+            )
+        shard = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+        ok = len(shard) == 1 and p.placements[shard[0]] == Shard(0)
+        ok = ok and all(isinstance(pl, (Shard, Replicate)) for pl in p.placements)
+        if not ok:
+            raise ValueError(
+                f"{name} has placements {p.placements}: FSDPOptimizer needs Shard(0) on one "
+                "mesh dimension and Replicate on the others (FSDP2 / HSDP)"
+            )
+        if mesh is None:
+            mesh, dim = p.device_mesh, shard[0]
+        elif p.device_mesh != mesh or shard[0] != dim:
+            raise ValueError(f"{name} is sharded on another mesh than the other parameters")
+    if mesh is None:
+        return None, None
+    return (mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()), mesh

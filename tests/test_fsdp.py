@@ -1,0 +1,332 @@
+"""FSDPOptimizer (Muon over FSDP2-sharded parameters) against the single-process optimizer.
+
+One spawned gloo run per world size (spawning is the slow part): 2 ranks train 10 steps and
+save a DCP checkpoint, 4 ranks train 10 steps on the same model (uneven and empty shards)
+and, separately, resume the 2-rank checkpoint for 2 more steps. The reference runs here.
+"""
+
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orthoptim import build_optimizer
+from orthoptim.optim.base import NonFiniteGradientError
+from orthoptim.parallel.fsdp import FSDPOptimizer
+
+from distributed import run_ranks
+
+VOCAB, SEQ, WIDTH, BATCH, STEPS, EXTRA = 50, 8, 24, 8, 10, 2
+KW = dict(lr=0.02, weight_decay=0.01, adamw_lr=3e-3, adamw_weight_decay=0.01)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
+        self.fc, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        # 3 and 5 rows: uneven shards at 2 ranks, an empty shard at 4.
+        self.gate, self.up = nn.Linear(d, 3, bias=False), nn.Linear(3, d, bias=False)
+        self.narrow = nn.Linear(d, 5, bias=False)
+        self.wide = nn.Linear(5, d, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, 2, C // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + self.up(torch.tanh(self.gate(x))) + self.wide(torch.tanh(self.narrow(x)))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """Tied embedding / head (vocabulary 50: uneven at 4 ranks), norms, biases."""
+
+    def __init__(self, d=WIDTH, layers=2):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.lm_head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def loss_fn(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def sharded_model(world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = make_model()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(model, opt, rank, world_size, steps):
+    per = BATCH // world_size
+    for step in steps:
+        x, y = batch(step)
+        loss_fn(
+            model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def local_params(model):
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def worker(rank, world_size, ckpt):
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    model = sharded_model(world_size)
+    opt = FSDPOptimizer(model, bucket_mb=0.01, **KW)
+    train(model, opt, rank, world_size, range(STEPS))
+    out["params"] = local_params(model)
+    out["stats"] = opt.comm_stats()
+    out["expected"] = opt.expected_comm_bytes()
+    out["owners"] = dict(opt.owner_of)
+    out["buckets"] = len(opt.assignment.buckets)
+    if world_size == 2:
+        dcp.save(
+            {"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=ckpt
+        )
+        out.update(nonfinite_checks(model, opt, rank))
+        try:
+            FSDPOptimizer(make_model())
+        except ValueError as e:
+            out["plain_error"] = str(e)
+        return out
+    # 4 ranks: resume the 2-rank checkpoint (resharded by DCP) and take EXTRA more steps.
+    model = sharded_model(world_size)
+    opt = FSDPOptimizer(model, bucket_mb=0.01, **KW)
+    sd = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_sharded_state_dict(sd["optim"])
+    train(model, opt, rank, world_size, range(STEPS, STEPS + EXTRA))
+    out["resumed"] = local_params(model)
+    # HSDP: 2 replicas × 2 shards; the optimizer works inside each replica's shard group.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert next(model.parameters()).placements[1].is_shard(0)
+    opt = FSDPOptimizer(model, bucket_mb=0.01, **KW)
+    train(model, opt, rank, world_size, range(STEPS))
+    out["hsdp"] = local_params(model)
+    # bf16 on the wire: half the all-to-all bytes, close to the fp32 result.
+    model = sharded_model(world_size)
+    opt = FSDPOptimizer(model, bucket_mb=0.01, comm_dtype=torch.bfloat16, **KW)
+    train(model, opt, rank, world_size, range(1))
+    out["bf16_params"] = local_params(model)
+    out["bf16_stats"] = opt.comm_stats()
+    return out
+
+
+def nonfinite_checks(model, opt, rank):
+    """A NaN in one rank's gradient shard only: both ranks skip together, or both raise."""
+    x, y = batch(0)
+    loss_fn(model, x[:4], y[:4]).backward()
+    if rank == 1:
+        dict(model.named_parameters())["blocks.1.fc.weight"].grad.to_local()[0, 0] = float("nan")
+    before = local_params(model)
+    opt.nonfinite = "skip"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    after = local_params(model)
+    out = {
+        "skipped": all(torch.equal(before[n], after[n]) for n in before),
+        "skip_warned": any("blocks.1.fc.weight" in str(w.message) for w in caught),
+    }
+    opt.nonfinite = "raise"
+    try:
+        opt.step()
+    except NonFiniteGradientError as e:
+        out["raised"] = str(e)
+    opt.zero_grad()
+    return out
+
+
+def reference(steps):
+    model = make_model()
+    opt = build_optimizer(model, **KW)
+    snaps = {}
+    for step in range(steps):
+        x, y = batch(step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        snaps[step + 1] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return snaps
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory() as ckpt:
+        two = run_ranks(worker, 2, (ckpt,))
+        four = run_ranks(worker, 4, (ckpt,))
+    return {2: two, 4: four, "ref": reference(STEPS + EXTRA)}
+
+
+def full(results, key):
+    """Concatenate every rank's dim-0 shard (rank order) into the full parameter."""
+    names = results[0][key].keys()
+    return {n: torch.cat([r[key][n] for r in results]) for n in names}
+
+
+def chunk_rows(rows, world_size, rank):
+    """Rows of dim 0 on `rank` under torch.chunk (DTensor's Shard(0) layout)."""
+    chunks = torch.arange(rows).chunk(world_size)
+    return len(chunks[rank]) if rank < len(chunks) else 0
+
+
+def assert_close(got, ref, rtol):
+    assert got.keys() == ref.keys()
+    for n in ref:
+        err = (got[n] - ref[n]).norm() / ref[n].norm()
+        assert err <= rtol, f"{n}: relative error {err:.2e} > {rtol}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_matches_single_process_muon(runs, world_size):
+    ref = runs["ref"][STEPS]
+    assert_close(full(runs[world_size], "params"), ref, 1e-5)
+    # The run moved the parameters: the comparison is not trivially true.
+    assert (
+        full(runs[world_size], "params")["blocks.0.qkv.weight"] - make_model().blocks[0].qkv.weight
+    ).norm() > 1e-3
+
+
+def test_uneven_and_empty_shards_are_exercised(runs):
+    shards = [r["params"]["blocks.0.gate.weight"].shape[0] for r in runs[4]]
+    assert shards == [1, 1, 1, 0]
+    assert [r["params"]["tok.weight"].shape[0] for r in runs[4]] == [13, 13, 13, 11]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_equal_the_formula(runs, world_size):
+    ref = runs["ref"][STEPS]
+    results = runs[world_size]
+    owners = results[0]["owners"]
+    total_sent, matrix_bytes = 0.0, 0
+    for rank, r in enumerate(results):
+        assert r["owners"] == owners
+        # Out: its shards of matrices owned elsewhere; back: the other ranks' shards of the
+        # matrices it owns (fp32, 4 bytes). Received is the mirror image.
+        local = {n: chunk_rows(ref[n].shape[0], world_size, rank) for n in owners}
+        row = {n: ref[n][0].numel() for n in owners}
+        out = sum(4 * local[n] * row[n] for n in owners if owners[n] != rank)
+        back = sum(4 * (ref[n].shape[0] - local[n]) * row[n] for n in owners if owners[n] == rank)
+        a2a = r["stats"]["all_to_all"]
+        assert a2a["sent"] == out + back
+        assert a2a["received"] == out + back
+        # One all-to-all per bucket each way, not one per matrix.
+        assert a2a["calls"] == 2 * r["buckets"]
+        assert r["buckets"] < len(owners)
+        assert world_size != 2 or r["buckets"] > 1
+        for kind, d in r["expected"].items():
+            assert r["stats"][kind]["sent"] == pytest.approx(d["sent"])
+            assert r["stats"][kind]["received"] == pytest.approx(d["received"])
+            assert r["stats"][kind]["calls"] == d["calls"]
+        total_sent += a2a["sent"]
+    matrix_bytes = sum(4 * ref[n].numel() for n in owners)
+    sharded_per_rank = matrix_bytes / world_size
+    # About 2 × the sharded matrix-gradient bytes per rank (exactly 2·(N−1)/N of it when
+    # every owner holds an average shard).
+    ratio = total_sent / world_size / sharded_per_rank
+    assert 2 * (world_size - 1) / world_size * 0.8 <= ratio <= 2.0
+
+
+def test_hsdp_matches_single_process_muon(runs):
+    r4 = runs[4]
+    for replica in (r4[:2], r4[2:]):
+        assert_close(full(replica, "hsdp"), runs["ref"][STEPS], 1e-5)
+
+
+def test_nonfinite_on_one_rank_is_agreed_and_plain_model_rejected(runs):
+    for r in runs[2]:
+        assert r["skipped"] and r["skip_warned"]
+        assert "blocks.1.fc.weight" in r["raised"]
+        assert "not a DTensor" in r["plain_error"] and "fully_shard" in r["plain_error"]
+
+
+def test_state_dict_round_trip_at_world_size_one():
+    model = make_model()
+    opt = FSDPOptimizer(model, **KW)
+    x, y = batch(0)
+    loss_fn(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    other = FSDPOptimizer(model, **KW)
+    other.load_state_dict(opt.state_dict())
+    other.param_groups[0]["lr"] = 0.5  # reaches the group the step reads
+    assert other._matrices[0].group["lr"] == 0.5
+    p = other._matrices[0].param
+    assert torch.equal(other.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+def test_resume_2_rank_checkpoint_at_4_ranks(runs):
+    assert_close(full(runs[4], "resumed"), runs["ref"][STEPS + EXTRA], 1e-5)
+
+
+def test_bf16_on_the_wire(runs):
+    r4 = runs[4]
+    for r in r4:
+        assert r["bf16_stats"]["all_to_all"]["sent"] * 2 == r["expected"]["all_to_all"]["sent"]
+    got = full(r4, "bf16_params")
+    ref = runs["ref"][1]
+    assert_close(got, ref, 2e-2)
+    with pytest.raises(AssertionError):
+        assert_close(got, ref, 1e-7)
+
+
+def test_world_size_one_matches_hybrid_and_rejects_bad_arguments():
+    model, ref_model = make_model(), make_model()
+    opt, ref = FSDPOptimizer(model, **KW), build_optimizer(ref_model, **KW)
+    for step in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            x, y = batch(step)
+            loss_fn(m, x, y).backward()
+            o.step()
+            o.zero_grad()
+    assert_close(dict(model.named_parameters()), dict(ref_model.named_parameters()), 1e-6)
+    with pytest.raises(ValueError, match="optimizer"):
+        FSDPOptimizer(make_model(), optimizer="soap")
+    with pytest.raises(ValueError, match="comm_dtype"):
+        FSDPOptimizer(make_model(), comm_dtype=torch.int32)
+    with pytest.raises(ValueError, match="bucket_mb"):
+        FSDPOptimizer(make_model(), bucket_mb=0)
