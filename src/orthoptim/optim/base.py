@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any
 
@@ -109,3 +109,35 @@ def matrix_view(p: Tensor) -> Tensor:
     raise ValueError(
         f"a matrix optimizer needs a parameter with >= 2 dims, got shape {tuple(p.shape)}"
     )
+
+
+class GuardedOptimizer(torch.optim.Optimizer):
+    """The step skeleton every orthoptim optimizer shares: closure, then the non-finite
+    policy over all gradients (state untouched when it raises or skips), then `_update()`.
+
+    Subclasses set `self.nonfinite` (see `check_nonfinite_policy`) and implement `_update`.
+    `load_state_dict` keeps the saved dtype of fp32 master state for bf16/fp16 parameters.
+    """
+
+    nonfinite: str = "raise"
+
+    def _update(self) -> None:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but keeps float32 state of bf16/fp16 parameters in float32."""
+        super().load_state_dict(state_dict)
+        restore_state_dtypes(self, state_dict)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step over every parameter that has a gradient, unless a gradient is non-finite."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for g in self.param_groups for p in g["params"]]
+        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
+            return loss
+        self._update()
+        return loss

@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from orthoptim.optim.base import (
-    apply_nonfinite_policy,
+    GuardedOptimizer,
     check_nonfinite_policy,
-    nonfinite_params,
-    restore_state_dtypes,
 )
 from orthoptim.optim.muon import Muon
 
@@ -65,7 +63,7 @@ def default_route(model: nn.Module) -> RoutePredicate:
     return route
 
 
-class HybridOptimizer(torch.optim.Optimizer):
+class HybridOptimizer(GuardedOptimizer):
     """One optimizer over a matrix optimizer and AdamW, each owning a disjoint set of params.
 
     `param_groups` is the matrix optimizer's groups followed by AdamW's (the same dicts, so
@@ -128,24 +126,14 @@ class HybridOptimizer(torch.optim.Optimizer):
                 f"here {[g.get('optimizer') for g in self.param_groups]})"
             )
         super().load_state_dict(state_dict)
-        restore_state_dtypes(self, state_dict)
         for key, opt in self.inner.items():
             opt.param_groups = [g for g in self.param_groups if g["optimizer"] == key]
             opt.state = self.state
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step every inner optimizer, or none if a gradient is non-finite and policy is skip."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params = [p for g in self.param_groups for p in g["params"]]
-        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
-            return loss
+    def _update(self) -> None:
+        """Step every inner optimizer (the non-finite policy already covered all of them)."""
         for opt in self.inner.values():
             opt.step()
-        return loss
 
 
 def build_optimizer(

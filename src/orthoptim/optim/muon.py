@@ -25,11 +25,9 @@ from torch import Tensor
 
 from orthoptim.newton_schulz import CoefficientsLike, coefficient_schedule, newton_schulz
 from orthoptim.optim.base import (
-    apply_nonfinite_policy,
+    GuardedOptimizer,
     check_nonfinite_policy,
     matrix_view,
-    nonfinite_params,
-    restore_state_dtypes,
     state_dtype,
 )
 
@@ -55,7 +53,7 @@ def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
     raise ValueError(f"lr_scale must be one of {LR_SCALES}, got {convention!r}")
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(GuardedOptimizer):
     """Muon for matrix parameters (2-D, 3-D experts [E, out, in], conv weights as (out, rest)).
 
     1-D parameters are rejected: route them to AdamW with `orthoptim.build_optimizer`.
@@ -125,24 +123,9 @@ class Muon(torch.optim.Optimizer):
                     f"Muon does not support complex parameters (shape {tuple(p.shape)})"
                 )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, but keeps float32 momentum for bf16/fp16 parameters."""
-        super().load_state_dict(state_dict)
-        restore_state_dtypes(self, state_dict)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Muon step over every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params = [p for g in self.param_groups for p in g["params"]]
-        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
-            return loss
+    def _update(self) -> None:
         for group in self.param_groups:
             self._step_group(group)
-        return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
         momentum, nesterov = group["momentum"], group["nesterov"]

@@ -27,19 +27,17 @@ parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from orthoptim.optim.base import (
-    apply_nonfinite_policy,
+    GuardedOptimizer,
     check_nonfinite_policy,
     matrix_view,
-    nonfinite_params,
     param_names,
-    restore_state_dtypes,
     state_dtype,
 )
 
@@ -97,7 +95,7 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-class SOAP(torch.optim.Optimizer):
+class SOAP(GuardedOptimizer):
     """SOAP for matrix parameters; Adam(W) for vectors and for sides above `max_precond_dim`.
 
     Args:
@@ -170,21 +168,7 @@ class SOAP(torch.optim.Optimizer):
                 name = names[i] if names is not None else f"parameter {i} of the new group"
                 raise ValueError(f"SOAP does not support complex parameters ({name})")
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, but keeps float32 state for bf16/fp16 parameters."""
-        super().load_state_dict(state_dict)
-        restore_state_dtypes(self, state_dict)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One SOAP step over every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params = [p for g in self.param_groups for p in g["params"]]
-        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
-            return loss
+    def _update(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -194,7 +178,6 @@ class SOAP(torch.optim.Optimizer):
                         f"SOAP does not support sparse gradients (shape {tuple(p.shape)})"
                     )
                 self._step_param(p, group)
-        return loss
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
