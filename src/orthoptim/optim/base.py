@@ -54,23 +54,36 @@ def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
     return [p for p, ok in zip(with_grad, flags.tolist()) if not ok]
 
 
-def apply_nonfinite_policy(
-    optimizer: torch.optim.Optimizer, policy: str, bad: list[Tensor]
-) -> bool:
-    """Raise or warn for `bad` parameters; returns True when the step must be skipped."""
-    if not bad:
+def enforce_nonfinite_policy(policy: str, names: list[str], world_size: int = 1) -> bool:
+    """Raise or warn for the parameters `names` whose gradients are non-finite.
+
+    Returns True when the step must be skipped, False when `names` is empty. `world_size` > 1
+    says the verdict was agreed by every rank (the distributed optimizers all-reduce it first).
+    """
+    if not names:
         return False
-    names = param_names(optimizer)
-    listed = ", ".join(names.get(id(p), f"shape {tuple(p.shape)}") for p in bad)
+    listed = ", ".join(names)
     if policy == "raise":
+        agreed = f" (agreed by all {world_size} ranks)" if world_size > 1 else ""
         raise NonFiniteGradientError(
-            f"non-finite gradient (NaN or Inf) in {listed}; optimizer state and parameters are "
-            "untouched. Pass nonfinite='skip' to skip such steps instead."
+            f"non-finite gradient (NaN or Inf) in {listed}{agreed}; optimizer state and "
+            "parameters are untouched. Pass nonfinite='skip' to skip such steps instead."
         )
-    message = f"skipping optimizer step: non-finite gradient in {listed}"
+    everywhere = " on every rank" if world_size > 1 else ""
+    message = f"skipping optimizer step{everywhere}: non-finite gradient in {listed}"
     logger.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
     return True
+
+
+def apply_nonfinite_policy(
+    optimizer: torch.optim.Optimizer, policy: str, bad: list[Tensor]
+) -> bool:
+    """`enforce_nonfinite_policy` for the parameters `bad` of `optimizer`, named."""
+    names = param_names(optimizer)
+    return enforce_nonfinite_policy(
+        policy, [names.get(id(p), f"shape {tuple(p.shape)}") for p in bad]
+    )
 
 
 def state_dtype(p: Tensor) -> torch.dtype:

@@ -24,7 +24,6 @@ figure, `comm_stats()` the measured one).
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from orthoptim.optim.base import NonFiniteGradientError, check_nonfinite_policy, logger
+from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.optim.muon import Muon, lr_scale_factor
 from orthoptim.parallel import collectives as C
@@ -181,17 +180,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         present, bad = self._agree()
-        if bad:
-            listed = ", ".join(bad)
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError(
-                    f"non-finite gradient (NaN or Inf) in {listed} (agreed by all "
-                    f"{self.world_size} ranks); optimizer state and parameters are untouched. "
-                    "Pass nonfinite='skip' to skip such steps instead."
-                )
-            message = f"skipping optimizer step on every rank: non-finite gradient in {listed}"
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if enforce_nonfinite_policy(self.nonfinite, bad, self.world_size):
             self._finish_stats()
             return loss
         if self._matrices:

@@ -19,7 +19,6 @@ The model is not wrapped; the optimizer registers the hooks it needs.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import checkpoint
-from orthoptim.optim.base import NonFiniteGradientError, check_nonfinite_policy, logger
+from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
@@ -440,17 +439,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         self._reduce_all()
         present, bad = self._agree()
         try:
-            if bad:
-                listed = ", ".join(bad)
-                if self.nonfinite == "raise":
-                    raise NonFiniteGradientError(
-                        f"non-finite gradient (NaN or Inf) in {listed} (agreed by all "
-                        f"{self.world_size} ranks); optimizer state and parameters are untouched. "
-                        "Pass nonfinite='skip' to skip such steps instead."
-                    )
-                message = f"skipping optimizer step on every rank: non-finite gradient in {listed}"
-                logger.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            if enforce_nonfinite_policy(self.nonfinite, bad, self.world_size):
                 return loss
             self._step_owned(present)
         finally:
