@@ -150,8 +150,7 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path):
     assert _train(full) == 0
     step6 = "checkpoints/step_000006"
     for f in ("metrics.jsonl", "result.json", "logs/rank0.log", "logs/rank1.log",
-              "checkpoints/latest.json", f"{step6}/model.pt", f"{step6}/optim_rank0.pt",
-              f"{step6}/optim_rank1.pt"):  # fmt: skip
+              "checkpoints/latest.json", f"{step6}/model.pt", f"{step6}/optim.pt"):  # fmt: skip
         assert (full / f).is_file(), f
     rows = _metrics(full)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]

@@ -55,6 +55,9 @@ SCHEDULED_HYPERS = frozenset(
 # Implementation switches that do not change the maths, so a checkpoint may differ in them.
 IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 _NOT_HYPER = ("params", "param_names", "optimizer")
+# Where a distributed optimizer's `state_dict()` delivers the full dict (its `state_dict_to`):
+# every rank, or rank 0 only (the others get {}).
+STATE_DICT_TO = ("all", "rank0")
 _META_KEY = "optim/meta"
 
 
@@ -73,8 +76,20 @@ class CheckpointMismatchError(ValueError):
 # -- what an optimizer is, independent of ranks ----------------------------------------------
 
 
+def check_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The checkpoint functions take a torch optimizer (any orthoptim optimizer is one)."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(
+            f"opt must be a torch.optim.Optimizer (Muon, SOAP, build_optimizer(...), "
+            f"LayerwiseDistributedOptimizer, FSDPOptimizer), got {type(opt).__name__}"
+        )
+    return opt
+
+
 def _is_layerwise(opt: torch.optim.Optimizer) -> bool:
-    return hasattr(opt, "owner_of") and hasattr(opt, "units")
+    from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer  # imports this module
+
+    return isinstance(opt, LayerwiseDistributedOptimizer)
 
 
 def _hypers(group: dict[str, Any]) -> dict[str, Any]:
@@ -214,14 +229,21 @@ def _install(
         for n, p in _owned(opt).items():
             holder.pop(p, None)
             if n in state:
-                holder[p] = {
-                    k: (v.detach().to(p.device, copy=True) if isinstance(v, Tensor) else v)
-                    for k, v in state[n].items()
-                }
+                holder[p] = {k: _placed(v, p) for k, v in state[n].items()}
     own = getattr(opt, "_master", {})
     named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
     for n, m in own.items():
         m.copy_(masters[n] if n in masters else named[n])
+
+
+def _placed(v: Any, p: Tensor) -> Any:
+    """A saved state value as a fresh tensor on `p`'s device; a full tensor shaped like a
+    DTensor parameter becomes a DTensor laid out like it (each rank keeps its shard)."""
+    if not isinstance(v, Tensor):
+        return v
+    if C.is_dtensor(p) and not C.is_dtensor(v) and v.shape == p.shape:
+        return C.shard_like(v.detach().to(p.device_mesh.device_type, copy=True), p)
+    return v.detach().to(p.device, copy=True)
 
 
 def validate(opt: torch.optim.Optimizer, saved_meta: dict[str, Any]) -> None:
@@ -246,16 +268,24 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     and the fp32 master copies of a `gather_dtype` run) that the loaders check.
 
     On a layer-wise optimizer the owners' states are gathered: to every rank, or with
-    `to_rank0=True` to rank 0 only (the others return {}). Tensors are copies on the CPU.
+    `to_rank0=True` to rank 0 only (the others return {}). DTensor state (FSDPOptimizer's,
+    sharded like its parameters) is all-gathered into full tensors; with `to_rank0` only
+    global rank 0 keeps the result. Tensors are copies on the CPU. Collective.
     """
+    check_optimizer(opt)
     meta = describe(opt)
+    group = _group(opt)
+    # DTensor state (FSDP, tensor-parallel parameters) is all-gathered into full tensors, in
+    # the same (parameter, key) order on every rank.
     local = {
-        "state": {n: {k: _cpu(v) for k, v in st.items()} for n, st in _local_state(opt).items()},
-        "master": {n: _cpu(m) for n, m in _masters(opt).items()},
+        "state": {
+            n: {k: _cpu(C.unshard(v)) for k, v in st.items()}
+            for n, st in _local_state(opt).items()
+        },
+        "master": {n: _cpu(C.unshard(m)) for n, m in _masters(opt).items()},
     }
     if _is_layerwise(opt):
         opt.wait_for_params()
-        group = opt.process_group
         with C.phase("full state dict gather", group):
             if to_rank0:
                 parts = C.gather_object(local, dst=0, group=group)
@@ -263,6 +293,8 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
                 parts = C.all_gather_object(local, group=group)
         if parts is None:
             return {}
+    elif to_rank0 and C.world()[0] != 0:
+        return {}  # every rank holds the whole (unsharded) state: rank 0 of the job keeps it
     else:
         parts = [local]
     state: dict[str, dict[str, Any]] = {}
@@ -317,6 +349,19 @@ def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None
     tensors keep their saved dtype (torch's own loader would cast a bf16 parameter's fp32
     momentum to bf16).
     """
+    check_optimizer(opt)
+    if not isinstance(sd, dict) or not is_full_state_dict(sd):
+        if not isinstance(sd, dict):
+            got = type(sd).__name__
+        elif not sd:
+            got = "{} (what state_dict_to='rank0' returns on ranks other than 0)"
+        else:
+            got = f"a dict with keys {sorted(map(str, sd))[:6]}"
+        raise ValueError(
+            "state_dict must be a full optimizer state dict (torch's format: 'state' and "
+            f"'param_groups' with 'params'), got {got}; load the dict rank 0 saved on every "
+            "rank, or use load_sharded for DCP checkpoints"
+        )
     saved_meta = _meta_from_full(sd)
     here = describe(opt)
     if not saved_meta["shapes"]:
@@ -349,6 +394,7 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
     of each parameter it owns under `optim/state/<name>/<key>`, fp32 master copies under
     `optim/master/<name>`, and `optim/meta` (the same on every rank). No key mentions a rank
     or a world size. Values are the live tensors (no copy)."""
+    check_optimizer(opt)
     if _is_layerwise(opt):
         opt.wait_for_params()
     out: dict[str, Any] = {_META_KEY: _pack(describe(opt))}
@@ -419,6 +465,7 @@ def save_sharded(
     point leaves a loadable checkpoint: `path`, or `<path>.old` between the two renames, which
     `load_sharded` falls back to. Collective: call on every rank of the optimizer's group.
     """
+    check_optimizer(opt)
     dcp = _dcp()
     group = _group(opt)
     rank, _ = C.world(group)
@@ -476,6 +523,7 @@ def load_sharded(
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+    check_optimizer(opt)
     group = _group(opt)
     path = resolve(path)
     stored = FileSystemReader(path).read_metadata().state_dict_metadata

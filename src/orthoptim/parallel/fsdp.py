@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from orthoptim import checkpoint
+from orthoptim._validate import check_choice, check_float_dtype, check_positive
 from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.optim.muon import Muon, lr_scale_factor
@@ -80,8 +82,10 @@ class FSDPOptimizer(torch.optim.Optimizer):
     is a DTensor sharded like its parameter). Arguments: `balance` ("cost", "round_robin",
     "capped") and `bucket_mb` as the layer-wise optimizer (one all-to-all pair per bucket),
     `comm_dtype` (e.g. torch.bfloat16: updates travel in it; state and parameters stay in
-    their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks); other keyword
-    arguments go to `build_optimizer`. Matrix optimizer: "muon" (or "adamw" for the baseline).
+    their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks),
+    `state_dict_to` ("all" or "rank0": where `state_dict()` delivers the full, unsharded
+    dict); other keyword arguments go to `build_optimizer`. Matrix optimizer: "muon" (or
+    "adamw" for the baseline).
     """
 
     def __init__(
@@ -94,19 +98,20 @@ class FSDPOptimizer(torch.optim.Optimizer):
         comm_dtype: torch.dtype | None = None,
         route: RoutePredicate | None = None,
         nonfinite: str = "raise",
+        state_dict_to: str = "all",
         **inner_kwargs: Any,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer not in ("muon", "adamw"):
             raise ValueError(
-                f"FSDPOptimizer supports optimizer='muon' or 'adamw', got {optimizer!r} "
+                f"optimizer must be one of ('muon', 'adamw') for FSDPOptimizer, got {optimizer!r} "
                 "(SOAP's preconditioners are not elementwise and need the layer-wise optimizer)"
             )
-        if balance not in BALANCES:
-            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if comm_dtype is not None and not comm_dtype.is_floating_point:
-            raise ValueError(f"comm_dtype must be a floating-point dtype or None, got {comm_dtype}")
+        check_choice("balance", balance, BALANCES)
+        check_positive("bucket_mb", bucket_mb)
+        check_float_dtype("comm_dtype", comm_dtype)
+        self.state_dict_to = check_choice("state_dict_to", state_dict_to, checkpoint.STATE_DICT_TO)
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.model = model
         self.comm_dtype = comm_dtype
@@ -157,20 +162,15 @@ class FSDPOptimizer(torch.optim.Optimizer):
 
     # -- the step ----------------------------------------------------------------------
     def _agree(self) -> tuple[list[bool], list[str]]:
-        """One all-reduce over the shard group: which matrices have a gradient on some rank,
-        which parameters have a non-finite gradient shard somewhere."""
-        n_mat, n_all = len(self._matrices), len(self._named)
-        flags = torch.zeros(n_mat + n_all, dtype=torch.int32)
-        for i, m in enumerate(self._matrices):
-            if m.param.grad is not None:
-                flags[i] = 1
-        for j, (_, p) in enumerate(self._named):
-            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
-                flags[n_mat + j] = 1
-        C.all_reduce(flags, group=self.process_group, stats=self._stats)
-        present = [bool(v) for v in flags[:n_mat].tolist()]
-        bad = [self._named[j][0] for j, v in enumerate(flags[n_mat:].tolist()) if v]
-        return present, bad
+        """Which matrices have a gradient on some rank, and the names of the parameters with
+        a non-finite gradient shard somewhere (`collectives.agree`: one all-reduce)."""
+        present = [m.param.grad is not None for m in self._matrices]
+        bad = [
+            p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
+            for _, p in self._named
+        ]
+        present, bad = C.agree(present, bad, group=self.process_group, stats=self._stats)
+        return present, [n for (n, _), v in zip(self._named, bad) if v]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -357,15 +357,19 @@ class FSDPOptimizer(torch.optim.Optimizer):
             "at construction; build a new optimizer instead"
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's state, unsharded, in the format of `build_optimizer(model,
+        ...)`'s `state_dict()` on the unsharded model (a single-process optimizer loads it as
+        is; so does this optimizer at any world size): to every rank, or with
+        `state_dict_to="rank0"` to global rank 0 only (the others get {}). Collective. For
+        resharding DCP checkpoints use `sharded_state_dict()`."""
+        return checkpoint.full_state_dict(self, to_rank0=self.state_dict_to == "rank0")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `state_dict()` saved at the same world size (torch's format: state tensors
-        are this rank's DTensor shards); use `sharded_state_dict()` with DCP to reshard."""
-        self.template.load_state_dict(state_dict)
-        self.param_groups = self.template.param_groups
-        self.state = self.template.state
-        groups = self._muon_groups()
-        for m in self._matrices:
-            m.group = groups[m.name]
+        """Load a full dict (`state_dict()` at any world size, or a single-process
+        optimizer's): every rank keeps its shard of each state tensor. Every mismatch is
+        listed in one `CheckpointMismatchError` before anything changes."""
+        checkpoint.load_full_state_dict(self, state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter."""

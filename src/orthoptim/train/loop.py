@@ -11,7 +11,7 @@ Files under `out`:
     result.json            the run's summary (rank 0), written at the end
     logs/rank{R}.log       every rank's log
     checkpoints/latest.json   the committed checkpoint: its step folder and metadata
-    checkpoints/step_NNNNNN/  model.pt (rank 0) and optim_rank{R}.pt (each rank)
+    checkpoints/step_NNNNNN/  model.pt and optim.pt (the full optimizer state), by rank 0
 """
 
 from __future__ import annotations
@@ -139,7 +139,9 @@ def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
     kwargs = _optimizer_kwargs(args)
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
-    return LayerwiseDistributedOptimizer(model, optimizer=args.optimizer, **kwargs)
+    return LayerwiseDistributedOptimizer(
+        model, optimizer=args.optimizer, state_dict_to="rank0", **kwargs
+    )
 
 
 def _params_ready(opt: Any) -> None:
@@ -238,7 +240,9 @@ def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> N
 
 class Checkpointer:
     """Atomic checkpoints: every file is written aside and renamed, then `latest.json` (the
-    commit point) is replaced to name the new step folder; older folders are removed after."""
+    commit point) is replaced to name the new step folder; older folders are removed after.
+    A step folder holds `model.pt` and `optim.pt`, the optimizer's full state dict (gathered
+    to rank 0), which every rank loads on resume."""
 
     def __init__(self, out: Path, rank: int, world_size: int) -> None:
         self.dir = out / "checkpoints"
@@ -260,9 +264,10 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
         _barrier(self.world_size)
         _params_ready(opt)
+        optim = opt.state_dict()  # collective: the full dict, on rank 0 only
         if self.rank == 0:
             _atomic_save(model.state_dict(), folder / "model.pt")
-        _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
+            _atomic_save(optim, folder / "optim.pt")
         _barrier(self.world_size)
         if self.rank == 0:
             info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
@@ -277,7 +282,8 @@ class Checkpointer:
         check_resumable(info, args, self.world_size)
         folder = self.dir / info["folder"]
         model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
-        opt.load_state_dict(torch.load(folder / f"optim_rank{self.rank}.pt", weights_only=False))
+        # every rank reads the full dict and keeps the state of what it owns
+        opt.load_state_dict(torch.load(folder / "optim.pt", weights_only=False))
         return info
 
 
