@@ -60,10 +60,14 @@ def batch(step, rank=0, world_size=1):
     return idx[:, :-1], idx[:, 1:]
 
 
-def train(model, opt, steps, rank=0, world_size=1):
+def lm_loss(model, step, rank, world_size):
+    x, y = batch(step, rank, world_size)
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def train(model, opt, steps, rank=0, world_size=1, loss=lm_loss):
     for step in steps:
-        x, y = batch(step, rank, world_size)
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        loss(model, step, rank, world_size).backward()
         opt.step()
         opt.zero_grad()
     if hasattr(opt, "wait_for_params"):
@@ -119,16 +123,14 @@ class Matrices(nn.Module):
 MUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
 
 
+def square_loss(model, step, rank, world_size):
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step))
+    per = BATCH // world_size
+    return model(x[rank * per : (rank + 1) * per]).square().mean()
+
+
 def train_matrices(model, opt, steps, rank=0, world_size=1):
-    for step in steps:
-        x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step))
-        per = BATCH // world_size
-        model(x[rank * per : (rank + 1) * per]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    if hasattr(opt, "wait_for_params"):
-        opt.wait_for_params()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train(model, opt, steps, rank, world_size, loss=square_loss)
 
 
 def _muon_only(rank, world_size):
