@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import shutil
 import warnings
@@ -104,7 +105,8 @@ def describe(opt: torch.optim.Optimizer) -> dict[str, Any]:
     shapes: dict[str, list[int]] = {}
     if _is_layerwise(opt):
         named = {n: p for n, p in opt.model.named_parameters()}
-        order = [u.name for u in reversed(opt.units)]  # units are in backward order
+        # units are in backward order; expert slices of one parameter share its name
+        order = list(dict.fromkeys(u.name for u in reversed(opt.units)))
         kinds = {u.name: u.kind for u in opt.units}
         for g in opt.param_groups:
             names = [n for n in order if kinds[n] == g["optimizer"]]
@@ -225,15 +227,71 @@ def _install(
             }
         )
     holder = _state_holder(opt)
+    owned = _owned(opt)
     if holder is not None:
-        for n, p in _owned(opt).items():
+        for n, p in owned.items():
             holder.pop(p, None)
-            if n in state:
-                holder[p] = {k: _placed(v, p) for k, v in state[n].items()}
-    own = getattr(opt, "_master", {})
-    named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
-    for n, m in own.items():
-        m.copy_(masters[n] if n in masters else named[n])
+            st = _take(state, n)
+            if st is not None:
+                holder[p] = {k: _placed(v, p) for k, v in st.items()}
+    wrapped = {n: {"master": m} for n, m in masters.items()}
+    for n, m in getattr(opt, "_master", {}).items():
+        st = _take(wrapped, n)
+        m.copy_(st["master"] if st is not None else owned[n])
+
+
+# -- expert slices ------------------------------------------------------------------------------
+# A layer-wise optimizer built with split_experts owns `name[start:stop]`, a slice of the
+# experts (dim 0) of a 3-D parameter; its state tensors are that slice of the parameter's.
+# Checkpoints may hold whole-parameter or slice entries; `_take` cuts or joins them.
+
+
+def _range(name: str) -> tuple[str, tuple[int, int] | None]:
+    """"w[2:4]" → ("w", (2, 4)); "w" → ("w", None)."""
+    if name.endswith("]") and "[" in name:
+        base, _, rest = name[:-1].rpartition("[")
+        start, _, stop = rest.partition(":")
+        if start.isdigit() and stop.isdigit():
+            return base, (int(start), int(stop))
+    return name, None
+
+
+def _take(entries: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The state of `name` (a parameter or an expert slice) from `entries`, keyed by
+    parameter or slice names: as is, cut from the whole parameter's entry, or joined from
+    slice entries. None when `entries` holds nothing for it; a partial cover raises."""
+    if name in entries:
+        return entries[name]
+    base, want = _range(name)
+    pieces = []  # (start, stop, entry) of every entry for this parameter
+    for key, entry in entries.items():
+        b, r = _range(key)
+        if b == base:
+            pieces.append((*(r if r is not None else (0, _rows(entry))), entry))
+    if not pieces:
+        return None
+    pieces.sort(key=lambda x: x[0])
+    lo, hi = want if want is not None else (0, max(stop for _, stop, _ in pieces))
+    cover = [x for x in pieces if x[0] < hi and x[1] > lo]
+    gaps = any(a[1] != b[0] for a, b in itertools.pairwise(cover))
+    if not cover or cover[0][0] > lo or cover[-1][1] < hi or gaps:
+        held = [k for k in entries if _range(k)[0] == base]
+        raise CheckpointMismatchError(
+            [f"state of {name}: the checkpoint's entries {held} do not cover it"]
+        )
+    out: dict[str, Any] = {}
+    for k, v in cover[0][2].items():
+        if isinstance(v, Tensor) and v.ndim >= 1:
+            joined = torch.cat([e[k] for _, _, e in cover]) if len(cover) > 1 else v
+            out[k] = joined[lo - cover[0][0] : hi - cover[0][0]]
+        else:
+            out[k] = v  # per-parameter scalars (step counts) are the same in every slice
+    return out
+
+
+def _rows(entry: dict[str, Any]) -> int:
+    """Dim 0 (the expert count) of a whole parameter's state entry."""
+    return next(v.shape[0] for v in entry.values() if isinstance(v, Tensor) and v.ndim >= 1)
 
 
 def _placed(v: Any, p: Tensor) -> Any:
@@ -297,11 +355,18 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
         return {}  # every rank holds the whole (unsharded) state: rank 0 of the job keeps it
     else:
         parts = [local]
-    state: dict[str, dict[str, Any]] = {}
-    master: dict[str, Tensor] = {}
+    pieces: dict[str, dict[str, Any]] = {}
+    master_pieces: dict[str, dict[str, Any]] = {}
     for part in parts:
-        state.update(part["state"])
-        master.update(part["master"])
+        pieces.update(part["state"])
+        master_pieces.update({n: {"master": m} for n, m in part["master"].items()})
+    # expert slices (split_experts) are joined into their parameter's entry
+    state = {n: st for g in meta["groups"] for n in g["names"] if (st := _take(pieces, n))}
+    master = {
+        n: st["master"]
+        for n in dict.fromkeys(_range(k)[0] for k in master_pieces)
+        if (st := _take(master_pieces, n))
+    }
     index: dict[str, int] = {}
     groups = []
     for g in meta["groups"]:
@@ -550,21 +615,24 @@ def load_sharded(
     if mismatches:
         raise CheckpointMismatchError(mismatches)
 
-    owned = set(_owned(opt))
+    # what this rank needs: the entries of the parameters it owns (whole, or the expert
+    # slices it owns: entries of the same parameter are read and cut or joined by `_take`)
+    need_state = {_range(n)[0] for n in _owned(opt)}
+    need_master = {_range(n)[0] for n in _masters(opt)}
     want: dict[str, Any] = {}
     for key, md in stored.items():
         if key.startswith("optim/state/"):
             name = key[len("optim/state/") :].rpartition("/")[0]
+            needed = need_state
         elif key.startswith("optim/master/"):
             name = key[len("optim/master/") :]
+            needed = need_master
         elif key.startswith("extra/"):
             want[key] = None
             continue
         else:
             continue
-        if name not in owned and not key.startswith("optim/master/"):
-            continue
-        if key.startswith("optim/master/") and name not in _masters(opt):
+        if _range(name)[0] not in needed:
             continue
         if isinstance(md, BytesStorageMetadata):
             want[key] = None
