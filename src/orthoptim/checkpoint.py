@@ -13,6 +13,12 @@ written by N ranks loads on any other number of ranks, or in a single process:
                                 at any world size, model state included if given.
     atomic_save / atomic_load   torch.save to a temporary file, fsync, rename.
 
+The distributed optimizers' `state_dict()` is `full_state_dict` (to every rank, or with
+`state_dict_to="rank0"` to rank 0 only) and their `load_state_dict()` takes any full dict.
+Expert slices of a `split_experts` run (`name[start:stop]`) are joined into their parameter's
+entry in full dicts and cut again on load; DCP checkpoints keep one entry per slice and load
+under any split.
+
 Before anything is loaded the checkpoint is compared with the optimizer (parameter names
 and shapes, the optimizer of each group, hyper-parameters that change what the state means);
 every difference is listed in one `CheckpointMismatchError` and nothing is modified.
