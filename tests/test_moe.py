@@ -342,7 +342,7 @@ def test_train_tiny_moe_two_ranks(tmp_path):
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(train) == 6 and train[-1] < train[0] and vals[-1] < vals[0]
     assert all("max_logit" in r and "clipped_heads" in r for r in rows if "train_loss" in r)
-    assert (out / "checkpoints/step_000006/optim_rank1.pt").is_file()
+    assert (out / "checkpoints/step_000006/optim.pt").is_file()  # the full dict, from rank 0
 
 
 def test_split_expert_checkpoints_reshard_across_splits(tmp_path):
