@@ -133,7 +133,10 @@ class HybridOptimizer(GuardedOptimizer):
     def _update(self) -> None:
         """Step every inner optimizer (the non-finite policy already covered all of them)."""
         for opt in self.inner.values():
-            opt.step()
+            if isinstance(opt, GuardedOptimizer):
+                opt._update()
+            else:
+                opt.step()
 
 
 def build_optimizer(
