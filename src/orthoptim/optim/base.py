@@ -163,3 +163,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
             return loss
         self._update()
         return loss
+
+
+def step_checked(optimizer: torch.optim.Optimizer) -> None:
+    """Step `optimizer` whose gradients the caller has already checked for NaN/Inf:
+    an orthoptim optimizer skips its own check, any other optimizer steps as usual."""
+    if isinstance(optimizer, GuardedOptimizer):
+        optimizer._update()
+    else:
+        optimizer.step()
