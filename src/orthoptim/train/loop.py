@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from orthoptim.optim.hybrid import build_optimizer
+from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import collectives
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.train.data import get_batch, load_corpus, val_batches
@@ -69,6 +70,7 @@ class TrainArgs:
     seed: int = 0
     data: str | None = None
     tp: int = 1
+    qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
     progress: bool = True
 
     def validate(self) -> None:
@@ -81,6 +83,8 @@ class TrainArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.qk_clip is not None and self.qk_clip < 0:
+            raise ValueError(f"--qk-clip must be >= 0 (0: off), got {self.qk_clip}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         for name in ("lr", "adamw_lr"):
@@ -100,6 +104,12 @@ class TrainArgs:
     @property
     def matrix_lr(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def qk_clip_tau(self) -> float | None:
+        """The MuonClip threshold of this run (None: no clipping)."""
+        tau = self.qk_clip if self.qk_clip is not None else get_config(self.config).qk_clip
+        return tau or None
 
     @property
     def embed_lr(self) -> float:
@@ -135,11 +145,15 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
 
 def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
     """The optimizer for this rank: `build_optimizer` on one rank; on more, the layer-wise
-    distributed optimizer (each matrix owned whole by one rank)."""
+    distributed optimizer (each matrix, and each expert of a mixture of experts, owned whole
+    by one rank)."""
     kwargs = _optimizer_kwargs(args)
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
-    return LayerwiseDistributedOptimizer(model, optimizer=args.optimizer, **kwargs)
+    experts = get_config(args.config).moe is not None and args.optimizer != "adamw"
+    return LayerwiseDistributedOptimizer(
+        model, optimizer=args.optimizer, split_experts=experts, **kwargs
+    )
 
 
 def _params_ready(opt: Any) -> None:
@@ -353,6 +367,8 @@ def _train(
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     opt = make_optimizer(model, args, world_size)
+    tau = args.qk_clip_tau
+    clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
     for g in opt.param_groups:
         g["initial_lr"] = g["lr"]
     val = [
@@ -423,6 +439,7 @@ def _train(
             t1 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            clipped = clip.step() if clip is not None else {}
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
@@ -443,6 +460,7 @@ def _train(
                 tokens=step * tokens_per_step,
                 comm_sent_bytes=comm[0],
                 comm_received_bytes=comm[1],
+                **clipped,
             )
             if step % args.eval_every == 0 or step == args.steps:
                 val_loss = evaluate(model, val, rank, world_size)
