@@ -17,6 +17,7 @@ from orthoptim._validate import check_choice, check_nonnegative, check_unit_inte
 from orthoptim.optim.base import (
     GuardedOptimizer,
     check_nonfinite_policy,
+    step_checked,
 )
 from orthoptim.optim.muon import Muon
 
@@ -140,7 +141,7 @@ class HybridOptimizer(GuardedOptimizer):
     def _update(self) -> None:
         """Step every inner optimizer (the non-finite policy already covered all of them)."""
         for opt in self.inner.values():
-            opt.step()
+            step_checked(opt)
 
 
 def build_optimizer(
