@@ -250,7 +250,9 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     if m.owner == d and m.numels[rank]:
                         u = updates.get(m.unit)
                         # A matrix with no gradient here (but somewhere) contributes zeros.
-                        parts.append(u if u is not None else torch.zeros(m.numels[rank], device=dev))
+                        if u is None:
+                            u = torch.zeros(m.numels[rank], device=dev)
+                        parts.append(u)
             send = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=dev)
             recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
             work = C.all_to_all(
