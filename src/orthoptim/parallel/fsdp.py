@@ -65,6 +65,50 @@ def shard_model(model: nn.Module, mesh: Any = None) -> nn.Module:
     return model
 
 
+def count_fsdp_collectives(model: nn.Module, stats: C.CommStats) -> None:
+    """Route FSDP2's own parameter all-gathers and gradient reduce-scatters, for every module of
+    `model` that `fully_shard` wrapped, through collectives.py, counted in `stats` (as
+    "fsdp_all_gather" and "fsdp_reduce_scatter"), so FSDP2's traffic can be told apart from
+    the optimizer's. Uses FSDP2's `set_custom_all_gather` / `set_custom_reduce_scatter` hooks.
+    (HSDP's all-reduce across replicas is not covered by these hooks.)"""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class _Gather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
+        ) -> Any:
+            return C.all_gather(
+                output_tensor, input_tensor, group, stats, async_op, kind="fsdp_all_gather"
+            )
+
+    class _Scatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: Tensor,
+            input_tensor: Tensor,
+            group: Any,
+            op: Any,
+            async_op: bool = False,
+        ) -> Any:
+            return C.reduce_scatter(
+                output_tensor, input_tensor, op, group, stats, async_op, "fsdp_reduce_scatter"
+            )
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("count_fsdp_collectives: no module of `model` is wrapped by fully_shard")
+    for m in modules:
+        m.set_custom_all_gather(_Gather())
+        m.set_custom_reduce_scatter(_Scatter())
+
+
 def _local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (a plain tensor is its own shard)."""
     return t.to_local() if hasattr(t, "to_local") else t
