@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from orthoptim.optim.hybrid import build_optimizer
+from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import collectives
 from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
@@ -73,6 +74,7 @@ class TrainArgs:
     data: str | None = None
     tp: int = 1
     fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
+    qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
     progress: bool = True
 
     def validate(self) -> None:
@@ -85,6 +87,8 @@ class TrainArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.qk_clip is not None and self.qk_clip < 0:
+            raise ValueError(f"--qk-clip must be >= 0 (0: off), got {self.qk_clip}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         for name in ("lr", "adamw_lr"):
@@ -100,6 +104,11 @@ class TrainArgs:
                 "--fsdp runs --optimizer muon or adamw (FSDPOptimizer has no SOAP); "
                 "drop --fsdp to train SOAP with the layer-wise optimizer"
             )
+        if self.fsdp and self.qk_clip_tau is not None:
+            raise ValueError(
+                f"--fsdp does not run QK-clip yet (it would rescale rows of sharded q/k "
+                f"weights); pass --qk-clip 0 with --config {self.config}"
+            )
         if self.tp > 1:
             raise ValueError(
                 f"--tp {self.tp}: `orthoptim train` does not run tensor parallelism yet "
@@ -109,6 +118,12 @@ class TrainArgs:
     @property
     def matrix_lr(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def qk_clip_tau(self) -> float | None:
+        """The MuonClip threshold of this run (None: no clipping)."""
+        tau = self.qk_clip if self.qk_clip is not None else get_config(self.config).qk_clip
+        return tau or None
 
     @property
     def embed_lr(self) -> float:
@@ -145,13 +160,17 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
 def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
     """The optimizer for this rank: `FSDPOptimizer` under --fsdp (the model already sharded);
     otherwise `build_optimizer` on one rank and, on more, the layer-wise distributed optimizer
-    (each matrix owned whole by one rank). All three route the same parameters to AdamW."""
+    (each matrix, and each expert of a mixture of experts, owned whole by one rank). All of
+    them route the same parameters to AdamW."""
     kwargs = _optimizer_kwargs(args)
     if args.fsdp:
         return FSDPOptimizer(model, optimizer=args.optimizer, **kwargs)
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
-    return LayerwiseDistributedOptimizer(model, optimizer=args.optimizer, **kwargs)
+    experts = get_config(args.config).moe is not None and args.optimizer != "adamw"
+    return LayerwiseDistributedOptimizer(
+        model, optimizer=args.optimizer, split_experts=experts, **kwargs
+    )
 
 
 def _params_ready(opt: Any) -> None:
@@ -398,6 +417,8 @@ def _train(
     if args.fsdp and world_size > 1:
         shard_model(model)
     opt = make_optimizer(model, args, world_size)
+    tau = args.qk_clip_tau
+    clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
     for g in opt.param_groups:
         g["initial_lr"] = g["lr"]
     val = [
@@ -469,6 +490,7 @@ def _train(
             t1 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            clipped = clip.step() if clip is not None else {}
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
@@ -489,6 +511,7 @@ def _train(
                 tokens=step * tokens_per_step,
                 comm_sent_bytes=comm[0],
                 comm_received_bytes=comm[1],
+                **clipped,
             )
             if step % args.eval_every == 0 or step == args.steps:
                 val_loss = evaluate(model, val, rank, world_size, lockstep=args.fsdp)
