@@ -97,12 +97,14 @@ def reduce_scatter(
     group: Any = None,
     stats: CommStats | None = None,
     async_op: bool = False,
+    kind: str = "reduce_scatter",
 ) -> Any:
-    """`out` ← this rank's 1/N chunk of the sum over ranks of `inp` (flat, equal chunks)."""
+    """`out` ← this rank's 1/N chunk of the sum over ranks of `inp` (flat, equal chunks);
+    `kind` is the name `stats` files it under."""
     _, n = world(group)
     if stats is not None and n > 1:
         b = (n - 1) / n * _nbytes(inp)
-        stats.record("reduce_scatter", b, b)
+        stats.record(kind, b, b)
     if n == 1:
         out.copy_(inp)
         return None
@@ -357,12 +359,14 @@ def agree(
     bad: list[bool],
     group: Any = None,
     stats: CommStats | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[list[bool], list[bool]]:
     """What every rank must agree on before a distributed step, in ONE small all-reduce:
     `present[i]` (item i has a gradient here) and `bad[j]` (item j's gradient is non-finite
-    here) are packed as int flags, summed over ranks and decoded, so every rank gets
-    (present anywhere, non-finite anywhere) and skips, raises or steps together."""
-    flags = torch.tensor([*present, *bad], dtype=torch.int32)
+    here) are packed as int flags (on `device`: the backend's, e.g. CUDA for NCCL), summed
+    over ranks and decoded, so every rank gets (present anywhere, non-finite anywhere) and
+    skips, raises or steps together."""
+    flags = torch.tensor([*present, *bad], dtype=torch.int32, device=device)
     with phase("non-finite gradient agreement (all-reduce)", group):
         all_reduce(flags, group=group, stats=stats)
     summed = [v > 0 for v in flags.tolist()]
