@@ -313,3 +313,61 @@ def test_train_tiny_moe_two_ranks(tmp_path):
     assert len(train) == 6 and train[-1] < train[0] and vals[-1] < vals[0]
     assert all("max_logit" in r and "clipped_heads" in r for r in rows if "train_loss" in r)
     assert (out / "checkpoints/step_000006/optim_rank1.pt").is_file()
+
+
+def _expert_group_ranks(rank, world_size):
+    """Expert data parallelism of one rank per expert group: every rank holds its own experts
+    (as under expert parallelism), dense weights are shared and averaged over both ranks."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    kw = dict(lr=0.05, weight_decay=0.01)
+    refs = []
+    for r in range(world_size):
+        torch.manual_seed(0)
+        m = _Experts()
+        with torch.no_grad():
+            m.experts.copy_(
+                torch.randn(m.experts.shape, generator=torch.Generator().manual_seed(r))
+            )
+        refs.append(m)
+    model = _Experts()
+    model.load_state_dict(refs[rank].state_dict())
+    ref_opts = [build_optimizer(m, **kw) for m in refs]
+    opt = LayerwiseDistributedOptimizer(
+        model, expert_group=groups[rank], split_experts=True, bucket_mb=1e-4, **kw
+    )
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        batches = [torch.randn(8, 6, generator=g) for _ in range(world_size)]
+        for m, b in zip(refs, batches):
+            m(b).backward()
+        mean = sum(m.inp.weight.grad for m in refs) / world_size
+        for m, o in zip(refs, ref_opts):
+            m.inp.weight.grad = mean.clone()
+            o.step()
+            o.zero_grad()
+        model(batches[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return {
+        "got": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "ref": {n: p.detach().clone() for n, p in refs[rank].named_parameters()},
+        "owners": dict(opt.owner_of),
+        "stats": opt.comm_stats(),
+        "expected": opt.expected_comm_bytes(),
+    }
+
+
+def test_expert_group_separate_from_dense_group():
+    results = run_ranks(_expert_group_ranks, 2)
+    for r in results:
+        for name, ref in r["ref"].items():
+            torch.testing.assert_close(r["got"][name], ref, atol=2e-6, rtol=1e-5)
+        # every expert is owned by the only rank of its group; nothing of them moves
+        assert all(o == 0 for n, o in r["owners"].items() if n.startswith("experts"))
+        stats = {k: v for k, v in r["stats"].items() if k != "total"}
+        assert stats == r["expected"] and set(stats) == {"reduce", "broadcast", "all_reduce"}
+    assert not torch.equal(results[0]["got"]["experts"], results[1]["got"]["experts"])
+    assert torch.equal(results[0]["got"]["inp.weight"], results[1]["got"]["inp.weight"])

@@ -88,11 +88,11 @@ def describe(opt: torch.optim.Optimizer) -> dict[str, Any]:
     groups = []
     shapes: dict[str, list[int]] = {}
     if _is_layerwise(opt):
-        if any(u.part is not None for u in opt.units):
+        if any(u.part is not None for u in opt.units) or opt.expert_group is not None:
             raise NotImplementedError(
                 "full and sharded checkpoints of a layer-wise optimizer built with "
-                "split_experts are not supported yet; save opt.state_dict() on every rank and "
-                "load it at the same world size"
+                "split_experts or an expert_group are not supported yet; save "
+                "opt.state_dict() on every rank and load it at the same world size"
             )
         named = {n: p for n, p in opt.model.named_parameters()}
         order = [u.name for u in reversed(opt.units)]  # units are in backward order
