@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import checkpoint
-from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy
+from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy, step_checked
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
@@ -525,7 +525,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             return
         for name, master in self._master.items():
             self._slot_by_name(name).data.copy_(master)
-        self.inner.step()
+        step_checked(self.inner)  # the gradients were checked by _agree
         for name, master in self._master.items():
             master.copy_(self._slot_by_name(name).data)
 
