@@ -1,7 +1,8 @@
 """The training loop every rank runs, and the launcher that starts the ranks.
 
 `run(args)` is one rank's whole job: build the model (same seed on every rank), the corpus and
-the optimizer (the layer-wise distributed optimizer when there is more than one rank), then
+the optimizer (the layer-wise distributed optimizer when there is more than one rank; with
+`--fsdp` the model is sharded by FSDP2's `fully_shard` and `FSDPOptimizer` steps it), then
 train with a warmup + cosine LR schedule, evaluate on a fixed validation set, write metrics,
 checkpoints and a result file. `launch(args, nproc)` starts `nproc` ranks through PyTorch's
 elastic launcher (the machinery behind `torchrun`) and returns rank 0's result.
@@ -11,7 +12,8 @@ Files under `out`:
     result.json            the run's summary (rank 0), written at the end
     logs/rank{R}.log       every rank's log
     checkpoints/latest.json   the committed checkpoint: its step folder and metadata
-    checkpoints/step_NNNNNN/  model.pt (rank 0) and optim_rank{R}.pt (each rank)
+    checkpoints/step_NNNNNN/  model.pt (rank 0) and optim_rank{R}.pt (each rank); with --fsdp
+                           dcp/, one torch.distributed.checkpoint of model and optimizer shards
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import collectives
+from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.train.data import get_batch, load_corpus, val_batches
 from orthoptim.train.model import GPT, get_config
@@ -70,6 +73,7 @@ class TrainArgs:
     seed: int = 0
     data: str | None = None
     tp: int = 1
+    fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
     qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
     progress: bool = True
 
@@ -94,6 +98,16 @@ class TrainArgs:
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(
                 f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
+            )
+        if self.fsdp and self.optimizer == "soap":
+            raise ValueError(
+                "--fsdp runs --optimizer muon or adamw (FSDPOptimizer has no SOAP); "
+                "drop --fsdp to train SOAP with the layer-wise optimizer"
+            )
+        if self.fsdp and self.qk_clip_tau is not None:
+            raise ValueError(
+                f"--fsdp does not run QK-clip yet (it would rescale rows of sharded q/k "
+                f"weights); pass --qk-clip 0 with --config {self.config}"
             )
         if self.tp > 1:
             raise ValueError(
@@ -144,10 +158,13 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
 
 
 def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
-    """The optimizer for this rank: `build_optimizer` on one rank; on more, the layer-wise
-    distributed optimizer (each matrix, and each expert of a mixture of experts, owned whole
-    by one rank)."""
+    """The optimizer for this rank: `FSDPOptimizer` under --fsdp (the model already sharded);
+    otherwise `build_optimizer` on one rank and, on more, the layer-wise distributed optimizer
+    (each matrix, and each expert of a mixture of experts, owned whole by one rank). All of
+    them route the same parameters to AdamW."""
     kwargs = _optimizer_kwargs(args)
+    if args.fsdp:
+        return FSDPOptimizer(model, optimizer=args.optimizer, **kwargs)
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
     experts = get_config(args.config).moe is not None and args.optimizer != "adamw"
@@ -219,28 +236,39 @@ def _all_gather_floats(values: list[float], world_size: int) -> list[list[float]
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, rank: int, world_size: int) -> float:
-    """Mean validation loss over the fixed batches, split across ranks."""
+def evaluate(
+    model: nn.Module, batches: list, rank: int, world_size: int, lockstep: bool = False
+) -> float:
+    """Mean validation loss over the fixed batches, split across ranks.
+
+    `lockstep`: every rank runs the same number of forwards (a rank short of batches repeats
+    one and ignores it), as a sharded model's forward is collective."""
     model.eval()
     total, count = 0.0, 0.0
-    for x, y in batches[rank::world_size]:
-        total += model(x, y).item() * y.numel()
-        count += y.numel()
+    rounds = -(-len(batches) // world_size)
+    for i in range(rounds):
+        j = rank + i * world_size
+        if j < len(batches):
+            x, y = batches[j]
+            total += model(x, y).item() * y.numel()
+            count += y.numel()
+        elif lockstep:
+            model(*batches[0])
     model.train()
     total, count = _all_sum([total, count], world_size)
     return total / count
 
 
-RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps")
+RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps", "fsdp")
 
 
 def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch."""
-    saved = info["args"]
+    saved = dict(TrainArgs().to_dict(), **info["args"])  # flags newer than the checkpoint
     mismatched = [
-        f"--{k}: checkpoint {saved.get(k)!r}, now {getattr(args, k)!r}"
+        f"--{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}"
         for k in RESUME_MUST_MATCH
-        if saved.get(k) != getattr(args, k)
+        if saved[k] != getattr(args, k)
     ]
     if info["world_size"] != world_size:
         mismatched.append(f"--nproc: checkpoint {info['world_size']}, now {world_size}")
@@ -252,11 +280,14 @@ def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> N
 
 class Checkpointer:
     """Atomic checkpoints: every file is written aside and renamed, then `latest.json` (the
-    commit point) is replaced to name the new step folder; older folders are removed after."""
+    commit point) is replaced to name the new step folder; older folders are removed after.
 
-    def __init__(self, out: Path, rank: int, world_size: int) -> None:
+    `sharded`: model and optimizer are FSDP2 shards, saved and loaded together with
+    torch.distributed.checkpoint (each rank writes its own shards)."""
+
+    def __init__(self, out: Path, rank: int, world_size: int, sharded: bool = False) -> None:
         self.dir = out / "checkpoints"
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.sharded = rank, world_size, sharded
 
     def latest(self) -> dict[str, Any]:
         """The committed checkpoint's metadata; a clear error if there is none."""
@@ -274,9 +305,14 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
         _barrier(self.world_size)
         _params_ready(opt)
-        if self.rank == 0:
-            _atomic_save(model.state_dict(), folder / "model.pt")
-        _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
+        if self.sharded:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(_sharded_state(model, opt), checkpoint_id=folder / "dcp")
+        else:
+            if self.rank == 0:
+                _atomic_save(model.state_dict(), folder / "model.pt")
+            _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
         _barrier(self.world_size)
         if self.rank == 0:
             info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
@@ -290,9 +326,22 @@ class Checkpointer:
         info = self.latest()
         check_resumable(info, args, self.world_size)
         folder = self.dir / info["folder"]
+        if self.sharded:
+            import torch.distributed.checkpoint as dcp
+
+            state = _sharded_state(model, opt)
+            dcp.load(state, checkpoint_id=folder / "dcp")
+            model.load_state_dict(state["model"])
+            opt.load_sharded_state_dict(state["optim"])
+            return info
         model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
         opt.load_state_dict(torch.load(folder / f"optim_rank{self.rank}.pt", weights_only=False))
         return info
+
+
+def _sharded_state(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """The DCP layout of a sharded run: the model's and the optimizer's DTensor shards."""
+    return {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
 
 
 def _setup_logging(out: Path, rank: int) -> logging.Logger:
@@ -366,6 +415,8 @@ def _train(
     log.info("corpus %s", corpus.describe())
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
+    if args.fsdp and world_size > 1:
+        shard_model(model)
     opt = make_optimizer(model, args, world_size)
     tau = args.qk_clip_tau
     clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
@@ -376,15 +427,16 @@ def _train(
         for x, y in val_batches(corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed)
     ]
     log.info(
-        "model %s (%d params), optimizer %s, world size %d, device %s",
+        "model %s (%d params), optimizer %s%s, world size %d, device %s",
         args.config,
         sum(p.numel() for p in model.parameters()),
         args.optimizer,
+        " (FSDP2)" if args.fsdp else "",
         world_size,
         device,
     )
 
-    ckpt = Checkpointer(out, rank, world_size)
+    ckpt = Checkpointer(out, rank, world_size, sharded=args.fsdp and world_size > 1)
     metrics_path = out / "metrics.jsonl"
     start, train_time = 0, 0.0
     if args.resume:
@@ -415,7 +467,7 @@ def _train(
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
     val_loss = None
     if start == 0:
-        val_loss = evaluate(model, val, rank, world_size)
+        val_loss = evaluate(model, val, rank, world_size, lockstep=args.fsdp)
         if metrics_file:
             metrics_file.write(
                 json.dumps(dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)) + "\n"
@@ -463,7 +515,7 @@ def _train(
                 **clipped,
             )
             if step % args.eval_every == 0 or step == args.steps:
-                val_loss = evaluate(model, val, rank, world_size)
+                val_loss = evaluate(model, val, rank, world_size, lockstep=args.fsdp)
                 row["val_loss"] = val_loss
                 log.info("step %d train %.4f val %.4f", step, train_loss, val_loss)
             if metrics_file:
