@@ -371,3 +371,30 @@ def test_expert_group_separate_from_dense_group():
         assert stats == r["expected"] and set(stats) == {"reduce", "broadcast", "all_reduce"}
     assert not torch.equal(results[0]["got"]["experts"], results[1]["got"]["experts"])
     assert torch.equal(results[0]["got"]["inp.weight"], results[1]["got"]["inp.weight"])
+
+
+def test_fsdp_optimizer_orthogonalizes_split_blocks_like_muon():
+    from orthoptim import FSDPOptimizer
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=16, seq_len=8, fused=True)
+    torch.manual_seed(0)
+    models = [GPT(cfg) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    kw = dict(lr=0.02, lr_scale="spectral", weight_decay=0.01)
+    opts = [
+        FSDPOptimizer(models[0], **kw),  # world size 1, plain model: split from split_spec()
+        build_optimizer(models[1], **kw),
+        build_optimizer(models[2], split={}, **kw),
+    ]
+    for step in range(2):
+        x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        for m, o in zip(models, opts):
+            m(x, x).backward()
+            o.step()
+            o.zero_grad()
+    got, ref, whole = (dict(m.named_parameters()) for m in models)
+    for name in got:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-6)
+    qkv = "blocks.0.attn.qkv.weight"
+    assert not torch.allclose(got[qkv], whole[qkv], atol=1e-4)
