@@ -378,3 +378,90 @@ def test_split_expert_checkpoints_reshard_across_splits(tmp_path):
                 opt = LayerwiseDistributedOptimizer(model, split_experts=split, **kw)
             ckpt.load_sharded(tmp_path / str(saved_split), opt, model)
             same(want, ckpt.full_state_dict(opt))
+
+
+def _expert_group_ranks(rank, world_size):
+    """Expert data parallelism of one rank per expert group: every rank holds its own experts
+    (as under expert parallelism), dense weights are shared and averaged over both ranks."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    kw = dict(lr=0.05, weight_decay=0.01)
+    refs = []
+    for r in range(world_size):
+        torch.manual_seed(0)
+        m = _Experts()
+        with torch.no_grad():
+            m.experts.copy_(
+                torch.randn(m.experts.shape, generator=torch.Generator().manual_seed(r))
+            )
+        refs.append(m)
+    model = _Experts()
+    model.load_state_dict(refs[rank].state_dict())
+    ref_opts = [build_optimizer(m, **kw) for m in refs]
+    opt = LayerwiseDistributedOptimizer(
+        model, expert_group=groups[rank], split_experts=True, bucket_mb=1e-4, **kw
+    )
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        batches = [torch.randn(8, 6, generator=g) for _ in range(world_size)]
+        for m, b in zip(refs, batches):
+            m(b).backward()
+        mean = sum(m.inp.weight.grad for m in refs) / world_size
+        for m, o in zip(refs, ref_opts):
+            m.inp.weight.grad = mean.clone()
+            o.step()
+            o.zero_grad()
+        model(batches[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    with pytest.raises(NotImplementedError, match="expert_group"):
+        opt.state_dict()
+    return {
+        "got": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "ref": {n: p.detach().clone() for n, p in refs[rank].named_parameters()},
+        "owners": dict(opt.owner_of),
+        "stats": opt.comm_stats(),
+        "expected": opt.expected_comm_bytes(),
+    }
+
+
+def test_expert_group_separate_from_dense_group():
+    results = run_ranks(_expert_group_ranks, 2)
+    for r in results:
+        for name, ref in r["ref"].items():
+            torch.testing.assert_close(r["got"][name], ref, atol=2e-6, rtol=1e-5)
+        # every expert is owned by the only rank of its group; nothing of them moves
+        assert all(o == 0 for n, o in r["owners"].items() if n.startswith("experts"))
+        stats = {k: v for k, v in r["stats"].items() if k != "total"}
+        assert stats == r["expected"] and set(stats) == {"reduce", "broadcast", "all_reduce"}
+    assert not torch.equal(results[0]["got"]["experts"], results[1]["got"]["experts"])
+    assert torch.equal(results[0]["got"]["inp.weight"], results[1]["got"]["inp.weight"])
+
+
+def test_fsdp_optimizer_orthogonalizes_split_blocks_like_muon():
+    from orthoptim import FSDPOptimizer
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_kv_head=1, d_model=16, seq_len=8, fused=True)
+    torch.manual_seed(0)
+    models = [GPT(cfg) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    kw = dict(lr=0.02, lr_scale="spectral", weight_decay=0.01)
+    opts = [
+        FSDPOptimizer(models[0], **kw),  # world size 1, plain model: split from split_spec()
+        build_optimizer(models[1], **kw),
+        build_optimizer(models[2], split={}, **kw),
+    ]
+    for step in range(2):
+        x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        for m, o in zip(models, opts):
+            m(x, x).backward()
+            o.step()
+            o.zero_grad()
+    got, ref, whole = (dict(m.named_parameters()) for m in models)
+    for name in got:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-6)
+    qkv = "blocks.0.attn.qkv.weight"
+    assert not torch.allclose(got[qkv], whole[qkv], atol=1e-4)

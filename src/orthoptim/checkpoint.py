@@ -110,6 +110,17 @@ def describe(opt: torch.optim.Optimizer) -> dict[str, Any]:
     groups = []
     shapes: dict[str, list[int]] = {}
     if _is_layerwise(opt):
+        if opt.expert_group is not None:
+            # Each expert group steps its own copy of the experts under the same names, so
+            # one name-keyed dict cannot hold them all.
+            raise NotImplementedError(
+                "full and sharded checkpoints (state_dict(), save_sharded) of a layer-wise "
+                "optimizer built with an expert_group are not supported yet: expert groups "
+                "hold different experts under the same parameter names; save "
+                "opt.inner.state_dict() on every rank and load it with "
+                "opt.inner.load_state_dict() at the same layout (opt.inner is None on a rank "
+                "that owns nothing)"
+            )
         named = {n: p for n, p in opt.model.named_parameters()}
         # units are in backward order; expert slices of one parameter share its name
         order = list(dict.fromkeys(u.name for u in reversed(opt.units)))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -70,6 +70,46 @@ def qkv_split(
 def base_name(name: str) -> str:
     """The parameter name of a piece label: "w[0:2]" (experts 0..1 of w) → "w"."""
     return name.split("[", 1)[0] if name.endswith("]") else name
+
+
+def split_of(group: dict[str, Any], name: str) -> Split | None:
+    """The row blocks of parameter (or piece label) `name` in a Muon param group (None: one)."""
+    split = group.get("split") or {}
+    return split.get(name, split.get(base_name(name)))
+
+
+def orthogonalize_blocks(
+    items: list[tuple[Tensor, Split | None]], orthogonalize: Orthogonalizer, lr_scale: str
+) -> Iterator[tuple[int, int | None, Tensor, float]]:
+    """Orthogonalize matrix stacks [k, rows, cols], each whole or by row blocks (`split`).
+
+    Yields (item index, first row of the block or None for a whole stack, the orthogonalized
+    block, the LR-scale factor of the block's shape). Blocks of one shape (and one DTensor
+    layout) go through one `orthogonalize` call.
+    """
+    # (rows, cols, device, layout) → [(item, first row, block)]; a DTensor's layout (mesh,
+    # placements) is part of the key so a batch never mixes shardings.
+    batches: dict[tuple[Any, ...], list[tuple[int, int | None, Tensor]]] = defaultdict(list)
+    for i, (mats, sizes) in enumerate(items):
+        layout = (getattr(mats, "device_mesh", None), tuple(getattr(mats, "placements", ())))
+        if sizes is None:
+            batches[(mats.shape[-2], mats.shape[-1], mats.device, layout)].append((i, None, mats))
+            continue
+        if layout[0] is not None:
+            raise NotImplementedError("Muon split of a DTensor parameter is not supported")
+        row = 0
+        for block in mats.split(list(sizes), dim=-2):
+            batches[(block.shape[-2], mats.shape[-1], mats.device, layout)].append((i, row, block))
+            row += block.shape[-2]
+    for (rows, cols, _, _), entries in batches.items():
+        blocks = [b for _, _, b in entries]
+        ortho = orthogonalize(torch.cat(blocks) if len(blocks) > 1 else blocks[0])
+        scale = lr_scale_factor(lr_scale, rows, cols)
+        offset = 0
+        for i, row, block in entries:
+            k = block.shape[0]
+            yield i, row, ortho[offset : offset + k], scale
+            offset += k
 
 
 def check_split(name: str, sizes: Any, rows: int) -> Split:
@@ -189,8 +229,7 @@ class Muon(GuardedOptimizer):
         """The row blocks of parameter `index` of `group` (None: one block)."""
         if not group["split"]:
             return None
-        name = group["param_names"][index]
-        return group["split"].get(name, group["split"].get(base_name(name)))
+        return split_of(group, group["param_names"][index])
 
     def _update(self) -> None:
         for group in self.param_groups:
@@ -199,9 +238,8 @@ class Muon(GuardedOptimizer):
     def _step_group(self, group: dict[str, Any]) -> None:
         momentum, nesterov = group["momentum"], group["nesterov"]
         lr, wd = group["lr"], group["weight_decay"]
-        # (rows, cols, device, layout) → [(param, first row, block [k, rows, cols])]; a DTensor's
-        # layout (mesh, placements) is part of the key so a batch never mixes shardings.
-        batches: dict[tuple[Any, ...], list[tuple[Tensor, int | None, Tensor]]] = defaultdict(list)
+        params: list[Tensor] = []
+        items: list[tuple[Tensor, Split | None]] = []
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -218,34 +256,19 @@ class Muon(GuardedOptimizer):
             update = grad.lerp(buf, momentum) if nesterov else buf
             if wd != 0.0:
                 p.mul_(1.0 - lr * wd)
-            mats = matrix_view(update)
-            layout = (getattr(mats, "device_mesh", None), tuple(getattr(mats, "placements", ())))
-            sizes = self._split_of(group, i)
-            if sizes is None:
-                batches[(mats.shape[-2], mats.shape[-1], mats.device, layout)].append(
-                    (p, None, mats)
-                )
-                continue
-            row = 0
-            for block in mats.split(list(sizes), dim=-2):
-                batches[(block.shape[-2], mats.shape[-1], mats.device, layout)].append(
-                    (p, row, block)
-                )
-                row += block.shape[-2]
+            params.append(p)
+            items.append((matrix_view(update), self._split_of(group, i)))
 
-        for (rows, cols, _, _), items in batches.items():
-            stacked = torch.cat([m for _, _, m in items]) if len(items) > 1 else items[0][2]
-            ortho = self._orthogonalize(stacked, group)
-            scale = lr * lr_scale_factor(group["lr_scale"], rows, cols)
-            offset = 0
-            for p, row, mats in items:
-                k = mats.shape[0]
-                o = ortho[offset : offset + k]
-                offset += k
-                if row is None:
-                    p.add_(o.reshape(p.shape).to(p.dtype), alpha=-scale)
-                else:
-                    matrix_view(p)[:, row : row + rows].add_(o.to(p.dtype), alpha=-scale)
+        blocks = orthogonalize_blocks(
+            items, lambda mats: self._orthogonalize(mats, group), group["lr_scale"]
+        )
+        for i, row, o, scale in blocks:
+            p = params[i]
+            if row is None:
+                p.add_(o.reshape(p.shape).to(p.dtype), alpha=-lr * scale)
+            else:
+                rows = matrix_view(p)[:, row : row + o.shape[-2]]
+                rows.add_(o.to(p.dtype), alpha=-lr * scale)
 
     def _orthogonalize(self, mats: Tensor, group: dict[str, Any]) -> Tensor:
         if self.orthogonalizer is not None:

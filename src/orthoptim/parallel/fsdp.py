@@ -42,7 +42,7 @@ from orthoptim import checkpoint
 from orthoptim._validate import check_choice, check_float_dtype, check_positive
 from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy, state_dtype
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
-from orthoptim.optim.muon import lr_scale_factor
+from orthoptim.optim.muon import lr_scale_factor, orthogonalize_blocks, split_of
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
 
@@ -199,13 +199,6 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self.matrix_opt: Any = self.template.inner.get(optimizer) if optimizer != "adamw" else None
         self.adamw: torch.optim.Optimizer | None = self.template.inner.get("adamw")
         group_of = self._matrix_groups()
-        split = sorted({n for g in self.template.param_groups for n in g.get("split") or {}})
-        if split:
-            raise NotImplementedError(
-                f"FSDPOptimizer does not orthogonalize fused matrices block by block yet "
-                f"(split for {split}); pass split={{}} to orthogonalize them whole, or use "
-                "LayerwiseDistributedOptimizer"
-            )
         units = [u for u in units_from_model(model, optimizer=optimizer, route=rule)]
         self.units = [u for u in units if u.name in group_of]
         self.assignment: Assignment = assign(
@@ -416,23 +409,36 @@ class FSDPOptimizer(torch.optim.Optimizer):
         return out
 
     def _orthogonalize(self, mine: list[_Matrix], full: dict[int, Tensor]) -> dict[int, Tensor]:
-        """Newton-Schulz on the owned full updates, batched by (param group, matrix shape);
-        returns flat orthogonalized updates by unit."""
+        """Newton-Schulz on the owned full updates, batched by (param group, block shape);
+        returns flat orthogonalized updates by unit. A split (fused) matrix is orthogonalized
+        block by block, each block times its LR scale over the whole matrix's (the step
+        applies the whole matrix's scale)."""
         assert self.matrix_opt is not None
-        batches: dict[tuple[int, int, int], list[_Matrix]] = defaultdict(list)
+        by_group: dict[int, list[_Matrix]] = defaultdict(list)
         for m in mine:
-            rows, cols = _matrix_shape(m.param.shape)
-            batches[(id(m.group), rows, cols)].append(m)
+            by_group[id(m.group)].append(m)
         out: dict[int, Tensor] = {}
-        for (_, rows, cols), ms in batches.items():
-            mats = [full[m.unit].reshape(-1, rows, cols) for m in ms]
-            stacked = torch.cat(mats) if len(mats) > 1 else mats[0]
-            result = self.matrix_opt._orthogonalize(stacked, ms[0].group)
-            offset = 0
-            for m, x in zip(ms, mats):
-                k = x.shape[0]
-                out[m.unit] = result[offset : offset + k].reshape(-1)
-                offset += k
+        for ms in by_group.values():
+            g = ms[0].group
+            items = [
+                (full[m.unit].reshape(-1, *_matrix_shape(m.param.shape)), split_of(g, m.name))
+                for m in ms
+            ]
+            fused: dict[int, Tensor] = {}
+            blocks = orthogonalize_blocks(
+                items, lambda mats, g=g: self.matrix_opt._orthogonalize(mats, g), g["lr_scale"]
+            )
+            for i, row, o, scale in blocks:
+                if row is None:
+                    out[ms[i].unit] = o.reshape(-1)
+                    continue
+                whole = items[i][0]
+                if i not in fused:
+                    fused[i] = torch.empty_like(whole)
+                ratio = scale / lr_scale_factor(g["lr_scale"], *whole.shape[-2:])
+                fused[i][:, row : row + o.shape[-2]] = o * ratio
+            for i, t in fused.items():
+                out[ms[i].unit] = t.reshape(-1)
         return out
 
     # -- accounting --------------------------------------------------------------------

@@ -49,7 +49,7 @@ class _Slot:
     bucket: owner rank and offset in the owner's shard. `data` is the unit's values (a view
     of the parameter) and the tensor the owner's inner optimizer steps."""
 
-    __slots__ = ("data", "name", "numel", "offset", "owner", "param", "part", "unit")
+    __slots__ = ("data", "mine", "name", "numel", "offset", "owner", "param", "part", "unit")
 
     def __init__(
         self,
@@ -68,6 +68,7 @@ class _Slot:
             self.data = param.detach()[part[0] : part[1]].requires_grad_(True)
         self.numel = self.data.numel()
         self.offset = 0
+        self.mine = False  # owned by this rank (set by the optimizer)
 
     def local_grad(self) -> Tensor | None:
         """This rank's (unreduced) gradient of the unit."""
@@ -89,12 +90,13 @@ class _Bucket:
     def __init__(
         self,
         slots: list[_Slot],
-        rank: int,
-        world_size: int,
+        group: Any,
         gather_dtype: torch.dtype | None,
     ) -> None:
         self.slots = slots
-        self.rank, self.n = rank, world_size
+        self.group = group
+        self.rank, self.n = C.world(group)
+        rank, world_size = self.rank, self.n
         self.dtype = slots[0].data.dtype
         self.gather_dtype = gather_dtype or self.dtype
         self.owners = sorted({s.owner for s in slots})
@@ -152,9 +154,9 @@ class _Bucket:
     def gather_phase(self) -> str:
         return f"parameter {'broadcast' if self.single else 'all-gather'} of {self.label}"
 
-    def launch_reduce(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
-        with C.phase(self.reduce_phase(), group):
-            self._launch_reduce(group, stats, async_op)
+    def launch_reduce(self, stats: C.CommStats, async_op: bool) -> None:
+        with C.phase(self.reduce_phase(), self.group):
+            self._launch_reduce(self.group, stats, async_op)
 
     def _launch_reduce(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
         if self.single:
@@ -186,9 +188,9 @@ class _Bucket:
         self.launched = False
 
     # -- parameters --------------------------------------------------------------------
-    def launch_gather(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
-        with C.phase(self.gather_phase(), group):
-            self._launch_gather(group, stats, async_op)
+    def launch_gather(self, stats: C.CommStats, async_op: bool) -> None:
+        with C.phase(self.gather_phase(), self.group):
+            self._launch_gather(self.group, stats, async_op)
 
     def _launch_gather(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
         if self.single:
@@ -252,9 +254,13 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     `route` (as `build_optimizer`), `nonfinite` ("raise" or "skip", agreed by all ranks),
     `split_experts` (True, or k experts per unit: the experts of a 3-D [E, out, in] matrix
     parameter become separate units, so different ranks may own different experts of one
-    tensor; gradients are reduced and parameters gathered per slice), `state_dict_to`
-    ("all": `state_dict()` gathers the full dict to every rank; "rank0": to rank 0 only, the
-    others get {}); other keyword arguments go to `build_optimizer`.
+    tensor; gradients are reduced and parameters gathered per slice), `expert_group` (expert
+    data parallelism: the process group over which expert weights, every 3-D matrix
+    parameter, are replicated; they are owned, reduced (averaged over it) and gathered within
+    it, while dense weights use `process_group`; `owner_of` gives a rank within the unit's own
+    group), `state_dict_to` ("all": `state_dict()` gathers the full dict to every rank;
+    "rank0": to rank 0 only, the others get {}); other keyword arguments go to
+    `build_optimizer`.
     """
 
     def __init__(
@@ -271,6 +277,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         route: RoutePredicate | None = None,
         nonfinite: str = "raise",
         split_experts: bool | int = False,
+        expert_group: Any = None,
         state_dict_to: str = "all",
         **inner_kwargs: Any,
     ) -> None:
@@ -295,18 +302,39 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             model, optimizer=optimizer, lr=lr, route=rule, nonfinite=nonfinite, **dict(inner_kwargs)
         )
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.expert_group = expert_group
         self.units = units_from_model(
             model, optimizer=optimizer, route=rule, split_experts=split_experts
         )
-        self.assignment: Assignment = assign(
-            self.units, self.world_size, balance=balance, bucket_bytes=int(bucket_mb * 2**20)
-        )
+        # Units by the group they are data-parallel over: experts (3-D matrix parameters)
+        # over `expert_group` when one is given, everything else over `process_group`.
+        expert = [
+            expert_group is not None and u.kind != "adamw" and named[u.name].ndim == 3
+            for u in self.units
+        ]
+        self._groups = [process_group] + ([expert_group] if expert_group is not None else [])
+        self._group_units = [
+            [i for i, e in enumerate(expert) if e == bool(g)] for g in range(len(self._groups))
+        ]
+        bucket_bytes = int(bucket_mb * 2**20)
+        owners = [0] * len(self.units)
+        self._assignments: list[Assignment] = []
+        for group, ids in zip(self._groups, self._group_units):
+            a = assign([self.units[i] for i in ids], C.world(group)[1], balance, bucket_bytes)
+            for i, r in zip(ids, a.owners):
+                owners[i] = r
+            self._assignments.append(a)
+        # The dense units' assignment (all units' when there is no expert group).
+        self.assignment: Assignment = self._assignments[0]
         # One slot per unit, in unit order; owned units in model order for the inner optimizer.
         self._slots = [
-            _Slot(u.name, named[u.name], i, r, u.part)
-            for i, (u, r) in enumerate(zip(self.units, self.assignment.owners))
+            _Slot(u.name, named[u.name], i, owners[i], u.part) for i, u in enumerate(self.units)
         ]
-        owned = [(s.name, s.data) for s in reversed(self._slots) if s.owner == self.rank]
+        for group, ids in zip(self._groups, self._group_units):
+            rank = C.world(group)[0]
+            for i in ids:
+                self._slots[i].mine = self._slots[i].owner == rank
+        owned = [(s.name, s.data) for s in reversed(self._slots) if s.mine]
         self.owner_of: dict[str, int] = {s.name: s.owner for s in self._slots}
         self.inner = (
             build_optimizer(
@@ -342,7 +370,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         self._build_buckets()
         self._master: dict[str, Tensor] = {}
         for s in self._slots:
-            if s.owner == self.rank and self.gather_dtype not in (None, s.data.dtype):
+            if s.mine and self.gather_dtype not in (None, s.data.dtype):
                 self._master[s.name] = s.data.detach().clone()
         self._hooks: list[Any] = []
         self._register_hooks()
@@ -351,14 +379,20 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def _build_buckets(self) -> None:
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}  # unit index → its bucket
-        for unit_ids in self.assignment.buckets:
+        # Every group's buckets, as unit indices, merged in backward order.
+        merged = sorted(
+            ([ids[j] for j in bucket], g)
+            for g, (ids, a) in enumerate(zip(self._group_units, self._assignments))
+            for bucket in a.buckets
+        )
+        for unit_ids, g in merged:
             by_dtype: dict[torch.dtype, list[_Slot]] = {}
             for i in unit_ids:
                 slot = self._slots[i]
                 if slot.numel:
                     by_dtype.setdefault(slot.data.dtype, []).append(slot)
             for slots in by_dtype.values():
-                bucket = _Bucket(slots, self.rank, self.world_size, self.gather_dtype)
+                bucket = _Bucket(slots, self._groups[g], self.gather_dtype)
                 bucket.label = f"bucket {len(self._buckets)}"
                 self._buckets.append(bucket)
                 self._bucket_of.update((s.unit, bucket) for s in slots)
@@ -418,7 +452,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             b = self._buckets[self._next_launch]
             if len(b.ready) < len(b.slots):
                 return
-            b.launch_reduce(self.process_group, self._stats, async_op=True)
+            b.launch_reduce(self._stats, async_op=True)
             self._next_launch += 1
 
     @contextlib.contextmanager
@@ -438,7 +472,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             for s in b.slots:
                 if s.unit not in b.ready:
                     b.put_grad(s)
-            b.launch_reduce(self.process_group, self._stats, async_op=True)
+            b.launch_reduce(self._stats, async_op=True)
         self._next_launch = len(self._buckets)
         for b in self._buckets:
             b.finish_reduce()
@@ -477,7 +511,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                 b.reset()
             self._next_launch = 0
         for b in reversed(self._buckets):  # forward order: the first layers arrive first
-            b.launch_gather(self.process_group, self._stats, async_op=self.overlap_param_gather)
+            b.launch_gather(self._stats, async_op=self.overlap_param_gather)
         self._last_stats = self._stats
         self._stats = C.CommStats()
         return loss
@@ -552,8 +586,11 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         if n == 1:
             return out
         for b in self._buckets:
+            if b.n == 1:  # an expert group of one rank: nothing moves
+                continue
             gsize = torch.empty(0, dtype=b.gather_dtype).element_size()
             psize = torch.empty(0, dtype=b.dtype).element_size()
+            n, rank = b.n, b.rank
             if b.single:
                 owner = b.owners[0] == rank
                 nb = b.flat_numel * psize
@@ -565,6 +602,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                 add("reduce_scatter", rs, rs)
                 ag = (n - 1) / n * b.flat_numel * gsize
                 add("all_gather", ag, ag)
+        n = self.world_size
         ar = 2 * (n - 1) / n * 2 * len(self.units) * 4
         add("all_reduce", ar, ar)
         return out
