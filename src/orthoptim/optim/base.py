@@ -107,6 +107,11 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str,
                 optimizer.state[p][key] = value.to(device=p.device)
 
 
+def local_shard(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a plain tensor is its own shard); shares storage."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def matrix_view(p: Tensor) -> Tensor:
     """A parameter seen as a stack of matrices [k, rows, cols].
 

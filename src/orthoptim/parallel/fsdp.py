@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy
+from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy, local_shard
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.optim.muon import Muon, lr_scale_factor
 from orthoptim.parallel import collectives as C
@@ -45,11 +45,6 @@ def shard_rows(rows: int, world_size: int) -> list[int]:
     ceil(rows / N), so trailing ranks may hold fewer rows or none."""
     chunk = -(-rows // world_size) if rows else 0
     return [max(0, min(chunk, rows - r * chunk)) for r in range(world_size)]
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a plain tensor is its own shard)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _Matrix:
@@ -132,7 +127,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for i, (u, owner) in enumerate(zip(self.units, self.assignment.owners))
         ]
         for m in self._matrices:
-            mine = _local(m.param).numel()
+            mine = local_shard(m.param).numel()
             if mine != m.numels[self.rank]:
                 raise ValueError(
                     f"{m.name}: local shard has {mine} elements but Shard(0) over "
@@ -165,7 +160,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             if m.param.grad is not None:
                 flags[i] = 1
         for j, (_, p) in enumerate(self._named):
-            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()):
+            if p.grad is not None and not bool(torch.isfinite(local_shard(p.grad)).all()):
                 flags[n_mat + j] = 1
         C.all_reduce(flags, group=self.process_group, stats=self._stats)
         present = [bool(v) for v in flags[:n_mat].tolist()]
@@ -203,7 +198,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         state = self.state[m.param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
-        buf, gl = _local(state["momentum_buffer"]), _local(grad)
+        buf, gl = local_shard(state["momentum_buffer"]), local_shard(grad)
         buf.lerp_(gl, 1.0 - g["momentum"])
         update = gl.lerp(buf, g["momentum"]) if g["nesterov"] else buf
         return update.reshape(-1)
@@ -286,7 +281,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     g = m.group
                     rows, cols = _matrix_shape(m.param.shape)
                     scale = g["lr"] * lr_scale_factor(g["lr_scale"], rows, cols)
-                    p = _local(m.param)
+                    p = local_shard(m.param)
                     if g["weight_decay"] != 0.0:
                         p.mul_(1.0 - g["lr"] * g["weight_decay"])
                     p.add_(o.view(p.shape).to(p.dtype), alpha=-scale)
@@ -425,7 +420,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for k, v in st.items():
                 if k in mine and isinstance(mine[k], Tensor):
                     if mine[k] is not v:
-                        _local(mine[k]).copy_(_local(v))
+                        local_shard(mine[k]).copy_(local_shard(v))
                 else:
                     mine[k] = v
 
