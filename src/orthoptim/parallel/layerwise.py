@@ -627,6 +627,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                 if name in state_dict["state"]:
                     new_state[idx] = state_dict["state"][name]
         self.inner.load_state_dict({"state": new_state, "param_groups": inner_sd["param_groups"]})
+        _onto_parameter_meshes(self.inner)
         self.state = self.inner.state
         # torch's load replaced the inner groups: expose the new dicts.
         inner_groups = list(self.inner.param_groups)
@@ -650,6 +651,36 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
         checkpoint.load_sharded_state_dict(self, state_dict)
+
+
+def _onto_parameter_meshes(inner: torch.optim.Optimizer) -> None:
+    """Make every state tensor of a DTensor parameter a DTensor on the parameter's own mesh
+    and placements: a loaded one may be a plain local shard, or a DTensor unpickled onto a
+    copy of the mesh."""
+    from torch.distributed.tensor import DTensor
+
+    for p, st in inner.state.items():
+        if not isinstance(p, DTensor):
+            continue
+        local_shape = local_shard(p).shape
+        for key, v in st.items():
+            plain_shard = torch.is_tensor(v) and v.ndim > 0 and v.shape == local_shape
+            if not (isinstance(v, DTensor) or plain_shard):
+                continue  # per-parameter scalars (step counts)
+            local = local_shard(v)
+            if local.shape != local_shape:
+                raise ValueError(
+                    f"state {key!r} of a tensor-parallel parameter has local shape "
+                    f"{tuple(local.shape)}, this rank's shard is {tuple(local_shape)}"
+                )
+            st[key] = DTensor.from_local(
+                local,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
 
 
 def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> list[Any]:

@@ -26,17 +26,22 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from orthoptim.optim.base import local_shard
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.parallel import collectives
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 from orthoptim.train.data import get_batch, load_corpus, val_batches
-from orthoptim.train.model import GPT, get_config
+from orthoptim.train.model import GPT, check_tensor_parallel, get_config, parallelize
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 OPTIMIZERS = ("muon", "adamw", "soap")
 # Learning rates tuned on the tiny config at compare's defaults (100 steps of 32 x 128 tokens;
@@ -92,9 +97,21 @@ class TrainArgs:
                 f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
             )
         if self.tp > 1:
+            if self.optimizer != "muon":
+                raise ValueError(
+                    f"--tp {self.tp} runs with --optimizer muon (its Newton-Schulz is tensor-"
+                    f"parallel), got --optimizer {self.optimizer}; use --tp 1 for it"
+                )
+            check_tensor_parallel(get_config(self.config), self.tp)
+
+    def check_nproc(self, nproc: int) -> None:
+        """Refuse a number of ranks the tensor-parallel size does not divide."""
+        if nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        if nproc % self.tp:
             raise ValueError(
-                f"--tp {self.tp}: `orthoptim train` does not run tensor parallelism yet "
-                "(TensorParallelOrthogonalizer works on your own DTensor models); use --tp 1"
+                f"--nproc {nproc} must be a multiple of --tp {self.tp} (ranks form a "
+                f"(data-parallel, tensor-parallel) mesh of nproc/tp × tp)"
             )
 
     @property
@@ -133,10 +150,22 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
     )
 
 
-def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
+def make_optimizer(
+    model: nn.Module, args: TrainArgs, world_size: int, mesh: DeviceMesh | None = None
+) -> Any:
     """The optimizer for this rank: `build_optimizer` on one rank; on more, the layer-wise
-    distributed optimizer (each matrix owned whole by one rank)."""
+    distributed optimizer (each matrix owned whole by one rank). With a (dp, tp) `mesh` it
+    owns over the dp group and orthogonalizes with a `TensorParallelOrthogonalizer` (auto
+    mode: duplicated or distributed per shape, by its cost model)."""
     kwargs = _optimizer_kwargs(args)
+    if mesh is not None:
+        return LayerwiseDistributedOptimizer(
+            model,
+            optimizer=args.optimizer,
+            process_group=mesh["dp"].get_group(),
+            orthogonalizer=TensorParallelOrthogonalizer(mode="auto"),
+            **kwargs,
+        )
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
     return LayerwiseDistributedOptimizer(model, optimizer=args.optimizer, **kwargs)
@@ -217,12 +246,12 @@ def evaluate(model: nn.Module, batches: list, rank: int, world_size: int) -> flo
     return total / count
 
 
-RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps")
+RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps", "tp")
 
 
 def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch."""
-    saved = info["args"]
+    saved = {**TrainArgs().to_dict(), **info["args"]}  # flags added since: their defaults
     mismatched = [
         f"--{k}: checkpoint {saved.get(k)!r}, now {getattr(args, k)!r}"
         for k in RESUME_MUST_MATCH
@@ -238,11 +267,18 @@ def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> N
 
 class Checkpointer:
     """Atomic checkpoints: every file is written aside and renamed, then `latest.json` (the
-    commit point) is replaced to name the new step folder; older folders are removed after."""
+    commit point) is replaced to name the new step folder; older folders are removed after.
 
-    def __init__(self, out: Path, rank: int, world_size: int) -> None:
+    Under tensor parallelism (`tp` > 1) every rank also writes its shard of the model
+    (`model_rank{R}.pt`, local shards of the DTensor parameters) instead of rank 0 writing
+    `model.pt`; resuming needs the same --nproc and --tp."""
+
+    def __init__(self, out: Path, rank: int, world_size: int, tp: int = 1) -> None:
         self.dir = out / "checkpoints"
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.tp = rank, world_size, tp
+
+    def _model_file(self) -> str:
+        return "model.pt" if self.tp == 1 else f"model_rank{self.rank}.pt"
 
     def latest(self) -> dict[str, Any]:
         """The committed checkpoint's metadata; a clear error if there is none."""
@@ -260,8 +296,9 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
         _barrier(self.world_size)
         _params_ready(opt)
-        if self.rank == 0:
-            _atomic_save(model.state_dict(), folder / "model.pt")
+        if self.rank == 0 or self.tp > 1:
+            sd = {k: local_shard(v) for k, v in model.state_dict().items()}
+            _atomic_save(sd, folder / self._model_file())
         _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
         _barrier(self.world_size)
         if self.rank == 0:
@@ -276,9 +313,31 @@ class Checkpointer:
         info = self.latest()
         check_resumable(info, args, self.world_size)
         folder = self.dir / info["folder"]
-        model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
+        saved = torch.load(folder / self._model_file(), weights_only=True)
+        if self.tp == 1:
+            model.load_state_dict(saved)
+        else:
+            load_local_model_state(model, saved)
         opt.load_state_dict(torch.load(folder / f"optim_rank{self.rank}.pt", weights_only=False))
         return info
+
+
+@torch.no_grad()
+def load_local_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
+    """Copy a state dict of local shards (as a tensor-parallel rank saved it) into the model's
+    parameters and buffers, DTensor or not; names and shard shapes must match exactly."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"model checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+    for k, v in own.items():
+        local = local_shard(v)
+        if local.shape != saved[k].shape:
+            raise ValueError(
+                f"model checkpoint: {k} has local shape {tuple(saved[k].shape)}, this rank "
+                f"holds {tuple(local.shape)} (resume with the same --nproc and --tp)"
+            )
+        local.copy_(saved[k])
 
 
 def _setup_logging(out: Path, rank: int) -> logging.Logger:
@@ -351,7 +410,18 @@ def _train(
     log.info("corpus %s", corpus.describe())
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
-    opt = make_optimizer(model, args, world_size)
+    args.check_nproc(world_size)
+    mesh = None
+    dp_rank, dp_size = rank, world_size
+    if args.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device.type, (world_size // args.tp, args.tp), mesh_dim_names=("dp", "tp")
+        )
+        parallelize(model, mesh["tp"])
+        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    opt = make_optimizer(model, args, world_size, mesh)
     for g in opt.param_groups:
         g["initial_lr"] = g["lr"]
     val = [
@@ -359,15 +429,16 @@ def _train(
         for x, y in val_batches(corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed)
     ]
     log.info(
-        "model %s (%d params), optimizer %s, world size %d, device %s",
+        "model %s (%d params), optimizer %s, world size %d (tp %d), device %s",
         args.config,
         sum(p.numel() for p in model.parameters()),
         args.optimizer,
         world_size,
+        args.tp,
         device,
     )
 
-    ckpt = Checkpointer(out, rank, world_size)
+    ckpt = Checkpointer(out, rank, world_size, args.tp)
     metrics_path = out / "metrics.jsonl"
     start, train_time = 0, 0.0
     if args.resume:
@@ -381,7 +452,8 @@ def _train(
         metrics_path.write_text("")
     _barrier(world_size)
 
-    tokens_per_step = args.batch * cfg.seq_len * world_size
+    # The tp ranks of a data-parallel rank share its batch.
+    tokens_per_step = args.batch * cfg.seq_len * dp_size
     last = args.stop_after or args.steps
     bar = None
     if rank == 0 and args.progress:
@@ -398,7 +470,7 @@ def _train(
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
     val_loss = None
     if start == 0:
-        val_loss = evaluate(model, val, rank, world_size)
+        val_loss = evaluate(model, val, dp_rank, dp_size)
         if metrics_file:
             metrics_file.write(
                 json.dumps(dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)) + "\n"
@@ -410,7 +482,7 @@ def _train(
             mult = lr_multiplier(step, args)
             for g in opt.param_groups:
                 g["lr"] = g["initial_lr"] * mult
-            x, y = get_batch(corpus.train, args.batch, cfg.seq_len, args.seed, step, rank)
+            x, y = get_batch(corpus.train, args.batch, cfg.seq_len, args.seed, step, dp_rank)
             x, y = x.to(device), y.to(device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -444,7 +516,7 @@ def _train(
                 comm_received_bytes=comm[1],
             )
             if step % args.eval_every == 0 or step == args.steps:
-                val_loss = evaluate(model, val, rank, world_size)
+                val_loss = evaluate(model, val, dp_rank, dp_size)
                 row["val_loss"] = val_loss
                 log.info("step %d train %.4f val %.4f", step, train_loss, val_loss)
             if metrics_file:
@@ -524,8 +596,7 @@ def launch(args: TrainArgs, nproc: int) -> dict[str, Any]:
     One rank runs in this process with no process group. Returns rank 0's result.
     """
     args.validate()
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    args.check_nproc(nproc)
     if args.resume:
         check_resumable(Checkpointer(Path(args.out), 0, nproc).latest(), args, nproc)
     # A bad --data fails here, once, before any rank starts.

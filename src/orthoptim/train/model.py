@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 VOCAB_SIZE = 256  # byte-level tokens
 
@@ -75,21 +80,22 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        B, T, C = x.shape
-        shape = (B, T, self.n_head, C // self.n_head)
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism q, k, v hold this rank's share of the heads.
+        shape = (B, T, -1, self.head_dim)
         q = self.q(x).view(shape).transpose(1, 2)
         k = self.k(x).view(shape).transpose(1, 2)
         v = self.v(x).view(shape).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -152,3 +158,33 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def check_tensor_parallel(cfg: GPTConfig, tp: int) -> None:
+    """Refuse a tensor-parallel size that does not split the heads and the MLP evenly."""
+    if cfg.n_head % tp or (cfg.mlp_ratio * cfg.d_model) % tp:
+        raise ValueError(
+            f"--tp {tp} must divide the model's {cfg.n_head} attention heads and its "
+            f"{cfg.mlp_ratio * cfg.d_model} MLP channels; pick a divisor of {cfg.n_head}"
+        )
+
+
+def parallelize(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+    """Megatron-style tensor parallelism over `tp_mesh`: Q, K, V and the MLP's first matrix
+    column-parallel (each rank a block of heads / channels), the attention output and the
+    MLP's second matrix row-parallel (one all-reduce after each). The embedding, the head and
+    the norms stay replicated. Parameters become DTensors; the model is changed in place."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    check_tensor_parallel(model.cfg, tp_mesh.size())
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(model.cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.proj", "mlp.proj"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    return parallelize_module(model, tp_mesh, plan)
