@@ -134,22 +134,31 @@ def _sharded_modes(group, mesh):
     return results
 
 
-def _all_checks(rank, world_size):
+def _all_checks(rank, world_size, ckpt_dir):
     """Everything multi-rank in one spawn (starting ranks is the slow part): the modes at
-    TP = 4 (all ranks) and TP = 2 (two subgroups), then the GPT on a (dp=2)×(tp=2) mesh."""
+    TP = 4 (all ranks) and TP = 2 (two subgroups), then the GPT on a (dp=2)×(tp=2) mesh
+    (the distributed run saves a DCP checkpoint under `ckpt_dir`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     out = {4: _sharded_modes(None, init_device_mesh("cpu", (4,)))}
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out[2] = _sharded_modes(mesh2d["tp"].get_group(), mesh2d["tp"])
-    out["gpt"] = {mode: _gpt_2d(mesh2d, mode) for mode in ("duplicated", "distributed")}
+    out["gpt"] = {
+        mode: _gpt_2d(mesh2d, mode, ckpt_dir if mode == "distributed" else None)
+        for mode in ("duplicated", "distributed")
+    }
     out["gpt_bad_group"] = _gpt_2d_whole_world_as_dp(mesh2d)
     return out
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_ranks(_all_checks, 4)
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tp_ckpt") / "dp2_tp2")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(ckpt_dir):
+    return run_ranks(_all_checks, 4, args=(ckpt_dir,))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -382,7 +391,7 @@ def _gpt_2d_whole_world_as_dp(mesh):
     return None
 
 
-def _gpt_2d(mesh, mode):
+def _gpt_2d(mesh, mode, ckpt_dir=None):
     """The GPT tensor-parallel over mesh['tp'], data-parallel over mesh['dp'] through the
     layer-wise optimizer (each matrix owned by one dp rank, whose tp ranks orthogonalize it
     together with the TP orthogonalizer)."""
@@ -403,6 +412,10 @@ def _gpt_2d(mesh, mode):
     halves = [t.chunk(2)[dp_rank] for t in _batches()]
     losses = _train(model, opt, halves)
     opt.wait_for_params()
+    if ckpt_dir is not None:
+        from orthoptim import checkpoint
+
+        checkpoint.save_sharded(ckpt_dir, opt, model)
     full = {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
         for n, p in model.named_parameters()
@@ -419,15 +432,23 @@ def _gpt_2d(mesh, mode):
     }
 
 
-@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
-def test_gpt_dp2_tp2_follows_single_process(four_ranks, mode):
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process Muon on the full batches: (model, optimizer, losses)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is many times faster on a busy host
     try:
         model, make_opt = _build()
-        ref_losses = torch.stack(_train(model, make_opt(), _batches()))
+        opt = make_opt()
+        losses = torch.stack(_train(model, opt, _batches()))
     finally:
         torch.set_num_threads(threads)
+    return model, opt, losses
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+def test_gpt_dp2_tp2_follows_single_process(four_ranks, reference, mode):
+    model, _, ref_losses = reference
     ref = dict(model.named_parameters())
     assert ref_losses[-1] < ref_losses[0] - 0.1  # it trains
     res = [r["gpt"][mode] for r in four_ranks]
@@ -458,3 +479,84 @@ def test_tp_parameters_need_the_data_parallel_group(four_ranks):
     for r in four_ranks:
         msg = r["gpt_bad_group"]
         assert msg is not None and "mesh['dp'].get_group()" in msg, msg
+
+
+def test_sharded_checkpoint_of_dp2_tp2_loads_in_one_process(four_ranks, reference, ckpt_dir):
+    """DCP checkpoint written by the (dp 2) × (tp 2) layer-wise run (momentum buffers as
+    DTensors, each tp rank its shards, only the owner dp rank's) loads into a single-process
+    optimizer: parameters and every momentum buffer match single-process Muon's."""
+    from orthoptim import checkpoint
+
+    ref_model, ref_opt, _ = reference
+    model, make_opt = _build()
+    opt = make_opt()
+    checkpoint.load_sharded(ckpt_dir, opt, model)
+    ref_params = dict(ref_model.named_parameters())
+    ref_state = {n: ref_opt.state[p] for n, p in ref_params.items()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-5, msg=n)
+        for k, v in ref_state[n].items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=1e-5, atol=1e-5, msg=(n, k))
+    assert len(opt.state) == len(ref_opt.state) > 0
+
+
+def _resume_dp1_tp2(rank, world_size, ckpt_dir):
+    """Load the (dp 2) × (tp 2) checkpoint at (dp 1) × (tp 2) and train one more step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from orthoptim import LayerwiseDistributedOptimizer, checkpoint
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = _parallel_gpt(mesh)
+    opt = LayerwiseDistributedOptimizer(
+        model,
+        optimizer="muon",
+        lr=0.02,
+        adamw_lr=3e-3,
+        orthogonalizer=TensorParallelOrthogonalizer(mode="auto", steps=STEPS),
+        process_group=mesh["dp"].get_group(),
+    )
+    checkpoint.load_sharded(ckpt_dir, opt, model)
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+    named = dict(model.named_parameters())
+    out = {
+        "params": {n: full(p) for n, p in named.items()},
+        "momentum": {n: full(opt.state[p]["momentum_buffer"]) for n, p in named.items()
+                     if "momentum_buffer" in opt.state.get(p, {})},
+    }  # fmt: skip
+    _train(model, opt, [_extra_batch()])
+    opt.wait_for_params()
+    out["after"] = {n: full(p) for n, p in named.items()}
+    return out
+
+
+def _extra_batch():
+    g = torch.Generator().manual_seed(12)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+    return (start + torch.arange(SEQ + 1)) % VOCAB
+
+
+def test_sharded_checkpoint_of_dp2_tp2_resumes_at_dp1_tp2(four_ranks, reference, ckpt_dir):
+    ref_model, ref_opt, _ = reference
+    res = run_ranks(_resume_dp1_tp2, 2, args=(ckpt_dir,))
+    ref_params = dict(ref_model.named_parameters())
+    matrices = sum(1 for st in ref_opt.state.values() if "momentum_buffer" in st)
+    for r in res:
+        assert len(r["momentum"]) == matrices > 0
+        for n, p in r["params"].items():
+            torch.testing.assert_close(p, ref_params[n].detach(), rtol=1e-5, atol=1e-5, msg=n)
+        for n, m in r["momentum"].items():
+            want = ref_opt.state[ref_params[n]]["momentum_buffer"]
+            torch.testing.assert_close(m, want, rtol=1e-5, atol=1e-5, msg=n)
+    # one more step from the loaded state follows the single process's next step
+    model, make_opt = _build()
+    model.load_state_dict(ref_model.state_dict())
+    opt = make_opt()
+    opt.load_state_dict(ref_opt.state_dict())
+    _train(model, opt, [_extra_batch()])
+    for r in res:
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(r["after"][n], p.detach(), rtol=1e-5, atol=1e-5, msg=n)

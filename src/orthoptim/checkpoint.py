@@ -403,7 +403,33 @@ def _dcp() -> Any:
 
 
 def _group(opt: torch.optim.Optimizer) -> Any:
-    return opt.process_group if _is_layerwise(opt) else None
+    """The group a DCP save/load runs over: the data-parallel group, or under tensor
+    parallelism the whole world (each tp rank writes and reads its own shards)."""
+    if not _is_layerwise(opt):
+        return None
+    if any(C.world(g)[1] > 1 for g in getattr(opt, "_tp_groups", ())):
+        return None
+    return opt.process_group
+
+
+def _template(md: Any, like: Tensor | None) -> Tensor:
+    """An empty tensor for DCP to read a stored tensor of metadata `md` into: sharded like
+    `like` (the parameter it belongs to) when that is a DTensor of the same shape, so each
+    rank reads only its shard; else the whole tensor."""
+    shape = tuple(md.size)
+    if like is not None and hasattr(like, "placements") and tuple(like.shape) == shape:
+        from torch.distributed.tensor import DTensor
+
+        local = torch.empty(like.to_local().shape, dtype=md.properties.dtype)
+        return DTensor.from_local(
+            local,
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
+        )
+    return torch.empty(shape, dtype=md.properties.dtype)
 
 
 def save_sharded(
@@ -502,7 +528,9 @@ def load_sharded(
     if mismatches:
         raise CheckpointMismatchError(mismatches)
 
-    owned = set(_owned(opt))
+    owned_params = _owned(opt)
+    named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
+    owned = set(owned_params)
     want: dict[str, Any] = {}
     for key, md in stored.items():
         if key.startswith("optim/state/"):
@@ -521,7 +549,7 @@ def load_sharded(
         if isinstance(md, BytesStorageMetadata):
             want[key] = None
         else:
-            want[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            want[key] = _template(md, owned_params.get(name, named.get(name)))
     fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}
     want.update(fresh_model)
     with C.phase("checkpoint load", group), _quiet():
