@@ -391,24 +391,29 @@ def _gpt_2d_whole_world_as_dp(mesh):
     return None
 
 
-def _gpt_2d(mesh, mode, ckpt_dir=None):
-    """The GPT tensor-parallel over mesh['tp'], data-parallel over mesh['dp'] through the
-    layer-wise optimizer (each matrix owned by one dp rank, whose tp ranks orthogonalize it
-    together with the TP orthogonalizer)."""
+def _layerwise(model, mesh, orth, **kw):
+    """Layer-wise Muon over mesh['dp'] with the reference's hyper-parameters."""
     from orthoptim import LayerwiseDistributedOptimizer
 
-    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
-    orth = TensorParallelOrthogonalizer(mode=mode, steps=STEPS)
-    model = _parallel_gpt(mesh)
-    opt = LayerwiseDistributedOptimizer(
+    return LayerwiseDistributedOptimizer(
         model,
         optimizer="muon",
         lr=0.02,
         adamw_lr=3e-3,
         orthogonalizer=orth,
-        process_group=dp_group,
-        bucket_mb=GPT_BUCKET_MB[mode],
+        process_group=mesh["dp"].get_group(),
+        **kw,
     )
+
+
+def _gpt_2d(mesh, mode, ckpt_dir=None):
+    """The GPT tensor-parallel over mesh['tp'], data-parallel over mesh['dp'] through the
+    layer-wise optimizer (each matrix owned by one dp rank, whose tp ranks orthogonalize it
+    together with the TP orthogonalizer)."""
+    dp_rank = mesh["dp"].get_local_rank()
+    orth = TensorParallelOrthogonalizer(mode=mode, steps=STEPS)
+    model = _parallel_gpt(mesh)
+    opt = _layerwise(model, mesh, orth, bucket_mb=GPT_BUCKET_MB[mode])
     halves = [t.chunk(2)[dp_rank] for t in _batches()]
     losses = _train(model, opt, halves)
     opt.wait_for_params()
@@ -504,18 +509,11 @@ def _resume_dp1_tp2(rank, world_size, ckpt_dir):
     """Load the (dp 2) × (tp 2) checkpoint at (dp 1) × (tp 2) and train one more step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from orthoptim import LayerwiseDistributedOptimizer, checkpoint
+    from orthoptim import checkpoint
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model = _parallel_gpt(mesh)
-    opt = LayerwiseDistributedOptimizer(
-        model,
-        optimizer="muon",
-        lr=0.02,
-        adamw_lr=3e-3,
-        orthogonalizer=TensorParallelOrthogonalizer(mode="auto", steps=STEPS),
-        process_group=mesh["dp"].get_group(),
-    )
+    opt = _layerwise(model, mesh, TensorParallelOrthogonalizer(mode="auto", steps=STEPS))
     checkpoint.load_sharded(ckpt_dir, opt, model)
 
     def full(t):

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from orthoptim.optim.base import shard_like
 from orthoptim.parallel import collectives as C
 
 FORMAT_VERSION = 1
@@ -418,17 +419,8 @@ def _template(md: Any, like: Tensor | None) -> Tensor:
     rank reads only its shard; else the whole tensor."""
     shape = tuple(md.size)
     if like is not None and hasattr(like, "placements") and tuple(like.shape) == shape:
-        from torch.distributed.tensor import DTensor
-
         local = torch.empty(like.to_local().shape, dtype=md.properties.dtype)
-        return DTensor.from_local(
-            local,
-            like.device_mesh,
-            like.placements,
-            run_check=False,
-            shape=like.shape,
-            stride=like.stride(),
-        )
+        return shard_like(local, like)
     return torch.empty(shape, dtype=md.properties.dtype)
 
 

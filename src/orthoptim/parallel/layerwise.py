@@ -32,7 +32,12 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import checkpoint
-from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy, local_shard
+from orthoptim.optim.base import (
+    check_nonfinite_policy,
+    enforce_nonfinite_policy,
+    local_shard,
+    shard_like,
+)
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
@@ -167,19 +172,7 @@ class _Bucket:
 
     def reduced_grad(self, s: _Slot) -> Tensor:
         """`shard_view` as the parameter's gradient: a DTensor sharded like a DTensor one."""
-        g = self.shard_view(s)
-        if not hasattr(s.param, "placements"):
-            return g
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(
-            g,
-            s.param.device_mesh,
-            s.param.placements,
-            run_check=False,
-            shape=s.param.shape,
-            stride=s.param.stride(),
-        )
+        return shard_like(self.shard_view(s), s.param)
 
     def reset(self) -> None:
         self.ready.clear()
@@ -673,14 +666,7 @@ def _onto_parameter_meshes(inner: torch.optim.Optimizer) -> None:
                     f"state {key!r} of a tensor-parallel parameter has local shape "
                     f"{tuple(local.shape)}, this rank's shard is {tuple(local_shape)}"
                 )
-            st[key] = DTensor.from_local(
-                local,
-                p.device_mesh,
-                p.placements,
-                run_check=False,
-                shape=p.shape,
-                stride=p.stride(),
-            )
+            st[key] = shard_like(local, p)
 
 
 def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> list[Any]:
