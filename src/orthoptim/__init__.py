@@ -3,6 +3,7 @@
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_factor
 from orthoptim.optim import SOAP, HybridOptimizer, Muon, build_optimizer, routing_table
 from orthoptim.optim.base import NonFiniteGradientError
+from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer
 
 __version__ = "0.1.0"
@@ -15,6 +16,7 @@ __all__ = [
     "LayerwiseDistributedOptimizer",
     "Muon",
     "NonFiniteGradientError",
+    "QKClip",
     "build_optimizer",
     "newton_schulz",
     "polar_factor",

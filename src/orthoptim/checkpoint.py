@@ -89,6 +89,12 @@ def describe(opt: torch.optim.Optimizer) -> dict[str, Any]:
     groups = []
     shapes: dict[str, list[int]] = {}
     if _is_layerwise(opt):
+        if any(u.part is not None for u in opt.units):
+            raise NotImplementedError(
+                "full and sharded checkpoints of a layer-wise optimizer built with "
+                "split_experts are not supported yet; save opt.state_dict() on every rank and "
+                "load it at the same world size"
+            )
         named = {n: p for n, p in opt.model.named_parameters()}
         order = [u.name for u in reversed(opt.units)]  # units are in backward order
         kinds = {u.name: u.kind for u in opt.units}

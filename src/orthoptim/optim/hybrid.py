@@ -41,8 +41,8 @@ def default_route(model: nn.Module) -> RoutePredicate:
 
     AdamW gets every parameter with fewer than 2 dims, every nn.Embedding weight (and any
     parameter tied to one: it is the same tensor), and the output head: a Linear named like a
-    head (`lm_head`, `head`, `output`, ...) or one whose output size equals an embedding's
-    vocabulary size.
+    head (`lm_head`, `head`, `output`, ...), or when none is, one whose output size equals an
+    embedding's vocabulary size (a fused qkv of that size next to an `lm_head` stays a matrix).
     """
     embed_ids: set[int] = set()
     vocab_sizes: set[int] = set()
@@ -50,12 +50,10 @@ def default_route(model: nn.Module) -> RoutePredicate:
         if isinstance(module, nn.Embedding):
             embed_ids.add(id(module.weight))
             vocab_sizes.add(module.num_embeddings)
-    head_ids: set[int] = set()
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in HEAD_NAMES or module.out_features in vocab_sizes:
-                head_ids.add(id(module.weight))
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    head_ids = {id(m.weight) for n, m in linears if n.rsplit(".", 1)[-1] in HEAD_NAMES}
+    if not head_ids:  # no head by name: fall back to the vocabulary size
+        head_ids = {id(m.weight) for _, m in linears if m.out_features in vocab_sizes}
 
     def route(name: str, p: nn.Parameter) -> bool:
         return p.ndim >= 2 and id(p) not in embed_ids and id(p) not in head_ids
@@ -156,6 +154,10 @@ def build_optimizer(
     default rule (True → matrix optimizer). `params` restricts the build to a subset of the
     model's named parameters (the layer-wise distributed optimizer passes the ones a rank
     owns). Extra keyword arguments go to the matrix optimizer. Frozen parameters are left out.
+
+    Fused matrices: Muon's `split` ({name: row sizes}) defaults to `model.split_spec()` when
+    the model has one (the built-in GPT does: fused QKV and gate/up); pass `split={}` to
+    orthogonalize fused matrices whole. Every name in it must be a matrix routed to Muon.
     """
     matrix_optimizers = _matrix_optimizers()
     if optimizer != "adamw" and optimizer not in matrix_optimizers:
@@ -165,6 +167,9 @@ def build_optimizer(
     rule = route if route is not None else default_route(model)
     named = list(params) if params is not None else list(model.named_parameters())
     named = [(n, p) for n, p in named if p.requires_grad]
+
+    if optimizer == "muon":
+        kw["split"] = _split_for(model, rule, kw.get("split"))
 
     adamw_kw = dict(betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     inner: dict[str, torch.optim.Optimizer] = {}
@@ -187,6 +192,23 @@ def build_optimizer(
     if not inner:
         raise ValueError("build_optimizer found no trainable parameters")
     return HybridOptimizer(inner, nonfinite=nonfinite)
+
+
+def _split_for(
+    model: nn.Module, rule: RoutePredicate, split: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Muon's `split` for `model`: the given one, else the model's `split_spec()`, checked
+    against the whole model (names must be matrices routed to Muon)."""
+    if split is None:
+        spec = getattr(model, "split_spec", None)
+        split = dict(spec()) if callable(spec) else {}
+    named = dict(model.named_parameters())
+    for name in split:
+        p = named.get(name)
+        if p is None or not rule(name, p):
+            why = "is not a parameter of the model" if p is None else "is not routed to Muon"
+            raise ValueError(f"split names {name!r}, which {why}")
+    return dict(split)
 
 
 def routing_table(optimizer: HybridOptimizer) -> dict[str, str]:

@@ -8,7 +8,11 @@ Per matrix parameter W with gradient G, one step is::
     W ← W − lr·scale(rows, cols)·orthogonalize(U)
 
 Same-shape matrices (and the experts of a 3-D parameter) are orthogonalized in one batched
-call. Muon never talks to a process group: a tensor-parallel orthogonalizer plugs in through
+call. A fused parameter (QKV, gate/up, per-head blocks) is orthogonalized block by block: the
+`split` option maps its name to the row sizes of its blocks (`qkv_split` builds them); each
+block joins the batch of its own shape and gets the LR scale of its own shape.
+
+Muon never talks to a process group: a tensor-parallel orthogonalizer plugs in through
 `orthogonalizer`. DTensor parameters (e.g. from `parallelize_module`) stay DTensors here:
 shapes, and so LR scales, are global, and the orthogonalizer gets the stacked DTensor batch.
 """
@@ -35,6 +39,43 @@ LR_SCALES = ("keller", "spectral", "match_adamw_rms", "none")
 
 Orthogonalizer = Callable[[Tensor], Tensor]
 
+Split = tuple[int, ...]
+
+
+def qkv_split(
+    n_head: int, head_dim: int, n_kv_head: int | None = None, per_head: bool = False
+) -> Split:
+    """Row sizes of a fused [q; k; v] weight for `Muon(split=...)`.
+
+    Grouped-query attention: `n_kv_head` key/value heads (default `n_head`). `per_head`
+    gives one block per head (q heads, then k heads, then v heads), else three blocks q, k, v.
+    """
+    kv = n_head if n_kv_head is None else n_kv_head
+    if min(n_head, head_dim, kv) < 1:
+        raise ValueError(
+            f"qkv_split needs n_head, head_dim, n_kv_head >= 1, got {n_head}, {head_dim}, {kv}"
+        )
+    if per_head:
+        return (head_dim,) * (n_head + 2 * kv)
+    return (n_head * head_dim, kv * head_dim, kv * head_dim)
+
+
+def base_name(name: str) -> str:
+    """The parameter name of a piece label: "w[0:2]" (experts 0..1 of w) → "w"."""
+    return name.split("[", 1)[0] if name.endswith("]") else name
+
+
+def check_split(name: str, sizes: Any, rows: int) -> Split:
+    """Validate one `split` entry against the rows of the parameter's matrices."""
+    if isinstance(sizes, int) or not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise ValueError(f"split[{name!r}] must be a tuple of positive row sizes, got {sizes!r}")
+    if sum(sizes) != rows:
+        raise ValueError(
+            f"split[{name!r}] = {tuple(sizes)} sums to {sum(sizes)} rows, but {name} has "
+            f"{rows} rows per matrix"
+        )
+    return tuple(sizes)
+
 
 def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
     """The per-matrix learning-rate multiplier of an LR-scale convention.
@@ -57,6 +98,10 @@ class Muon(GuardedOptimizer):
     """Muon for matrix parameters (2-D, 3-D experts [E, out, in], conv weights as (out, rest)).
 
     1-D parameters are rejected: route them to AdamW with `orthoptim.build_optimizer`.
+    `split` ({parameter name: row sizes}) orthogonalizes each row block of a fused matrix on
+    its own (for a 3-D parameter: the rows of every expert); it needs named parameters. The
+    LR-scale convention is applied per block shape (a q block of a fused QKV gets the scale
+    a separate q matrix would get).
     The momentum buffer is kept in float32 for low-precision parameters (fp32 master state);
     Newton-Schulz runs in float32 unless `ns_dtype` says otherwise.
     """
@@ -75,6 +120,7 @@ class Muon(GuardedOptimizer):
         orthogonalizer: Orthogonalizer | None = None,
         nonfinite: str = "raise",
         eps: float = 1e-7,
+        split: dict[str, Split] | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -102,6 +148,7 @@ class Muon(GuardedOptimizer):
             lr_scale=lr_scale,
             ns_dtype=ns_dtype,
             eps=eps,
+            split=dict(split or {}),
         )
         super().__init__(params, defaults)
 
@@ -122,6 +169,23 @@ class Muon(GuardedOptimizer):
                 raise ValueError(
                     f"Muon does not support complex parameters (shape {tuple(p.shape)})"
                 )
+        if group["split"] and names is None:
+            raise ValueError(
+                "Muon(split=...) names parameters: pass named parameters, e.g. "
+                "Muon(model.named_parameters(), split=...)"
+            )
+        for i, p in enumerate(group["params"]):
+            sizes = self._split_of(group, i)
+            if sizes is not None:
+                check_split(names[i], sizes, matrix_view(p).shape[-2])
+
+    @staticmethod
+    def _split_of(group: dict[str, Any], index: int) -> Split | None:
+        """The row blocks of parameter `index` of `group` (None: one block)."""
+        if not group["split"]:
+            return None
+        name = group["param_names"][index]
+        return group["split"].get(name, group["split"].get(base_name(name)))
 
     def _update(self) -> None:
         for group in self.param_groups:
@@ -130,10 +194,10 @@ class Muon(GuardedOptimizer):
     def _step_group(self, group: dict[str, Any]) -> None:
         momentum, nesterov = group["momentum"], group["nesterov"]
         lr, wd = group["lr"], group["weight_decay"]
-        # (rows, cols, device, layout) → [(param, update matrices [k, rows, cols])]; a DTensor's
+        # (rows, cols, device, layout) → [(param, first row, block [k, rows, cols])]; a DTensor's
         # layout (mesh, placements) is part of the key so a batch never mixes shardings.
-        batches: dict[tuple[Any, ...], list[tuple[Tensor, Tensor]]] = defaultdict(list)
-        for p in group["params"]:
+        batches: dict[tuple[Any, ...], list[tuple[Tensor, int | None, Tensor]]] = defaultdict(list)
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
@@ -147,22 +211,36 @@ class Muon(GuardedOptimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1.0 - momentum)
             update = grad.lerp(buf, momentum) if nesterov else buf
+            if wd != 0.0:
+                p.mul_(1.0 - lr * wd)
             mats = matrix_view(update)
             layout = (getattr(mats, "device_mesh", None), tuple(getattr(mats, "placements", ())))
-            batches[(mats.shape[-2], mats.shape[-1], mats.device, layout)].append((p, mats))
+            sizes = self._split_of(group, i)
+            if sizes is None:
+                batches[(mats.shape[-2], mats.shape[-1], mats.device, layout)].append(
+                    (p, None, mats)
+                )
+                continue
+            row = 0
+            for block in mats.split(list(sizes), dim=-2):
+                batches[(block.shape[-2], mats.shape[-1], mats.device, layout)].append(
+                    (p, row, block)
+                )
+                row += block.shape[-2]
 
         for (rows, cols, _, _), items in batches.items():
-            stacked = torch.cat([m for _, m in items]) if len(items) > 1 else items[0][1]
+            stacked = torch.cat([m for _, _, m in items]) if len(items) > 1 else items[0][2]
             ortho = self._orthogonalize(stacked, group)
             scale = lr * lr_scale_factor(group["lr_scale"], rows, cols)
             offset = 0
-            for p, mats in items:
+            for p, row, mats in items:
                 k = mats.shape[0]
                 o = ortho[offset : offset + k]
                 offset += k
-                if wd != 0.0:
-                    p.mul_(1.0 - lr * wd)
-                p.add_(o.reshape(p.shape).to(p.dtype), alpha=-scale)
+                if row is None:
+                    p.add_(o.reshape(p.shape).to(p.dtype), alpha=-scale)
+                else:
+                    matrix_view(p)[:, row : row + rows].add_(o.to(p.dtype), alpha=-scale)
 
     def _orthogonalize(self, mats: Tensor, group: dict[str, Any]) -> Tensor:
         if self.orthogonalizer is not None:

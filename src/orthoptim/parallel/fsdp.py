@@ -116,6 +116,13 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self.muon: Muon | None = self.template.inner.get("muon")  # type: ignore[assignment]
         self.adamw: torch.optim.Optimizer | None = self.template.inner.get("adamw")
         group_of = self._muon_groups()
+        split = sorted({n for g in self.template.param_groups for n in g.get("split") or {}})
+        if split:
+            raise NotImplementedError(
+                f"FSDPOptimizer does not orthogonalize fused matrices block by block yet "
+                f"(split for {split}); pass split={{}} to orthogonalize them whole, or use "
+                "LayerwiseDistributedOptimizer"
+            )
         units = [u for u in units_from_model(model, optimizer=optimizer, route=rule)]
         self.units = [u for u in units if u.name in group_of]
         self.assignment: Assignment = assign(

@@ -45,19 +45,52 @@ from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_fr
 _NOT_HYPER = ("params", "param_names", "optimizer")
 
 
+def unit_label(name: str, part: tuple[int, int] | None) -> str:
+    """The name a unit goes by in state dicts and errors: the parameter's name, or for a slice
+    of experts `name[start:stop]`."""
+    return name if part is None else f"{name}[{part[0]}:{part[1]}]"
+
+
 class _Slot:
-    """Where one parameter lives in its bucket: owner rank and offset in the owner's shard."""
+    """Where one unit (a parameter, or a slice of the experts of a 3-D one) lives in its
+    bucket: owner rank and offset in the owner's shard. `data` is the unit's values (a view
+    of the parameter) and the tensor the owner's inner optimizer steps."""
 
-    __slots__ = ("name", "numel", "offset", "owner", "param", "unit")
+    __slots__ = ("data", "name", "numel", "offset", "owner", "param", "part", "unit")
 
-    def __init__(self, name: str, param: nn.Parameter, unit: int, owner: int) -> None:
-        self.name, self.param, self.unit, self.owner = name, param, unit, owner
-        self.numel = local_shard(param).numel()
+    def __init__(
+        self,
+        name: str,
+        param: nn.Parameter,
+        unit: int,
+        owner: int,
+        part: tuple[int, int] | None = None,
+    ) -> None:
+        self.name, self.param, self.unit, self.owner = unit_label(name, part), param, unit, owner
+        self.part = part
+        if part is None:
+            self.data: Tensor = param
+        elif hasattr(param, "placements"):
+            raise NotImplementedError(
+                f"{self.name}: expert slices of a tensor-parallel (DTensor) parameter are not "
+                "owned separately; build the optimizer with split_experts=False"
+            )
+        else:
+            # A leaf view of the slice: the inner optimizer updates the parameter in place.
+            self.data = param.detach()[part[0] : part[1]].requires_grad_(True)
+        self.numel = local_shard(self.data).numel()
         self.offset = 0
 
     def local(self) -> Tensor:
-        """The parameter's local values (a DTensor's shard), sharing its storage."""
-        return local_shard(self.param.detach())
+        """The unit's local values (a DTensor's shard), sharing the parameter's storage."""
+        return local_shard(self.data.detach())
+
+    def local_grad(self) -> Tensor | None:
+        """This rank's (unreduced) gradient of the unit."""
+        g = self.param.grad
+        if g is None or self.part is None:
+            return g
+        return g[self.part[0] : self.part[1]]
 
 
 class _Bucket:
@@ -78,7 +111,7 @@ class _Bucket:
     ) -> None:
         self.slots = slots
         self.rank, self.n = rank, world_size
-        self.dtype = slots[0].param.dtype
+        self.dtype = slots[0].data.dtype
         self.gather_dtype = gather_dtype or self.dtype
         self.owners = sorted({s.owner for s in slots})
         self.single = len(self.owners) == 1 and world_size > 1
@@ -123,7 +156,7 @@ class _Bucket:
     def put_grad(self, s: _Slot) -> None:
         """Copy the parameter's local gradient (or zeros when it has none) into the flat."""
         dst = self.flat_slice(s)
-        g = s.param.grad
+        g = s.local_grad()
         if g is None:
             dst.zero_()
             return
@@ -171,8 +204,8 @@ class _Bucket:
         return self.grad_shard[s.offset : s.offset + s.numel].view_as(s.local())
 
     def reduced_grad(self, s: _Slot) -> Tensor:
-        """`shard_view` as the parameter's gradient: a DTensor sharded like a DTensor one."""
-        return shard_like(self.shard_view(s), s.param)
+        """`shard_view` as the unit's gradient: a DTensor sharded like a DTensor parameter."""
+        return shard_like(self.shard_view(s), s.data)
 
     def reset(self) -> None:
         self.ready.clear()
@@ -228,7 +261,8 @@ class _Bucket:
 
 
 class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
-    """Layer-wise distributed optimizer: each parameter is owned whole by one rank.
+    """Layer-wise distributed optimizer: each parameter (or expert slice) is owned whole by
+    one rank.
 
     Every rank builds `build_optimizer(model, optimizer, params=<what it owns>, ...)`; the
     assignment (`opt.assignment`) and the routing are computed from the whole model, so every
@@ -241,8 +275,11 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     `overlap_param_gather` (gather asynchronously, waited for in module forward pre-hooks,
     else in `step()`), `gather_dtype` (e.g. torch.bfloat16: parameters travel in it and every
     replica holds the rounded value, the owner keeps a master copy in the parameter dtype),
-    `route` (as `build_optimizer`), `nonfinite` ("raise" or "skip", agreed by all ranks);
-    other keyword arguments go to `build_optimizer`.
+    `route` (as `build_optimizer`), `nonfinite` ("raise" or "skip", agreed by all ranks),
+    `split_experts` (True, or k experts per unit: the experts of a 3-D [E, out, in] matrix
+    parameter become separate units, so different ranks may own different experts of one
+    tensor; gradients are reduced and parameters gathered per slice; state dicts name a
+    slice `name[start:stop]`); other keyword arguments go to `build_optimizer`.
     """
 
     def __init__(
@@ -258,6 +295,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         gather_dtype: torch.dtype | None = None,
         route: RoutePredicate | None = None,
         nonfinite: str = "raise",
+        split_experts: bool | int = False,
         **inner_kwargs: Any,
     ) -> None:
         if balance not in BALANCES:
@@ -284,15 +322,19 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         )
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self._tp_groups = _tensor_parallel_groups(named, process_group)
-        self.units = units_from_model(model, optimizer=optimizer, route=rule)
+        self.units = units_from_model(
+            model, optimizer=optimizer, route=rule, split_experts=split_experts
+        )
         self.assignment: Assignment = assign(
             self.units, self.world_size, balance=balance, bucket_bytes=int(bucket_mb * 2**20)
         )
-        owned_names = {u.name for u, r in zip(self.units, self.assignment.owners) if r == self.rank}
-        owned = [(n, p) for n, p in named.items() if n in owned_names]
-        self.owner_of: dict[str, int] = {
-            u.name: r for u, r in zip(self.units, self.assignment.owners)
-        }
+        # One slot per unit, in unit order; owned units in model order for the inner optimizer.
+        self._slots = [
+            _Slot(u.name, named[u.name], i, r, u.part)
+            for i, (u, r) in enumerate(zip(self.units, self.assignment.owners))
+        ]
+        owned = [(s.name, s.data) for s in reversed(self._slots) if s.owner == self.rank]
+        self.owner_of: dict[str, int] = {s.name: s.owner for s in self._slots}
         self.inner = (
             build_optimizer(
                 model,
@@ -326,51 +368,45 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         self._sync = True
         self._build_buckets()
         self._master: dict[str, Tensor] = {}
-        for s in self._slots.values():
-            if s.owner == self.rank and self.gather_dtype not in (None, s.param.dtype):
-                self._master[s.name] = s.param.detach().clone()
+        for s in self._slots:
+            if s.owner == self.rank and self.gather_dtype not in (None, s.data.dtype):
+                self._master[s.name] = s.data.detach().clone()
         self._hooks: list[Any] = []
         self._register_hooks()
 
     # -- construction ------------------------------------------------------------------
     def _build_buckets(self) -> None:
-        named = dict(self.model.named_parameters())
-        self._slots: dict[int, _Slot] = {}
         self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}  # unit index → its bucket
         for unit_ids in self.assignment.buckets:
             by_dtype: dict[torch.dtype, list[_Slot]] = {}
             for i in unit_ids:
-                u = self.units[i]
-                if u.part is not None:
-                    raise NotImplementedError(
-                        f"{u.name}: expert slices (Unit.part) are not owned separately yet; "
-                        "build units without split_experts"
-                    )
-                p = named[u.name]
-                if p.numel() == 0:
-                    continue
-                slot = _Slot(u.name, p, i, self.assignment.owners[i])
-                self._slots[id(p)] = slot
-                by_dtype.setdefault(p.dtype, []).append(slot)
+                slot = self._slots[i]
+                if slot.numel:
+                    by_dtype.setdefault(slot.data.dtype, []).append(slot)
             for slots in by_dtype.values():
-                self._buckets.append(_Bucket(slots, self.rank, self.world_size, self.gather_dtype))
-                self._buckets[-1].label = f"bucket {len(self._buckets) - 1}"
-        self._bucket_of: dict[int, _Bucket] = {
-            id(s.param): b for b in self._buckets for s in b.slots
-        }
+                bucket = _Bucket(slots, self.rank, self.world_size, self.gather_dtype)
+                bucket.label = f"bucket {len(self._buckets)}"
+                self._buckets.append(bucket)
+                self._bucket_of.update((s.unit, bucket) for s in slots)
+        self._slots_of: dict[int, list[_Slot]] = {}  # id(param) → its units that communicate
+        for s in self._slots:
+            if s.unit in self._bucket_of:
+                self._slots_of.setdefault(id(s.param), []).append(s)
         self._next_launch = 0
 
     def _register_hooks(self) -> None:
         if self.overlap_grad_reduce:
-            for s in self._slots.values():
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._grad_hook))
+            for slots in self._slots_of.values():
+                hook = slots[0].param.register_post_accumulate_grad_hook(self._grad_hook)
+                self._hooks.append(hook)
         if self.overlap_param_gather and self.world_size > 1:
             for module in self.model.modules():
                 mine = []
                 for p in module.parameters(recurse=False):
-                    b = self._bucket_of.get(id(p))
-                    if b is not None and b not in mine:
-                        mine.append(b)
+                    for s in self._slots_of.get(id(p), []):
+                        if self._bucket_of[s.unit] not in mine:
+                            mine.append(self._bucket_of[s.unit])
                 if mine:
                     self._hooks.append(module.register_forward_pre_hook(_waiter(mine)))
 
@@ -385,21 +421,21 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def _grad_hook(self, p: Tensor) -> None:
         if not self._sync:
             return
-        slot = self._slots[id(p)]
-        bucket = self._bucket_of[id(p)]
-        bucket.finish_gather()
-        if slot.unit in bucket.ready:
-            raise RuntimeError(
-                f"the gradient of {slot.name} arrived twice before step(): accumulate "
-                "micro-batches inside `with opt.no_sync():` except for the last one"
-            )
-        if bucket.launched:
-            raise RuntimeError(
-                f"the gradient of {slot.name} arrived after its bucket was reduced; call "
-                "step() before the next backward"
-            )
-        bucket.put_grad(slot)
-        bucket.ready.add(slot.unit)
+        for slot in self._slots_of[id(p)]:
+            bucket = self._bucket_of[slot.unit]
+            bucket.finish_gather()
+            if slot.unit in bucket.ready:
+                raise RuntimeError(
+                    f"the gradient of {slot.name} arrived twice before step(): accumulate "
+                    "micro-batches inside `with opt.no_sync():` except for the last one"
+                )
+            if bucket.launched:
+                raise RuntimeError(
+                    f"the gradient of {slot.name} arrived after its bucket was reduced; call "
+                    "step() before the next backward"
+                )
+            bucket.put_grad(slot)
+            bucket.ready.add(slot.unit)
         self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -439,7 +475,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         non-finite. Returns (present per unit, names of non-finite parameters)."""
         n_units = len(self.units)
         flags = torch.zeros(2 * n_units, dtype=torch.int32)
-        for s in self._slots.values():
+        for s in self._slots:
             if s.param.grad is not None:
                 flags[s.unit] = 1
         for b in self._buckets:
@@ -484,19 +520,24 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def _step_owned(self, present: list[bool]) -> None:
         for b in self._buckets:
             for s in b.mine:
-                s.param.grad = b.reduced_grad(s) if present[s.unit] else None
+                s.data.grad = b.reduced_grad(s) if present[s.unit] else None
         if self.inner is None:
             return
         for name, master in self._master.items():
-            self._slot_by_name(name).param.copy_(master)
+            self._slot_by_name(name).data.copy_(master)
         self.inner.step()
         for name, master in self._master.items():
-            master.copy_(self._slot_by_name(name).param)
+            master.copy_(self._slot_by_name(name).data)
 
     def _slot_by_name(self, name: str) -> _Slot:
         if not hasattr(self, "_slots_by_name"):
-            self._slots_by_name = {s.name: s for s in self._slots.values()}
+            self._slots_by_name = {s.name: s for s in self._slots}
         return self._slots_by_name[name]
+
+    def master_weight(self, name: str) -> Tensor | None:
+        """The owner's master copy of parameter `name` (kept when `gather_dtype` rounds), for
+        code that edits weights after a step (e.g. QK-clip); None when there is none here."""
+        return self._master.get(name)
 
     def wait_for_params(self) -> None:
         """Finish every parameter gather in flight (forward pre-hooks do this per module;
@@ -506,8 +547,8 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter of the model (owned or not)."""
-        for s in self._slots.values():
-            p = s.param
+        tensors = {id(t): t for s in self._slots for t in (s.param, s.data)}
+        for p in tensors.values():
             if p.grad is None:
                 continue
             if set_to_none:
@@ -518,7 +559,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported once built: ownership is computed from the whole model at construction."""
-        if not hasattr(self, "_slots"):
+        if not hasattr(self, "_buckets"):  # torch's constructor, before the buckets exist
             super().add_param_group(param_group)
             return
         raise ValueError(

@@ -34,6 +34,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="AdamW LR for embeddings, head and gains under muon/soap (default 3e-3)",
     )
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument(
+        "--qk-clip",
+        type=float,
+        default=None,
+        help="MuonClip threshold tau on attention logits (default: the config's, 100 for "
+        "tiny-moe, none for the others; 0: off)",
+    )
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear LR warmup steps")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)

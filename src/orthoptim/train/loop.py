@@ -34,6 +34,7 @@ from torch import nn
 
 from orthoptim.optim.base import local_shard
 from orthoptim.optim.hybrid import build_optimizer
+from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import collectives
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
@@ -74,6 +75,7 @@ class TrainArgs:
     seed: int = 0
     data: str | None = None
     tp: int = 1
+    qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
     progress: bool = True
 
     def validate(self) -> None:
@@ -86,6 +88,8 @@ class TrainArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.qk_clip is not None and self.qk_clip < 0:
+            raise ValueError(f"--qk-clip must be >= 0 (0: off), got {self.qk_clip}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         for name in ("lr", "adamw_lr"):
@@ -103,6 +107,11 @@ class TrainArgs:
                     f"parallel), got --optimizer {self.optimizer}; use --tp 1 for it"
                 )
             check_tensor_parallel(get_config(self.config), self.tp)
+            if self.qk_clip_tau is not None:
+                raise ValueError(
+                    f"--tp {self.tp}: MuonClip (--qk-clip {self.qk_clip_tau}) rescales whole "
+                    "query/key heads and does not run on tensor-parallel shards; pass --qk-clip 0"
+                )
 
     def check_nproc(self, nproc: int) -> None:
         """Refuse a number of ranks the tensor-parallel size does not divide."""
@@ -117,6 +126,12 @@ class TrainArgs:
     @property
     def matrix_lr(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def qk_clip_tau(self) -> float | None:
+        """The MuonClip threshold of this run (None: no clipping)."""
+        tau = self.qk_clip if self.qk_clip is not None else get_config(self.config).qk_clip
+        return tau or None
 
     @property
     def embed_lr(self) -> float:
@@ -154,9 +169,10 @@ def make_optimizer(
     model: nn.Module, args: TrainArgs, world_size: int, mesh: DeviceMesh | None = None
 ) -> Any:
     """The optimizer for this rank: `build_optimizer` on one rank; on more, the layer-wise
-    distributed optimizer (each matrix owned whole by one rank). With a (dp, tp) `mesh` it
-    owns over the dp group and orthogonalizes with a `TensorParallelOrthogonalizer` (auto
-    mode: duplicated or distributed per shape, by its cost model)."""
+    distributed optimizer (each matrix, and each expert of a mixture of experts, owned whole
+    by one rank). With a (dp, tp) `mesh` it owns over the dp group and orthogonalizes with a
+    `TensorParallelOrthogonalizer` (auto mode: duplicated or distributed per shape, by its
+    cost model)."""
     kwargs = _optimizer_kwargs(args)
     if mesh is not None:
         return LayerwiseDistributedOptimizer(
@@ -168,7 +184,10 @@ def make_optimizer(
         )
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
-    return LayerwiseDistributedOptimizer(model, optimizer=args.optimizer, **kwargs)
+    experts = get_config(args.config).moe is not None and args.optimizer != "adamw"
+    return LayerwiseDistributedOptimizer(
+        model, optimizer=args.optimizer, split_experts=experts, **kwargs
+    )
 
 
 def _params_ready(opt: Any) -> None:
@@ -422,6 +441,8 @@ def _train(
         parallelize(model, mesh["tp"])
         dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     opt = make_optimizer(model, args, world_size, mesh)
+    tau = args.qk_clip_tau
+    clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
     for g in opt.param_groups:
         g["initial_lr"] = g["lr"]
     val = [
@@ -494,6 +515,7 @@ def _train(
             t1 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            clipped = clip.step() if clip is not None else {}
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t2 = time.perf_counter()
@@ -514,6 +536,7 @@ def _train(
                 tokens=step * tokens_per_step,
                 comm_sent_bytes=comm[0],
                 comm_received_bytes=comm[1],
+                **clipped,
             )
             if step % args.eval_every == 0 or step == args.steps:
                 val_loss = evaluate(model, val, dp_rank, dp_size)
