@@ -16,8 +16,10 @@ from orthoptim.parallel.collectives import (
     packed_triangle_size,
 )
 from orthoptim.parallel.tensor_parallel import (
+    FORMS,
     GRAM_KIND,
     NORM_KIND,
+    ROWS_KIND,
     SPLIT_KIND,
     CostModel,
     _Layout,
@@ -39,6 +41,7 @@ VARIANTS = (
     ("distributed", "apply"),
     ("distributed", "square"),
     ("distributed", "split"),
+    ("distributed", "rows"),
     ("blockwise", "apply"),
 )
 # (k, rows, cols): tall and wide, divisible by 2 and 4.
@@ -196,6 +199,10 @@ def test_modes_match_full_newton_schulz(four_ranks, world_size):
                 assert r[(si, shard_dim, "distributed", "split")]["stats"][SPLIT_KIND]["calls"] == (
                     STEPS
                 )
+                # rows: the matrix and its small Gram's rows gathered each step, no Gram sum
+                rows_stats = r[(si, shard_dim, "distributed", "rows")]["stats"]
+                assert rows_stats[ROWS_KIND]["calls"] == 2 * STEPS
+                assert GRAM_KIND not in rows_stats
                 dup = r[(si, shard_dim, "duplicated", "apply")]["stats"]
                 assert dup["total"]["calls"] == 1
                 assert dup["all_gather"]["sent"] == pytest.approx((T - 1) * k * rows * cols / T * 4)
@@ -255,6 +262,12 @@ def test_cost_model_and_forms():
     assert sp.flops < sq.flops and sp.bytes_sent > sq.bytes_sent
     plain = 5 * (4 * 256**2 * 1024 + 2 * 256**3)
     assert sp.flops <= plain / 4
+    # Sharded along the short side (256 of 1024 × 256 split), the Gram over the sharded
+    # dimension is the large 1024² one: every Gram form misses 1/T of the plain iteration,
+    # rows (the small Gram, the matrix gathered each step) meets it exactly.
+    short = {f: tp_cost("distributed", 1, 1024, 256, 1, 4, 5, 4, f) for f in FORMS[1:]}
+    assert all(short[f].flops > plain / 4 for f in ("apply", "square", "split"))
+    assert short["rows"].flops == plain / 4
     layout = _Layout(None, 4, 0, -1, (256,) * 4)
     # Slow links and fast matmuls favour one gather; fast links and slow matmuls the
     # distributed iteration; blockwise is never chosen by auto.
