@@ -16,6 +16,7 @@ from torch import nn
 from orthoptim.optim.base import (
     GuardedOptimizer,
     check_nonfinite_policy,
+    step_checked,
 )
 from orthoptim.optim.muon import Muon
 
@@ -131,7 +132,7 @@ class HybridOptimizer(GuardedOptimizer):
     def _update(self) -> None:
         """Step every inner optimizer (the non-finite policy already covered all of them)."""
         for opt in self.inner.values():
-            opt.step()
+            step_checked(opt)
 
 
 def build_optimizer(

@@ -37,6 +37,7 @@ from orthoptim.optim.base import (
     enforce_nonfinite_policy,
     local_shard,
     shard_like,
+    step_checked,
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.parallel import collectives as C
@@ -525,7 +526,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             return
         for name, master in self._master.items():
             self._slot_by_name(name).data.copy_(master)
-        self.inner.step()
+        step_checked(self.inner)  # the gradients were checked by _agree
         for name, master in self._master.items():
             master.copy_(self._slot_by_name(name).data)
 

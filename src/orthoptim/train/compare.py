@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orthoptim.train.loop import DEFAULT_LR, TrainArgs, _read_metrics, launch
+from orthoptim.train.loop import DEFAULT_LR, TrainArgs, launch, read_metrics
 
 COMPARED = ("adamw", "muon")
 # --sweep: the matrix optimizer's LR grid (AdamW: every parameter; Muon: hidden matrices).
@@ -63,7 +63,7 @@ def _run(opts: CompareArgs, optimizer: str, lr: float, out: Path) -> dict[str, A
         progress=opts.progress,
     )
     result = launch(args, opts.nproc)
-    result["metrics"] = _read_metrics(out / "metrics.jsonl")
+    result["metrics"] = read_metrics(out / "metrics.jsonl")
     return result
 
 

@@ -390,7 +390,8 @@ def _init_distributed() -> tuple[int, int, torch.device]:
     return rank, world_size, torch.device("cpu")
 
 
-def _read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
+def read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl (those with step <= `upto` when given)."""
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -467,7 +468,7 @@ def _train(
         start, train_time = info["step"], info["train_time_s"]
         log.info("resumed from step %d", start)
         if rank == 0:
-            kept = _read_metrics(metrics_path, upto=start)
+            kept = read_metrics(metrics_path, upto=start)
             _atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
     elif rank == 0:
         metrics_path.write_text("")
@@ -578,7 +579,7 @@ def _train(
         comm_received_bytes_per_step_per_rank=[c[1] for c in comms],
         optimizer_class=type(opt).__name__,
     )
-    result.update(throughput(_read_metrics(metrics_path) if rank == 0 else [], tokens_per_step))
+    result.update(throughput(read_metrics(metrics_path) if rank == 0 else [], tokens_per_step))
     if rank == 0:
         _atomic_write_text(json.dumps(result, indent=1), out / "result.json")
     log.info("done: %s", json.dumps({k: result[k] for k in ("last_step", "final_val_loss")}))
