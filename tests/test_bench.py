@@ -131,3 +131,30 @@ def test_torch_muon_fp32_patch_is_float32_newton_schulz() -> None:
     assert out.dtype == torch.float32
     ref = newton_schulz(G.T, steps=5, coefficients="simple", dtype=torch.float64)
     assert (out.double() - ref).abs().max().item() < 1e-4
+
+
+def test_bench_dist_fsdp_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench dist --fsdp`: FSDP2 + AdamW vs FSDPOptimizer side by side, bytes split by who
+    sends them. FSDP2's own traffic does not depend on the optimizer; the optimizer's is
+    2·(N−1)/N = 1× its sharded matrix gradient at 2 ranks (plus the small flag all-reduce),
+    half of that with bfloat16 on the wire."""
+    argv = ["bench", "dist", "--fsdp", "--nproc", "2", "--layers", "1", "--width", "32",
+            "--heads", "2", "--seq-len", "16", "--batch", "2", "--steps", "1", "--warmup", "0",
+            "--json"]  # fmt: skip
+    report = _run_json(capsys, argv)
+    rows = report["methods"]
+    assert report["fsdp"] and list(rows) == ["fsdp_adamw", "fsdp_muon", "fsdp_muon_bf16"]
+    params = report["model"]["params"] * 4
+    fsdp2 = rows["fsdp_adamw"]["fsdp2_sent_bytes_mean"]
+    # Gathers in forward (and again in backward for the blocks), one gradient reduce-scatter.
+    assert 2 * 0.5 * params <= fsdp2 <= 3 * 0.5 * params * 1.1
+    for name, row in rows.items():
+        assert row["fsdp2_sent_bytes_mean"] == fsdp2, name
+        assert row["sent_bytes_mean"] == fsdp2 + row["optimizer_sent_bytes_mean"], name
+        assert _positive_finite(row["step_s"]) and row["state_bytes_max"] > 0
+    assert rows["fsdp_adamw"]["optimizer_sent_bytes_mean"] == 0.0
+    assert rows["fsdp_adamw"]["step_time_vs_fsdp_adamw"] == 1.0
+    assert 1.0 <= rows["fsdp_muon"]["optimizer_bytes_over_sharded_grad"] < 1.01
+    assert 0.5 <= rows["fsdp_muon_bf16"]["optimizer_bytes_over_sharded_grad"] < 0.51
+    with pytest.raises(SystemExit, match="under --fsdp"):
+        cli.main(["bench", "dist", "--fsdp", "--methods", "ddp_adamw"])

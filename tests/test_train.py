@@ -145,9 +145,16 @@ def _train(out: Path, *extra: str) -> int:
     )  # fmt: skip
 
 
-def test_train_two_ranks_end_to_end_and_resume(tmp_path):
-    full = tmp_path / "full"
+@pytest.fixture(scope="module")
+def layerwise_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 6-step 2-rank run of the layer-wise optimizer: the reference of the other runs."""
+    full = tmp_path_factory.mktemp("layerwise") / "full"
     assert _train(full) == 0
+    return full
+
+
+def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
+    full = layerwise_run
     step6 = "checkpoints/step_000006"
     for f in ("metrics.jsonl", "result.json", "logs/rank0.log", "logs/rank1.log",
               "checkpoints/latest.json", f"{step6}/model.pt", f"{step6}/optim_rank0.pt",
@@ -195,6 +202,31 @@ def test_train_tensor_parallel_and_resume(tmp_path):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6), (a, b)
 
 
+def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run):
+    """`--fsdp`: the model sharded by FSDP2 and stepped by FSDPOptimizer, interrupted after
+    step 3 and resumed from its DCP checkpoint, follows the layer-wise run (same model, data
+    and routing) step for step; the ranks only sum in another order (rtol 1e-5)."""
+    ref = _metrics(layerwise_run)
+    part = tmp_path / "fsdp"
+    assert _train(part, "--fsdp", "--stop-after", "3") == 0
+    assert (part / "checkpoints/step_000003/dcp/.metadata").is_file()
+    assert not list((part / "checkpoints/step_000003").glob("*.pt"))
+    assert _train(part, "--fsdp", "--resume") == 0
+    rows = _metrics(part)
+    assert [r["step"] for r in rows] == list(range(7))
+    for a, b in zip(rows, ref):
+        for key in ("train_loss", "val_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5), (key, a, b)
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(vals) == 3 and vals[-1] < vals[0]
+    result = json.loads((part / "result.json").read_text())
+    assert result["optimizer_class"] == "FSDPOptimizer" and result["args"]["fsdp"]
+    assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
+    # A sharded checkpoint resumes only as a sharded run.
+    assert _train(part, "--resume") == 2
+
+
 def test_resume_refuses_another_run(tmp_path, capsys):
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
@@ -219,6 +251,10 @@ def test_train_rejects_bad_flags(tmp_path, capsys):
     argv = ["train", "--tp", "2", "--nproc", "2", "--optimizer", "soap", "--out", str(tmp_path)]
     assert main(argv) == 2
     assert "--tp 2 runs with --optimizer muon" in capsys.readouterr().err
+    assert main(["train", "--fsdp", "--optimizer", "soap", "--out", str(tmp_path)]) == 2
+    assert "--fsdp" in capsys.readouterr().err
+    assert main(["train", "--fsdp", "--tp", "2", "--nproc", "2", "--out", str(tmp_path)]) == 2
+    assert "--fsdp with --tp 2" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert main(["train", "--data", str(empty), "--out", str(tmp_path)]) == 2

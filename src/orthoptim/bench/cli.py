@@ -14,7 +14,6 @@ BENCH_MODULES = (
     "orthoptim.bench.ns",
     "orthoptim.bench.step",
     "orthoptim.bench.dist",
-    "orthoptim.bench.fsdp",
     "orthoptim.bench.tp",
 )
 

@@ -8,18 +8,28 @@ On the same small GPT and global batch (each rank its slice), one run measures:
   layerwise_*        orthoptim's LayerwiseDistributedOptimizer (Muon hybrid), with and without
                      overlap, parameters gathered in float32 and in bfloat16
 
+With `--fsdp` the model is sharded by FSDP2 (`fully_shard` per block and at the root) instead:
+
+  fsdp_adamw         FSDP2 + torch.optim.AdamW over the DTensor shards (elementwise, local)
+  fsdp_muon          FSDP2 + orthoptim's FSDPOptimizer (Muon hybrid), updates in float32
+  fsdp_muon_bf16     the same, updates travelling in bfloat16
+
 For each: the step time (fwd + bwd + step, median over steps; the slowest rank), the
 optimizer-state bytes per rank, and the bytes each rank sends per step (counted by
 collectives.py: DDP's all-reduce runs through a comm hook that calls it; ZeRO's parameter
-broadcasts are counted on their way to torch.distributed). For the layer-wise runs also the
-compute-only time (fwd + bwd + the owner's inner step, no communication) and the exposed
-communication = step time − compute-only time.
+broadcasts are counted on their way to torch.distributed; FSDP2's parameter all-gathers and
+gradient reduce-scatters run through its custom-collective hooks, see
+`count_fsdp_collectives`). For the layer-wise runs also the compute-only time (fwd + bwd +
+the owner's inner step, no communication) and the exposed communication = step time −
+compute-only time; for the FSDP runs the bytes split into FSDP2's and the optimizer's, and the
+optimizer's bytes over its sharded matrix-gradient bytes (≈ 2·(N−1)/N by design).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import socket
 import statistics
@@ -36,6 +46,7 @@ from torch import nn
 from orthoptim.bench import emit, environment
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.parallel import collectives as C
+from orthoptim.parallel.fsdp import FSDPOptimizer, count_fsdp_collectives, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 
 LAYERWISE = {
@@ -49,6 +60,7 @@ LAYERWISE = {
     ),
 }
 METHODS = ("ddp_adamw", "zero_adamw", "ddp_muon", *LAYERWISE)
+FSDP_METHODS = ("fsdp_adamw", "fsdp_muon", "fsdp_muon_bf16")
 
 
 def _model(args: argparse.Namespace) -> nn.Module:
@@ -81,7 +93,9 @@ def state_bytes(optimizer: Any) -> int:
 
 
 def _tensor_bytes(state: dict[str, Any]) -> int:
-    return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    """Bytes held on this rank (a DTensor counts its local shard)."""
+    local = [v.to_local() if hasattr(v, "to_local") else v for v in state.values()]
+    return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v))
 
 
 def _ddp_hook(stats: C.CommStats) -> Callable[..., Any]:
@@ -123,6 +137,16 @@ def _build(method: str, args: argparse.Namespace, stats: C.CommStats) -> tuple[n
 
     model = _model(args)
     hybrid = dict(lr=args.lr, adamw_lr=args.adamw_lr)
+    if method.startswith("fsdp"):
+        shard_model(model)
+        count_fsdp_collectives(model, stats)
+        if method == "fsdp_adamw":
+            return model, torch.optim.AdamW(model.parameters(), lr=args.adamw_lr), model
+        wire = torch.bfloat16 if method == "fsdp_muon_bf16" else None
+        opt = FSDPOptimizer(
+            model, optimizer="muon", bucket_mb=args.bucket_mb, comm_dtype=wire, **hybrid
+        )
+        return model, opt, model
     if method.startswith("layerwise"):
         opt = LayerwiseDistributedOptimizer(
             model, optimizer="muon", bucket_mb=args.bucket_mb, **hybrid, **LAYERWISE[method]
@@ -164,8 +188,18 @@ class _Method:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.times.append(time.perf_counter() - start)
-        layerwise = isinstance(self.opt, LayerwiseDistributedOptimizer)
-        self.step_stats = self.opt.comm_stats() if layerwise else self.stats.as_dict()
+        if isinstance(self.opt, LayerwiseDistributedOptimizer):
+            self.step_stats = self.opt.comm_stats()
+            return
+        self.step_stats = self.stats.as_dict()  # DDP / ZeRO / FSDP2's collectives
+        if isinstance(self.opt, FSDPOptimizer):
+            theirs = self.step_stats.pop("total")
+            mine = self.opt.comm_stats()
+            self.step_stats.update({k: v for k, v in mine.items() if k != "total"})
+            self.step_stats["optimizer_total"] = mine["total"]
+            self.step_stats["total"] = {
+                k: theirs[k] + mine["total"][k] for k in ("sent", "received", "calls")
+            }
 
     def result(self) -> dict[str, Any]:
         if isinstance(self.opt, LayerwiseDistributedOptimizer):
@@ -180,6 +214,14 @@ class _Method:
         if isinstance(self.opt, LayerwiseDistributedOptimizer):
             out["imbalance"] = self.opt.assignment.imbalance
             out["owned_params"] = sum(len(g["params"]) for g in self.opt.param_groups)
+        if self.name.startswith("fsdp"):
+            opt_total = self.step_stats.get("optimizer_total", {"sent": 0.0})
+            out["optimizer_sent_bytes"] = opt_total["sent"]
+            out["fsdp2_sent_bytes"] = out["sent_bytes"] - opt_total["sent"]
+        if isinstance(self.opt, FSDPOptimizer):
+            out["sharded_matrix_grad_bytes"] = sum(
+                4 * m.numels[self.rank] for m in self.opt._matrices
+            )
         return out
 
 
@@ -260,9 +302,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["compute_only_s"] = max(pr["compute_only"]["step_s"] for pr in per_rank)
             row["exposed_comm_s"] = row["step_s"] - row["compute_only_s"]
             row["imbalance"] = rs[0]["imbalance"]
+        if m.startswith("fsdp"):
+            row["fsdp2_sent_bytes_mean"] = statistics.fmean(r["fsdp2_sent_bytes"] for r in rs)
+            row["optimizer_sent_bytes_mean"] = statistics.fmean(
+                r["optimizer_sent_bytes"] for r in rs
+            )
+        if "sharded_matrix_grad_bytes" in rs[0]:
+            grad = statistics.fmean(r["sharded_matrix_grad_bytes"] for r in rs)
+            row["optimizer_bytes_over_sharded_grad"] = row["optimizer_sent_bytes_mean"] / grad
         rows[m] = row
+    if "fsdp_adamw" in rows:
+        for row in rows.values():
+            row["step_time_vs_fsdp_adamw"] = row["step_s"] / rows["fsdp_adamw"]["step_s"]
     return {
         "benchmark": "dist",
+        "fsdp": args.fsdp,
         "nproc": world,
         "model": dict(
             layers=args.layers,
@@ -277,7 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bucket_mb": args.bucket_mb,
         "environment": environment(),
         "methods": rows,
-        "targets": _targets(rows, world),
+        "targets": _targets(rows, world) if not args.fsdp else {},
     }
 
 
@@ -306,10 +360,16 @@ def _targets(rows: dict[str, dict[str, Any]], world: int) -> dict[str, Any]:
 
 def _render(report: dict[str, Any]) -> str:
     m = report["model"]
+    head = (
+        f"orthoptim bench dist{' --fsdp' if report['fsdp'] else ''}: {report['nproc']} gloo "
+        f"ranks, GPT {m['layers']}x{m['width']} ({m['params'] / 1e6:.2f}M params), global batch "
+        f"{m['global_batch']}x{m['seq_len']}, {report['threads_per_rank']} thread(s)/rank, "
+        f"median of {report['steps']} steps, float32"
+    )
+    if report["fsdp"]:
+        return _render_fsdp(head, report)
     lines = [
-        f"orthoptim bench dist: {report['nproc']} gloo ranks, GPT {m['layers']}x{m['width']} "
-        f"({m['params'] / 1e6:.2f}M params), global batch {m['global_batch']}x{m['seq_len']}, "
-        f"{report['threads_per_rank']} thread(s)/rank, median of {report['steps']} steps",
+        head,
         f"{'method':28s} {'step ms':>9s} {'compute ms':>10s} {'exposed ms':>10s} "
         f"{'state MB/rank':>13s} {'sent MB/rank':>12s}",
     ]
@@ -339,14 +399,39 @@ def _render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _render_fsdp(head: str, report: dict[str, Any]) -> str:
+    lines = [
+        head,
+        f"{'method':16s} {'step ms':>9s} {'vs adamw':>9s} {'state MB/rank':>13s} "
+        f"{'sent MB/rank':>12s} {'FSDP2 MB':>9s} {'optim MB':>9s} {'optim/shard grad':>16s}",
+    ]
+    for name, r in report["methods"].items():
+        ratio = r.get("optimizer_bytes_over_sharded_grad")
+        mb = {k: r[k] / 2**20 for k in ("state_bytes_max", "sent_bytes_mean")}
+        fsdp2, mine = r["fsdp2_sent_bytes_mean"] / 2**20, r["optimizer_sent_bytes_mean"] / 2**20
+        vs = r.get("step_time_vs_fsdp_adamw", math.nan)
+        lines.append(
+            f"{name:16s} {1e3 * r['step_s']:9.1f} {vs:9.3f} "
+            f"{mb['state_bytes_max']:13.2f} {mb['sent_bytes_mean']:12.2f} {fsdp2:9.2f} {mine:9.2f} "
+            f"{'' if ratio is None else f'{ratio:.3f}':>16s}"
+        )
+    return "\n".join(lines)
+
+
 def _cmd(args: argparse.Namespace) -> int:
     if args.nproc < 2:
         raise SystemExit(f"--nproc must be >= 2 (a data-parallel comparison), got {args.nproc}")
     if args.batch % args.nproc:
         raise SystemExit(f"--batch ({args.batch}) must be divisible by --nproc ({args.nproc})")
-    unknown = [m for m in args.methods if m not in METHODS]
+    known = FSDP_METHODS if args.fsdp else METHODS
+    if args.methods is None:
+        args.methods = list(known)
+    unknown = [m for m in args.methods if m not in known]
     if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+        raise SystemExit(
+            f"--methods: unknown {unknown}{' under --fsdp' if args.fsdp else ''}; "
+            f"choose from {', '.join(known)}"
+        )
     try:
         import orthoptim.train.model  # noqa: F401
     except ImportError as exc:
@@ -358,7 +443,9 @@ def _cmd(args: argparse.Namespace) -> int:
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """Register `orthoptim bench dist`."""
     p = bench_subparsers.add_parser(
-        "dist", help="layer-wise Muon vs DDP/ZeRO AdamW and redundant Muon on N gloo ranks"
+        "dist",
+        help="layer-wise Muon vs DDP/ZeRO AdamW and redundant Muon on N gloo ranks "
+        "(--fsdp: FSDPOptimizer vs FSDP2 + AdamW)",
     )
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (default 2)")
     p.add_argument("--layers", type=int, default=4)
@@ -376,8 +463,14 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--methods",
         type=lambda s: [m.strip() for m in s.split(",") if m.strip()],
-        default=list(METHODS),
-        help=f"comma-separated subset of {','.join(METHODS)}",
+        default=None,
+        help=f"comma-separated subset of {','.join(METHODS)} "
+        f"(with --fsdp: of {','.join(FSDP_METHODS)}); default all",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2: FSDPOptimizer (Muon) vs FSDP2 + AdamW",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=_cmd)

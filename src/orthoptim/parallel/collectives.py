@@ -97,12 +97,14 @@ def reduce_scatter(
     group: Any = None,
     stats: CommStats | None = None,
     async_op: bool = False,
+    kind: str = "reduce_scatter",
 ) -> Any:
-    """`out` ← this rank's 1/N chunk of the sum over ranks of `inp` (flat, equal chunks)."""
+    """`out` ← this rank's 1/N chunk of the sum over ranks of `inp` (flat, equal chunks);
+    `kind` is the name `stats` files it under."""
     _, n = world(group)
     if stats is not None and n > 1:
         b = (n - 1) / n * _nbytes(inp)
-        stats.record("reduce_scatter", b, b)
+        stats.record(kind, b, b)
     if n == 1:
         out.copy_(inp)
         return None

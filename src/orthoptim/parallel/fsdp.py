@@ -47,6 +47,68 @@ def shard_rows(rows: int, world_size: int) -> list[int]:
     return [max(0, min(chunk, rows - r * chunk)) for r in range(world_size)]
 
 
+def shard_model(model: nn.Module, mesh: Any = None) -> nn.Module:
+    """Apply FSDP2's `fully_shard` to every module in `model.blocks` (if it has them), then to
+    the root, on `mesh` (default: a 1-D mesh over the default process group). Returns `model`.
+
+    Per-block wrapping lets FSDP gather one block's parameters at a time; the root holds the
+    rest (embeddings, head, final norm)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        device = next(model.parameters()).device.type
+        mesh = init_device_mesh(device, (C.world()[1],))
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def count_fsdp_collectives(model: nn.Module, stats: C.CommStats) -> None:
+    """Route FSDP2's own parameter all-gathers and gradient reduce-scatters, for every module of
+    `model` that `fully_shard` wrapped, through collectives.py, counted in `stats` (as
+    "fsdp_all_gather" and "fsdp_reduce_scatter"), so FSDP2's traffic can be told apart from
+    the optimizer's. Uses FSDP2's `set_custom_all_gather` / `set_custom_reduce_scatter` hooks.
+    (HSDP's all-reduce across replicas is not covered by these hooks.)"""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class _Gather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
+        ) -> Any:
+            return C.all_gather(
+                output_tensor, input_tensor, group, stats, async_op, kind="fsdp_all_gather"
+            )
+
+    class _Scatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: Tensor,
+            input_tensor: Tensor,
+            group: Any,
+            op: Any,
+            async_op: bool = False,
+        ) -> Any:
+            return C.reduce_scatter(
+                output_tensor, input_tensor, op, group, stats, async_op, "fsdp_reduce_scatter"
+            )
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("count_fsdp_collectives: no module of `model` is wrapped by fully_shard")
+    for m in modules:
+        m.set_custom_all_gather(_Gather())
+        m.set_custom_reduce_scatter(_Scatter())
+
+
 class _Matrix:
     """One matrix-optimizer parameter: owner, and each rank's flat shard size."""
 
@@ -112,6 +174,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.process_group, self.mesh = _shard_group([(n, p) for n, p in named])
         self.rank, self.world_size = C.world(self.process_group)
+        self.device = named[0][1].device if named else torch.device("cpu")
 
         self.muon: Muon | None = self.template.inner.get("muon")  # type: ignore[assignment]
         self.adamw: torch.optim.Optimizer | None = self.template.inner.get("adamw")
@@ -162,7 +225,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         """One all-reduce over the shard group: which matrices have a gradient on some rank,
         which parameters have a non-finite gradient shard somewhere."""
         n_mat, n_all = len(self._matrices), len(self._named)
-        flags = torch.zeros(n_mat + n_all, dtype=torch.int32)
+        flags = torch.zeros(n_mat + n_all, dtype=torch.int32, device=self.device)
         for i, m in enumerate(self._matrices):
             if m.param.grad is not None:
                 flags[i] = 1
@@ -211,7 +274,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         return update.reshape(-1)
 
     def _step_matrices(self, present: list[bool]) -> None:
-        n, rank = self.world_size, self.rank
+        n, rank, dev = self.world_size, self.rank, self.device
         wire = self.comm_dtype
         live = [m for m in self._matrices if present[m.unit]]
         updates = {m.unit: self._momentum(m) for m in live if m.param.grad is not None}
@@ -233,9 +296,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     if m.owner == d and m.numels[rank]:
                         u = updates.get(m.unit)
                         # A matrix with no gradient here (but somewhere) contributes zeros.
-                        parts.append(u if u is not None else torch.zeros(m.numels[rank]))
-            send = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype)
-            recv = torch.empty(sum(out_splits), dtype=dtype)
+                        if u is None:
+                            u = torch.zeros(m.numels[rank], device=dev)
+                        parts.append(u)
+            send = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=dev)
+            recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
             work = C.all_to_all(
                 recv, send, out_splits, in_splits, self.process_group, self._stats, async_op=True
             )
@@ -266,7 +331,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
                 for m in mine:
                     start = sum(m.numels[:s])
                     parts.append(ortho[m.unit][start : start + m.numels[s]])
-            ret = torch.cat(parts).to(recv.dtype) if parts else torch.zeros(0, dtype=recv.dtype)
+            ret = torch.cat(parts).to(recv.dtype) if parts else recv.new_zeros(0)
             got = torch.empty_like(send)
             work = C.all_to_all(
                 got, ret, in_splits, out_splits, self.process_group, self._stats, async_op=True

@@ -18,6 +18,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
     p.add_argument("--config", choices=sorted(CONFIGS), default=d.config)
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (1: none)")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (fully_shard per block) and step it with FSDPOptimizer",
+    )
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
     p.add_argument(

@@ -1,7 +1,8 @@
 """The training loop every rank runs, and the launcher that starts the ranks.
 
 `run(args)` is one rank's whole job: build the model (same seed on every rank), the corpus and
-the optimizer (the layer-wise distributed optimizer when there is more than one rank), then
+the optimizer (the layer-wise distributed optimizer when there is more than one rank; with
+`--fsdp` the model is sharded by FSDP2's `fully_shard` and `FSDPOptimizer` steps it), then
 train with a warmup + cosine LR schedule, evaluate on a fixed validation set, write metrics,
 checkpoints and a result file. `launch(args, nproc)` starts `nproc` ranks through PyTorch's
 elastic launcher (the machinery behind `torchrun`) and returns rank 0's result.
@@ -11,7 +12,8 @@ Files under `out`:
     result.json            the run's summary (rank 0), written at the end
     logs/rank{R}.log       every rank's log
     checkpoints/latest.json   the committed checkpoint: its step folder and metadata
-    checkpoints/step_NNNNNN/  model.pt (rank 0) and optim_rank{R}.pt (each rank)
+    checkpoints/step_NNNNNN/  model.pt (rank 0) and optim_rank{R}.pt (each rank); with --fsdp
+                           dcp/, one torch.distributed.checkpoint of model and optimizer shards
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from orthoptim.optim.base import local_shard
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import collectives
+from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 from orthoptim.train.data import get_batch, load_corpus, val_batches
@@ -75,6 +78,7 @@ class TrainArgs:
     seed: int = 0
     data: str | None = None
     tp: int = 1
+    fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
     qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
     progress: bool = True
 
@@ -100,7 +104,22 @@ class TrainArgs:
             raise ValueError(
                 f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
             )
+        if self.fsdp and self.optimizer == "soap":
+            raise ValueError(
+                "--fsdp runs --optimizer muon or adamw (FSDPOptimizer has no SOAP); "
+                "drop --fsdp to train SOAP with the layer-wise optimizer"
+            )
+        if self.fsdp and self.qk_clip_tau is not None:
+            raise ValueError(
+                f"--fsdp does not run QK-clip yet (it would rescale rows of sharded q/k "
+                f"weights); pass --qk-clip 0 with --config {self.config}"
+            )
         if self.tp > 1:
+            if self.fsdp:
+                raise ValueError(
+                    f"--fsdp with --tp {self.tp}: FSDP2 sharding of a tensor-parallel model is "
+                    "not wired into `orthoptim train`; use one of them"
+                )
             if self.optimizer != "muon":
                 raise ValueError(
                     f"--tp {self.tp} runs with --optimizer muon (its Newton-Schulz is tensor-"
@@ -168,12 +187,15 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
 def make_optimizer(
     model: nn.Module, args: TrainArgs, world_size: int, mesh: DeviceMesh | None = None
 ) -> Any:
-    """The optimizer for this rank: `build_optimizer` on one rank; on more, the layer-wise
-    distributed optimizer (each matrix, and each expert of a mixture of experts, owned whole
-    by one rank). With a (dp, tp) `mesh` it owns over the dp group and orthogonalizes with a
-    `TensorParallelOrthogonalizer` (auto mode: duplicated or distributed per shape, by its
-    cost model)."""
+    """The optimizer for this rank: `FSDPOptimizer` under --fsdp (the model already sharded);
+    otherwise `build_optimizer` on one rank and, on more, the layer-wise distributed optimizer
+    (each matrix, and each expert of a mixture of experts, owned whole by one rank). All of
+    them route the same parameters to AdamW. With a (dp, tp) `mesh` the layer-wise optimizer
+    owns over the dp group and orthogonalizes with a `TensorParallelOrthogonalizer` (auto
+    mode: duplicated or distributed per shape, by its cost model)."""
     kwargs = _optimizer_kwargs(args)
+    if args.fsdp:
+        return FSDPOptimizer(model, optimizer=args.optimizer, **kwargs)
     if mesh is not None:
         return LayerwiseDistributedOptimizer(
             model,
@@ -253,28 +275,39 @@ def _all_gather_floats(values: list[float], world_size: int) -> list[list[float]
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, rank: int, world_size: int) -> float:
-    """Mean validation loss over the fixed batches, split across ranks."""
+def evaluate(
+    model: nn.Module, batches: list, rank: int, world_size: int, lockstep: bool = False
+) -> float:
+    """Mean validation loss over the fixed batches, split across ranks.
+
+    `lockstep`: every rank runs the same number of forwards (a rank short of batches repeats
+    one and ignores it), as a sharded model's forward is collective."""
     model.eval()
     total, count = 0.0, 0.0
-    for x, y in batches[rank::world_size]:
-        total += model(x, y).item() * y.numel()
-        count += y.numel()
+    rounds = -(-len(batches) // world_size)
+    for i in range(rounds):
+        j = rank + i * world_size
+        if j < len(batches):
+            x, y = batches[j]
+            total += model(x, y).item() * y.numel()
+            count += y.numel()
+        elif lockstep:
+            model(*batches[0])
     model.train()
     total, count = _all_sum([total, count], world_size)
     return total / count
 
 
-RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps", "tp")
+RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps", "tp", "fsdp")
 
 
 def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch."""
-    saved = {**TrainArgs().to_dict(), **info["args"]}  # flags added since: their defaults
+    saved = dict(TrainArgs().to_dict(), **info["args"])  # flags newer than the checkpoint
     mismatched = [
-        f"--{k}: checkpoint {saved.get(k)!r}, now {getattr(args, k)!r}"
+        f"--{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}"
         for k in RESUME_MUST_MATCH
-        if saved.get(k) != getattr(args, k)
+        if saved[k] != getattr(args, k)
     ]
     if info["world_size"] != world_size:
         mismatched.append(f"--nproc: checkpoint {info['world_size']}, now {world_size}")
@@ -288,13 +321,17 @@ class Checkpointer:
     """Atomic checkpoints: every file is written aside and renamed, then `latest.json` (the
     commit point) is replaced to name the new step folder; older folders are removed after.
 
-    Under tensor parallelism (`tp` > 1) every rank also writes its shard of the model
-    (`model_rank{R}.pt`, local shards of the DTensor parameters) instead of rank 0 writing
-    `model.pt`; resuming needs the same --nproc and --tp."""
+    `sharded`: model and optimizer are FSDP2 shards, saved and loaded together with
+    torch.distributed.checkpoint (each rank writes its own shards). Under tensor parallelism
+    (`tp` > 1) every rank also writes its shard of the model (`model_rank{R}.pt`, local
+    shards of the DTensor parameters) instead of rank 0 writing `model.pt`; resuming needs
+    the same --nproc and --tp."""
 
-    def __init__(self, out: Path, rank: int, world_size: int, tp: int = 1) -> None:
+    def __init__(
+        self, out: Path, rank: int, world_size: int, sharded: bool = False, tp: int = 1
+    ) -> None:
         self.dir = out / "checkpoints"
-        self.rank, self.world_size, self.tp = rank, world_size, tp
+        self.rank, self.world_size, self.sharded, self.tp = rank, world_size, sharded, tp
 
     def _model_file(self) -> str:
         return "model.pt" if self.tp == 1 else f"model_rank{self.rank}.pt"
@@ -315,10 +352,15 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
         _barrier(self.world_size)
         _params_ready(opt)
-        if self.rank == 0 or self.tp > 1:
-            sd = {k: local_shard(v) for k, v in model.state_dict().items()}
-            _atomic_save(sd, folder / self._model_file())
-        _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
+        if self.sharded:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(_sharded_state(model, opt), checkpoint_id=folder / "dcp")
+        else:
+            if self.rank == 0 or self.tp > 1:
+                sd = {k: local_shard(v) for k, v in model.state_dict().items()}
+                _atomic_save(sd, folder / self._model_file())
+            _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
         _barrier(self.world_size)
         if self.rank == 0:
             info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
@@ -332,6 +374,14 @@ class Checkpointer:
         info = self.latest()
         check_resumable(info, args, self.world_size)
         folder = self.dir / info["folder"]
+        if self.sharded:
+            import torch.distributed.checkpoint as dcp
+
+            state = _sharded_state(model, opt)
+            dcp.load(state, checkpoint_id=folder / "dcp")
+            model.load_state_dict(state["model"])
+            opt.load_sharded_state_dict(state["optim"])
+            return info
         saved = torch.load(folder / self._model_file(), weights_only=True)
         if self.tp == 1:
             model.load_state_dict(saved)
@@ -339,6 +389,11 @@ class Checkpointer:
             load_local_model_state(model, saved)
         opt.load_state_dict(torch.load(folder / f"optim_rank{self.rank}.pt", weights_only=False))
         return info
+
+
+def _sharded_state(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """The DCP layout of a sharded run: the model's and the optimizer's DTensor shards."""
+    return {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
 
 
 @torch.no_grad()
@@ -431,6 +486,8 @@ def _train(
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     args.check_nproc(world_size)
+    if args.fsdp and world_size > 1:
+        shard_model(model)
     mesh = None
     dp_rank, dp_size = rank, world_size
     if args.tp > 1:
@@ -451,16 +508,17 @@ def _train(
         for x, y in val_batches(corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed)
     ]
     log.info(
-        "model %s (%d params), optimizer %s, world size %d (tp %d), device %s",
+        "model %s (%d params), optimizer %s%s, world size %d (tp %d), device %s",
         args.config,
         sum(p.numel() for p in model.parameters()),
         args.optimizer,
+        " (FSDP2)" if args.fsdp else "",
         world_size,
         args.tp,
         device,
     )
 
-    ckpt = Checkpointer(out, rank, world_size, args.tp)
+    ckpt = Checkpointer(out, rank, world_size, sharded=args.fsdp and world_size > 1, tp=args.tp)
     metrics_path = out / "metrics.jsonl"
     start, train_time = 0, 0.0
     if args.resume:
@@ -492,7 +550,7 @@ def _train(
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
     val_loss = None
     if start == 0:
-        val_loss = evaluate(model, val, dp_rank, dp_size)
+        val_loss = evaluate(model, val, dp_rank, dp_size, lockstep=args.fsdp)
         if metrics_file:
             metrics_file.write(
                 json.dumps(dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)) + "\n"
@@ -540,7 +598,7 @@ def _train(
                 **clipped,
             )
             if step % args.eval_every == 0 or step == args.steps:
-                val_loss = evaluate(model, val, dp_rank, dp_size)
+                val_loss = evaluate(model, val, dp_rank, dp_size, lockstep=args.fsdp)
                 row["val_loss"] = val_loss
                 log.info("step %d train %.4f val %.4f", step, train_loss, val_loss)
             if metrics_file:
