@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Diagonal blocks of at most this many rows use one plain product (measured on 2 AVX2 cores:
-# 128–256 rows beat 384–512 for 768–1024-row Grams).
-LEAF_ROWS = 256
+# Diagonal blocks of at most this many rows use one plain product (measured on 2 AVX2 cores,
+# 1 thread: 128 rows beat 256 by 3–5 % and 768 by 30–45 % for 768–1024-row Grams and sym_polys).
+LEAF_ROWS = 128
 # Split points are rounded to a multiple of this many rows so blocks stay SIMD-aligned.
 ALIGN = 32
 
