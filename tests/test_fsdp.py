@@ -21,6 +21,11 @@ from distributed import run_ranks
 
 VOCAB, SEQ, WIDTH, BATCH, STEPS, EXTRA = 50, 8, 24, 8, 10, 2
 KW = dict(lr=0.02, weight_decay=0.01, adamw_lr=3e-3, adamw_weight_decay=0.01)
+# SOAP refreshing its eigenbases every other step.
+SOAP_KW = dict(
+    optimizer="soap", lr=3e-3, weight_decay=0.01, adamw_lr=3e-3, adamw_weight_decay=0.01,
+    precondition_frequency=2,
+)  # fmt: skip
 
 
 class Block(nn.Module):
@@ -103,6 +108,40 @@ def local_params(model):
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
+def train_same_batch(model, opt, steps):
+    """Every rank trains on the whole batch: the averaged gradient is then exactly the
+    single-process one (SOAP turns 1e-7 reduction-order differences into visible ones)."""
+    for step in steps:
+        x, y = batch(step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def soap_checks(rank, world_size):
+    """SOAP over FSDP2 shards against single-process SOAP run in this same (one-thread) process."""
+    out = {}
+    if rank == 0:
+        model = make_model()
+        ref = build_optimizer(model, **SOAP_KW)
+        train_same_batch(model, ref, range(STEPS))
+        out["soap_ref"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = sharded_model(world_size)
+    opt = FSDPOptimizer(model, bucket_mb=0.01, **SOAP_KW)
+    train_same_batch(model, opt, range(STEPS))
+    out["soap"] = local_params(model)
+    out["soap_stats"], out["soap_expected"] = opt.comm_stats(), opt.expected_comm_bytes()
+    # The full per-matrix state lives on the owner only; other ranks keep the step count.
+    p = dict(model.named_parameters())["blocks.0.fc.weight"]
+    out["soap_state_keys"] = sorted(opt.state[p])
+    out["soap_owner"] = opt.owner_of["blocks.0.fc.weight"]
+    try:
+        opt.sharded_state_dict()
+    except NotImplementedError as e:
+        out["soap_sharded_error"] = str(e)
+    return out
+
+
 def worker(rank, world_size, ckpt):
     import torch.distributed.checkpoint as dcp
 
@@ -120,6 +159,7 @@ def worker(rank, world_size, ckpt):
             {"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=ckpt
         )
         out.update(nonfinite_checks(model, opt, rank))
+        out.update(soap_checks(rank, world_size))
         try:
             FSDPOptimizer(make_model())
         except ValueError as e:
@@ -299,6 +339,25 @@ def test_state_dict_round_trip_at_world_size_one():
     assert torch.equal(other.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
 
 
+def test_soap_matches_single_process_soap_bitwise(runs):
+    """Same batch on both ranks, reference in the same one-thread process: the owner steps the
+    full gradient through SOAP and every shard adds its rows of the same update, so the
+    result is bit-identical (refreshes of the eigenbases included)."""
+    two = runs[2]
+    ref, got = two[0]["soap_ref"], full(two, "soap")
+    assert got.keys() == ref.keys()
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
+    assert not torch.equal(ref["blocks.0.fc.weight"], make_model().blocks[0].fc.weight)
+    owner = two[0]["soap_owner"]
+    assert "basis_left" in two[owner]["soap_state_keys"]
+    assert two[1 - owner]["soap_state_keys"] == ["step"]
+    for r in two:
+        # Gradient shards travel as Muon's update shards do: the same bytes formula.
+        assert r["soap_stats"]["all_to_all"] == r["soap_expected"]["all_to_all"]
+        assert "state_dict()" in r["soap_sharded_error"]
+
+
 def test_resume_2_rank_checkpoint_at_4_ranks(runs):
     assert_close(full(runs[4], "resumed"), runs["ref"][STEPS + EXTRA], 1e-5)
 
@@ -324,8 +383,14 @@ def test_world_size_one_matches_hybrid_and_rejects_bad_arguments():
             o.step()
             o.zero_grad()
     assert_close(dict(model.named_parameters()), dict(ref_model.named_parameters()), 1e-6)
+    model, ref_model = make_model(), make_model()
+    opt, ref = FSDPOptimizer(model, **SOAP_KW), build_optimizer(ref_model, **SOAP_KW)
+    train_same_batch(model, opt, range(4))
+    train_same_batch(ref_model, ref, range(4))
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), n
     with pytest.raises(ValueError, match="optimizer"):
-        FSDPOptimizer(make_model(), optimizer="soap")
+        FSDPOptimizer(make_model(), optimizer="sgd")
     with pytest.raises(ValueError, match="comm_dtype"):
         FSDPOptimizer(make_model(), comm_dtype=torch.int32)
     with pytest.raises(ValueError, match="bucket_mb"):

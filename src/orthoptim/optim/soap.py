@@ -179,8 +179,12 @@ class SOAP(GuardedOptimizer):
                     )
                 self._step_param(p, group)
 
-    def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
-        state = self.state[p]
+    def _step_param(
+        self, p: Tensor, group: dict[str, Any], state: dict[str, Any] | None = None
+    ) -> None:
+        """One SOAP step of `p` from `p.grad`; `state` (default `self.state[p]`) lets a caller
+        keep the state elsewhere (FSDPOptimizer steps a full-size stand-in for a shard)."""
+        state = self.state[p] if state is None else state
         dtype = state_dtype(p)
         grad = p.grad.to(dtype)
         if p.ndim >= 2:
@@ -224,8 +228,10 @@ class SOAP(GuardedOptimizer):
         if q_left is None and q_right is None:
             w.addcdiv_(exp_avg.view(w.shape), denom.view(w.shape), value=-step_size)
         else:
-            update = rotate_back(exp_avg / denom, q_left, q_right)
-            w.add_(update.view(w.shape), alpha=-step_size)
+            # The scaled update is formed first, then added: adding it to a slice of W (as
+            # FSDPOptimizer does on each shard) then gives the same bits as adding it to W.
+            update = rotate_back(exp_avg / denom, q_left, q_right).mul_(-step_size)
+            w.add_(update.view(w.shape))
         if w is not p:
             p.copy_(w)
 

@@ -1,4 +1,4 @@
-"""Muon over a model sharded by FSDP2 (`torch.distributed.fsdp.fully_shard`, HSDP meshes).
+"""Muon or SOAP over a model sharded by FSDP2 (`torch.distributed.fsdp.fully_shard`, HSDP).
 
 Under FSDP2 every parameter is a DTensor sharded along dim 0 and, after backward, every rank
 holds its dim-0 shard of the averaged gradient; nobody holds a full matrix. One step::
@@ -14,6 +14,13 @@ holds its dim-0 shard of the averaged gradient; nobody holds a full matrix. One 
     back       per bucket, ONE all-to-all: the owner sends each rank the rows of the
                orthogonalized update matching that rank's shard
     apply      decoupled weight decay and the lr-scaled update on the local shards
+
+SOAP (`optimizer="soap"`) has per-matrix state (Kronecker factors, eigenbases, moments in the
+rotated basis), so it cannot stay sharded: the forward all-to-all carries the raw gradient
+shards, the owner keeps the matrix's whole SOAP state and runs SOAP's own step on the full
+gradient, and the back all-to-all returns each rank its rows of the scaled update (same bytes
+as Muon). Every rank keeps the step count, so all agree when SOAP's first step leaves a
+matrix in place. `sharded_state_dict()` is Muon/AdamW only; SOAP saves with `state_dict()`.
 
 AdamW parameters (embeddings, head, vectors) are stepped by torch's AdamW on the DTensors:
 elementwise, so exact on local shards, no communication. Bytes per step for the matrices:
@@ -31,9 +38,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy, local_shard
+from orthoptim.optim.base import (
+    check_nonfinite_policy,
+    enforce_nonfinite_policy,
+    local_shard,
+    state_dtype,
+)
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
-from orthoptim.optim.muon import Muon, lr_scale_factor
+from orthoptim.optim.muon import lr_scale_factor
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
 
@@ -138,7 +150,8 @@ class FSDPOptimizer(torch.optim.Optimizer):
     "capped") and `bucket_mb` as the layer-wise optimizer (one all-to-all pair per bucket),
     `comm_dtype` (e.g. torch.bfloat16: updates travel in it; state and parameters stay in
     their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks); other keyword
-    arguments go to `build_optimizer`. Matrix optimizer: "muon" (or "adamw" for the baseline).
+    arguments go to `build_optimizer`. Matrix optimizer: "muon", "soap" (whole per-matrix
+    state on the owner), or "adamw" (the baseline).
     """
 
     def __init__(
@@ -153,10 +166,9 @@ class FSDPOptimizer(torch.optim.Optimizer):
         nonfinite: str = "raise",
         **inner_kwargs: Any,
     ) -> None:
-        if optimizer not in ("muon", "adamw"):
+        if optimizer not in ("muon", "soap", "adamw"):
             raise ValueError(
-                f"FSDPOptimizer supports optimizer='muon' or 'adamw', got {optimizer!r} "
-                "(SOAP's preconditioners are not elementwise and need the layer-wise optimizer)"
+                f"FSDPOptimizer supports optimizer='muon', 'soap' or 'adamw', got {optimizer!r}"
             )
         if balance not in BALANCES:
             raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
@@ -176,9 +188,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self.rank, self.world_size = C.world(self.process_group)
         self.device = named[0][1].device if named else torch.device("cpu")
 
-        self.muon: Muon | None = self.template.inner.get("muon")  # type: ignore[assignment]
+        self.kind = optimizer
+        # The matrix optimizer (Muon or SOAP; None for plain AdamW): its maths run on owners.
+        self.matrix_opt: Any = self.template.inner.get(optimizer) if optimizer != "adamw" else None
         self.adamw: torch.optim.Optimizer | None = self.template.inner.get("adamw")
-        group_of = self._muon_groups()
+        group_of = self._matrix_groups()
         split = sorted({n for g in self.template.param_groups for n in g.get("split") or {}})
         if split:
             raise NotImplementedError(
@@ -214,11 +228,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self._last_stats = C.CommStats()
         self._built = True
 
-    def _muon_groups(self) -> dict[str, dict[str, Any]]:
-        """Matrix name → its (current) Muon param group."""
-        if self.muon is None:
+    def _matrix_groups(self) -> dict[str, dict[str, Any]]:
+        """Matrix name → its (current) param group of the matrix optimizer."""
+        if self.matrix_opt is None:
             return {}
-        return {n: g for g in self.muon.param_groups for n in g["param_names"]}
+        return {n: g for g in self.matrix_opt.param_groups for n in g["param_names"]}
 
     # -- the step ----------------------------------------------------------------------
     def _agree(self) -> tuple[list[bool], list[str]]:
@@ -277,7 +291,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
         n, rank, dev = self.world_size, self.rank, self.device
         wire = self.comm_dtype
         live = [m for m in self._matrices if present[m.unit]]
-        updates = {m.unit: self._momentum(m) for m in live if m.param.grad is not None}
+        # What travels to the owner: Muon's Nesterov update (its momentum is elementwise, so
+        # it stays sharded); SOAP's raw gradient (its state is per matrix, held by the owner).
+        outgoing = self._momentum if self.kind == "muon" else _flat_grad
+        updates = {m.unit: outgoing(m) for m in live if m.param.grad is not None}
+        moved = self._soap_moves(live) if self.kind == "soap" else {}
         buckets = []
         for unit_ids in self.assignment.buckets:
             ms = [self._matrices[i] for i in unit_ids if present[i]]
@@ -320,7 +338,9 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     offset += m.numels[s]
             for m in mine:
                 full[m.unit] = torch.cat(chunks[m.unit]).to(torch.float32).view(m.param.shape)
-        ortho = self._orthogonalize([m for ms in buckets for m in ms if m.owner == rank], full)
+        mine = [m for ms in buckets for m in ms if m.owner == rank]
+        compute = self._orthogonalize if self.kind == "muon" else self._soap_deltas
+        ortho = compute(mine, full)
 
         # Back: the owner sends each rank its rows, laid out as the forward receive buffer.
         back = []
@@ -350,18 +370,52 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     offset += m.numels[rank]
                     if m.param.grad is None:
                         continue
-                    g = m.group
+                    g, p = m.group, local_shard(m.param)
+                    if self.kind == "soap":
+                        if moved[m.unit]:  # SOAP's first step only builds its bases
+                            if g["weight_decay"] != 0.0:
+                                p.mul_(1.0 - g["lr"] * g["weight_decay"])
+                            p.add_(o.view(p.shape).to(p.dtype))
+                        continue
                     rows, cols = _matrix_shape(m.param.shape)
                     scale = g["lr"] * lr_scale_factor(g["lr_scale"], rows, cols)
-                    p = local_shard(m.param)
                     if g["weight_decay"] != 0.0:
                         p.mul_(1.0 - g["lr"] * g["weight_decay"])
                     p.add_(o.view(p.shape).to(p.dtype), alpha=-scale)
 
+    def _soap_moves(self, live: list[_Matrix]) -> dict[int, bool]:
+        """Per live matrix: does this SOAP step move it? Not on the first step of a matrix with
+        a Kronecker factor (SOAP only initialises its bases then). Every rank decides alike
+        from the replicated step count, which non-owners advance here as the owner's SOAP does.
+        """
+        out = {}
+        for m in live:
+            st = self.state[m.param]
+            rows, cols = _matrix_shape(m.param.shape)
+            factored = min(rows, cols) <= m.group["max_precond_dim"]
+            out[m.unit] = "step" in st or not factored
+            if m.owner != self.rank:
+                st["step"] = st.get("step", 0) + int(out[m.unit])
+        return out
+
+    def _soap_deltas(self, mine: list[_Matrix], full: dict[int, Tensor]) -> dict[int, Tensor]:
+        """SOAP on the owned full gradients: each matrix's state is the owner's `state[param]`
+        (full size), stepped through a zero full-size stand-in without weight decay, so the
+        stand-in ends up holding the update; returns flat updates by unit (weight decay is
+        applied on the shards)."""
+        out: dict[int, Tensor] = {}
+        for m in mine:
+            stand_in = torch.zeros(m.param.shape, dtype=state_dtype(m.param), device=self.device)
+            stand_in.grad = full[m.unit].to(stand_in.dtype)
+            group = dict(m.group, weight_decay=0.0)
+            self.matrix_opt._step_param(stand_in, group, state=self.state[m.param])
+            out[m.unit] = stand_in.reshape(-1)
+        return out
+
     def _orthogonalize(self, mine: list[_Matrix], full: dict[int, Tensor]) -> dict[int, Tensor]:
         """Newton-Schulz on the owned full updates, batched by (param group, matrix shape);
         returns flat orthogonalized updates by unit."""
-        assert self.muon is not None
+        assert self.matrix_opt is not None
         batches: dict[tuple[int, int, int], list[_Matrix]] = defaultdict(list)
         for m in mine:
             rows, cols = _matrix_shape(m.param.shape)
@@ -370,7 +424,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         for (_, rows, cols), ms in batches.items():
             mats = [full[m.unit].reshape(-1, rows, cols) for m in ms]
             stacked = torch.cat(mats) if len(mats) > 1 else mats[0]
-            result = self.muon._orthogonalize(stacked, ms[0].group)
+            result = self.matrix_opt._orthogonalize(stacked, ms[0].group)
             offset = 0
             for m, x in zip(ms, mats):
                 k = x.shape[0]
@@ -430,7 +484,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self.template.load_state_dict(state_dict)
         self.param_groups = self.template.param_groups
         self.state = self.template.state
-        groups = self._muon_groups()
+        groups = self._matrix_groups()
         for m in self._matrices:
             m.group = groups[m.name]
 
@@ -461,6 +515,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
         `torch.distributed.checkpoint.save`/`load` (which reshards across world sizes), then
         give the loaded dict to `load_sharded_state_dict`. Creates zero state where none
         exists yet, so a fresh optimizer offers the layout to load into."""
+        if self.kind == "soap":
+            raise NotImplementedError(
+                "sharded_state_dict: SOAP's state lives whole on each matrix's owner, not as "
+                "shards; use state_dict() / load_state_dict() (per rank, same world size)"
+            )
         self._init_state()
         names = {}
         for g in self.param_groups:
@@ -495,6 +554,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
                         local_shard(mine[k]).copy_(local_shard(v))
                 else:
                     mine[k] = v
+
+
+def _flat_grad(m: _Matrix) -> Tensor:
+    """The local gradient shard of a matrix, flat, in float32 for bf16/fp16 parameters."""
+    return local_shard(m.param.grad).reshape(-1).to(state_dtype(m.param))
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:

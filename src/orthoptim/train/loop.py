@@ -106,8 +106,9 @@ class TrainArgs:
             )
         if self.fsdp and self.optimizer == "soap":
             raise ValueError(
-                "--fsdp runs --optimizer muon or adamw (FSDPOptimizer has no SOAP); "
-                "drop --fsdp to train SOAP with the layer-wise optimizer"
+                "--fsdp runs --optimizer muon or adamw: FSDPOptimizer steps SOAP, but its "
+                "owner-held SOAP state has no sharded (DCP) checkpoint yet; drop --fsdp to train "
+                "SOAP with the layer-wise optimizer"
             )
         if self.fsdp and self.qk_clip_tau is not None:
             raise ValueError(
