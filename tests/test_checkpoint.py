@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orthoptim import build_optimizer
+from orthoptim import Muon, build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 
@@ -60,10 +60,14 @@ def batch(step, rank=0, world_size=1):
     return idx[:, :-1], idx[:, 1:]
 
 
-def train(model, opt, steps, rank=0, world_size=1):
+def lm_loss(model, step, rank, world_size):
+    x, y = batch(step, rank, world_size)
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def train(model, opt, steps, rank=0, world_size=1, loss=lm_loss):
     for step in steps:
-        x, y = batch(step, rank, world_size)
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        loss(model, step, rank, world_size).backward()
         opt.step()
         opt.zero_grad()
     if hasattr(opt, "wait_for_params"):
@@ -82,8 +86,10 @@ def _save_and_resume(rank, world_size, path):
     opt = LayerwiseDistributedOptimizer(model, **KW)
     train(model, opt, range(BEFORE), rank, world_size)
     ckpt.save_sharded(path, opt, model, extra={"step": BEFORE})
-    out["full"] = opt.full_state_dict()
-    out["full_rank0"] = opt.full_state_dict(to_rank0=True)
+    out["full"] = opt.state_dict()  # state_dict_to="all": the full dict on every rank
+    opt.state_dict_to = "rank0"
+    out["full_rank0"] = opt.state_dict()
+    opt.state_dict_to = "all"
     out["owned"] = sorted(ckpt.sharded_state_dict(opt))
     out["model"] = {k: v.clone() for k, v in model.state_dict().items()}
     out["uninterrupted"] = train(model, opt, range(BEFORE, BEFORE + AFTER), rank, world_size)
@@ -98,15 +104,61 @@ def _save_and_resume(rank, world_size, path):
     opt3 = LayerwiseDistributedOptimizer(model3, **KW)
     opt3.load_state_dict(out["full"])
     out["resumed_full"] = train(model3, opt3, range(BEFORE, BEFORE + AFTER), rank, world_size)
+    out["muon_only"] = _muon_only(rank, world_size)
     return out
 
 
-def _resume_at(rank, world_size, path):
+class Matrices(nn.Module):
+    """Only hidden matrices: every parameter goes to Muon (no AdamW group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, 2 * WIDTH, bias=False)
+        self.b = nn.Linear(2 * WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+MUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
+
+
+def square_loss(model, step, rank, world_size):
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step))
+    per = BATCH // world_size
+    return model(x[rank * per : (rank + 1) * per]).square().mean()
+
+
+def train_matrices(model, opt, steps, rank=0, world_size=1):
+    return train(model, opt, steps, rank, world_size, loss=square_loss)
+
+
+def _muon_only(rank, world_size):
+    """A Muon-only model at 2 ranks: its full dict, the model then, and the run continued."""
+    torch.manual_seed(0)
+    model = Matrices()
+    opt = LayerwiseDistributedOptimizer(model, bucket_mb=0.0005, **MUON_KW)
+    train_matrices(model, opt, range(BEFORE), rank, world_size)
+    full = opt.state_dict()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    after = train_matrices(model, opt, range(BEFORE, BEFORE + AFTER), rank, world_size)
+    return {"full": full, "model": snapshot, "uninterrupted": after}
+
+
+def _resume_at(rank, world_size, path, full=None, model_sd=None):
+    """Resume at `world_size` from the DCP checkpoint, and from the full dict if given."""
     model = make_model(seed=1)
     opt = LayerwiseDistributedOptimizer(model, **KW)
     extra = ckpt.load_sharded(path, opt, model)
     assert extra == {"step": BEFORE}
-    return train(model, opt, range(BEFORE, BEFORE + AFTER), rank, world_size)
+    got = train(model, opt, range(BEFORE, BEFORE + AFTER), rank, world_size)
+    if full is None:
+        return got
+    model = make_model(seed=1)
+    model.load_state_dict(model_sd)
+    opt = LayerwiseDistributedOptimizer(model, **KW)
+    opt.load_state_dict(full)  # every rank keeps what it owns here
+    return got, train(model, opt, range(BEFORE, BEFORE + AFTER), rank, world_size)
 
 
 def test_reshard_and_resume(tmp_path):
@@ -127,11 +179,30 @@ def test_reshard_and_resume(tmp_path):
     full = r[0]["full"]
     assert set(full["state"]) == set(r[0]["full_rank0"]["state"])
 
-    # world size 1 from the DCP checkpoint (no process group), and 4 ranks
+    # world size 1 from the DCP checkpoint (no process group), and 4 ranks from the DCP
+    # checkpoint and from the 2-rank full dict
     got1 = _resume_at(0, 1, path)
     assert rel_err(got1, want) <= 1e-6, rel_err(got1, want)
-    for res in run_ranks(_resume_at, 4, args=(path,)):
-        assert rel_err(res, want) <= 1e-6, rel_err(res, want)
+    for dcp_res, full_res in run_ranks(_resume_at, 4, args=(path, full, r[0]["model"])):
+        assert rel_err(dcp_res, want) <= 1e-6, rel_err(dcp_res, want)
+        assert rel_err(full_res, want) <= 1e-6, rel_err(full_res, want)
+        for n, p in full_res.items():
+            assert torch.equal(p, dcp_res[n]), n  # the same state, whichever way it came
+
+    # a Muon-only model's full dict loads into a plain single-process Muon
+    mo = r[0]["muon_only"]
+    torch.manual_seed(0)
+    model = Matrices()
+    model.load_state_dict(mo["model"])
+    muon = Muon(list(model.named_parameters()), **MUON_KW)
+    muon.load_state_dict(mo["full"])
+    got = train_matrices(model, muon, range(BEFORE, BEFORE + AFTER))
+    assert rel_err(got, mo["uninterrupted"]) <= 1e-6, rel_err(got, mo["uninterrupted"])
+    with pytest.raises(AssertionError):  # the state matters: a fresh Muon ends elsewhere
+        model.load_state_dict(mo["model"])
+        fresh = train_matrices(model, Muon(list(model.named_parameters()), **MUON_KW),
+                               range(BEFORE, BEFORE + AFTER))  # fmt: skip
+        assert rel_err(fresh, mo["uninterrupted"]) <= 1e-6
 
     # the single-process optimizer takes the full dict as is (torch's own load_state_dict)
     model = make_model(seed=1)

@@ -228,6 +228,34 @@ def test_degenerate_newton_schulz_and_state_dtypes():
     assert torch.isfinite(model.vec_bf16.detach()).all()
 
 
+def test_degenerate_under_layerwise_optimizer():
+    """The README's table under the layer-wise optimizer (one process; 3 ranks above): the
+    same parameters as the single-process optimizer, frozen and gradient-less parameters
+    without state and, frozen, outside the checkpoint; fp16/bf16 matrices with fp32 state."""
+    single, model = Degenerate(), Degenerate()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = step_degenerate(build_optimizer(single, **DEGEN_KW), single)
+    opt = LayerwiseDistributedOptimizer(model, **DEGEN_KW, bucket_mb=0.001)
+    got = step_degenerate(opt, model)
+    check_degenerate(got, before)
+    for n, p in got.items():
+        assert torch.equal(p, want[n]), n
+    sd = opt.state_dict()
+    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    assert "frozen" not in names.values() and "nograd" in names.values()
+    with_state = {names[i]: st for i, st in sd["state"].items()}
+    assert "nograd" not in with_state
+    for n in ("fp16", "bf16"):
+        assert with_state[n]["momentum_buffer"].dtype == torch.float32, n
+    fresh = LayerwiseDistributedOptimizer(Degenerate(), **DEGEN_KW, bucket_mb=0.001)
+    fresh.load_state_dict(sd)
+    assert fresh.state[fresh.model.fp16]["momentum_buffer"].dtype == torch.float32
+    frozen = nn.Linear(3, 3)
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        LayerwiseDistributedOptimizer(frozen)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_checkpoint_keeps_fp32_state(dtype, tmp_path):
     """The fp32 momentum of a bf16/fp16 matrix survives both checkpoint paths in fp32."""

@@ -142,7 +142,7 @@ def soap_checks(rank, world_size):
     return out
 
 
-def worker(rank, world_size, ckpt):
+def worker(rank, world_size, ckpt, full_sd=None):
     import torch.distributed.checkpoint as dcp
 
     out = {}
@@ -150,6 +150,10 @@ def worker(rank, world_size, ckpt):
     opt = FSDPOptimizer(model, bucket_mb=0.01, **KW)
     train(model, opt, rank, world_size, range(STEPS))
     out["params"] = local_params(model)
+    if world_size == 2:
+        out["full"] = opt.state_dict()  # unsharded, on every rank
+        opt.state_dict_to = "rank0"
+        out["full_rank0"] = opt.state_dict()
     out["stats"] = opt.comm_stats()
     out["expected"] = opt.expected_comm_bytes()
     out["owners"] = dict(opt.owner_of)
@@ -174,6 +178,15 @@ def worker(rank, world_size, ckpt):
     opt.load_sharded_state_dict(sd["optim"])
     train(model, opt, rank, world_size, range(STEPS, STEPS + EXTRA))
     out["resumed"] = local_params(model)
+    # the same from the 2-rank full dict: each rank keeps its shard of every state tensor
+    model = sharded_model(world_size)
+    opt = FSDPOptimizer(model, bucket_mb=0.01, **KW)
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(full_sd)
+    train(model, opt, rank, world_size, range(STEPS, STEPS + EXTRA))
+    out["resumed_full"] = local_params(model)
     # HSDP: 2 replicas × 2 shards; the optimizer works inside each replica's shard group.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -238,7 +251,7 @@ def reference(steps):
 def runs():
     with tempfile.TemporaryDirectory() as ckpt:
         two = run_ranks(worker, 2, (ckpt,))
-        four = run_ranks(worker, 4, (ckpt,))
+        four = run_ranks(worker, 4, (ckpt, two[0]["full"]))
     return {2: two, 4: four, "ref": reference(STEPS + EXTRA)}
 
 
@@ -360,6 +373,40 @@ def test_soap_matches_single_process_soap_bitwise(runs):
 
 def test_resume_2_rank_checkpoint_at_4_ranks(runs):
     assert_close(full(runs[4], "resumed"), runs["ref"][STEPS + EXTRA], 1e-5)
+    # from the full dict: the same state as through DCP, so the same parameters
+    resumed, from_full = full(runs[4], "resumed"), full(runs[4], "resumed_full")
+    for n in resumed:
+        assert torch.equal(from_full[n], resumed[n]), n
+
+
+def test_full_state_dict_loads_into_single_process_optimizer(runs):
+    """The 2-rank full dict is build_optimizer's format over the unsharded model."""
+    sd = runs[2][0]["full"]
+    assert runs[2][1]["full_rank0"] == {} and runs[2][0]["full_rank0"].keys() == sd.keys()
+    model = make_model()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(full(runs[2], "params")[n])
+    opt = build_optimizer(model, **KW)
+    opt.load_state_dict(sd)
+    for step in range(STEPS, STEPS + EXTRA):
+        loss_fn(model, *batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    got = {n: p.detach() for n, p in model.named_parameters()}
+    assert_close(got, runs["ref"][STEPS + EXTRA], 1e-5)
+    fresh = make_model()  # without the loaded state the run ends elsewhere
+    with torch.no_grad():
+        for n, p in fresh.named_parameters():
+            p.copy_(full(runs[2], "params")[n])
+    fresh_opt = build_optimizer(fresh, **KW)
+    for step in range(STEPS, STEPS + EXTRA):
+        loss_fn(fresh, *batch(step)).backward()
+        fresh_opt.step()
+        fresh_opt.zero_grad()
+    with pytest.raises(AssertionError):
+        assert_close({n: p.detach() for n, p in fresh.named_parameters()},
+                     runs["ref"][STEPS + EXTRA], 1e-5)  # fmt: skip
 
 
 def test_bf16_on_the_wire(runs):

@@ -367,7 +367,10 @@ def test_state_dict_continuation_and_scheduler():
         sched.step()
     assert [g["lr"] for g in opt.param_groups] == [0.02 / 8, 3e-3 / 8]
     saved = copy.deepcopy(opt.state_dict())
-    assert set(saved["state"]) == {n for n, p in model.named_parameters() if "unused" not in n}
+    # the full dict (torch's format over the whole model), keyed by index, named per group
+    with_state = {n for g in saved["param_groups"] for i, n in zip(g["params"], g["param_names"])
+                  if i in saved["state"]}  # fmt: skip
+    assert with_state == {n for n, p in model.named_parameters() if "unused" not in n}
     snapshot = copy.deepcopy(model.state_dict())
 
     def cont(m, o):

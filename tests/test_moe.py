@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from orthoptim import LayerwiseDistributedOptimizer, Muon, QKClip, build_optimizer
+from orthoptim import checkpoint as ckpt
 from orthoptim.cli import main
 from orthoptim.optim.muon import qkv_split
 from orthoptim.optim.qk_clip import clip_factors
@@ -243,7 +244,10 @@ def _moe_ranks(rank, world_size):
         opt.zero_grad()
     opt.wait_for_params()
     out["experts"] = (model.experts.detach().clone(), ref.experts.detach().clone())
-    out["expert_state_keys"] = sorted(opt.state_dict()["state"])
+    owned = {k.split("/")[2] for k in ckpt.sharded_state_dict(opt) if k.startswith("optim/state/")}
+    out["expert_state_keys"] = sorted(owned)
+    out["full"] = opt.state_dict()  # slices joined: build_optimizer's format
+    out["ref_full"] = ref_opt.state_dict()
 
     # 2. QK-clip with q and k of a layer owned by different ranks; logits pushed over tau.
     cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8, vocab_size=64)
@@ -275,6 +279,12 @@ def _moe_ranks(rank, world_size):
     return out
 
 
+def full_experts(sd):
+    """The momentum of `experts` in a full state dict."""
+    names = {n: i for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    return sd["state"][names["experts"]]["momentum_buffer"]
+
+
 def test_expert_slices_and_qk_clip_across_two_ranks():
     r0, r1 = run_ranks(_moe_ranks, 2)
     # The experts of the one 3-D tensor are spread over both ranks, and match the oracle.
@@ -287,6 +297,26 @@ def test_expert_slices_and_qk_clip_across_two_ranks():
         got, ref = r["experts"]
         torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
     assert torch.equal(r0["experts"][0], r1["experts"][0])
+    # The full dict joins the slices of both owners into the parameter's entry, as the
+    # single-process optimizer holds it; loading cuts them again (round trip at 1 rank).
+    full, ref_full = r0["full"], r0["ref_full"]
+    assert full["param_groups"][0]["param_names"] == ref_full["param_groups"][0]["param_names"]
+    for i, st in ref_full["state"].items():
+        torch.testing.assert_close(
+            full["state"][i]["momentum_buffer"], st["momentum_buffer"], atol=1e-6, rtol=1e-5
+        )
+    torch.manual_seed(0)
+    model = _Experts()
+    lw = LayerwiseDistributedOptimizer(
+        model, split_experts=True, lr=0.05, split={"experts": (5, 5)}, weight_decay=0.01
+    )
+    lw.load_state_dict(full)
+    expert1 = lw._slot_by_name("experts[1:2]").data
+    assert torch.equal(lw.state[expert1]["momentum_buffer"], full_experts(full)[1:2])
+    again = lw.state_dict()
+    for i, st in full["state"].items():
+        for k, v in st.items():
+            assert torch.equal(again["state"][i][k], v), (i, k)
     # QK-clip: q and k on different owners; every replica equals the single-process run.
     q_owner, k_owner = r0["qk_owners"].values()
     assert q_owner != k_owner
@@ -312,4 +342,39 @@ def test_train_tiny_moe_two_ranks(tmp_path):
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(train) == 6 and train[-1] < train[0] and vals[-1] < vals[0]
     assert all("max_logit" in r and "clipped_heads" in r for r in rows if "train_loss" in r)
-    assert (out / "checkpoints/step_000006/optim_rank1.pt").is_file()
+    assert (out / "checkpoints/step_000006/optim.pt").is_file()  # the full dict, from rank 0
+
+
+def test_split_expert_checkpoints_reshard_across_splits(tmp_path):
+    """DCP checkpoints of expert slices load with another split, without split, and into the
+    single-process optimizer (slices cut and joined by name); and the reverse."""
+    kw = dict(lr=0.05, split={"experts": (5, 5)}, weight_decay=0.01)
+
+    def trained(split_experts):
+        torch.manual_seed(0)
+        model = _Experts()
+        opt = LayerwiseDistributedOptimizer(model, split_experts=split_experts, **kw)
+        for step in range(2):
+            model(torch.randn(8, 6, generator=torch.Generator().manual_seed(step))).backward()
+            opt.step()
+            opt.zero_grad()
+        ckpt.save_sharded(tmp_path / str(split_experts), opt, model)
+        return opt.state_dict()
+
+    def same(a, b):
+        assert a["state"].keys() == b["state"].keys()
+        for i, st in a["state"].items():
+            for k, v in st.items():
+                assert torch.equal(b["state"][i][k], v), (i, k)
+
+    for saved_split, load_splits in ((True, (False, 2)), (False, (True,))):
+        want = trained(saved_split)
+        for split in (*load_splits, None):
+            torch.manual_seed(1)
+            model = _Experts()
+            if split is None:
+                opt = build_optimizer(model, **kw)
+            else:
+                opt = LayerwiseDistributedOptimizer(model, split_experts=split, **kw)
+            ckpt.load_sharded(tmp_path / str(saved_split), opt, model)
+            same(want, ckpt.full_state_dict(opt))

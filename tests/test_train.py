@@ -157,8 +157,7 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
     full = layerwise_run
     step6 = "checkpoints/step_000006"
     for f in ("metrics.jsonl", "result.json", "logs/rank0.log", "logs/rank1.log",
-              "checkpoints/latest.json", f"{step6}/model.pt", f"{step6}/optim_rank0.pt",
-              f"{step6}/optim_rank1.pt"):  # fmt: skip
+              "checkpoints/latest.json", f"{step6}/model.pt", f"{step6}/optim.pt"):  # fmt: skip
         assert (full / f).is_file(), f
     rows = _metrics(full)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -191,7 +190,7 @@ def test_train_tensor_parallel_and_resume(tmp_path):
     assert vals[-1] < vals[0] - 0.5, vals
     result = json.loads((full / "result.json").read_text())
     assert result["args"]["tp"] == 2 and result["tokens_per_step"] == 2 * SEQ  # one dp rank
-    assert (full / "checkpoints/step_000006/model_rank1.pt").is_file()
+    assert (full / "checkpoints/step_000006/dcp/.metadata").is_file()
 
     part = tmp_path / "part"
     assert _train(part, "--tp", "2", "--stop-after", "3") == 0

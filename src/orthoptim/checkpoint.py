@@ -13,6 +13,12 @@ written by N ranks loads on any other number of ranks, or in a single process:
                                 at any world size, model state included if given.
     atomic_save / atomic_load   torch.save to a temporary file, fsync, rename.
 
+The distributed optimizers' `state_dict()` is `full_state_dict` (to every rank, or with
+`state_dict_to="rank0"` to rank 0 only) and their `load_state_dict()` takes any full dict.
+Expert slices of a `split_experts` run (`name[start:stop]`) are joined into their parameter's
+entry in full dicts and cut again on load; DCP checkpoints keep one entry per slice and load
+under any split.
+
 Before anything is loaded the checkpoint is compared with the optimizer (parameter names
 and shapes, the optimizer of each group, hyper-parameters that change what the state means);
 every difference is listed in one `CheckpointMismatchError` and nothing is modified.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import shutil
 import warnings
@@ -56,6 +63,9 @@ SCHEDULED_HYPERS = frozenset(
 # Implementation switches that do not change the maths, so a checkpoint may differ in them.
 IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 _NOT_HYPER = ("params", "param_names", "optimizer")
+# Where a distributed optimizer's `state_dict()` delivers the full dict (its `state_dict_to`):
+# every rank, or rank 0 only (the others get {}).
+STATE_DICT_TO = ("all", "rank0")
 _META_KEY = "optim/meta"
 
 
@@ -74,8 +84,20 @@ class CheckpointMismatchError(ValueError):
 # -- what an optimizer is, independent of ranks ----------------------------------------------
 
 
+def check_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The checkpoint functions take a torch optimizer (any orthoptim optimizer is one)."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(
+            f"opt must be a torch.optim.Optimizer (Muon, SOAP, build_optimizer(...), "
+            f"LayerwiseDistributedOptimizer, FSDPOptimizer), got {type(opt).__name__}"
+        )
+    return opt
+
+
 def _is_layerwise(opt: torch.optim.Optimizer) -> bool:
-    return hasattr(opt, "owner_of") and hasattr(opt, "units")
+    from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer  # imports this module
+
+    return isinstance(opt, LayerwiseDistributedOptimizer)
 
 
 def _hypers(group: dict[str, Any]) -> dict[str, Any]:
@@ -89,14 +111,9 @@ def describe(opt: torch.optim.Optimizer) -> dict[str, Any]:
     groups = []
     shapes: dict[str, list[int]] = {}
     if _is_layerwise(opt):
-        if any(u.part is not None for u in opt.units):
-            raise NotImplementedError(
-                "full and sharded checkpoints of a layer-wise optimizer built with "
-                "split_experts are not supported yet; save opt.state_dict() on every rank and "
-                "load it at the same world size"
-            )
         named = {n: p for n, p in opt.model.named_parameters()}
-        order = [u.name for u in reversed(opt.units)]  # units are in backward order
+        # units are in backward order; expert slices of one parameter share its name
+        order = list(dict.fromkeys(u.name for u in reversed(opt.units)))
         kinds = {u.name: u.kind for u in opt.units}
         for g in opt.param_groups:
             names = [n for n in order if kinds[n] == g["optimizer"]]
@@ -217,18 +234,81 @@ def _install(
             }
         )
     holder = _state_holder(opt)
+    owned = _owned(opt)
     if holder is not None:
-        for n, p in _owned(opt).items():
+        for n, p in owned.items():
             holder.pop(p, None)
-            if n in state:
-                holder[p] = {
-                    k: (v.detach().to(p.device, copy=True) if isinstance(v, Tensor) else v)
-                    for k, v in state[n].items()
-                }
-    own = getattr(opt, "_master", {})
-    named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
-    for n, m in own.items():
-        m.copy_(masters[n] if n in masters else named[n])
+            st = _take(state, n)
+            if st is not None:
+                holder[p] = {k: _placed(v, p) for k, v in st.items()}
+    wrapped = {n: {"master": m} for n, m in masters.items()}
+    for n, m in getattr(opt, "_master", {}).items():
+        st = _take(wrapped, n)
+        m.copy_(st["master"] if st is not None else owned[n])
+
+
+# -- expert slices ------------------------------------------------------------------------------
+# A layer-wise optimizer built with split_experts owns `name[start:stop]`, a slice of the
+# experts (dim 0) of a 3-D parameter; its state tensors are that slice of the parameter's.
+# Checkpoints may hold whole-parameter or slice entries; `_take` cuts or joins them.
+
+
+def _range(name: str) -> tuple[str, tuple[int, int] | None]:
+    """ "w[2:4]" → ("w", (2, 4)); "w" → ("w", None)."""
+    if name.endswith("]") and "[" in name:
+        base, _, rest = name[:-1].rpartition("[")
+        start, _, stop = rest.partition(":")
+        if start.isdigit() and stop.isdigit():
+            return base, (int(start), int(stop))
+    return name, None
+
+
+def _take(entries: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The state of `name` (a parameter or an expert slice) from `entries`, keyed by
+    parameter or slice names: as is, cut from the whole parameter's entry, or joined from
+    slice entries. None when `entries` holds nothing for it; a partial cover raises."""
+    if name in entries:
+        return entries[name]
+    base, want = _range(name)
+    pieces = []  # (start, stop, entry) of every entry for this parameter
+    for key, entry in entries.items():
+        b, r = _range(key)
+        if b == base:
+            pieces.append((*(r if r is not None else (0, _rows(entry))), entry))
+    if not pieces:
+        return None
+    pieces.sort(key=lambda x: x[0])
+    lo, hi = want if want is not None else (0, max(stop for _, stop, _ in pieces))
+    cover = [x for x in pieces if x[0] < hi and x[1] > lo]
+    gaps = any(a[1] != b[0] for a, b in itertools.pairwise(cover))
+    if not cover or cover[0][0] > lo or cover[-1][1] < hi or gaps:
+        held = [k for k in entries if _range(k)[0] == base]
+        raise CheckpointMismatchError(
+            [f"state of {name}: the checkpoint's entries {held} do not cover it"]
+        )
+    out: dict[str, Any] = {}
+    for k, v in cover[0][2].items():
+        if isinstance(v, Tensor) and v.ndim >= 1:
+            joined = torch.cat([e[k] for _, _, e in cover]) if len(cover) > 1 else v
+            out[k] = joined[lo - cover[0][0] : hi - cover[0][0]]
+        else:
+            out[k] = v  # per-parameter scalars (step counts) are the same in every slice
+    return out
+
+
+def _rows(entry: dict[str, Any]) -> int:
+    """Dim 0 (the expert count) of a whole parameter's state entry."""
+    return next(v.shape[0] for v in entry.values() if isinstance(v, Tensor) and v.ndim >= 1)
+
+
+def _placed(v: Any, p: Tensor) -> Any:
+    """A saved state value as a fresh tensor on `p`'s device; a full tensor shaped like a
+    DTensor parameter becomes a DTensor laid out like it (each rank keeps its shard)."""
+    if not isinstance(v, Tensor):
+        return v
+    if C.is_dtensor(p) and not C.is_dtensor(v) and v.shape == p.shape:
+        return C.shard_like(v.detach().to(p.device_mesh.device_type, copy=True), p)
+    return v.detach().to(p.device, copy=True)
 
 
 def validate(opt: torch.optim.Optimizer, saved_meta: dict[str, Any]) -> None:
@@ -253,16 +333,23 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     and the fp32 master copies of a `gather_dtype` run) that the loaders check.
 
     On a layer-wise optimizer the owners' states are gathered: to every rank, or with
-    `to_rank0=True` to rank 0 only (the others return {}). Tensors are copies on the CPU.
+    `to_rank0=True` to rank 0 only (the others return {}). DTensor state (FSDPOptimizer's,
+    sharded like its parameters) is all-gathered into full tensors; with `to_rank0` only
+    global rank 0 keeps the result. Tensors are copies on the CPU. Collective.
     """
+    check_optimizer(opt)
     meta = describe(opt)
+    group = _group(opt)
+    # DTensor state (FSDP, tensor-parallel parameters) is all-gathered into full tensors, in
+    # the same (parameter, key) order on every rank.
     local = {
-        "state": {n: {k: _cpu(v) for k, v in st.items()} for n, st in _local_state(opt).items()},
-        "master": {n: _cpu(m) for n, m in _masters(opt).items()},
+        "state": {
+            n: {k: _cpu(C.unshard(v)) for k, v in st.items()} for n, st in _local_state(opt).items()
+        },
+        "master": {n: _cpu(C.unshard(m)) for n, m in _masters(opt).items()},
     }
     if _is_layerwise(opt):
         opt.wait_for_params()
-        group = opt.process_group
         with C.phase("full state dict gather", group):
             if to_rank0:
                 parts = C.gather_object(local, dst=0, group=group)
@@ -270,13 +357,22 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
                 parts = C.all_gather_object(local, group=group)
         if parts is None:
             return {}
+    elif to_rank0 and C.world()[0] != 0:
+        return {}  # every rank holds the whole (unsharded) state: rank 0 of the job keeps it
     else:
         parts = [local]
-    state: dict[str, dict[str, Any]] = {}
-    master: dict[str, Tensor] = {}
+    pieces: dict[str, dict[str, Any]] = {}
+    master_pieces: dict[str, dict[str, Any]] = {}
     for part in parts:
-        state.update(part["state"])
-        master.update(part["master"])
+        pieces.update(part["state"])
+        master_pieces.update({n: {"master": m} for n, m in part["master"].items()})
+    # expert slices (split_experts) are joined into their parameter's entry
+    state = {n: st for g in meta["groups"] for n in g["names"] if (st := _take(pieces, n))}
+    master = {
+        n: st["master"]
+        for n in dict.fromkeys(_range(k)[0] for k in master_pieces)
+        if (st := _take(master_pieces, n))
+    }
     index: dict[str, int] = {}
     groups = []
     for g in meta["groups"]:
@@ -324,6 +420,19 @@ def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None
     tensors keep their saved dtype (torch's own loader would cast a bf16 parameter's fp32
     momentum to bf16).
     """
+    check_optimizer(opt)
+    if not isinstance(sd, dict) or not is_full_state_dict(sd):
+        if not isinstance(sd, dict):
+            got = type(sd).__name__
+        elif not sd:
+            got = "{} (what state_dict_to='rank0' returns on ranks other than 0)"
+        else:
+            got = f"a dict with keys {sorted(map(str, sd))[:6]}"
+        raise ValueError(
+            "state_dict must be a full optimizer state dict (torch's format: 'state' and "
+            f"'param_groups' with 'params'), got {got}; load the dict rank 0 saved on every "
+            "rank, or use load_sharded for DCP checkpoints"
+        )
     saved_meta = _meta_from_full(sd)
     here = describe(opt)
     if not saved_meta["shapes"]:
@@ -356,6 +465,7 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
     of each parameter it owns under `optim/state/<name>/<key>`, fp32 master copies under
     `optim/master/<name>`, and `optim/meta` (the same on every rank). No key mentions a rank
     or a world size. Values are the live tensors (no copy)."""
+    check_optimizer(opt)
     if _is_layerwise(opt):
         opt.wait_for_params()
     out: dict[str, Any] = {_META_KEY: _pack(describe(opt))}
@@ -443,6 +553,7 @@ def save_sharded(
     point leaves a loadable checkpoint: `path`, or `<path>.old` between the two renames, which
     `load_sharded` falls back to. Collective: call on every rank of the optimizer's group.
     """
+    check_optimizer(opt)
     dcp = _dcp()
     group = _group(opt)
     rank, _ = C.world(group)
@@ -500,6 +611,7 @@ def load_sharded(
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+    check_optimizer(opt)
     group = _group(opt)
     path = resolve(path)
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
@@ -526,23 +638,26 @@ def load_sharded(
     if mismatches:
         raise CheckpointMismatchError(mismatches)
 
+    # what this rank needs: the entries of the parameters it owns (whole, or the expert
+    # slices it owns: entries of the same parameter are read and cut or joined by `_take`)
     owned_params = _owned(opt)
     named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
-    owned = set(owned_params)
+    need_state = {_range(n)[0] for n in owned_params}
+    need_master = {_range(n)[0] for n in _masters(opt)}
     want: dict[str, Any] = {}
     for key, md in stored.items():
         if key.startswith("optim/state/"):
             name = key[len("optim/state/") :].rpartition("/")[0]
+            needed = need_state
         elif key.startswith("optim/master/"):
             name = key[len("optim/master/") :]
+            needed = need_master
         elif key.startswith("extra/"):
             want[key] = None
             continue
         else:
             continue
-        if name not in owned and not key.startswith("optim/master/"):
-            continue
-        if key.startswith("optim/master/") and name not in _masters(opt):
+        if _range(name)[0] not in needed:
             continue
         if isinstance(md, BytesStorageMetadata):
             want[key] = None

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from orthoptim import kernels
+from orthoptim._validate import check_float_dtype, check_int, check_positive
 
 Coefficients = tuple[float, float, float]
 CoefficientsLike = str | Sequence[Sequence[float]]
@@ -70,19 +71,29 @@ SINGULAR_VALUE_BANDS: dict[str, tuple[float, float]] = {
 }
 
 
-def coefficient_schedule(coefficients: CoefficientsLike, steps: int) -> list[Coefficients]:
+def coefficient_schedule(
+    coefficients: CoefficientsLike, steps: int, name: str = "steps"
+) -> list[Coefficients]:
     """Resolve a named set or a user sequence of (a, b, c) into exactly `steps` tuples.
 
-    A schedule shorter than `steps` repeats its last tuple.
+    A schedule shorter than `steps` repeats its last tuple. `name` is what the caller calls
+    the step count (Muon: `ns_steps`), for the error message.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    check_int(name, steps, 1)
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENT_SETS:
             known = ", ".join(sorted(COEFFICIENT_SETS))
-            raise ValueError(f"unknown coefficient set {coefficients!r}; choose one of {known}")
+            raise ValueError(
+                f"coefficients: unknown coefficient set {coefficients!r}; choose one of {known} "
+                "or pass a sequence of (a, b, c) tuples"
+            )
         table: Sequence[Sequence[float]] = COEFFICIENT_SETS[coefficients]
     else:
+        if not isinstance(coefficients, Sequence):
+            raise TypeError(
+                "coefficients must be a set name or a sequence of (a, b, c) tuples, "
+                f"got {coefficients!r}"
+            )
         table = list(coefficients)
         if not table:
             raise ValueError("coefficients must contain at least one (a, b, c) tuple")
@@ -98,9 +109,7 @@ def coefficient_schedule(coefficients: CoefficientsLike, steps: int) -> list[Coe
 def ns_compute_dtype(dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
     """The dtype the iteration runs in: `requested`, else float32 (float64 stays float64)."""
     if requested is not None:
-        if not requested.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point dtype, got {requested}")
-        return requested
+        return check_float_dtype("dtype", requested)
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -123,6 +132,7 @@ def newton_schulz(
             f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(X.shape)}"
         )
     schedule = coefficient_schedule(coefficients, steps)
+    check_positive("eps", eps)
     if not bool(torch.isfinite(X).all()):
         raise ValueError("newton_schulz got a matrix with NaN or Inf entries")
     compute = ns_compute_dtype(X.dtype, dtype)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orthoptim._validate import check_choice
+
 logger = logging.getLogger("orthoptim")
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -25,9 +27,7 @@ class NonFiniteGradientError(ValueError):
 
 def check_nonfinite_policy(policy: str) -> str:
     """Validate a `nonfinite` argument."""
-    if policy not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
-    return policy
+    return check_choice("nonfinite", policy, NONFINITE_POLICIES)
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:

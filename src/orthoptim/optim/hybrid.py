@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from orthoptim._validate import check_choice, check_nonnegative, check_unit_interval
 from orthoptim.optim.base import (
     GuardedOptimizer,
     check_nonfinite_policy,
@@ -76,8 +77,16 @@ class HybridOptimizer(GuardedOptimizer):
         inner: dict[str, torch.optim.Optimizer],
         nonfinite: str = "raise",
     ) -> None:
-        if not inner:
-            raise ValueError("HybridOptimizer needs at least one inner optimizer")
+        if not isinstance(inner, dict) or not inner:
+            raise ValueError(
+                "inner must be a non-empty dict of name -> torch.optim.Optimizer, "
+                f"got {inner!r}"
+            )
+        for key, opt in inner.items():
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(
+                    f"inner[{key!r}] must be a torch.optim.Optimizer, got {type(opt).__name__}"
+                )
         self.nonfinite = check_nonfinite_policy(nonfinite)
         groups: list[dict[str, Any]] = []
         for key, opt in inner.items():
@@ -161,10 +170,19 @@ def build_optimizer(
     orthogonalize fused matrices whole. Every name in it must be a matrix routed to Muon.
     """
     matrix_optimizers = _matrix_optimizers()
-    if optimizer != "adamw" and optimizer not in matrix_optimizers:
-        known = sorted([*matrix_optimizers, "adamw"])
-        raise ValueError(f"optimizer must be one of {known}, got {optimizer!r}")
+    check_choice("optimizer", optimizer, sorted([*matrix_optimizers, "adamw"]))
     check_nonfinite_policy(nonfinite)
+    if lr is not None:
+        check_nonnegative("lr", lr)
+    check_nonnegative("adamw_lr", adamw_lr)
+    if not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2:
+        raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
+    check_unit_interval("adamw_betas[0]", adamw_betas[0])
+    check_unit_interval("adamw_betas[1]", adamw_betas[1])
+    check_nonnegative("adamw_eps", adamw_eps)
+    check_nonnegative("adamw_weight_decay", adamw_weight_decay)
+    if route is not None and not callable(route):
+        raise TypeError(f"route must be a callable (name, param) -> bool or None, got {route!r}")
     rule = route if route is not None else default_route(model)
     named = list(params) if params is not None else list(model.named_parameters())
     named = [(n, p) for n, p in named if p.requires_grad]

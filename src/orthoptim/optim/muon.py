@@ -27,6 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orthoptim._validate import (
+    check_choice,
+    check_float_dtype,
+    check_nonnegative,
+    check_positive,
+    check_unit_interval,
+)
 from orthoptim.newton_schulz import CoefficientsLike, coefficient_schedule, newton_schulz
 from orthoptim.optim.base import (
     GuardedOptimizer,
@@ -122,20 +129,18 @@ class Muon(GuardedOptimizer):
         eps: float = 1e-7,
         split: dict[str, Split] | None = None,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if not eps > 0.0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        lr_scale_factor(lr_scale, 1, 1)
-        coefficient_schedule(coefficients, ns_steps)
-        if ns_dtype is not None and not ns_dtype.is_floating_point:
-            raise ValueError(f"ns_dtype must be a floating-point dtype or None, got {ns_dtype}")
+        check_nonnegative("lr", lr)
+        check_unit_interval("momentum", momentum)
+        check_nonnegative("weight_decay", weight_decay)
+        check_positive("eps", eps)
+        check_choice("lr_scale", lr_scale, LR_SCALES)
+        coefficient_schedule(coefficients, ns_steps, name="ns_steps")
+        check_float_dtype("ns_dtype", ns_dtype)
         if orthogonalizer is not None and not callable(orthogonalizer):
-            raise ValueError("orthogonalizer must be a callable (Tensor) -> Tensor")
+            raise TypeError(
+                "orthogonalizer must be a callable (Tensor) -> Tensor or None, "
+                f"got {orthogonalizer!r}"
+            )
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.orthogonalizer = orthogonalizer
         defaults = dict(

@@ -33,6 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orthoptim._validate import (
+    check_choice,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    check_unit_interval,
+)
 from orthoptim.optim.base import (
     GuardedOptimizer,
     check_nonfinite_policy,
@@ -90,11 +97,6 @@ def rotate_back(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Ten
     return x
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 class SOAP(GuardedOptimizer):
     """SOAP for matrix parameters; Adam(W) for vectors and for sides above `max_precond_dim`.
 
@@ -126,24 +128,20 @@ class SOAP(GuardedOptimizer):
         refresh_method: str = "qr",
         nonfinite: str = "raise",
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-        if shampoo_beta is not None and not 0.0 <= shampoo_beta < 1.0:
-            raise ValueError(f"shampoo_beta must be in [0, 1) or None, got {shampoo_beta}")
-        if not eps > 0.0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        _check_int("precondition_frequency", precondition_frequency, 1)
-        _check_int("max_precond_dim", max_precond_dim, 0)
+        check_nonnegative("lr", lr)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        check_unit_interval("betas[0]", betas[0])
+        check_unit_interval("betas[1]", betas[1])
+        if shampoo_beta is not None:
+            check_unit_interval("shampoo_beta", shampoo_beta)
+        check_positive("eps", eps)
+        check_nonnegative("weight_decay", weight_decay)
+        check_int("precondition_frequency", precondition_frequency, 1)
+        check_int("max_precond_dim", max_precond_dim, 0)
         if not isinstance(correct_bias, bool):
             raise ValueError(f"correct_bias must be a bool, got {correct_bias!r}")
-        if refresh_method not in REFRESH_METHODS:
-            raise ValueError(
-                f"refresh_method must be one of {REFRESH_METHODS}, got {refresh_method!r}"
-            )
+        check_choice("refresh_method", refresh_method, REFRESH_METHODS)
         self.nonfinite = check_nonfinite_policy(nonfinite)
         defaults = dict(
             lr=lr,

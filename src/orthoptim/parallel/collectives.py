@@ -251,6 +251,36 @@ def all_to_all(
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
+def is_dtensor(t: Any) -> bool:
+    """True for a torch.distributed.tensor.DTensor (sharded or replicated over a mesh)."""
+    return isinstance(t, Tensor) and hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def unshard(t: Tensor, stats: CommStats | None = None) -> Tensor:
+    """The full (global) tensor of a DTensor, all-gathered over its sharded mesh
+    dimensions; a plain tensor is returned as is. Counted as an all-gather of the result."""
+    if not is_dtensor(t):
+        return t
+    n = 1
+    for dim, placement in enumerate(t.placements):
+        if placement.is_shard():
+            n *= t.device_mesh.size(dim)
+    if stats is not None and n > 1:
+        b = (n - 1) / n * _nbytes(t)
+        stats.record("all_gather", b, b)
+    return t.full_tensor()
+
+
+def shard_like(full: Tensor, like: Tensor) -> Tensor:
+    """`full` laid out as the DTensor `like` (same mesh and placements), cut locally from the
+    full tensor every rank holds: no communication. A plain `like` gives `full` back."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
 def packed_triangle_size(m: int) -> int:
     """Elements of the packed upper triangle of an m×m symmetric matrix: m(m+1)/2."""
     return m * (m + 1) // 2
@@ -322,6 +352,25 @@ def wait(work: Any, name: str, group: Any = None) -> Any:
         return None
     with phase(name, group):
         return work.wait()
+
+
+def agree(
+    present: list[bool],
+    bad: list[bool],
+    group: Any = None,
+    stats: CommStats | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[list[bool], list[bool]]:
+    """What every rank must agree on before a distributed step, in ONE small all-reduce:
+    `present[i]` (item i has a gradient here) and `bad[j]` (item j's gradient is non-finite
+    here) are packed as int flags (on `device`: the backend's, e.g. CUDA for NCCL), summed
+    over ranks and decoded, so every rank gets (present anywhere, non-finite anywhere) and
+    skips, raises or steps together."""
+    flags = torch.tensor([*present, *bad], dtype=torch.int32, device=device)
+    with phase("non-finite gradient agreement (all-reduce)", group):
+        all_reduce(flags, group=group, stats=stats)
+    summed = [v > 0 for v in flags.tolist()]
+    return summed[: len(present)], summed[len(present) :]
 
 
 def barrier(group: Any = None, stats: CommStats | None = None) -> None:

@@ -38,12 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from orthoptim.optim.base import (
-    check_nonfinite_policy,
-    enforce_nonfinite_policy,
-    local_shard,
-    state_dtype,
-)
+from orthoptim import checkpoint
+from orthoptim._validate import check_choice, check_float_dtype, check_positive
+from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy, state_dtype
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.optim.muon import lr_scale_factor
 from orthoptim.parallel import collectives as C
@@ -121,6 +118,11 @@ def count_fsdp_collectives(model: nn.Module, stats: C.CommStats) -> None:
         m.set_custom_reduce_scatter(_Scatter())
 
 
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a plain tensor is its own shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class _Matrix:
     """One matrix-optimizer parameter: owner, and each rank's flat shard size."""
 
@@ -149,9 +151,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
     is a DTensor sharded like its parameter). Arguments: `balance` ("cost", "round_robin",
     "capped") and `bucket_mb` as the layer-wise optimizer (one all-to-all pair per bucket),
     `comm_dtype` (e.g. torch.bfloat16: updates travel in it; state and parameters stay in
-    their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks); other keyword
-    arguments go to `build_optimizer`. Matrix optimizer: "muon", "soap" (whole per-matrix
-    state on the owner), or "adamw" (the baseline).
+    their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks),
+    `state_dict_to` ("all" or "rank0": where `state_dict()` delivers the full, unsharded
+    dict of a Muon/AdamW run); other keyword arguments go to `build_optimizer`. Matrix
+    optimizer: "muon", "soap" (whole per-matrix state on the owner), or "adamw" (the
+    baseline).
     """
 
     def __init__(
@@ -164,18 +168,20 @@ class FSDPOptimizer(torch.optim.Optimizer):
         comm_dtype: torch.dtype | None = None,
         route: RoutePredicate | None = None,
         nonfinite: str = "raise",
+        state_dict_to: str = "all",
         **inner_kwargs: Any,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer not in ("muon", "soap", "adamw"):
             raise ValueError(
-                f"FSDPOptimizer supports optimizer='muon', 'soap' or 'adamw', got {optimizer!r}"
+                f"optimizer must be one of ('muon', 'soap', 'adamw') for FSDPOptimizer, "
+                f"got {optimizer!r}"
             )
-        if balance not in BALANCES:
-            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if comm_dtype is not None and not comm_dtype.is_floating_point:
-            raise ValueError(f"comm_dtype must be a floating-point dtype or None, got {comm_dtype}")
+        check_choice("balance", balance, BALANCES)
+        check_positive("bucket_mb", bucket_mb)
+        check_float_dtype("comm_dtype", comm_dtype)
+        self.state_dict_to = check_choice("state_dict_to", state_dict_to, checkpoint.STATE_DICT_TO)
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.model = model
         self.comm_dtype = comm_dtype
@@ -211,7 +217,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for i, (u, owner) in enumerate(zip(self.units, self.assignment.owners))
         ]
         for m in self._matrices:
-            mine = local_shard(m.param).numel()
+            mine = _local(m.param).numel()
             if mine != m.numels[self.rank]:
                 raise ValueError(
                     f"{m.name}: local shard has {mine} elements but Shard(0) over "
@@ -236,20 +242,17 @@ class FSDPOptimizer(torch.optim.Optimizer):
 
     # -- the step ----------------------------------------------------------------------
     def _agree(self) -> tuple[list[bool], list[str]]:
-        """One all-reduce over the shard group: which matrices have a gradient on some rank,
-        which parameters have a non-finite gradient shard somewhere."""
-        n_mat, n_all = len(self._matrices), len(self._named)
-        flags = torch.zeros(n_mat + n_all, dtype=torch.int32, device=self.device)
-        for i, m in enumerate(self._matrices):
-            if m.param.grad is not None:
-                flags[i] = 1
-        for j, (_, p) in enumerate(self._named):
-            if p.grad is not None and not bool(torch.isfinite(local_shard(p.grad)).all()):
-                flags[n_mat + j] = 1
-        C.all_reduce(flags, group=self.process_group, stats=self._stats)
-        present = [bool(v) for v in flags[:n_mat].tolist()]
-        bad = [self._named[j][0] for j, v in enumerate(flags[n_mat:].tolist()) if v]
-        return present, bad
+        """Which matrices have a gradient on some rank, and the names of the parameters with
+        a non-finite gradient shard somewhere (`collectives.agree`: one all-reduce)."""
+        present = [m.param.grad is not None for m in self._matrices]
+        bad = [
+            p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
+            for _, p in self._named
+        ]
+        present, bad = C.agree(
+            present, bad, group=self.process_group, stats=self._stats, device=self.device
+        )
+        return present, [n for (n, _), v in zip(self._named, bad) if v]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -282,7 +285,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         state = self.state[m.param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
-        buf, gl = local_shard(state["momentum_buffer"]), local_shard(grad)
+        buf, gl = _local(state["momentum_buffer"]), _local(grad)
         buf.lerp_(gl, 1.0 - g["momentum"])
         update = gl.lerp(buf, g["momentum"]) if g["nesterov"] else buf
         return update.reshape(-1)
@@ -370,7 +373,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     offset += m.numels[rank]
                     if m.param.grad is None:
                         continue
-                    g, p = m.group, local_shard(m.param)
+                    g, p = m.group, _local(m.param)
                     if self.kind == "soap":
                         if moved[m.unit]:  # SOAP's first step only builds its bases
                             if g["weight_decay"] != 0.0:
@@ -478,9 +481,25 @@ class FSDPOptimizer(torch.optim.Optimizer):
             "at construction; build a new optimizer instead"
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's state, unsharded, in the format of `build_optimizer(model,
+        ...)`'s `state_dict()` on the unsharded model (a single-process optimizer loads it as
+        is; so does this optimizer at any world size): to every rank, or with
+        `state_dict_to="rank0"` to global rank 0 only (the others get {}). Collective. For
+        resharding DCP checkpoints use `sharded_state_dict()`. Under SOAP (whole state on
+        each matrix's owner) it is torch's rank-local dict, loadable at the same world size."""
+        if "soap" in self.template.inner:
+            return self.template.state_dict()
+        return checkpoint.full_state_dict(self, to_rank0=self.state_dict_to == "rank0")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `state_dict()` saved at the same world size (torch's format: state tensors
-        are this rank's DTensor shards); use `sharded_state_dict()` with DCP to reshard."""
+        """Load a `state_dict()`: a full dict (Muon/AdamW; from any world size, or a
+        single-process optimizer's: every rank keeps its shard of each state tensor; every
+        mismatch listed in one `CheckpointMismatchError` before anything changes), or under
+        SOAP the rank-local dict saved at the same world size."""
+        if "soap" not in self.template.inner:
+            checkpoint.load_full_state_dict(self, state_dict)
+            return
         self.template.load_state_dict(state_dict)
         self.param_groups = self.template.param_groups
         self.state = self.template.state
@@ -551,14 +570,14 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for k, v in st.items():
                 if k in mine and isinstance(mine[k], Tensor):
                     if mine[k] is not v:
-                        local_shard(mine[k]).copy_(local_shard(v))
+                        _local(mine[k]).copy_(_local(v))
                 else:
                     mine[k] = v
 
 
 def _flat_grad(m: _Matrix) -> Tensor:
     """The local gradient shard of a matrix, flat, in float32 for bf16/fp16 parameters."""
-    return local_shard(m.param.grad).reshape(-1).to(state_dtype(m.param))
+    return _local(m.param.grad).reshape(-1).to(state_dtype(m.param))
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:

@@ -32,6 +32,12 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import checkpoint
+from orthoptim._validate import (
+    check_choice,
+    check_float_dtype,
+    check_member,
+    check_positive,
+)
 from orthoptim.optim.base import (
     check_nonfinite_policy,
     enforce_nonfinite_policy,
@@ -42,8 +48,6 @@ from orthoptim.optim.base import (
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
-
-_NOT_HYPER = ("params", "param_names", "optimizer")
 
 
 def unit_label(name: str, part: tuple[int, int] | None) -> str:
@@ -279,8 +283,9 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     `route` (as `build_optimizer`), `nonfinite` ("raise" or "skip", agreed by all ranks),
     `split_experts` (True, or k experts per unit: the experts of a 3-D [E, out, in] matrix
     parameter become separate units, so different ranks may own different experts of one
-    tensor; gradients are reduced and parameters gathered per slice; state dicts name a
-    slice `name[start:stop]`); other keyword arguments go to `build_optimizer`.
+    tensor; gradients are reduced and parameters gathered per slice), `state_dict_to`
+    ("all": `state_dict()` gathers the full dict to every rank; "rank0": to rank 0 only, the
+    others get {}); other keyword arguments go to `build_optimizer`.
     """
 
     def __init__(
@@ -297,19 +302,18 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         route: RoutePredicate | None = None,
         nonfinite: str = "raise",
         split_experts: bool | int = False,
+        state_dict_to: str = "all",
         **inner_kwargs: Any,
     ) -> None:
-        if balance not in BALANCES:
-            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if gather_dtype is not None and not gather_dtype.is_floating_point:
-            raise ValueError(
-                f"gather_dtype must be a floating-point dtype or None, got {gather_dtype}"
-            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_choice("balance", balance, BALANCES)
+        check_positive("bucket_mb", bucket_mb)
+        check_float_dtype("gather_dtype", gather_dtype)
+        self.state_dict_to = check_choice("state_dict_to", state_dict_to, checkpoint.STATE_DICT_TO)
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.model = model
-        self.process_group = process_group
+        self.process_group = check_member("process_group", process_group)
         self.rank, self.world_size = C.world(process_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
@@ -472,26 +476,21 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             b.finish_reduce()
 
     def _agree(self) -> tuple[list[bool], list[str]]:
-        """One all-reduce: which units had a gradient on some rank, which owned gradients are
-        non-finite. Returns (present per unit, names of non-finite parameters)."""
-        n_units = len(self.units)
-        flags = torch.zeros(2 * n_units, dtype=torch.int32)
+        """Which units had a gradient on some rank, and the names of the parameters whose
+        owned gradient is non-finite (`collectives.agree`: one all-reduce)."""
+        present = [False] * len(self.units)
+        bad = [False] * len(self.units)
         for s in self._slots:
-            if s.param.grad is not None:
-                flags[s.unit] = 1
+            present[s.unit] = s.param.grad is not None
         for b in self._buckets:
             if b.mine and not bool(torch.isfinite(b.grad_shard).all()):
                 for s in b.mine:
-                    if not bool(torch.isfinite(b.shard_view(s)).all()):
-                        flags[n_units + s.unit] = 1
+                    bad[s.unit] = not bool(torch.isfinite(b.shard_view(s)).all())
         # Over the data-parallel group, then each tensor-parallel group: the ranks that run
         # a TP orthogonalizer together must agree on whether to step.
         for group in (self.process_group, *self._tp_groups):
-            with C.phase("non-finite gradient agreement (all-reduce)", group):
-                C.all_reduce(flags, group=group, stats=self._stats)
-        present = [bool(v) for v in flags[:n_units].tolist()]
-        bad = [self.units[i].name for i, v in enumerate(flags[n_units:].tolist()) if v]
-        return present, bad
+            present, bad = C.agree(present, bad, group=group, stats=self._stats)
+        return present, [u.name for u, v in zip(self.units, bad) if v]
 
     # -- the step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -608,75 +607,25 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state keyed by parameter name (only what it owns), the
-        hyper-parameters of every group, and the ownership it was saved under."""
-        self.wait_for_params()
-        groups = [
-            {**{k: v for k, v in g.items() if k not in ("params", "param_names")}}
-            for g in self.param_groups
-        ]
-        state: dict[str, dict[str, Any]] = {}
-        if self.inner is not None:
-            for g in self.inner.param_groups:
-                for name, p in zip(g["param_names"], g["params"]):
-                    if self.inner.state.get(p):
-                        state[name] = dict(self.inner.state[p])
-        return {
-            "state": state,
-            "master": dict(self._master),
-            "param_groups": groups,
-            "owners": dict(self.owner_of),
-            "world_size": self.world_size,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `state_dict()`: hyper-parameters for every group, and the state of each
-        parameter this rank owns that the dict holds (a dict saved by the same rank at the same
-        world size, or the union of every rank's dicts), or a full torch-format dict
-        (`full_state_dict()`, or a single-process optimizer's `state_dict()`)."""
-        self.wait_for_params()
-        if checkpoint.is_full_state_dict(state_dict):
-            checkpoint.load_full_state_dict(self, state_dict)
-            return
-        saved_groups = state_dict["param_groups"]
-        kinds = [g.get("optimizer") for g in self.param_groups]
-        if [g.get("optimizer") for g in saved_groups] != kinds:
-            raise ValueError(
-                "state_dict's param groups do not match this optimizer's routing (saved "
-                f"{[g.get('optimizer') for g in saved_groups]}, here {kinds})"
-            )
-        unknown = sorted(set(state_dict["state"]) - set(self.owner_of))
-        if unknown:
-            raise ValueError(f"state_dict holds state for parameters this model lacks: {unknown}")
-        for g, sg in zip(self.param_groups, saved_groups):
-            g.update({k: v for k, v in sg.items() if k not in _NOT_HYPER})
-        for name, master in state_dict.get("master", {}).items():
-            if name in self._master:
-                self._master[name].copy_(master)
-        if self.inner is None:
-            return
-        inner_sd = self.inner.state_dict()
-        new_state: dict[int, Any] = {}
-        for g in inner_sd["param_groups"]:
-            for idx, name in zip(g["params"], g["param_names"]):
-                if name in state_dict["state"]:
-                    new_state[idx] = state_dict["state"][name]
-        self.inner.load_state_dict({"state": new_state, "param_groups": inner_sd["param_groups"]})
-        _onto_parameter_meshes(self.inner)
-        self.state = self.inner.state
-        # torch's load replaced the inner groups: expose the new dicts.
-        inner_groups = list(self.inner.param_groups)
-        for i, g in enumerate(self.param_groups):
-            match = next((ig for ig in inner_groups if ig["optimizer"] == g["optimizer"]), None)
-            if match is not None:
-                inner_groups.remove(match)
-                self.param_groups[i] = match
+        """The whole optimizer's state in the format of `build_optimizer(model, ...)`'s
+        `state_dict()` (a single-process optimizer loads it as is; so does this optimizer at
+        any world size), gathered from the owners to every rank, or with
+        `state_dict_to="rank0"` to rank 0 only (the others get {}). Collective: call it on
+        every rank. For per-rank DCP checkpoints use `sharded_state_dict()`."""
+        return self.full_state_dict(to_rank0=self.state_dict_to == "rank0")
 
     def full_state_dict(self, to_rank0: bool = False) -> dict[str, Any]:
-        """The whole optimizer's state in the format of `build_optimizer(model, ...)`'s
-        `state_dict()`, gathered to every rank (or to rank 0 only: the others get {}); see
-        `orthoptim.checkpoint.full_state_dict`. Collective."""
+        """`state_dict()` with the destination given here instead of by `state_dict_to`;
+        see `orthoptim.checkpoint.full_state_dict`. Collective."""
         return checkpoint.full_state_dict(self, to_rank0=to_rank0)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full dict (`state_dict()` of this optimizer at any world size, or of a
+        single-process `build_optimizer` / `Muon` / `SOAP` over the same model): every rank
+        keeps the state of what it owns, hyper-parameters go to every group. Every mismatch
+        is listed in one `CheckpointMismatchError` before anything changes."""
+        self.wait_for_params()
+        checkpoint.load_full_state_dict(self, state_dict)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """What this rank owns, for torch.distributed.checkpoint, under world-size-free keys;
@@ -686,29 +635,6 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
         checkpoint.load_sharded_state_dict(self, state_dict)
-
-
-def _onto_parameter_meshes(inner: torch.optim.Optimizer) -> None:
-    """Make every state tensor of a DTensor parameter a DTensor on the parameter's own mesh
-    and placements: a loaded one may be a plain local shard, or a DTensor unpickled onto a
-    copy of the mesh."""
-    from torch.distributed.tensor import DTensor
-
-    for p, st in inner.state.items():
-        if not isinstance(p, DTensor):
-            continue
-        local_shape = local_shard(p).shape
-        for key, v in st.items():
-            plain_shard = torch.is_tensor(v) and v.ndim > 0 and v.shape == local_shape
-            if not (isinstance(v, DTensor) or plain_shard):
-                continue  # per-parameter scalars (step counts)
-            local = local_shard(v)
-            if local.shape != local_shape:
-                raise ValueError(
-                    f"state {key!r} of a tensor-parallel parameter has local shape "
-                    f"{tuple(local.shape)}, this rank's shard is {tuple(local_shape)}"
-                )
-            st[key] = shard_like(local, p)
 
 
 def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> list[Any]:

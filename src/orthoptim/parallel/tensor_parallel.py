@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim import kernels
+from orthoptim._validate import check_choice, check_float_dtype, check_member, check_positive
 from orthoptim.newton_schulz import (
     CoefficientsLike,
     coefficient_schedule,
@@ -298,19 +299,16 @@ class TensorParallelOrthogonalizer:
         cost_model: CostModel | None = None,
         stats: CommStats | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        check_choice("mode", mode, MODES)
+        check_choice("form", form, FORMS)
         if shard_dim is not None and shard_dim not in (0, 1, -1, -2):
             raise ValueError(
                 f"shard_dim must be 0 (rows: column-parallel) or 1 (columns: row-parallel) of "
                 f"each matrix, or None for DTensor inputs, got {shard_dim!r}"
             )
-        if ns_dtype is not None and not ns_dtype.is_floating_point:
-            raise ValueError(f"ns_dtype must be a floating-point dtype or None, got {ns_dtype}")
-        if not eps > 0.0:
-            raise ValueError(f"eps must be > 0, got {eps}")
+        check_float_dtype("ns_dtype", ns_dtype)
+        check_positive("eps", eps)
+        check_member("group", group)
         self.schedule = coefficient_schedule(coefficients, steps)
         self.group = group
         self.mode = mode

@@ -12,8 +12,9 @@ Files under `out`:
     result.json            the run's summary (rank 0), written at the end
     logs/rank{R}.log       every rank's log
     checkpoints/latest.json   the committed checkpoint: its step folder and metadata
-    checkpoints/step_NNNNNN/  model.pt (rank 0) and optim_rank{R}.pt (each rank); with --fsdp
-                           dcp/, one torch.distributed.checkpoint of model and optimizer shards
+    checkpoints/step_NNNNNN/  model.pt and optim.pt (the full optimizer state), by rank 0; with
+                           --fsdp dcp/, one torch.distributed.checkpoint of model and
+                           optimizer shards
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from orthoptim.optim.base import local_shard
+from orthoptim import checkpoint
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import collectives
@@ -209,7 +210,7 @@ def make_optimizer(
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
     experts = get_config(args.config).moe is not None and args.optimizer != "adamw"
     return LayerwiseDistributedOptimizer(
-        model, optimizer=args.optimizer, split_experts=experts, **kwargs
+        model, optimizer=args.optimizer, split_experts=experts, state_dict_to="rank0", **kwargs
     )
 
 
@@ -321,21 +322,19 @@ def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> N
 class Checkpointer:
     """Atomic checkpoints: every file is written aside and renamed, then `latest.json` (the
     commit point) is replaced to name the new step folder; older folders are removed after.
+    A step folder holds `model.pt` and `optim.pt`, the optimizer's full state dict (gathered
+    to rank 0), which every rank loads on resume.
 
     `sharded`: model and optimizer are FSDP2 shards, saved and loaded together with
     torch.distributed.checkpoint (each rank writes its own shards). Under tensor parallelism
-    (`tp` > 1) every rank also writes its shard of the model (`model_rank{R}.pt`, local
-    shards of the DTensor parameters) instead of rank 0 writing `model.pt`; resuming needs
-    the same --nproc and --tp."""
+    (`tp` > 1) model and optimizer go through `orthoptim.checkpoint.save_sharded` (DCP, each
+    tp rank its DTensor shards; keys free of world and tp size)."""
 
     def __init__(
         self, out: Path, rank: int, world_size: int, sharded: bool = False, tp: int = 1
     ) -> None:
         self.dir = out / "checkpoints"
         self.rank, self.world_size, self.sharded, self.tp = rank, world_size, sharded, tp
-
-    def _model_file(self) -> str:
-        return "model.pt" if self.tp == 1 else f"model_rank{self.rank}.pt"
 
     def latest(self) -> dict[str, Any]:
         """The committed checkpoint's metadata; a clear error if there is none."""
@@ -353,15 +352,17 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
         _barrier(self.world_size)
         _params_ready(opt)
-        if self.sharded:
+        if self.tp > 1:
+            checkpoint.save_sharded(folder / "dcp", opt, model)
+        elif self.sharded:
             import torch.distributed.checkpoint as dcp
 
             dcp.save(_sharded_state(model, opt), checkpoint_id=folder / "dcp")
         else:
-            if self.rank == 0 or self.tp > 1:
-                sd = {k: local_shard(v) for k, v in model.state_dict().items()}
-                _atomic_save(sd, folder / self._model_file())
-            _atomic_save(opt.state_dict(), folder / f"optim_rank{self.rank}.pt")
+            optim = opt.state_dict()  # collective: the full dict, on rank 0 only
+            if self.rank == 0:
+                _atomic_save(model.state_dict(), folder / "model.pt")
+                _atomic_save(optim, folder / "optim.pt")
         _barrier(self.world_size)
         if self.rank == 0:
             info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
@@ -375,6 +376,9 @@ class Checkpointer:
         info = self.latest()
         check_resumable(info, args, self.world_size)
         folder = self.dir / info["folder"]
+        if self.tp > 1:
+            checkpoint.load_sharded(folder / "dcp", opt, model)
+            return info
         if self.sharded:
             import torch.distributed.checkpoint as dcp
 
@@ -383,36 +387,15 @@ class Checkpointer:
             model.load_state_dict(state["model"])
             opt.load_sharded_state_dict(state["optim"])
             return info
-        saved = torch.load(folder / self._model_file(), weights_only=True)
-        if self.tp == 1:
-            model.load_state_dict(saved)
-        else:
-            load_local_model_state(model, saved)
-        opt.load_state_dict(torch.load(folder / f"optim_rank{self.rank}.pt", weights_only=False))
+        model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
+        # every rank reads the full dict and keeps the state of what it owns
+        opt.load_state_dict(torch.load(folder / "optim.pt", weights_only=False))
         return info
 
 
 def _sharded_state(model: nn.Module, opt: Any) -> dict[str, Any]:
     """The DCP layout of a sharded run: the model's and the optimizer's DTensor shards."""
     return {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
-
-
-@torch.no_grad()
-def load_local_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
-    """Copy a state dict of local shards (as a tensor-parallel rank saved it) into the model's
-    parameters and buffers, DTensor or not; names and shard shapes must match exactly."""
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"model checkpoint mismatch: missing {missing}, unexpected {unexpected}")
-    for k, v in own.items():
-        local = local_shard(v)
-        if local.shape != saved[k].shape:
-            raise ValueError(
-                f"model checkpoint: {k} has local shape {tuple(saved[k].shape)}, this rank "
-                f"holds {tuple(local.shape)} (resume with the same --nproc and --tp)"
-            )
-        local.copy_(saved[k])
 
 
 def _setup_logging(out: Path, rank: int) -> logging.Logger:

@@ -1,0 +1,187 @@
+"""Bad arguments fail at construction, with a message naming the argument, the bad value and
+what is allowed: one table over every public constructor and entry point (single process),
+and one 2-rank run for process groups this rank is not in.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from orthoptim import (
+    SOAP,
+    FSDPOptimizer,
+    HybridOptimizer,
+    LayerwiseDistributedOptimizer,
+    Muon,
+    build_optimizer,
+    newton_schulz,
+)
+from orthoptim import checkpoint as ckpt
+from orthoptim.optim.muon import lr_scale_factor
+from orthoptim.parallel import TensorParallelOrthogonalizer
+
+from distributed import run_ranks
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+
+
+def W():
+    return [nn.Parameter(torch.randn(4, 4))]
+
+
+NAN = float("nan")
+# (what, call, exception, words the message must contain: the argument, the bad value and,
+# for a name chosen from a list, an allowed one)
+CASES = [
+    ("Muon lr<0", lambda: Muon(W(), lr=-1.0), ValueError, ["lr", "-1.0", ">= 0"]),
+    ("Muon lr=nan", lambda: Muon(W(), lr=NAN), ValueError, ["lr", "nan"]),
+    ("Muon lr=inf", lambda: Muon(W(), lr=math.inf), ValueError, ["lr", "inf"]),
+    ("Muon lr str", lambda: Muon(W(), lr="0.1"), TypeError, ["lr", "'0.1'"]),
+    ("Muon wd<0", lambda: Muon(W(), weight_decay=-0.1), ValueError, ["weight_decay", "-0.1"]),
+    ("Muon momentum=1", lambda: Muon(W(), momentum=1.0), ValueError, ["momentum", "1.0", "[0, 1)"]),
+    ("Muon momentum<0", lambda: Muon(W(), momentum=-0.5), ValueError, ["momentum", "-0.5"]),
+    ("Muon ns_steps=0", lambda: Muon(W(), ns_steps=0), ValueError, ["ns_steps", "0", ">= 1"]),
+    ("Muon ns_steps=2.0", lambda: Muon(W(), ns_steps=2.0), ValueError, ["ns_steps", "2.0"]),
+    ("Muon coefficients", lambda: Muon(W(), coefficients="quintik"), ValueError,
+     ["coefficients", "'quintik'", "quintic"]),
+    ("Muon lr_scale", lambda: Muon(W(), lr_scale="keler"), ValueError,
+     ["lr_scale", "'keler'", "keller"]),
+    ("Muon nonfinite", lambda: Muon(W(), nonfinite="ignore"), ValueError,
+     ["nonfinite", "'ignore'", "skip"]),
+    ("Muon eps=0", lambda: Muon(W(), eps=0.0), ValueError, ["eps", "0.0", "> 0"]),
+    ("Muon ns_dtype", lambda: Muon(W(), ns_dtype=torch.int32), ValueError,
+     ["ns_dtype", "int32", "floating"]),
+    ("Muon orthogonalizer", lambda: Muon(W(), orthogonalizer=3), TypeError, ["orthogonalizer"]),
+    ("lr_scale_factor", lambda: lr_scale_factor("spectrl", 2, 2), ValueError,
+     ["lr_scale", "'spectrl'", "spectral"]),
+    ("SOAP lr<0", lambda: SOAP(W(), lr=-1.0), ValueError, ["lr", "-1.0"]),
+    ("SOAP betas", lambda: SOAP(W(), betas=(0.9, 1.0)), ValueError, ["betas[1]", "1.0", "[0, 1)"]),
+    ("SOAP wd<0", lambda: SOAP(W(), weight_decay=-1.0), ValueError, ["weight_decay", "-1.0"]),
+    ("SOAP frequency", lambda: SOAP(W(), precondition_frequency=0), ValueError,
+     ["precondition_frequency", "0", ">= 1"]),
+    ("SOAP refresh", lambda: SOAP(W(), refresh_method="svd"), ValueError,
+     ["refresh_method", "'svd'", "qr"]),
+    ("SOAP nonfinite", lambda: SOAP(W(), nonfinite="warn"), ValueError, ["nonfinite", "'warn'"]),
+    ("build optimizer", lambda: build_optimizer(model(), optimizer="mun"), ValueError,
+     ["optimizer", "'mun'", "muon"]),
+    ("build lr<0", lambda: build_optimizer(model(), lr=-0.1), ValueError, ["lr", "-0.1"]),
+    ("build adamw_lr", lambda: build_optimizer(model(), adamw_lr=NAN), ValueError,
+     ["adamw_lr", "nan"]),
+    ("build adamw_wd", lambda: build_optimizer(model(), adamw_weight_decay=-1.0), ValueError,
+     ["adamw_weight_decay", "-1.0"]),
+    ("build adamw_betas", lambda: build_optimizer(model(), adamw_betas=(1.0, 0.9)), ValueError,
+     ["adamw_betas[0]", "1.0", "[0, 1)"]),
+    ("build momentum", lambda: build_optimizer(model(), momentum=1.5), ValueError,
+     ["momentum", "1.5"]),
+    ("build ns_steps", lambda: build_optimizer(model(), ns_steps=0), ValueError, ["ns_steps"]),
+    ("build lr_scale", lambda: build_optimizer(model(), lr_scale="x"), ValueError,
+     ["lr_scale", "'x'", "keller"]),
+    ("build nonfinite", lambda: build_optimizer(model(), nonfinite="nan"), ValueError,
+     ["nonfinite", "'nan'", "raise"]),
+    ("build route", lambda: build_optimizer(model(), route="matrices"), TypeError, ["route"]),
+    ("hybrid empty", lambda: HybridOptimizer({}), ValueError, ["inner", "{}"]),
+    ("hybrid not optimizer", lambda: HybridOptimizer({"muon": 3}), TypeError,
+     ["inner['muon']", "int"]),
+    ("hybrid nonfinite", lambda: HybridOptimizer(
+        {"muon": Muon(W())}, nonfinite="Raise"), ValueError, ["nonfinite", "'Raise'", "raise"]),
+    ("layerwise model", lambda: LayerwiseDistributedOptimizer("net"), TypeError, ["model", "str"]),
+    ("layerwise balance", lambda: LayerwiseDistributedOptimizer(model(), balance="greedy"),
+     ValueError, ["balance", "'greedy'", "round_robin"]),
+    ("layerwise bucket_mb", lambda: LayerwiseDistributedOptimizer(model(), bucket_mb=0),
+     ValueError, ["bucket_mb", "0", "> 0"]),
+    ("layerwise gather_dtype", lambda: LayerwiseDistributedOptimizer(
+        model(), gather_dtype=torch.int8), ValueError, ["gather_dtype", "int8"]),
+    ("layerwise state_dict_to", lambda: LayerwiseDistributedOptimizer(
+        model(), state_dict_to="rank1"), ValueError, ["state_dict_to", "'rank1'", "rank0"]),
+    ("layerwise lr", lambda: LayerwiseDistributedOptimizer(model(), lr=-1.0), ValueError,
+     ["lr", "-1.0"]),
+    ("layerwise momentum", lambda: LayerwiseDistributedOptimizer(model(), momentum=1.0),
+     ValueError, ["momentum", "[0, 1)"]),
+    ("layerwise coefficients", lambda: LayerwiseDistributedOptimizer(
+        model(), coefficients="polar"), ValueError, ["coefficients", "'polar'", "polar_express"]),
+    ("layerwise nonfinite", lambda: LayerwiseDistributedOptimizer(model(), nonfinite="skp"),
+     ValueError, ["nonfinite", "'skp'", "skip"]),
+    ("layerwise optimizer", lambda: LayerwiseDistributedOptimizer(model(), optimizer="sgd"),
+     ValueError, ["optimizer", "'sgd'", "soap"]),
+    ("fsdp optimizer", lambda: FSDPOptimizer(model(), optimizer="sgd"), ValueError,
+     ["optimizer", "'sgd'", "soap"]),
+    ("fsdp balance", lambda: FSDPOptimizer(model(), balance="lpt"), ValueError,
+     ["balance", "'lpt'", "cost"]),
+    ("fsdp bucket_mb", lambda: FSDPOptimizer(model(), bucket_mb=-1), ValueError,
+     ["bucket_mb", "-1"]),
+    ("fsdp comm_dtype", lambda: FSDPOptimizer(model(), comm_dtype=torch.int32), ValueError,
+     ["comm_dtype", "int32"]),
+    ("fsdp state_dict_to", lambda: FSDPOptimizer(model(), state_dict_to="0"), ValueError,
+     ["state_dict_to", "'0'", "all"]),
+    ("fsdp lr", lambda: FSDPOptimizer(model(), lr=NAN), ValueError, ["lr", "nan"]),
+    ("fsdp weight_decay", lambda: FSDPOptimizer(model(), weight_decay=-1.0), ValueError,
+     ["weight_decay", "-1.0"]),
+    ("tp mode", lambda: TensorParallelOrthogonalizer(mode="distribute"), ValueError,
+     ["mode", "'distribute'", "distributed"]),
+    ("tp form", lambda: TensorParallelOrthogonalizer(form="both"), ValueError,
+     ["form", "'both'", "auto"]),
+    ("tp steps", lambda: TensorParallelOrthogonalizer(steps=0), ValueError, ["steps", "0"]),
+    ("tp coefficients", lambda: TensorParallelOrthogonalizer(coefficients="cubik"), ValueError,
+     ["coefficients", "'cubik'", "cubic"]),
+    ("tp eps", lambda: TensorParallelOrthogonalizer(eps=-1.0), ValueError, ["eps", "-1.0"]),
+    ("tp ns_dtype", lambda: TensorParallelOrthogonalizer(ns_dtype=torch.int64), ValueError,
+     ["ns_dtype", "int64"]),
+    ("ns steps", lambda: newton_schulz(torch.randn(3, 3), steps=0), ValueError,
+     ["steps", "0", ">= 1"]),
+    ("ns coefficients", lambda: newton_schulz(torch.randn(3, 3), coefficients="simpel"),
+     ValueError, ["coefficients", "'simpel'", "simple"]),
+    ("ns eps", lambda: newton_schulz(torch.randn(3, 3), eps=0.0), ValueError, ["eps", "0.0"]),
+    ("ns dtype", lambda: newton_schulz(torch.randn(3, 3), dtype=torch.int32), ValueError,
+     ["dtype", "int32"]),
+    ("ckpt full opt", lambda: ckpt.full_state_dict(model()), TypeError, ["opt", "Sequential"]),
+    ("ckpt sharded opt", lambda: ckpt.sharded_state_dict({}), TypeError, ["opt", "dict"]),
+    ("ckpt save opt", lambda: ckpt.save_sharded("/nonexistent/x", None), TypeError,
+     ["opt", "NoneType"]),
+    ("ckpt load empty", lambda: ckpt.load_full_state_dict(build_optimizer(model()), {}),
+     ValueError, ["state_dict", "{}", "rank0"]),
+    ("ckpt load local", lambda: LayerwiseDistributedOptimizer(model()).load_state_dict(
+        {"state": {}, "param_groups": [{"lr": 0.1}]}), ValueError, ["state_dict", "'params'"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "exc", "needles"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])  # fmt: skip
+def test_bad_argument_is_named(call, exc, needles):
+    with pytest.raises(exc) as info:
+        call()
+    msg = str(info.value)
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def _outside_group(rank, world_size):
+    """Rank 1 passes a group holding rank 0 only: refused, naming the argument."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0])
+    errors = {}
+    if rank == 0:  # a member: accepted
+        LayerwiseDistributedOptimizer(model(), process_group=group)
+        TensorParallelOrthogonalizer(group=group)
+        return errors
+    for what, call in (
+        ("layerwise", lambda: LayerwiseDistributedOptimizer(model(), process_group=group)),
+        ("tp", lambda: TensorParallelOrthogonalizer(group=group)),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            errors[what] = str(e)
+    return errors
+
+
+def test_process_group_without_this_rank_is_refused():
+    r = run_ranks(_outside_group, 2)
+    assert r[0] == {}
+    assert "process_group" in r[1]["layerwise"] and "global rank 1" in r[1]["layerwise"]
+    assert "group" in r[1]["tp"] and "not a member" in r[1]["tp"]
