@@ -178,6 +178,29 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
     assert rows[-1]["val_loss"] == resumed[-1]["val_loss"]
 
 
+def test_train_tensor_parallel_and_resume(tmp_path):
+    """--nproc 2 --tp 2: one data-parallel rank of two tensor-parallel ranks (the GPT's
+    matrices DTensors, Newton-Schulz by the TP orthogonalizer); it trains, and a run stopped
+    at step 3 and resumed follows the uninterrupted one."""
+    full = tmp_path / "full"
+    assert _train(full, "--tp", "2") == 0
+    rows = _metrics(full)
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert [r["step"] for r in rows] == list(range(7))
+    assert vals[-1] < vals[0] - 0.5, vals
+    result = json.loads((full / "result.json").read_text())
+    assert result["args"]["tp"] == 2 and result["tokens_per_step"] == 2 * SEQ  # one dp rank
+    assert (full / "checkpoints/step_000006/dcp/.metadata").is_file()
+
+    part = tmp_path / "part"
+    assert _train(part, "--tp", "2", "--stop-after", "3") == 0
+    assert _train(part, "--tp", "2", "--resume") == 0
+    resumed = _metrics(part)
+    assert [r["step"] for r in resumed] == list(range(7))
+    for a, b in zip(rows[4:], resumed[4:]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6), (a, b)
+
+
 def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run):
     """`--fsdp`: the model sharded by FSDP2 and stepped by FSDPOptimizer, interrupted after
     step 3 and resumed from its DCP checkpoint, follows the layer-wise run (same model, data
@@ -220,10 +243,17 @@ def test_resume_refuses_another_run(tmp_path, capsys):
 
 
 def test_train_rejects_bad_flags(tmp_path, capsys):
-    assert main(["train", "--tp", "2", "--out", str(tmp_path)]) == 2
-    assert "--tp 2" in capsys.readouterr().err
+    assert main(["train", "--tp", "2", "--nproc", "3", "--out", str(tmp_path)]) == 2
+    assert "--nproc 3 must be a multiple of --tp 2" in capsys.readouterr().err
+    assert main(["train", "--tp", "3", "--nproc", "3", "--out", str(tmp_path)]) == 2
+    assert "--tp 3 must divide the model's 4 attention heads" in capsys.readouterr().err
+    argv = ["train", "--tp", "2", "--nproc", "2", "--optimizer", "soap", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--tp 2 runs with --optimizer muon" in capsys.readouterr().err
     assert main(["train", "--fsdp", "--optimizer", "soap", "--out", str(tmp_path)]) == 2
     assert "--fsdp" in capsys.readouterr().err
+    assert main(["train", "--fsdp", "--tp", "2", "--nproc", "2", "--out", str(tmp_path)]) == 2
+    assert "--fsdp with --tp 2" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert main(["train", "--data", str(empty), "--out", str(tmp_path)]) == 2

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from orthoptim.optim.base import shard_like
 from orthoptim.parallel import collectives as C
 
 FORMAT_VERSION = 1
@@ -264,7 +265,7 @@ def _install(
 
 
 def _range(name: str) -> tuple[str, tuple[int, int] | None]:
-    """"w[2:4]" → ("w", (2, 4)); "w" → ("w", None)."""
+    """ "w[2:4]" → ("w", (2, 4)); "w" → ("w", None)."""
     if name.endswith("]") and "[" in name:
         base, _, rest = name[:-1].rpartition("[")
         start, _, stop = rest.partition(":")
@@ -354,8 +355,7 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     # the same (parameter, key) order on every rank.
     local = {
         "state": {
-            n: {k: _cpu(C.unshard(v)) for k, v in st.items()}
-            for n, st in _local_state(opt).items()
+            n: {k: _cpu(C.unshard(v)) for k, v in st.items()} for n, st in _local_state(opt).items()
         },
         "master": {n: _cpu(C.unshard(m)) for n, m in _masters(opt).items()},
     }
@@ -531,7 +531,24 @@ def _dcp() -> Any:
 
 
 def _group(opt: torch.optim.Optimizer) -> Any:
-    return opt.process_group if _is_layerwise(opt) else None
+    """The group a DCP save/load runs over: the data-parallel group, or under tensor
+    parallelism the whole world (each tp rank writes and reads its own shards)."""
+    if not _is_layerwise(opt):
+        return None
+    if any(C.world(g)[1] > 1 for g in getattr(opt, "_tp_groups", ())):
+        return None
+    return opt.process_group
+
+
+def _template(md: Any, like: Tensor | None) -> Tensor:
+    """An empty tensor for DCP to read a stored tensor of metadata `md` into: sharded like
+    `like` (the parameter it belongs to) when that is a DTensor of the same shape, so each
+    rank reads only its shard; else the whole tensor."""
+    shape = tuple(md.size)
+    if like is not None and hasattr(like, "placements") and tuple(like.shape) == shape:
+        local = torch.empty(like.to_local().shape, dtype=md.properties.dtype)
+        return shard_like(local, like)
+    return torch.empty(shape, dtype=md.properties.dtype)
 
 
 def save_sharded(
@@ -634,7 +651,9 @@ def load_sharded(
 
     # what this rank needs: the entries of the parameters it owns (whole, or the expert
     # slices it owns: entries of the same parameter are read and cut or joined by `_take`)
-    need_state = {_range(n)[0] for n in _owned(opt)}
+    owned_params = _owned(opt)
+    named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
+    need_state = {_range(n)[0] for n in owned_params}
     need_master = {_range(n)[0] for n in _masters(opt)}
     want: dict[str, Any] = {}
     for key, md in stored.items():
@@ -654,7 +673,7 @@ def load_sharded(
         if isinstance(md, BytesStorageMetadata):
             want[key] = None
         else:
-            want[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            want[key] = _template(md, owned_params.get(name, named.get(name)))
     fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}
     want.update(fresh_model)
     with C.phase("checkpoint load", group), _quiet():

@@ -40,6 +40,7 @@ VARIANTS = (
     ("distributed/apply", "distributed", "apply", "default"),
     ("distributed/square", "distributed", "square", "default"),
     ("distributed/split", "distributed", "split", "default"),
+    ("distributed/rows", "distributed", "rows", "default"),
     ("distributed/auto", "distributed", "auto", "calibrated"),
     ("blockwise", "blockwise", "auto", "default"),
     ("auto/default", "auto", "auto", "default"),

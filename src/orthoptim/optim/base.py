@@ -116,6 +116,23 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str,
                 optimizer.state[p][key] = value.to(device=p.device)
 
 
+def local_shard(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a plain tensor is its own shard); shares storage."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def shard_like(local: Tensor, p: Tensor) -> Tensor:
+    """`local` as a tensor sharded like `p`: a DTensor on p's mesh and placements holding
+    `local` as this rank's shard when p is a DTensor, else `local` itself."""
+    if not hasattr(p, "placements"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
 def matrix_view(p: Tensor) -> Tensor:
     """A parameter seen as a stack of matrices [k, rows, cols].
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
 KINDS = ("muon", "soap", "adamw")
 BALANCES = ("cost", "round_robin", "capped")
@@ -26,7 +26,9 @@ SPREAD = 2.0
 class Unit:
     """One ownable piece of a model: a matrix, a vector, or a slice of a 3-D expert weight.
 
-    `shape` is the piece's own shape ([k, out, in] for k experts), `nbytes` its size, `part`
+    `shape` is the piece's own global shape ([k, out, in] for k experts; a tensor-parallel
+    DTensor's full matrix, so costs are the whole Newton-Schulz's), `nbytes` the bytes one
+    rank holds and communicates (the largest local shard of a DTensor), `part`
     the expert slice [start, stop) along dim 0 of the parameter (None: the whole parameter).
     """
 
@@ -358,5 +360,19 @@ def units_from_model(
                     )
                 )
         else:
-            units.append(Unit(name, shape, kind, p.numel() * p.element_size()))
+            units.append(Unit(name, shape, kind, math.prod(shard_shape(p)) * p.element_size()))
     return units
+
+
+def shard_shape(p: Tensor) -> tuple[int, ...]:
+    """The shape of the largest local shard of `p`: its own shape for a plain tensor; for a
+    DTensor every Shard(d) placement divides dim d by its mesh dimension, rounding up (the
+    torch.chunk rule). Computed from the global shape, so every rank gets the same answer.
+    """
+    shape = list(p.shape)
+    mesh = getattr(p, "device_mesh", None)
+    for mesh_dim, placement in enumerate(getattr(p, "placements", ())):
+        dim = getattr(placement, "dim", None)
+        if mesh is not None and dim is not None and placement.is_shard():
+            shape[dim] = -(-shape[dim] // mesh.size(mesh_dim))
+    return tuple(shape)

@@ -14,6 +14,12 @@ One training step::
                  asynchronous: the forward pre-hook of each module waits for its buckets
 
 The model is not wrapped; the optimizer registers the hooks it needs.
+
+Tensor parallelism (a (dp, tp) mesh, the model `parallelize_module`d over mesh["tp"], the
+optimizer given `process_group=mesh["dp"].get_group()`): buckets hold the local shards of
+DTensor parameters, ownership is over the dp group and computed from global shapes (the
+same on every tp rank), so the tp ranks of an owner step the same matrices and run a
+`TensorParallelOrthogonalizer` together; the non-finite agreement also spans the tp group.
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ from orthoptim._validate import (
     check_member,
     check_positive,
 )
-from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy, step_checked
+from orthoptim.optim.base import (
+    check_nonfinite_policy,
+    enforce_nonfinite_policy,
+    local_shard,
+    shard_like,
+    step_checked,
+)
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
@@ -63,12 +75,21 @@ class _Slot:
         self.part = part
         if part is None:
             self.data: Tensor = param
+        elif hasattr(param, "placements"):
+            raise NotImplementedError(
+                f"{self.name}: expert slices of a tensor-parallel (DTensor) parameter are not "
+                "owned separately; build the optimizer with split_experts=False"
+            )
         else:
             # A leaf view of the slice: the inner optimizer updates the parameter in place.
             self.data = param.detach()[part[0] : part[1]].requires_grad_(True)
-        self.numel = self.data.numel()
+        self.numel = local_shard(self.data).numel()
         self.offset = 0
         self.mine = False  # owned by this rank (set by the optimizer)
+
+    def local(self) -> Tensor:
+        """The unit's local values (a DTensor's shard), sharing the parameter's storage."""
+        return local_shard(self.data.detach())
 
     def local_grad(self) -> Tensor | None:
         """This rank's (unreduced) gradient of the unit."""
@@ -145,8 +166,14 @@ class _Bucket:
         g = s.local_grad()
         if g is None:
             dst.zero_()
-        else:
-            dst.copy_(g.reshape(-1))
+            return
+        if getattr(g, "placements", None) != getattr(s.param, "placements", None):
+            raise ValueError(
+                f"the gradient of {s.name} has placements {g.placements} but the parameter "
+                f"{s.param.placements}; LayerwiseDistributedOptimizer needs gradients sharded "
+                "like their tensor-parallel parameters"
+            )
+        dst.copy_(local_shard(g).reshape(-1))
 
     def reduce_phase(self) -> str:
         return f"gradient {'reduce' if self.single else 'reduce-scatter'} of {self.label}"
@@ -179,9 +206,13 @@ class _Bucket:
             self.grad_shard.div_(self.n)
 
     def shard_view(self, s: _Slot) -> Tensor:
-        """The reduced gradient of a parameter this rank owns, shaped like the parameter."""
+        """The reduced gradient of a parameter this rank owns, shaped like its local values."""
         assert self.grad_shard is not None
-        return self.grad_shard[s.offset : s.offset + s.numel].view_as(s.data)
+        return self.grad_shard[s.offset : s.offset + s.numel].view_as(s.local())
+
+    def reduced_grad(self, s: _Slot) -> Tensor:
+        """`shard_view` as the unit's gradient: a DTensor sharded like a DTensor parameter."""
+        return shard_like(self.shard_view(s), s.data)
 
     def reset(self) -> None:
         self.ready.clear()
@@ -197,7 +228,7 @@ class _Bucket:
             owner = self.owners[0]
             if self.rank == owner:
                 for s in self.mine:
-                    self.gather_flat[s.offset : s.offset + s.numel].copy_(s.data.reshape(-1))
+                    self.gather_flat[s.offset : s.offset + s.numel].copy_(s.local().reshape(-1))
             src = C.global_rank(group, owner)
             self.gather_work = C.broadcast(
                 self.gather_flat, src, group=group, stats=stats, async_op=async_op
@@ -205,7 +236,7 @@ class _Bucket:
         else:
             assert self.gather_in is not None
             for s in self.mine:
-                self.gather_in[s.offset : s.offset + s.numel].copy_(s.data.reshape(-1))
+                self.gather_in[s.offset : s.offset + s.numel].copy_(s.local().reshape(-1))
             self.gather_work = C.all_gatherv(
                 self.gather_in,
                 self.shard_numel,
@@ -233,7 +264,7 @@ class _Bucket:
             if s.owner == self.rank and not rounds:
                 continue
             start = s.offset if self.single else s.owner * self.width + s.offset
-            s.data.detach().view(-1).copy_(self.gather_flat[start : start + s.numel])
+            s.local().view(-1).copy_(self.gather_flat[start : start + s.numel])
 
 
 class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
@@ -303,6 +334,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         )
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.expert_group = expert_group
+        self._tp_groups = _tensor_parallel_groups(named, process_group)
         self.units = units_from_model(
             model, optimizer=optimizer, route=rule, split_experts=split_experts
         )
@@ -488,7 +520,10 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             if b.mine and not bool(torch.isfinite(b.grad_shard).all()):
                 for s in b.mine:
                     bad[s.unit] = not bool(torch.isfinite(b.shard_view(s)).all())
-        present, bad = C.agree(present, bad, group=self.process_group, stats=self._stats)
+        # Over the data-parallel group, then each tensor-parallel group: the ranks that run
+        # a TP orthogonalizer together must agree on whether to step.
+        for group in (self.process_group, *self._tp_groups):
+            present, bad = C.agree(present, bad, group=group, stats=self._stats)
         return present, [u.name for u, v in zip(self.units, bad) if v]
 
     # -- the step ----------------------------------------------------------------------
@@ -519,7 +554,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def _step_owned(self, present: list[bool]) -> None:
         for b in self._buckets:
             for s in b.mine:
-                s.data.grad = b.shard_view(s) if present[s.unit] else None
+                s.data.grad = b.reduced_grad(s) if present[s.unit] else None
         if self.inner is None:
             return
         for name, master in self._master.items():
@@ -602,9 +637,9 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                 add("reduce_scatter", rs, rs)
                 ag = (n - 1) / n * b.flat_numel * gsize
                 add("all_gather", ag, ag)
-        n = self.world_size
-        ar = 2 * (n - 1) / n * 2 * len(self.units) * 4
-        add("all_reduce", ar, ar)
+        for size in [self.world_size] + [C.world(g)[1] for g in self._tp_groups]:
+            ar = 2 * (size - 1) / size * 2 * len(self.units) * 4
+            add("all_reduce", ar, ar)
         return out
 
     # -- state -------------------------------------------------------------------------
@@ -637,6 +672,37 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
         checkpoint.load_sharded_state_dict(self, state_dict)
+
+
+def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> list[Any]:
+    """The process groups of the device meshes of the DTensor (tensor-parallel) parameters,
+    one per mesh dimension, in first-seen order; each must meet the data-parallel group
+    `process_group` in this rank only (the TP ranks of a data-parallel rank own the same
+    matrices and run the orthogonalizer together)."""
+    import torch.distributed as dist
+
+    groups: list[Any] = []
+    for name, p in params.items():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            continue
+        for d in range(mesh.ndim):
+            g = mesh.get_group(d)
+            if any(g is h for h in groups):
+                continue
+            if C.world(g)[1] > 1 and dist.is_initialized():
+                dp = set(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+                shared = dp & set(dist.get_process_group_ranks(g))
+                if len(shared) > 1:
+                    raise ValueError(
+                        f"{name} is a DTensor over ranks {sorted(dist.get_process_group_ranks(g))}"
+                        f" (mesh dim {d}), which overlap the data-parallel process_group in "
+                        f"{sorted(shared)}: pass the data-parallel group of a (dp, tp) mesh, "
+                        "e.g. process_group=mesh['dp'].get_group(), and parallelize the model "
+                        "over mesh['tp']"
+                    )
+            groups.append(g)
+    return groups
 
 
 def _waiter(buckets: list[_Bucket]) -> Callable[..., None]:

@@ -16,8 +16,13 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of four
   product, no extra communication); ``square`` forms B on every rank (2p³ + 2p²q/T);
   ``split`` has each rank form a balanced share of B's upper triangle (about p³/T) and
   all-gathers the packed pieces (one more collective of about p²/2 elements per step).
-  The cost model picks the cheapest per shape; `orthoptim bench tp` measures all three. The
-  matrix is
+  ``rows`` is for a matrix sharded along its short side, whose Gram over the sharded
+  dimension would be the large one: with X = Wᵀ (q×p, q the short, sharded side, rows
+  X_i on rank i), each step all-gathers X, forms its rows A_i = X_i·Xᵀ of the small q×q
+  Gram, all-gathers them, and updates X_i ← a·X_i + (b·A_i + c·A_i·A)·X: exactly 1/T of
+  the single-device plain iteration's flops, for two all-gathers per step (the matrix and
+  its Gram). The cost model picks the cheapest per shape; `orthoptim bench tp` measures
+  the forms. The matrix is
   normalised by its global Frobenius norm (one k-element all-reduce). Since
   (X·Xᵀ)·X = X·(Xᵀ·X), using the Gram side that sums over the sharded dimension gives the
   same iteration as the single-device one whatever the global orientation.
@@ -59,13 +64,14 @@ from orthoptim.parallel import collectives
 from orthoptim.parallel.collectives import CommStats
 
 MODES = ("auto", "duplicated", "distributed", "blockwise")
-FORMS = ("auto", "apply", "square", "split")
+FORMS = ("auto", "apply", "square", "split", "rows")
 
 # CommStats kinds, so benchmarks and tests can tell the collectives of each mode apart.
 GRAM_KIND = "all_reduce_gram"
 NORM_KIND = "all_reduce_norm"
 GATHER_KIND = "all_gather"
 SPLIT_KIND = "all_gather_split"
+ROWS_KIND = "all_gather_rows"
 
 
 @dataclass(frozen=True)
@@ -190,8 +196,13 @@ def _block_count(a: int, b: int, p: int) -> int:
     return _packed_offset(b, p) - _packed_offset(a, p)
 
 
-def _distributed_flops(p: int, q_local: int, world_size: int, form: str) -> tuple[float, float]:
-    """(flops per step per matrix, elements all-gathered per step per matrix) of a form."""
+def _distributed_flops(
+    p: int, q: int, q_local: int, world_size: int, form: str
+) -> tuple[float, float]:
+    """(flops per step per matrix, elements all-gathered per step per matrix) of a form, for
+    a p×q matrix sharded along q (q_local on the busiest rank)."""
+    if form == "rows":
+        return 4 * q_local * q * p + 2 * q_local * q * q, float(q_local * (p + q))
     gram = 2 * p * p * q_local
     if form == "apply":
         return gram + 4 * p * p * q_local, 0.0
@@ -237,12 +248,13 @@ def tp_cost(
         q_local = max(shard_sizes(q, T))
         if form == "auto":
             raise ValueError("tp_cost needs a concrete form (apply, square or split)")
-        per_step, gathered = _distributed_flops(p, q_local, T, form)
+        per_step, gathered = _distributed_flops(p, q, q_local, T, form)
         ring = 2 * (T - 1) / T
-        gram = ring * k * collectives.packed_triangle_size(p) * element_size
+        gram = 0.0 if form == "rows" else ring * k * collectives.packed_triangle_size(p)
+        gram *= element_size
         split = (T - 1) * k * gathered * element_size
         norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
-        rounds = (steps * (2 if form == "split" else 1) + 1) if T > 1 else 0
+        rounds = (steps * (2 if form in ("split", "rows") else 1) + 1) if T > 1 else 0
         return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
     if mode == "blockwise":
         local = [rows, cols]
@@ -459,6 +471,9 @@ class TensorParallelOrthogonalizer:
         elem = torch.empty((), dtype=compute).element_size()
         form = self.choose_form(k, rows, cols, shard, layout.world_size, self.steps, elem)
         self.last_forms.append(form)
+        if form == "rows":
+            out = self._rows_iteration(W.mT, layout)
+            return (out.mT if layout.dim == -1 else out).to(X.dtype).contiguous()
         for a, b, c in self.schedule:
             A = collectives.all_reduce_symmetric(
                 kernels.gram(W), group=layout.group, stats=self.stats, kind=GRAM_KIND
@@ -472,6 +487,29 @@ class TensorParallelOrthogonalizer:
                 W = torch.baddbmm(W, self._split_poly(A, b, c, layout), W, beta=a)
         out = W if layout.dim == -1 else W.mT
         return out.to(X.dtype).contiguous()
+
+    def _gather_rows(self, part: Tensor, layout: _Layout) -> Tensor:
+        """All-gather [k, rows_i, n] row blocks (rows_i = the shard sizes) into [k, Σrows_i, n]."""
+        k, n = part.shape[0], part.shape[-1]
+        parts = collectives.all_gatherv(
+            part.reshape(-1).contiguous(),
+            [k * r * n for r in layout.sizes],
+            group=layout.group,
+            stats=self.stats,
+            kind=ROWS_KIND,
+        ).wait()
+        return torch.cat([t.view(k, r, n) for t, r in zip(parts, layout.sizes)], dim=1)
+
+    def _rows_iteration(self, X: Tensor, layout: _Layout) -> Tensor:
+        """The `rows` form on normalised row blocks X_i [k, q_i, p] of X [k, q, p]: the small
+        q×q Gram, each rank its rows of every product, two all-gathers per step."""
+        for a, b, c in self.schedule:
+            full = self._gather_rows(X, layout)
+            A_i = X @ full.mT  # [k, q_i, q]: this rank's rows of X·Xᵀ
+            A = self._gather_rows(A_i, layout)
+            B_i = torch.baddbmm(A_i, A_i, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, B_i, full, beta=a)
+        return X
 
     def _split_poly(self, A: Tensor, b: float, c: float, layout: _Layout) -> Tensor:
         """B = b·A + c·A·A with each rank computing its share of the upper triangle."""

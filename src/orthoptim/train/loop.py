@@ -29,19 +29,24 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from orthoptim import checkpoint
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import collectives
 from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 from orthoptim.train.data import get_batch, load_corpus, val_batches
-from orthoptim.train.model import GPT, get_config
+from orthoptim.train.model import GPT, check_tensor_parallel, get_config, parallelize
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 OPTIMIZERS = ("muon", "adamw", "soap")
 # Learning rates tuned on the tiny config at compare's defaults (100 steps of 32 x 128 tokens;
@@ -112,9 +117,31 @@ class TrainArgs:
                 f"weights); pass --qk-clip 0 with --config {self.config}"
             )
         if self.tp > 1:
+            if self.fsdp:
+                raise ValueError(
+                    f"--fsdp with --tp {self.tp}: FSDP2 sharding of a tensor-parallel model is "
+                    "not wired into `orthoptim train`; use one of them"
+                )
+            if self.optimizer != "muon":
+                raise ValueError(
+                    f"--tp {self.tp} runs with --optimizer muon (its Newton-Schulz is tensor-"
+                    f"parallel), got --optimizer {self.optimizer}; use --tp 1 for it"
+                )
+            check_tensor_parallel(get_config(self.config), self.tp)
+            if self.qk_clip_tau is not None:
+                raise ValueError(
+                    f"--tp {self.tp}: MuonClip (--qk-clip {self.qk_clip_tau}) rescales whole "
+                    "query/key heads and does not run on tensor-parallel shards; pass --qk-clip 0"
+                )
+
+    def check_nproc(self, nproc: int) -> None:
+        """Refuse a number of ranks the tensor-parallel size does not divide."""
+        if nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        if nproc % self.tp:
             raise ValueError(
-                f"--tp {self.tp}: `orthoptim train` does not run tensor parallelism yet "
-                "(TensorParallelOrthogonalizer works on your own DTensor models); use --tp 1"
+                f"--nproc {nproc} must be a multiple of --tp {self.tp} (ranks form a "
+                f"(data-parallel, tensor-parallel) mesh of nproc/tp × tp)"
             )
 
     @property
@@ -159,14 +186,26 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
     )
 
 
-def make_optimizer(model: nn.Module, args: TrainArgs, world_size: int) -> Any:
+def make_optimizer(
+    model: nn.Module, args: TrainArgs, world_size: int, mesh: DeviceMesh | None = None
+) -> Any:
     """The optimizer for this rank: `FSDPOptimizer` under --fsdp (the model already sharded);
     otherwise `build_optimizer` on one rank and, on more, the layer-wise distributed optimizer
     (each matrix, and each expert of a mixture of experts, owned whole by one rank). All of
-    them route the same parameters to AdamW."""
+    them route the same parameters to AdamW. With a (dp, tp) `mesh` the layer-wise optimizer
+    owns over the dp group and orthogonalizes with a `TensorParallelOrthogonalizer` (auto
+    mode: duplicated or distributed per shape, by its cost model)."""
     kwargs = _optimizer_kwargs(args)
     if args.fsdp:
         return FSDPOptimizer(model, optimizer=args.optimizer, **kwargs)
+    if mesh is not None:
+        return LayerwiseDistributedOptimizer(
+            model,
+            optimizer=args.optimizer,
+            process_group=mesh["dp"].get_group(),
+            orthogonalizer=TensorParallelOrthogonalizer(mode="auto"),
+            **kwargs,
+        )
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
     experts = get_config(args.config).moe is not None and args.optimizer != "adamw"
@@ -261,7 +300,7 @@ def evaluate(
     return total / count
 
 
-RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps", "fsdp")
+RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps", "tp", "fsdp")
 
 
 def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
@@ -287,11 +326,15 @@ class Checkpointer:
     to rank 0), which every rank loads on resume.
 
     `sharded`: model and optimizer are FSDP2 shards, saved and loaded together with
-    torch.distributed.checkpoint (each rank writes its own shards)."""
+    torch.distributed.checkpoint (each rank writes its own shards). Under tensor parallelism
+    (`tp` > 1) model and optimizer go through `orthoptim.checkpoint.save_sharded` (DCP, each
+    tp rank its DTensor shards; keys free of world and tp size)."""
 
-    def __init__(self, out: Path, rank: int, world_size: int, sharded: bool = False) -> None:
+    def __init__(
+        self, out: Path, rank: int, world_size: int, sharded: bool = False, tp: int = 1
+    ) -> None:
         self.dir = out / "checkpoints"
-        self.rank, self.world_size, self.sharded = rank, world_size, sharded
+        self.rank, self.world_size, self.sharded, self.tp = rank, world_size, sharded, tp
 
     def latest(self) -> dict[str, Any]:
         """The committed checkpoint's metadata; a clear error if there is none."""
@@ -309,7 +352,9 @@ class Checkpointer:
             folder.mkdir(parents=True, exist_ok=True)
         _barrier(self.world_size)
         _params_ready(opt)
-        if self.sharded:
+        if self.tp > 1:
+            checkpoint.save_sharded(folder / "dcp", opt, model)
+        elif self.sharded:
             import torch.distributed.checkpoint as dcp
 
             dcp.save(_sharded_state(model, opt), checkpoint_id=folder / "dcp")
@@ -331,6 +376,9 @@ class Checkpointer:
         info = self.latest()
         check_resumable(info, args, self.world_size)
         folder = self.dir / info["folder"]
+        if self.tp > 1:
+            checkpoint.load_sharded(folder / "dcp", opt, model)
+            return info
         if self.sharded:
             import torch.distributed.checkpoint as dcp
 
@@ -421,9 +469,20 @@ def _train(
     log.info("corpus %s", corpus.describe())
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
+    args.check_nproc(world_size)
     if args.fsdp and world_size > 1:
         shard_model(model)
-    opt = make_optimizer(model, args, world_size)
+    mesh = None
+    dp_rank, dp_size = rank, world_size
+    if args.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device.type, (world_size // args.tp, args.tp), mesh_dim_names=("dp", "tp")
+        )
+        parallelize(model, mesh["tp"])
+        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    opt = make_optimizer(model, args, world_size, mesh)
     tau = args.qk_clip_tau
     clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
     for g in opt.param_groups:
@@ -433,16 +492,17 @@ def _train(
         for x, y in val_batches(corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed)
     ]
     log.info(
-        "model %s (%d params), optimizer %s%s, world size %d, device %s",
+        "model %s (%d params), optimizer %s%s, world size %d (tp %d), device %s",
         args.config,
         sum(p.numel() for p in model.parameters()),
         args.optimizer,
         " (FSDP2)" if args.fsdp else "",
         world_size,
+        args.tp,
         device,
     )
 
-    ckpt = Checkpointer(out, rank, world_size, sharded=args.fsdp and world_size > 1)
+    ckpt = Checkpointer(out, rank, world_size, sharded=args.fsdp and world_size > 1, tp=args.tp)
     metrics_path = out / "metrics.jsonl"
     start, train_time = 0, 0.0
     if args.resume:
@@ -456,7 +516,8 @@ def _train(
         metrics_path.write_text("")
     _barrier(world_size)
 
-    tokens_per_step = args.batch * cfg.seq_len * world_size
+    # The tp ranks of a data-parallel rank share its batch.
+    tokens_per_step = args.batch * cfg.seq_len * dp_size
     last = args.stop_after or args.steps
     bar = None
     if rank == 0 and args.progress:
@@ -473,7 +534,7 @@ def _train(
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
     val_loss = None
     if start == 0:
-        val_loss = evaluate(model, val, rank, world_size, lockstep=args.fsdp)
+        val_loss = evaluate(model, val, dp_rank, dp_size, lockstep=args.fsdp)
         if metrics_file:
             metrics_file.write(
                 json.dumps(dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)) + "\n"
@@ -485,7 +546,7 @@ def _train(
             mult = lr_multiplier(step, args)
             for g in opt.param_groups:
                 g["lr"] = g["initial_lr"] * mult
-            x, y = get_batch(corpus.train, args.batch, cfg.seq_len, args.seed, step, rank)
+            x, y = get_batch(corpus.train, args.batch, cfg.seq_len, args.seed, step, dp_rank)
             x, y = x.to(device), y.to(device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -521,7 +582,7 @@ def _train(
                 **clipped,
             )
             if step % args.eval_every == 0 or step == args.steps:
-                val_loss = evaluate(model, val, rank, world_size, lockstep=args.fsdp)
+                val_loss = evaluate(model, val, dp_rank, dp_size, lockstep=args.fsdp)
                 row["val_loss"] = val_loss
                 log.info("step %d train %.4f val %.4f", step, train_loss, val_loss)
             if metrics_file:
@@ -601,8 +662,7 @@ def launch(args: TrainArgs, nproc: int) -> dict[str, Any]:
     One rank runs in this process with no process group. Returns rank 0's result.
     """
     args.validate()
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    args.check_nproc(nproc)
     if args.resume:
         check_resumable(Checkpointer(Path(args.out), 0, nproc).latest(), args, nproc)
     # A bad --data fails here, once, before any rank starts.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,10 @@ from torch import Tensor, nn
 
 from orthoptim.optim.muon import Split, qkv_split
 from orthoptim.optim.qk_clip import QKHeads
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 VOCAB_SIZE = 256  # byte-level tokens
 
@@ -169,15 +174,16 @@ class CausalSelfAttention(nn.Module):
         )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         hd = self.head_dim
         if self.fused:
             q, k, v = self.qkv(x).split([self.n_head * hd, self.n_kv * hd, self.n_kv * hd], -1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
-        q = q.view(B, T, self.n_head, hd).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, hd).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, hd).transpose(1, 2)
+        # -1 heads: under tensor parallelism q, k, v hold this rank's share of the heads.
+        q = q.view(B, T, -1, hd).transpose(1, 2)
+        k = k.view(B, T, -1, hd).transpose(1, 2)
+        v = v.view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.n_kv != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
@@ -185,7 +191,7 @@ class CausalSelfAttention(nn.Module):
         if self.record_logits and self.training:
             self._record(q, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
     @torch.no_grad()
     def _record(self, q: Tensor, k: Tensor) -> None:
@@ -338,3 +344,40 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def check_tensor_parallel(cfg: GPTConfig, tp: int) -> None:
+    """Refuse a tensor-parallel size or a layout `parallelize` cannot split: the heads (query
+    and key/value) and the MLP channels must divide evenly; fused projections and experts
+    are not split by tensor parallelism here."""
+    if cfg.fused or cfg.moe is not None:
+        raise ValueError(
+            f"--tp {tp} needs a config with separate Q/K/V and a dense MLP (fused projections "
+            "and experts are not tensor-parallel here); use --config tiny or small"
+        )
+    if cfg.n_head % tp or cfg.kv_heads % tp or (cfg.mlp_ratio * cfg.d_model) % tp:
+        raise ValueError(
+            f"--tp {tp} must divide the model's {cfg.n_head} attention heads ({cfg.kv_heads} "
+            f"key/value heads) and its {cfg.mlp_ratio * cfg.d_model} MLP channels"
+        )
+
+
+def parallelize(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+    """Megatron-style tensor parallelism over `tp_mesh`: Q, K, V and the MLP's first matrix
+    column-parallel (each rank a block of heads / channels), the attention output and the
+    MLP's second matrix row-parallel (one all-reduce after each). The embedding, the head and
+    the norms stay replicated. Parameters become DTensors; the model is changed in place."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    check_tensor_parallel(model.cfg, tp_mesh.size())
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(model.cfg.n_layer):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.proj", "mlp.proj"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    return parallelize_module(model, tp_mesh, plan)
