@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from orthoptim.bench import emit, environment
+from orthoptim.optim.base import local_shard
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.fsdp import FSDPOptimizer, count_fsdp_collectives, shard_model
@@ -94,7 +95,7 @@ def state_bytes(optimizer: Any) -> int:
 
 def _tensor_bytes(state: dict[str, Any]) -> int:
     """Bytes held on this rank (a DTensor counts its local shard)."""
-    local = [v.to_local() if hasattr(v, "to_local") else v for v in state.values()]
+    local = [local_shard(v) for v in state.values()]
     return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v))
 
 

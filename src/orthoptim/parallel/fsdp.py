@@ -40,7 +40,12 @@ from torch import Tensor, nn
 
 from orthoptim import checkpoint
 from orthoptim._validate import check_choice, check_float_dtype, check_positive
-from orthoptim.optim.base import check_nonfinite_policy, enforce_nonfinite_policy, state_dtype
+from orthoptim.optim.base import (
+    check_nonfinite_policy,
+    enforce_nonfinite_policy,
+    local_shard,
+    state_dtype,
+)
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.optim.muon import lr_scale_factor, orthogonalize_blocks, split_of
 from orthoptim.parallel import collectives as C
@@ -116,11 +121,6 @@ def count_fsdp_collectives(model: nn.Module, stats: C.CommStats) -> None:
     for m in modules:
         m.set_custom_all_gather(_Gather())
         m.set_custom_reduce_scatter(_Scatter())
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a plain tensor is its own shard)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _Matrix:
@@ -210,7 +210,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for i, (u, owner) in enumerate(zip(self.units, self.assignment.owners))
         ]
         for m in self._matrices:
-            mine = _local(m.param).numel()
+            mine = local_shard(m.param).numel()
             if mine != m.numels[self.rank]:
                 raise ValueError(
                     f"{m.name}: local shard has {mine} elements but Shard(0) over "
@@ -239,7 +239,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         a non-finite gradient shard somewhere (`collectives.agree`: one all-reduce)."""
         present = [m.param.grad is not None for m in self._matrices]
         bad = [
-            p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
+            p.grad is not None and not bool(torch.isfinite(local_shard(p.grad)).all())
             for _, p in self._named
         ]
         present, bad = C.agree(
@@ -278,7 +278,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         state = self.state[m.param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
-        buf, gl = _local(state["momentum_buffer"]), _local(grad)
+        buf, gl = local_shard(state["momentum_buffer"]), local_shard(grad)
         buf.lerp_(gl, 1.0 - g["momentum"])
         update = gl.lerp(buf, g["momentum"]) if g["nesterov"] else buf
         return update.reshape(-1)
@@ -366,7 +366,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     offset += m.numels[rank]
                     if m.param.grad is None:
                         continue
-                    g, p = m.group, _local(m.param)
+                    g, p = m.group, local_shard(m.param)
                     if self.kind == "soap":
                         if moved[m.unit]:  # SOAP's first step only builds its bases
                             if g["weight_decay"] != 0.0:
@@ -576,14 +576,14 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for k, v in st.items():
                 if k in mine and isinstance(mine[k], Tensor):
                     if mine[k] is not v:
-                        _local(mine[k]).copy_(_local(v))
+                        local_shard(mine[k]).copy_(local_shard(v))
                 else:
                     mine[k] = v
 
 
 def _flat_grad(m: _Matrix) -> Tensor:
     """The local gradient shard of a matrix, flat, in float32 for bf16/fp16 parameters."""
-    return _local(m.param.grad).reshape(-1).to(state_dtype(m.param))
+    return local_shard(m.param.grad).reshape(-1).to(state_dtype(m.param))
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
