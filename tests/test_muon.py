@@ -206,6 +206,17 @@ def test_nonfinite_policies_leave_state_untouched(policy):
         assert torch.equal(opt.state[p]["momentum_buffer"], m)
 
 
+def test_huge_finite_gradient_is_not_taken_for_nonfinite():
+    # Entries of 1e30 overflow a float32 2-norm: the cheap check must re-check, not raise.
+    W = nn.Parameter(torch.zeros(4, 6))
+    opt = Muon([W], lr=1.0, nonfinite="raise", lr_scale="none", momentum=0.0)
+    G = torch.randn(4, 6)
+    W.grad = G * 1e30
+    opt.step()
+    assert torch.isfinite(W).all()
+    assert torch.allclose(W.detach(), -newton_schulz(G), atol=1e-5)
+
+
 def test_state_dict_round_trip_bit_identical():
     torch.manual_seed(0)
     make = lambda: nn.Sequential(nn.Linear(12, 20, bias=False), nn.Linear(20, 8, bias=False))  # noqa: E731

@@ -98,6 +98,19 @@ def test_nonfinite_input_raises(bad):
         newton_schulz(X)
 
 
+@pytest.mark.parametrize("scale", [1e25, 1e-25])
+def test_scale_invariant_where_the_norm_overflows_or_underflows(scale):
+    X = torch.randn(3, 8, 12)
+    # 1e25: the float32 sum of squares overflows; the norm is taken on a rescaled copy.
+    # 1e-25: it underflows below eps, and eps rules (documented): the output shrinks.
+    big = newton_schulz(X * scale)
+    assert torch.isfinite(big).all()
+    if scale > 1:
+        assert torch.allclose(big, newton_schulz(X), atol=1e-6)
+    else:
+        assert big.abs().max() < 1e-6
+
+
 def test_schedule_resolution():
     assert coefficient_schedule("simple", 3) == [(3.4445, -4.7750, 2.0315)] * 3
     q = coefficient_schedule("quintic", 7)

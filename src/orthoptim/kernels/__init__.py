@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -34,6 +34,11 @@ MODES = ("auto", "matmul")
 CPU_SYRK_MIN_ROWS = 512
 # Newton-Schulz iterates on the m×m Gram matrix when columns >= this many times rows.
 GRAM_FORM_ASPECT = 2.0
+# Below CPU_SYRK_MIN_ROWS (plain matmul everywhere) the Gram form still pays on CPU from this
+# many rows and a wider aspect (measured at 1 thread: 128×512 1.2–1.5×, 256×640 1.25×,
+# 128×256 0.87×, 96×192 0.75×).
+GRAM_FORM_MIN_ROWS_CPU = 128
+GRAM_FORM_ASPECT_SMALL = 2.5
 
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,6 +48,8 @@ __all__ = [
     "CPU_SYRK_MIN_ROWS",
     "ENV_VAR",
     "GRAM_FORM_ASPECT",
+    "GRAM_FORM_ASPECT_SMALL",
+    "GRAM_FORM_MIN_ROWS_CPU",
     "MODES",
     "backend_for",
     "force_matmul",
@@ -51,6 +58,7 @@ __all__ = [
     "kernel_mode",
     "sym_poly",
     "sym_square",
+    "syrk_for",
     "triton_available",
 ]
 
@@ -105,15 +113,19 @@ def backend_for(X: Tensor) -> str:
 
 def gram_form_pays(X: Tensor) -> bool:
     """Whether Newton-Schulz on `X` ([..., m, n], m <= n) should iterate on its m×m Gram
-    matrix (`newton_schulz_gram_form`): n >= GRAM_FORM_ASPECT·m, float32/float64, and the
-    kernels active at this size. Fewer flops from n ≈ 1.7m; half precision is left alone
-    (the Gram form squares the condition number)."""
+    matrix (`newton_schulz_gram_form`): float32/float64 and n >= GRAM_FORM_ASPECT·m; on CPU
+    either m >= CPU_SYRK_MIN_ROWS or m >= GRAM_FORM_MIN_ROWS_CPU with
+    n >= GRAM_FORM_ASPECT_SMALL·m (smaller products run too far below the BLAS peak for the
+    saved flops to show). Half precision is left alone (the Gram form squares the condition
+    number)."""
     m, n = X.shape[-2], X.shape[-1]
     if kernel_mode() == "matmul" or X.dtype not in _CPU_DTYPES or n < GRAM_FORM_ASPECT * m:
         return False
     if X.requires_grad and torch.is_grad_enabled():
         return False
-    return X.device.type != "cpu" or m >= CPU_SYRK_MIN_ROWS
+    if X.device.type != "cpu" or m >= CPU_SYRK_MIN_ROWS:
+        return True
+    return m >= GRAM_FORM_MIN_ROWS_CPU and n >= GRAM_FORM_ASPECT_SMALL * m
 
 
 def _check(name: str, T: Tensor, square: bool) -> None:
@@ -125,16 +137,26 @@ def _check(name: str, T: Tensor, square: bool) -> None:
         raise ValueError(f"{name} needs square symmetric matrices, got shape {tuple(T.shape)}")
 
 
-def _syrk(X: Tensor, C: Tensor | None, beta: float, alpha: float) -> Tensor:
-    """beta·C + alpha·X·Xᵀ with C symmetric (or absent), through the chosen backend."""
+Syrk = Callable[[Tensor, Tensor | None, float, float], Tensor]
+
+
+def syrk_for(X: Tensor) -> Syrk:
+    """The implementation of beta·C + alpha·X·Xᵀ (C symmetric or None) that `backend_for(X)`
+    picks, to call directly: a loop of small products (Newton-Schulz) chooses once instead of
+    dispatching per product. It also serves X's Gram matrix (same rows, device and dtype)."""
     backend = backend_for(X)
     if backend == "cpu_syrk":
-        return syrk_cpu.syrk(X, C, beta=beta, alpha=alpha)
+        return syrk_cpu.syrk
     if backend == "triton":
         from orthoptim.kernels import triton_syrk
 
-        return triton_syrk.syrk(X, C, beta=beta, alpha=alpha)
-    return syrk_cpu.syrk_matmul(X, C, beta=beta, alpha=alpha)
+        return triton_syrk.syrk
+    return syrk_cpu.syrk_matmul
+
+
+def _syrk(X: Tensor, C: Tensor | None, beta: float, alpha: float) -> Tensor:
+    """beta·C + alpha·X·Xᵀ with C symmetric (or absent), through the chosen backend."""
+    return syrk_for(X)(X, C, beta, alpha)
 
 
 def gram(X: Tensor) -> Tensor:

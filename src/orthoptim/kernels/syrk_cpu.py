@@ -39,6 +39,8 @@ def syrk_matmul(
     X: Tensor, C: Tensor | None = None, beta: float = 0.0, alpha: float = 1.0
 ) -> Tensor:
     """beta·C + alpha·X·Xᵀ by one general product (the reference path), [..., m, n] input."""
+    if X.ndim == 2:
+        return _product(X, X, C, beta, alpha)
     lead = X.shape[:-2]
     X3 = X.reshape(-1, *X.shape[-2:]) if X.ndim > 2 else X
     C3 = C.reshape(-1, *C.shape[-2:]) if C is not None and C.ndim > 2 else C

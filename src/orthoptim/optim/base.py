@@ -5,7 +5,6 @@ and the view of a parameter as a stack of matrices.
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterable
 from itertools import chain
@@ -51,10 +50,14 @@ def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
     grads = [p.grad for p in with_grad]
     plain = all(type(g) is Tensor and not g.is_sparse for g in grads)
     if plain and len({g.device for g in grads}) == 1:
-        # The max-abs norm is NaN or Inf exactly when the tensor holds one, and it cannot
-        # overflow; one foreach call is far cheaper than an isfinite pass per tensor.
-        norms = torch._foreach_norm(grads, ord=math.inf)
+        # A NaN or Inf entry makes the 2-norm NaN or Inf; one foreach call is far cheaper than
+        # an isfinite pass per tensor (and than the max-abs norm: 13 ms vs 100 ms for 28M
+        # float32 entries at 1 thread). A norm that overflows from finite entries is
+        # re-checked exactly.
+        norms = torch._foreach_norm(grads, ord=2)
         flags = torch.stack([n.to(torch.float32) for n in norms]).isfinite().cpu()
+        for i in (~flags).nonzero().flatten().tolist():
+            flags[i] = bool(torch.isfinite(grads[i]).all())
     else:
         checks = [torch.isfinite(g).all() for g in grads]
         # A sharded (DTensor) gradient's check is reduced over its mesh, so every rank agrees.
