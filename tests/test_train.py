@@ -281,3 +281,11 @@ def test_compare_writes_summary_and_plot(tmp_path):
     assert summary["tokens_per_s_ratio_muon_over_adamw"] == pytest.approx(ratio)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| final validation loss |" in (out / "report.md").read_text()
+    # The runs took turns in 4 segments, each resumed: the same losses as one stretch each.
+    assert summary["segments"] == 4
+    whole = tmp_path / "whole"
+    assert main([*argv[:-3], "--out", str(whole), "--no-progress", "--segments", "1"]) == 0
+    once = json.loads((whole / "summary.json").read_text())
+    for name, run in summary["runs"].items():
+        assert [v for *_, v in run["val_curve"]] == [v for *_, v in once["runs"][name]["val_curve"]]
+    assert main([*argv, "--segments", "0"]) == 2

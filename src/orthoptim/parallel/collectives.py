@@ -90,6 +90,12 @@ def all_reduce(
     return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+# torch 2.13 renamed the flat collectives (the old names now warn on every call); older
+# releases have only the old ones.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_scatter(
     out: Tensor,
     inp: Tensor,
@@ -108,9 +114,7 @@ def reduce_scatter(
     if n == 1:
         out.copy_(inp)
         return None
-    return dist.reduce_scatter_tensor(
-        out, inp, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
+    return _REDUCE_SCATTER(out, inp, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_gather(
@@ -129,7 +133,7 @@ def all_gather(
     if n == 1:
         out.copy_(inp.reshape(out.shape))
         return None
-    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
 
 
 class _Gathered:

@@ -106,8 +106,10 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         adamw_lr=ns.adamw_lr,
         muon_lr=ns.muon_lr,
         progress=ns.progress,
+        segments=ns.segments,
     )
     try:
+        opts.validate()
         for name in ("adamw", "muon"):
             args = TrainArgs(
                 optimizer=name,
@@ -152,5 +154,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--eval-every", type=int, default=d.eval_every)
     c.add_argument("--adamw-lr", type=float, default=None, help="AdamW's LR (default 3e-3)")
     c.add_argument("--muon-lr", type=float, default=None, help="Muon's LR (default 0.05)")
+    c.add_argument(
+        "--segments",
+        type=int,
+        default=d.segments,
+        help="the runs take turns in this many segments (resuming), so load drifts hit both",
+    )
     c.add_argument("--no-progress", dest="progress", action="store_false")
     c.set_defaults(func=_compare_cmd)

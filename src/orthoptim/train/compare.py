@@ -40,6 +40,15 @@ class CompareArgs:
     adamw_lr: float | None = None
     muon_lr: float | None = None
     progress: bool = True
+    # The runs take turns in this many segments (at most one per step), each resuming from
+    # its own checkpoint (bitwise the same run), so drifts in the machine's load over minutes
+    # hit every run alike: the throughput ratio is measured side by side.
+    segments: int = 5
+
+    def validate(self) -> None:
+        """Refuse option values the comparison cannot honour, naming the flag."""
+        if self.segments < 1:
+            raise ValueError(f"--segments must be at least 1, got {self.segments}")
 
 
 def steps_to_reach(rows: list[dict[str, Any]], target: float) -> int | None:
@@ -50,8 +59,14 @@ def steps_to_reach(rows: list[dict[str, Any]], target: float) -> int | None:
     return None
 
 
-def _run(opts: CompareArgs, optimizer: str, lr: float, out: Path) -> dict[str, Any]:
-    args = TrainArgs(
+def segment_ends(steps: int, segments: int) -> list[int]:
+    """The last step of each of `segments` near-equal segments of 1..steps (at most `steps`)."""
+    segments = min(segments, steps)
+    return [steps * (i + 1) // segments for i in range(segments)]
+
+
+def _train_args(opts: CompareArgs, optimizer: str, lr: float, out: Path) -> TrainArgs:
+    return TrainArgs(
         optimizer=optimizer,
         config=opts.config,
         steps=opts.steps,
@@ -64,9 +79,23 @@ def _run(opts: CompareArgs, optimizer: str, lr: float, out: Path) -> dict[str, A
         data=opts.data,
         progress=opts.progress,
     )
-    result = launch(args, opts.nproc)
-    result["metrics"] = read_metrics(out / "metrics.jsonl")
-    return result
+
+
+def _run_interleaved(
+    opts: CompareArgs, runs: list[tuple[str, float, Path]]
+) -> list[dict[str, Any]]:
+    """Train every (optimizer, lr, out) run, taking turns segment by segment (each segment
+    after the first resumes from the run's checkpoint). Returns each run's final result."""
+    results: list[dict[str, Any]] = [{} for _ in runs]
+    for i, end in enumerate(segment_ends(opts.steps, opts.segments)):
+        for k, (optimizer, lr, out) in enumerate(runs):
+            args = _train_args(opts, optimizer, lr, out)
+            args.stop_after = end if end < opts.steps else None
+            args.resume = i > 0
+            results[k] = launch(args, opts.nproc)
+    for result, (_, _, out) in zip(results, runs):
+        result["metrics"] = read_metrics(out / "metrics.jsonl")
+    return results
 
 
 def _record(result: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +140,7 @@ def summarize(opts: CompareArgs, results: dict[str, dict[str, Any]], sweep: dict
         batch_per_rank=opts.batch,
         tokens_per_step=adamw["tokens_per_step"],
         eval_every=opts.eval_every,
+        segments=len(segment_ends(opts.steps, opts.segments)),
         device=adamw["device"],
         threads_per_rank=adamw["threads_per_rank"],
         data=opts.data or "python stdlib",
@@ -224,35 +254,38 @@ AdamW's — **{ok[t["throughput_ratio_met"]]}**.
 What was measured: "steps to AdamW's final val loss" is the first evaluation step (a
 multiple of {summary["eval_every"]}) at which Muon's validation loss is at or below AdamW's
 final one. Tokens/s is tokens per step over the median step time on rank 0 (forward,
-backward and optimizer step, evaluation and checkpoints excluded, first two steps skipped);
+backward and optimizer step, evaluation and checkpoints excluded);
 the optimizer share is the summed `optimizer.step()` time (gradient reduction, the update
 and the parameter gather) over the summed step time. Peak memory is each rank's maximum
 resident set (CPU) or CUDA allocator peak (GPU). Bytes are those counted by
-`orthoptim.parallel.collectives` in the last step. The two runs ran one after the other on
-the same machine, so other load on it shows up in the throughput figures.
+`orthoptim.parallel.collectives` in the last step. The runs took turns in
+{summary["segments"]} segment(s), each resumed from its checkpoint, so changes in other load
+on the machine over time hit both alike; the first two steps after each start are left out
+of the throughput.
 """
 
 
 def run_compare(opts: CompareArgs) -> dict[str, Any]:
     """Train both optimizers (with --sweep: each over its LR grid, keeping the best final
     validation loss) and write report.md, loss.png and summary.json."""
+    opts.validate()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     chosen = {"adamw": opts.adamw_lr, "muon": opts.muon_lr}
-    results: dict[str, dict[str, Any]] = {}
-    sweep: dict[str, dict[str, float]] = {}
+    runs: list[tuple[str, float, Path]] = []
     for name in COMPARED:
         if opts.sweep and chosen[name] is None:
-            tried = {}
-            for lr in SWEEP_GRID[name]:
-                r = _run(opts, name, lr, out / "sweep" / f"{name}_lr{lr:g}")
-                tried[f"{lr:g}"] = r["final_val_loss"]
-                if name not in results or r["final_val_loss"] < results[name]["final_val_loss"]:
-                    results[name] = r
-            sweep[name] = tried
+            runs += [(name, lr, out / "sweep" / f"{name}_lr{lr:g}") for lr in SWEEP_GRID[name]]
         else:
             lr = chosen[name] if chosen[name] is not None else DEFAULT_LR[name]
-            results[name] = _run(opts, name, lr, out / name)
+            runs.append((name, lr, out / name))
+    results: dict[str, dict[str, Any]] = {}
+    sweep: dict[str, dict[str, float]] = {}
+    for (name, lr, _), r in zip(runs, _run_interleaved(opts, runs)):
+        if opts.sweep and chosen[name] is None:
+            sweep.setdefault(name, {})[f"{lr:g}"] = r["final_val_loss"]
+        if name not in results or r["final_val_loss"] < results[name]["final_val_loss"]:
+            results[name] = r
     summary = summarize(opts, results, sweep)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(summary, out / "loss.png")

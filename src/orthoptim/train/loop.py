@@ -581,6 +581,8 @@ def _train(
                 comm_received_bytes=comm[1],
                 **clipped,
             )
+            if step - start <= COLD_STEPS:
+                row["cold"] = True
             if step % args.eval_every == 0 or step == args.steps:
                 val_loss = evaluate(model, val, dp_rank, dp_size, lockstep=args.fsdp)
                 row["val_loss"] = val_loss
@@ -629,11 +631,17 @@ def _train(
     return result
 
 
-def throughput(rows: list[dict[str, Any]], tokens_per_step: int, skip: int = 2) -> dict[str, Any]:
+# The first steps a process runs pay one-off costs (allocations, first collectives): their
+# rows are marked "cold" and left out of the throughput.
+COLD_STEPS = 2
+
+
+def throughput(rows: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
     """Median step time, tokens/s and the optimizer's share of step time over the run's
-    steps (the first `skip` steps are left out: they pay one-off allocation costs)."""
+    steps, leaving out the cold ones (the first COLD_STEPS after each start or resume)
+    unless nothing else is left."""
     steps = [r for r in rows if "step_time_s" in r]
-    steps = steps[skip:] if len(steps) > skip else steps
+    steps = [r for r in steps if not r.get("cold")] or steps
     if not steps:
         return {}
     step_times = sorted(r["step_time_s"] for r in steps)
