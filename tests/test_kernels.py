@@ -160,6 +160,18 @@ def test_gram_form_only_where_it_pays(small_blocks: None) -> None:
     assert not kernels.gram_form_pays(torch.randn(16, 96))  # below the kernels' row threshold
 
 
+def test_gram_form_below_the_syrk_threshold_needs_a_wider_aspect() -> None:
+    m = kernels.GRAM_FORM_MIN_ROWS_CPU
+    assert m < kernels.CPU_SYRK_MIN_ROWS
+    assert kernels.gram_form_pays(torch.randn(m, int(kernels.GRAM_FORM_ASPECT_SMALL * m)))
+    assert not kernels.gram_form_pays(torch.randn(m, int(kernels.GRAM_FORM_ASPECT * m)))
+    assert not kernels.gram_form_pays(torch.randn(m - 1, 4 * m))
+    X = torch.randn(m, 4 * m)
+    with kernels.force_matmul():
+        plain = newton_schulz(X)
+    assert (newton_schulz(X) - plain).abs().max().item() < 1e-4
+
+
 def test_newton_schulz_default_sizes_match_matmul() -> None:
     G = torch.randn(520, 600)
     fast = newton_schulz(G, steps=2)
