@@ -289,3 +289,23 @@ def test_compare_writes_summary_and_plot(tmp_path):
     for name, run in summary["runs"].items():
         assert [v for *_, v in run["val_curve"]] == [v for *_, v in once["runs"][name]["val_curve"]]
     assert main([*argv, "--segments", "0"]) == 2
+
+
+def test_compare_sweep_keeps_each_optimizers_best_lr(tmp_path):
+    out = tmp_path / "sweep"
+    argv = ["compare", "--nproc", "1", "--steps", "2", "--batch", "2", "--eval-every", "2",
+            "--segments", "2", "--sweep", "--muon-lr", "0.05", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    from orthoptim.train.compare import SWEEP_GRID
+
+    # AdamW swept over its grid; Muon's LR was given, so it ran once and is not in the sweep.
+    assert set(summary["sweep"]) == {"adamw"}
+    tried = summary["sweep"]["adamw"]
+    assert set(tried) == {f"{lr:g}" for lr in SWEEP_GRID["adamw"]}
+    best = min(tried, key=tried.get)
+    assert f"{summary['runs']['adamw']['lr']:g}" == best
+    assert summary["runs"]["adamw"]["final_val_loss"] == tried[best]
+    assert summary["runs"]["muon"]["lr"] == 0.05
+    assert (out / "muon" / "metrics.jsonl").exists()

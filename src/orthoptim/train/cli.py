@@ -109,7 +109,6 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         segments=ns.segments,
     )
     try:
-        opts.validate()
         for name in ("adamw", "muon"):
             args = TrainArgs(
                 optimizer=name,

@@ -272,9 +272,10 @@ def run_compare(opts: CompareArgs) -> dict[str, Any]:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     chosen = {"adamw": opts.adamw_lr, "muon": opts.muon_lr}
+    swept = {name for name in COMPARED if opts.sweep and chosen[name] is None}
     runs: list[tuple[str, float, Path]] = []
     for name in COMPARED:
-        if opts.sweep and chosen[name] is None:
+        if name in swept:
             runs += [(name, lr, out / "sweep" / f"{name}_lr{lr:g}") for lr in SWEEP_GRID[name]]
         else:
             lr = chosen[name] if chosen[name] is not None else DEFAULT_LR[name]
@@ -282,7 +283,7 @@ def run_compare(opts: CompareArgs) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     sweep: dict[str, dict[str, float]] = {}
     for (name, lr, _), r in zip(runs, _run_interleaved(opts, runs)):
-        if opts.sweep and chosen[name] is None:
+        if name in swept:
             sweep.setdefault(name, {})[f"{lr:g}"] = r["final_val_loss"]
         if name not in results or r["final_val_loss"] < results[name]["final_val_loss"]:
             results[name] = r
