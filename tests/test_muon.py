@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from orthoptim import Muon, NonFiniteGradientError, newton_schulz
-from orthoptim.optim.muon import lr_scale_factor
+from orthoptim.optim.muon import lr_scale_factor, orthogonalize_blocks
 
 
 def _set_grads(params, seed):
@@ -173,12 +173,35 @@ def test_custom_orthogonalizer_is_used():
         calls.append(tuple(x.shape))
         return torch.ones_like(x)
 
-    W = nn.Parameter(torch.zeros(4, 6))
-    opt = Muon([W], lr=1.0, orthogonalizer=ortho, lr_scale="none")
-    W.grad = torch.randn(4, 6)
+    W, V = nn.Parameter(torch.zeros(4, 6)), nn.Parameter(torch.zeros(4, 6))
+    opt = Muon([W, V], lr=1.0, orthogonalizer=ortho, lr_scale="none")
+    W.grad, V.grad = torch.randn(4, 6), torch.randn(4, 6)
     opt.step()
-    assert calls == [(1, 4, 6)]
+    assert calls == [(2, 4, 6)]  # one stacked call per shape, also on CPU
     assert torch.equal(W.detach(), -torch.ones(4, 6))
+    assert torch.equal(V.detach(), -torch.ones(4, 6))
+
+
+def test_blocks_go_one_by_one_where_stacking_does_not_pay():
+    torch.manual_seed(0)
+    items = [(torch.randn(1, 8, 12), None) for _ in range(3)] + [(torch.randn(2, 8, 12), None)]
+    calls = []
+
+    def ortho(x):
+        calls.append(tuple(x.shape))
+        return newton_schulz(x)
+
+    stacked = list(orthogonalize_blocks(items, ortho, "keller"))
+    assert calls == [(5, 8, 12)]
+    calls.clear()
+    single = list(orthogonalize_blocks(items, ortho, "keller", stack=lambda device: False))
+    assert calls == [(1, 8, 12)] * 3 + [(2, 8, 12)]
+    assert [(i, row, scale) for i, row, _, scale in single] == [
+        (i, row, scale) for i, row, _, scale in stacked
+    ]
+    for (_, _, a, _), (_, _, b, _) in zip(single, stacked):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert not Muon([nn.Parameter(torch.zeros(4, 6))]).stacks(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])

@@ -147,26 +147,56 @@ def newton_schulz(
     for start in range(0, Y3.shape[0], chunk):
         part = slice(start, start + chunk)
         Z = (Y3[part] / norm3[part]).to(compute)
-        Z = Z[0] if Z.shape[0] == 1 else Z
+        target = out3[part]
+        if Z.shape[0] == 1:
+            Z, target = Z[0], target[0]
+        into = target if target.dtype == compute else None  # else written with a cast below
         syrk = kernels.syrk_for(Z)
         if kernels.gram_form_pays(Z):
-            Z = newton_schulz_gram_form(Z, schedule, syrk)
+            Z = newton_schulz_gram_form(Z, schedule, syrk, out=into)
         else:
-            for a, b, c in schedule:
+            for a, b, c in schedule[:-1]:
                 Z = newton_schulz_step(Z, a, b, c, syrk)
-        out3[part].copy_(Z)
+            Z = newton_schulz_step(Z, *schedule[-1], syrk, out=into)
+        if into is None:
+            target.copy_(Z)
     return out
 
 
-def _chunk_size(Y: Tensor) -> int:
-    """How many matrices of the batch Y [k, m, n] one pass of the iteration takes.
+def stacking_pays(device: torch.device) -> bool:
+    """Whether a batch of matrices on `device` should go through Newton-Schulz stacked.
 
-    On CPU one: batched products were no faster than a loop of 2-D ones, and a whole batch
+    On CPU no: batched products were no faster than a loop of 2-D ones, and a whole batch
     streams through memory at every product (at 1 thread, one at a time vs the whole batch:
-    48×768² 9.1 s vs 10.3 s, 24×768×3072 9.8 s vs 11.2 s, 8×128×512 19 ms vs 23 ms).
-    On GPUs the whole batch, for occupancy.
+    48×768² 9.1 s vs 10.3 s, 24×768×3072 9.8 s vs 11.2 s, 8×128×512 19 ms vs 23 ms), so
+    neither stacking the blocks (`Muon`) nor running them together (`newton_schulz`) pays.
+    On GPUs yes, for occupancy.
     """
-    return 1 if Y.device.type == "cpu" else max(1, Y.shape[0])
+    return device.type != "cpu"
+
+
+def _chunk_size(Y: Tensor) -> int:
+    """How many matrices of the batch Y [k, m, n] one pass of the iteration takes."""
+    return max(1, Y.shape[0]) if stacking_pays(Y.device) else 1
+
+
+def _matmul_into(
+    P: Tensor, Q: Tensor, C: Tensor | None = None, beta: float = 1.0, out: Tensor | None = None
+) -> Tensor:
+    """beta·C + P·Q for 2-D or 3-D operands (C None: P·Q), into `out` when given.
+
+    An `out` that is the transpose of a contiguous buffer (a tall matrix's result) gets the
+    transposed product Qᵀ·Pᵀ written straight into that buffer, instead of a temporary and
+    a copy.
+    """
+    if out is not None and not out.is_contiguous() and out.mT.is_contiguous():
+        _matmul_into(Q.mT, P.mT, None if C is None else C.mT, beta, out.mT)
+        return out
+    if C is None:
+        return torch.matmul(P, Q, out=out)
+    if P.ndim == 2:
+        return torch.addmm(C, P, Q, beta=beta, out=out)
+    return torch.baddbmm(C, P, Q, beta=beta, out=out)
 
 
 def _frobenius_norms(Y: Tensor, dtype: torch.dtype) -> Tensor:
@@ -186,21 +216,27 @@ def _frobenius_norms(Y: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def newton_schulz_step(
-    X: Tensor, a: float, b: float, c: float, syrk: kernels.Syrk | None = None
+    X: Tensor,
+    a: float,
+    b: float,
+    c: float,
+    syrk: kernels.Syrk | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """One step X ← a·X + (b·A + c·A·A)·X with A = X·Xᵀ, on [..., m, n] with m <= n.
 
-    `syrk` is the symmetric-product implementation (default: `kernels.syrk_for(X)`).
+    `syrk` is the symmetric-product implementation (default: `kernels.syrk_for(X)`); `out`
+    (2-D or 3-D X only) receives the result.
     """
     syrk = syrk or kernels.syrk_for(X)
     A = syrk(X, None, 0.0, 1.0)
     B = syrk(A, A, b, c)
-    if X.ndim == 2:
-        return torch.addmm(X, B, X, beta=a)
+    if X.ndim <= 3:
+        return _matmul_into(B, X, X, a, out)
     lead = X.shape[:-2]
     Xf = X.reshape(-1, *X.shape[-2:])
-    out = torch.baddbmm(Xf, B.reshape(-1, *B.shape[-2:]), Xf, beta=a)
-    return out.reshape(*lead, *X.shape[-2:])
+    step = torch.baddbmm(Xf, B.reshape(-1, *B.shape[-2:]), Xf, beta=a)
+    return step.reshape(*lead, *X.shape[-2:])
 
 
 # Steps the Gram form takes before recomputing X and its Gram (rounding in A_k compounds:
@@ -209,7 +245,10 @@ GRAM_FORM_RESTART = 3
 
 
 def newton_schulz_gram_form(
-    X: Tensor, schedule: Sequence[Coefficients], syrk: kernels.Syrk | None = None
+    X: Tensor,
+    schedule: Sequence[Coefficients],
+    syrk: kernels.Syrk | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The same iteration run on the m×m Gram matrix, for wide X ([..., m, n], n >= 2m).
 
@@ -217,7 +256,7 @@ def newton_schulz_gram_form(
     over a run of steps X ← R·X with R = ···Q_1·Q_0 and A_{k+1} = Q_k·A_k·Q_k = A_k·Q_k²
     (they all commute). Only the Gram and R·X touch n: per run of GRAM_FORM_RESTART steps
     ≈ 3m²n + 6·steps·m³ flops instead of steps·(3m²n + m³) (fewer from n ≈ 1.7m).
-    `syrk` as in `newton_schulz_step`.
+    `syrk` and `out` as in `newton_schulz_step`.
     """
     syrk = syrk or kernels.syrk_for(X)
     for start in range(0, len(schedule), GRAM_FORM_RESTART):
@@ -231,7 +270,7 @@ def newton_schulz_gram_form(
             if k < len(run) - 1:
                 A = torch.matmul(A, syrk(Q, None, 0.0, 1.0))
         assert R is not None
-        X = torch.matmul(R, X)
+        X = _matmul_into(R, X, out=out if start + GRAM_FORM_RESTART >= len(schedule) else None)
     return X
 
 

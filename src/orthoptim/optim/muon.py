@@ -34,7 +34,12 @@ from orthoptim._validate import (
     check_positive,
     check_unit_interval,
 )
-from orthoptim.newton_schulz import CoefficientsLike, coefficient_schedule, newton_schulz
+from orthoptim.newton_schulz import (
+    CoefficientsLike,
+    coefficient_schedule,
+    newton_schulz,
+    stacking_pays,
+)
 from orthoptim.optim.base import (
     GuardedOptimizer,
     check_nonfinite_policy,
@@ -79,13 +84,17 @@ def split_of(group: dict[str, Any], name: str) -> Split | None:
 
 
 def orthogonalize_blocks(
-    items: list[tuple[Tensor, Split | None]], orthogonalize: Orthogonalizer, lr_scale: str
+    items: list[tuple[Tensor, Split | None]],
+    orthogonalize: Orthogonalizer,
+    lr_scale: str,
+    stack: Callable[[torch.device], bool] = lambda device: True,
 ) -> Iterator[tuple[int, int | None, Tensor, float]]:
     """Orthogonalize matrix stacks [k, rows, cols], each whole or by row blocks (`split`).
 
     Yields (item index, first row of the block or None for a whole stack, the orthogonalized
     block, the LR-scale factor of the block's shape). Blocks of one shape (and one DTensor
-    layout) go through one `orthogonalize` call.
+    layout) go through one `orthogonalize` call when `stack(device)` says so, else one call
+    each (no copy into a stack; each block is yielded as soon as it is done).
     """
     # (rows, cols, device, layout) → [(item, first row, block)]; a DTensor's layout (mesh,
     # placements) is part of the key so a batch never mixes shardings.
@@ -101,10 +110,14 @@ def orthogonalize_blocks(
         for block in mats.split(list(sizes), dim=-2):
             batches[(block.shape[-2], mats.shape[-1], mats.device, layout)].append((i, row, block))
             row += block.shape[-2]
-    for (rows, cols, _, _), entries in batches.items():
+    for (rows, cols, device, _), entries in batches.items():
+        scale = lr_scale_factor(lr_scale, rows, cols)
+        if len(entries) > 1 and not stack(device):
+            for i, row, block in entries:
+                yield i, row, orthogonalize(block), scale
+            continue
         blocks = [b for _, _, b in entries]
         ortho = orthogonalize(torch.cat(blocks) if len(blocks) > 1 else blocks[0])
-        scale = lr_scale_factor(lr_scale, rows, cols)
         offset = 0
         for i, row, block in entries:
             k = block.shape[0]
@@ -260,7 +273,7 @@ class Muon(GuardedOptimizer):
             items.append((matrix_view(update), self._split_of(group, i)))
 
         blocks = orthogonalize_blocks(
-            items, lambda mats: self._orthogonalize(mats, group), group["lr_scale"]
+            items, lambda mats: self._orthogonalize(mats, group), group["lr_scale"], self.stacks
         )
         for i, row, o, scale in blocks:
             p = params[i]
@@ -269,6 +282,12 @@ class Muon(GuardedOptimizer):
             else:
                 rows = matrix_view(p)[:, row : row + o.shape[-2]]
                 rows.add_(o.to(p.dtype), alpha=-lr * scale)
+
+    def stacks(self, device: torch.device) -> bool:
+        """Whether same-shape blocks on `device` go to the orthogonalizer as one stack: always
+        for a custom one (one call, e.g. one collective, per shape), else where batched
+        Newton-Schulz pays (`stacking_pays`)."""
+        return self.orthogonalizer is not None or stacking_pays(device)
 
     def _orthogonalize(self, mats: Tensor, group: dict[str, Any]) -> Tensor:
         if self.orthogonalizer is not None:

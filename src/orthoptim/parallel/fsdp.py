@@ -426,7 +426,10 @@ class FSDPOptimizer(torch.optim.Optimizer):
             ]
             fused: dict[int, Tensor] = {}
             blocks = orthogonalize_blocks(
-                items, lambda mats, g=g: self.matrix_opt._orthogonalize(mats, g), g["lr_scale"]
+                items,
+                lambda mats, g=g: self.matrix_opt._orthogonalize(mats, g),
+                g["lr_scale"],
+                self.matrix_opt.stacks,
             )
             for i, row, o, scale in blocks:
                 if row is None:
