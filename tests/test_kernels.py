@@ -53,6 +53,33 @@ def test_blocked_syrk_matches_matmul(shape: tuple[int, ...], dtype: torch.dtype)
     assert _rel_err(fused, 0.7 * A - 1.3 * (A @ A)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    # with leaf 16 the rows first split at h (a multiple of 32, or m - 1)
+    ("shape", "h"),
+    [((17, 40), 16), ((33, 64), 32), ((70, 20), 64), ((3, 47, 29), 32)],
+)
+def test_sym_matmul_of_commuting_symmetric_matches_matmul(
+    shape: tuple[int, ...], h: int, dtype: torch.dtype
+) -> None:
+    X = torch.randn(*shape, dtype=dtype)
+    A = X @ X.mT
+    A = A / A.abs().max()
+    Q = 0.5 * A - 0.3 * (A @ A)  # a polynomial in A: commutes with it, so A·Q is symmetric
+    want = A @ Q
+    got = syrk_cpu.sym_matmul(A, Q, leaf=16)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert _rel_err(got, want) < TOL[dtype]
+    # only the block below the split is computed; the one above mirrors it (so a product
+    # that is not symmetric shows it)
+    B = torch.randn_like(A)
+    got = syrk_cpu.sym_matmul(A, B, leaf=16)
+    full = A @ B
+    assert _rel_err(got[..., h:, :h], full[..., h:, :h]) < TOL[dtype]
+    assert torch.equal(got[..., :h, h:], got[..., h:, :h].mT)
+    assert _rel_err(got[..., :h, h:], full[..., :h, h:]) > 0.1
+
+
 def test_blocked_syrk_recurses_and_mirrors() -> None:
     # 70 rows with leaf 16 split at 64/32/16: the off-diagonal blocks are exact mirrors.
     X = torch.randn(70, 50, dtype=torch.float64)

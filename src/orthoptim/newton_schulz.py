@@ -253,12 +253,14 @@ def newton_schulz_gram_form(
     """The same iteration run on the m×m Gram matrix, for wide X ([..., m, n], n >= 2m).
 
     Every step multiplies X by Q_k = a·I + b·A_k + c·A_k², a polynomial in A_k = X_k·X_kᵀ, so
-    over a run of steps X ← R·X with R = ···Q_1·Q_0 and A_{k+1} = Q_k·A_k·Q_k = A_k·Q_k²
-    (they all commute). Only the Gram and R·X touch n: per run of GRAM_FORM_RESTART steps
-    ≈ 3m²n + 6·steps·m³ flops instead of steps·(3m²n + m³) (fewer from n ≈ 1.7m).
+    over a run of steps X ← R·X with R = ···Q_1·Q_0 and A_{k+1} = (A_k·Q_k)·Q_k. These are
+    all polynomials in one Gram matrix: they commute, so every m×m product is symmetric and
+    computes one triangle (`kernels.sym_matmul_for`). Only the Gram and R·X touch n: per run
+    of GRAM_FORM_RESTART steps ≈ 3m²n + 4·steps·m³ flops instead of steps·(3m²n + m³).
     `syrk` and `out` as in `newton_schulz_step`.
     """
     syrk = syrk or kernels.syrk_for(X)
+    sym_matmul = kernels.sym_matmul_for(X)
     for start in range(0, len(schedule), GRAM_FORM_RESTART):
         run = schedule[start : start + GRAM_FORM_RESTART]
         A = syrk(X, None, 0.0, 1.0)
@@ -266,9 +268,9 @@ def newton_schulz_gram_form(
         for k, (a, b, c) in enumerate(run):
             Q = syrk(A, A, b, c)
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
-            R = Q if R is None else torch.matmul(Q, R)
+            R = Q if R is None else sym_matmul(Q, R)
             if k < len(run) - 1:
-                A = torch.matmul(A, syrk(Q, None, 0.0, 1.0))
+                A = sym_matmul(sym_matmul(A, Q), Q)
         assert R is not None
         X = _matmul_into(R, X, out=out if start + GRAM_FORM_RESTART >= len(schedule) else None)
     return X

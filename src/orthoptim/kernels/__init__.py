@@ -57,6 +57,7 @@ __all__ = [
     "gram_form_pays",
     "kernel_mode",
     "sym_poly",
+    "sym_matmul_for",
     "sym_square",
     "syrk_for",
     "triton_available",
@@ -152,6 +153,16 @@ def syrk_for(X: Tensor) -> Syrk:
 
         return triton_syrk.syrk
     return syrk_cpu.syrk_matmul
+
+
+SymMatmul = Callable[[Tensor, Tensor], Tensor]
+
+
+def sym_matmul_for(X: Tensor) -> SymMatmul:
+    """The implementation of P·S for products known to be symmetric (two commuting symmetric
+    matrices, e.g. polynomials in one Gram matrix) that the backend of `X` offers: one
+    triangle on the CPU SYRK backend, else plain matmul."""
+    return syrk_cpu.sym_matmul if backend_for(X) == "cpu_syrk" else torch.matmul
 
 
 def _syrk(X: Tensor, C: Tensor | None, beta: float, alpha: float) -> Tensor:

@@ -49,21 +49,27 @@ def syrk_matmul(
 
 
 def _blocked_into(
-    X: Tensor, C: Tensor | None, beta: float, alpha: float, leaf: int, out: Tensor
+    X: Tensor,
+    Y: Tensor,
+    C: Tensor | None,
+    beta: float,
+    alpha: float,
+    leaf: int,
+    out: Tensor,
 ) -> None:
-    """Fill `out` (a row-major view, so BLAS writes into it directly) with beta·C + alpha·X·Xᵀ."""
+    """Fill `out` (a row-major view, so BLAS writes into it directly) with beta·C + alpha·X·Yᵀ,
+    a product known to be symmetric (Y is X for a SYRK)."""
     m = X.shape[-2]
     if m <= leaf:
-        _product(X, X, C, beta, alpha, out=out)
+        _product(X, Y, C, beta, alpha, out=out)
         return
     h = min(m - 1, (m // 2 + ALIGN - 1) // ALIGN * ALIGN)
-    X1, X2 = X[..., :h, :], X[..., h:, :]
     C11 = C21 = C22 = None
     if C is not None:
         C11, C21, C22 = C[..., :h, :h], C[..., h:, :h], C[..., h:, h:]
-    _blocked_into(X1, C11, beta, alpha, leaf, out[..., :h, :h])
-    _blocked_into(X2, C22, beta, alpha, leaf, out[..., h:, h:])
-    _product(X2, X1, C21, beta, alpha, out=out[..., h:, :h])
+    _blocked_into(X[..., :h, :], Y[..., :h, :], C11, beta, alpha, leaf, out[..., :h, :h])
+    _blocked_into(X[..., h:, :], Y[..., h:, :], C22, beta, alpha, leaf, out[..., h:, h:])
+    _product(X[..., h:, :], Y[..., :h, :], C21, beta, alpha, out=out[..., h:, :h])
     out[..., :h, h:] = out[..., h:, :h].mT
 
 
@@ -87,5 +93,14 @@ def syrk(
     X3 = X.reshape(-1, *X.shape[-2:]) if X.ndim > 2 else X
     C3 = C.reshape(-1, *C.shape[-2:]) if C is not None and C.ndim > 2 else C
     out = X3.new_empty((*X3.shape[:-1], X3.shape[-2]))
-    _blocked_into(X3, C3, beta, alpha, leaf, out)
+    _blocked_into(X3, X3, C3, beta, alpha, leaf, out)
     return out.reshape(*lead, X.shape[-2], X.shape[-2])
+
+
+def sym_matmul(P: Tensor, S: Tensor, leaf: int | None = None) -> Tensor:
+    """P·S for 2-D or 3-D P [..., m, k], S [..., k, m] whose product is known to be symmetric
+    (e.g. two commuting symmetric matrices): the blocks below the diagonal are computed, the
+    ones above are their mirror. `leaf` as in `syrk`."""
+    out = P.new_empty((*P.shape[:-1], P.shape[-2]))
+    _blocked_into(P, S.mT, None, 0.0, 1.0, LEAF_ROWS if leaf is None else leaf, out)
+    return out
