@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 
@@ -10,6 +12,9 @@ from orthoptim.newton_schulz import (
 )
 
 from conftest import ill_conditioned
+
+# the module itself: `orthoptim.newton_schulz` as an attribute is the function it exports
+ns_module = importlib.import_module("orthoptim.newton_schulz")
 
 SHAPES = [(64, 64), (48, 96), (96, 48), (128, 512)]
 
@@ -57,6 +62,20 @@ def test_batched_equals_per_slice():
     for i in range(2):
         for j in range(3):
             torch.testing.assert_close(out[i, j], newton_schulz(X[i, j]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 80), (3, 80, 32), (2, 40, 130)])
+def test_stacked_batch_equals_one_at_a_time(shape, monkeypatch):
+    """The batch path GPUs take (all matrices at once, the last step written into the
+    output, transposed for tall ones) against the CPU's one matrix at a time."""
+    X = torch.randn(*shape)
+    single = newton_schulz(X)
+    monkeypatch.setattr(ns_module, "stacking_pays", lambda device: True)
+    assert ns_module._chunk_size(X) == shape[0]
+    stacked = newton_schulz(X)
+    assert stacked.is_contiguous() and single.is_contiguous()
+    torch.testing.assert_close(stacked, single, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stacked[1], newton_schulz(X[1]), atol=1e-5, rtol=1e-5)
 
 
 def test_tall_is_transpose_of_wide():
