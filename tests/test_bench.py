@@ -107,8 +107,12 @@ def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert _positive_finite(names[name]["speedup_vs_baseline"]), name
     for name, case in names.items():
         assert "skipped" in case or _positive_finite(case["median_s"]), name
-    assert report["headline"]["ours"] == "orthoptim_muon"
-    assert _positive_finite(report["headline"]["speedup_vs_fastest_peer"])
+    headline = report["headline"]
+    assert headline["ours"] == "orthoptim_muon"
+    assert _positive_finite(headline["speedup_vs_fastest_peer"])
+    ours, peer = names["orthoptim_muon"]["times_s"], names[headline["fastest_peer"]]["times_s"]
+    assert headline["per_round_speedups"] == pytest.approx([p / o for p, o in zip(peer, ours)])
+    assert len(headline["per_round_speedups"]) == 2
 
 
 def test_bench_step_rejects_unknown_optimizer(capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,8 +71,13 @@ def test_stacked_batch_equals_one_at_a_time(shape, monkeypatch):
     X = torch.randn(*shape)
     single = newton_schulz(X)
     monkeypatch.setattr(ns_module, "stacking_pays", lambda device: True)
-    assert ns_module._chunk_size(X) == shape[0]
+    seen = []
+    syrk_for = ns_module.kernels.syrk_for
+    monkeypatch.setattr(
+        ns_module.kernels, "syrk_for", lambda Z: seen.append(Z.shape) or syrk_for(Z)
+    )
     stacked = newton_schulz(X)
+    assert seen == [torch.Size([shape[0], min(shape[1:]), max(shape[1:])])]  # one stacked pass
     assert stacked.is_contiguous() and single.is_contiguous()
     torch.testing.assert_close(stacked, single, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(stacked[1], newton_schulz(X[1]), atol=1e-5, rtol=1e-5)

@@ -11,8 +11,9 @@ One step on X (rows <= columns, normalised by its Frobenius norm first)::
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -132,7 +133,7 @@ def newton_schulz(
         raise ValueError(
             f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(X.shape)}"
         )
-    schedule = coefficient_schedule(coefficients, steps)
+    schedule = _schedule(coefficients, steps)
     check_positive("eps", eps)
     compute = ns_compute_dtype(X.dtype, dtype)
     transposed = X.shape[-2] > X.shape[-1]
@@ -141,15 +142,14 @@ def newton_schulz(
     norm = norm.clamp_min(eps)
     out = torch.empty_like(X, memory_format=torch.contiguous_format)
     m, n = Y.shape[-2:]
-    Y3, norm3 = Y.reshape(-1, m, n), norm.reshape(-1, 1, 1)
-    out3 = (out.mT if transposed else out).reshape(-1, m, n)
-    chunk = _chunk_size(Y3)
-    for start in range(0, Y3.shape[0], chunk):
-        part = slice(start, start + chunk)
-        Z = (Y3[part] / norm3[part]).to(compute)
-        target = out3[part]
-        if Z.shape[0] == 1:
-            Z, target = Z[0], target[0]
+    Ys, norms = Y.reshape(-1, m, n), norm.reshape(-1, 1, 1)
+    outs = (out.mT if transposed else out).reshape(-1, m, n)
+    if Ys.shape[0] > 1 and stacking_pays(X.device):
+        pieces: Iterable[tuple[Tensor, Tensor, Tensor]] = [(Ys, norms, outs)]
+    else:
+        pieces = zip(Ys.unbind(), norms.unbind(), outs.unbind())
+    for Yp, normp, target in pieces:
+        Z = (Yp / normp).to(compute)
         into = target if target.dtype == compute else None  # else written with a cast below
         syrk = kernels.syrk_for(Z)
         if kernels.gram_form_pays(Z):
@@ -163,6 +163,18 @@ def newton_schulz(
     return out
 
 
+def _schedule(coefficients: CoefficientsLike, steps: int) -> Sequence[Coefficients]:
+    """`coefficient_schedule`, resolved once per (set name, steps): Muon asks every call."""
+    if isinstance(coefficients, str):
+        return _named_schedule(coefficients, steps)
+    return coefficient_schedule(coefficients, steps)
+
+
+@functools.cache
+def _named_schedule(name: str, steps: int) -> tuple[Coefficients, ...]:
+    return tuple(coefficient_schedule(name, steps))
+
+
 def stacking_pays(device: torch.device) -> bool:
     """Whether a batch of matrices on `device` should go through Newton-Schulz stacked.
 
@@ -173,11 +185,6 @@ def stacking_pays(device: torch.device) -> bool:
     On GPUs yes, for occupancy.
     """
     return device.type != "cpu"
-
-
-def _chunk_size(Y: Tensor) -> int:
-    """How many matrices of the batch Y [k, m, n] one pass of the iteration takes."""
-    return max(1, Y.shape[0]) if stacking_pays(Y.device) else 1
 
 
 def _matmul_into(
