@@ -20,6 +20,7 @@ from torch import Tensor
 
 from orthoptim import kernels
 from orthoptim._validate import check_float_dtype, check_int, check_positive
+from orthoptim.kernels import syrk_cpu
 
 Coefficients = tuple[float, float, float]
 CoefficientsLike = str | Sequence[Sequence[float]]
@@ -199,11 +200,7 @@ def _matmul_into(
     if out is not None and not out.is_contiguous() and out.mT.is_contiguous():
         _matmul_into(Q.mT, P.mT, None if C is None else C.mT, beta, out.mT)
         return out
-    if C is None:
-        return torch.matmul(P, Q, out=out)
-    if P.ndim == 2:
-        return torch.addmm(C, P, Q, beta=beta, out=out)
-    return torch.baddbmm(C, P, Q, beta=beta, out=out)
+    return syrk_cpu.product(P, Q.mT, C, beta, 1.0, out=out)
 
 
 def _frobenius_norms(Y: Tensor, dtype: torch.dtype) -> Tensor:

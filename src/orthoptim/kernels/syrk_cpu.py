@@ -18,7 +18,7 @@ LEAF_ROWS = 128
 ALIGN = 32
 
 
-def _product(
+def product(
     X1: Tensor,
     X2: Tensor,
     C: Tensor | None,
@@ -26,7 +26,8 @@ def _product(
     alpha: float,
     out: Tensor | None = None,
 ) -> Tensor:
-    """beta·C + alpha·X1·X2ᵀ for 2-D or 3-D operands, into `out` when given."""
+    """beta·C + alpha·X1·X2ᵀ for 2-D or 3-D operands (C None: alpha·X1·X2ᵀ), into `out` when
+    given: the one general product the symmetric kernels and Newton-Schulz build on."""
     if C is None:
         res = torch.matmul(X1, X2.mT, out=out)
         return res if alpha == 1.0 else res.mul_(alpha)
@@ -40,11 +41,11 @@ def syrk_matmul(
 ) -> Tensor:
     """beta·C + alpha·X·Xᵀ by one general product (the reference path), [..., m, n] input."""
     if X.ndim == 2:
-        return _product(X, X, C, beta, alpha)
+        return product(X, X, C, beta, alpha)
     lead = X.shape[:-2]
     X3 = X.reshape(-1, *X.shape[-2:]) if X.ndim > 2 else X
     C3 = C.reshape(-1, *C.shape[-2:]) if C is not None and C.ndim > 2 else C
-    out = _product(X3, X3, C3, beta, alpha)
+    out = product(X3, X3, C3, beta, alpha)
     return out.reshape(*lead, X.shape[-2], X.shape[-2])
 
 
@@ -61,7 +62,7 @@ def _blocked_into(
     a product known to be symmetric (Y is X for a SYRK)."""
     m = X.shape[-2]
     if m <= leaf:
-        _product(X, Y, C, beta, alpha, out=out)
+        product(X, Y, C, beta, alpha, out=out)
         return
     h = min(m - 1, (m // 2 + ALIGN - 1) // ALIGN * ALIGN)
     C11 = C21 = C22 = None
@@ -69,7 +70,7 @@ def _blocked_into(
         C11, C21, C22 = C[..., :h, :h], C[..., h:, :h], C[..., h:, h:]
     _blocked_into(X[..., :h, :], Y[..., :h, :], C11, beta, alpha, leaf, out[..., :h, :h])
     _blocked_into(X[..., h:, :], Y[..., h:, :], C22, beta, alpha, leaf, out[..., h:, h:])
-    _product(X[..., h:, :], Y[..., :h, :], C21, beta, alpha, out=out[..., h:, :h])
+    product(X[..., h:, :], Y[..., :h, :], C21, beta, alpha, out=out[..., h:, :h])
     out[..., :h, h:] = out[..., h:, :h].mT
 
 
