@@ -210,7 +210,22 @@ def test_newton_schulz_default_sizes_match_matmul() -> None:
 _TRITON_CHECK = textwrap.dedent(
     """
     import torch
+    import triton
     from orthoptim.kernels import triton_syrk
+
+    if triton.__version__.startswith("3.6."):
+        # triton 3.6's interpreter takes a runtime scalar (a shape-(1,) array) as a loop bound
+        # through int(array), which numpy >= 2.4 rejects; backport 3.7's squeeze().
+        from triton.runtime import interpreter
+
+        patch_tensor = interpreter._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        interpreter._patch_lang_tensor = _patch_lang_tensor
+
     torch.manual_seed(0)
     worst = 0.0
     for shape, block, block_k in (((64, 96), 32, 32), ((2, 37, 50), 16, 16), ((33, 20), 16, 8)):
