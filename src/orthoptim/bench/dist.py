@@ -258,7 +258,7 @@ def _run_all(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     for i in range(args.warmup + args.steps):
         k = i % len(methods)
         for m in methods[k:] + methods[:k]:
-            dist.barrier()
+            C.barrier()
             m.step(i)
     return {m.name: m.result() for m in methods}
 

@@ -65,11 +65,13 @@ def _timed(fn: Any, repeats: int, group: Any) -> float:
     """Median over `repeats` of the slowest rank's time of fn()."""
     samples = []
     for _ in range(repeats):
-        dist.barrier(group)
+        collectives.barrier(group)
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    t = torch.tensor(
+        [statistics.median(samples)], dtype=torch.float64, device=collectives.device_for(group)
+    )
     collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
@@ -112,11 +114,15 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
                     out = orth(local)
                 sent = stats.as_dict()["total"]["sent"]
                 gram_sent = stats.sent.get(GRAM_KIND, 0.0)
-                diff = torch.tensor(
+                diff = torch.stack(
                     [(out - ref).double().square().sum(), ref.double().square().sum()]
-                )
+                ).to(collectives.device_for())
                 collectives.all_reduce(diff)
-                flops = torch.tensor([float(counter.get_total_flops())], dtype=torch.float64)
+                flops = torch.tensor(
+                    [float(counter.get_total_flops())],
+                    dtype=torch.float64,
+                    device=collectives.device_for(),
+                )
                 collectives.all_reduce(flops, op=dist.ReduceOp.MAX)
                 seconds = _timed(lambda o=orth, x=local: o(x), args.repeats, None)
                 rows_out.append(

@@ -128,9 +128,10 @@ class QKClip:
             ]
         )
         if C.world(self.process_group)[1] > 1:
+            flat = C.to_backend(flat, self.process_group)
             with C.phase("QK-clip max-logit agreement (all-reduce)", self.process_group):
                 C.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
-        return dict(zip(layers, flat.split([self.heads[ly].n_head for ly in layers])))
+        return dict(zip(layers, flat.cpu().split([self.heads[ly].n_head for ly in layers])))
 
     @torch.no_grad()
     def step(self) -> dict[str, float]:
@@ -155,7 +156,8 @@ class QKClip:
                     if w is None:
                         continue
                     rows = w[row0 : row0 + factors.numel() * h.head_dim]
-                    scale = factors.repeat_interleave(h.head_dim).to(w.dtype).unsqueeze(1)
+                    scale = factors.repeat_interleave(h.head_dim).to(w.device, w.dtype)
+                    scale = scale.unsqueeze(1)
                     rows.mul_(scale)
         top = max((float(m.max()) for m in logits.values()), default=float("-inf"))
         return {"max_logit": top, "clipped_heads": float(clipped)}

@@ -11,6 +11,12 @@ bytes it receives under the bandwidth-optimal (ring) algorithm of N ranks:
 
 These are the figures benchmarks and tests compare against formulas; padding that gloo
 needs for uneven all-gathers is counted as sent, since it crosses the wire.
+
+Devices: a tensor handed to a collective must live on a device the group's backend serves —
+CUDA for NCCL (and "cuda:gloo"), CPU or CUDA for plain gloo, both for "cpu:gloo,cuda:nccl".
+`device_for(group)` names the device for tensors made for a collective (flags, sizes,
+serialised objects, metrics), and every wrapper here refuses a tensor on another device with a
+`CollectiveDeviceError` naming both, before the backend sees it.
 """
 
 from __future__ import annotations
@@ -72,6 +78,74 @@ def world(group: Any = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+# -- devices ---------------------------------------------------------------------------------
+
+
+class CollectiveDeviceError(ValueError):
+    """A tensor handed to a collective lives on a device the group's backend does not serve."""
+
+
+def backend_config(group: Any = None) -> str:
+    """The group's backend as "device:backend" pairs, e.g. "cpu:gloo,cuda:gloo" for gloo,
+    "cuda:nccl" for NCCL; "" when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return ""
+    return str(dist.get_backend_config(group))
+
+
+def backend_devices(group: Any = None) -> tuple[str, ...]:
+    """Device types ("cpu", "cuda", ...) whose tensors `group`'s collectives accept, in
+    the backend's order; () when torch.distributed is not initialised (anything goes)."""
+    config = backend_config(group)
+    if ":" not in config:  # a bare backend name from an older torch: ask the backend
+        return _DEVICES_OF.get(config, ())
+    return tuple(part.split(":")[0].strip() for part in config.split(","))
+
+
+_DEVICES_OF = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda")}
+
+
+def _default_device(kind: str) -> torch.device:
+    """The device of type `kind` this process uses (CUDA: the current device)."""
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def device_for(group: Any = None, like: torch.device | str | Tensor | None = None) -> torch.device:
+    """The device for a tensor made to be handed to `group`'s collectives: `like`'s device (a
+    device or a tensor) when the backend serves its type, else the backend's first device type
+    (CPU for gloo, the current CUDA device for NCCL). CPU without a process group."""
+    if isinstance(like, Tensor):
+        like = like.device
+    like = torch.device(like) if like is not None else None
+    served = backend_devices(group)
+    if like is not None and (not served or like.type in served):
+        return like
+    if not served or "cpu" in served:
+        return torch.device("cpu")
+    return _default_device(served[0])
+
+
+def check_device(t: Tensor, what: str, group: Any = None) -> None:
+    """Raise `CollectiveDeviceError` unless `group`'s backend serves `t`'s device."""
+    served = backend_devices(group)
+    if served and t.device.type not in served:
+        raise CollectiveDeviceError(
+            f"{what}: the tensor is on {t.device}, but the process group's backend "
+            f"({backend_config(group)}) takes only {' or '.join(served)} tensors; create it on "
+            f"collectives.device_for(group) ({device_for(group)}) or move it there first"
+        )
+
+
+def to_backend(t: Tensor, group: Any = None) -> Tensor:
+    """`t` itself when `group`'s backend serves its device, else a copy on `device_for(group)`."""
+    served = backend_devices(group)
+    if not served or t.device.type in served:
+        return t
+    return t.to(device_for(group))
+
+
 def all_reduce(
     t: Tensor,
     op: Any = None,
@@ -82,11 +156,12 @@ def all_reduce(
 ) -> Any:
     """In-place all-reduce (sum by default) of `t`; `kind` is the name `stats` files it under."""
     _, n = world(group)
-    if stats is not None and n > 1:
-        b = 2 * (n - 1) / n * _nbytes(t)
-        stats.record(kind, b, b)
     if n == 1:
         return None
+    check_device(t, kind, group)
+    if stats is not None:
+        b = 2 * (n - 1) / n * _nbytes(t)
+        stats.record(kind, b, b)
     return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -108,12 +183,14 @@ def reduce_scatter(
     """`out` ← this rank's 1/N chunk of the sum over ranks of `inp` (flat, equal chunks);
     `kind` is the name `stats` files it under."""
     _, n = world(group)
-    if stats is not None and n > 1:
-        b = (n - 1) / n * _nbytes(inp)
-        stats.record(kind, b, b)
     if n == 1:
         out.copy_(inp)
         return None
+    check_device(inp, kind, group)
+    check_device(out, kind, group)
+    if stats is not None:
+        b = (n - 1) / n * _nbytes(inp)
+        stats.record(kind, b, b)
     return _REDUCE_SCATTER(out, inp, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -127,12 +204,14 @@ def all_gather(
 ) -> Any:
     """`out` (N × inp elements, rank-major) ← every rank's `inp`."""
     _, n = world(group)
-    if stats is not None and n > 1:
-        b = (n - 1) / n * _nbytes(out)
-        stats.record(kind, b, b)
     if n == 1:
         out.copy_(inp.reshape(out.shape))
         return None
+    check_device(inp, kind, group)
+    check_device(out, kind, group)
+    if stats is not None:
+        b = (n - 1) / n * _nbytes(out)
+        stats.record(kind, b, b)
     return _ALL_GATHER(out, inp, group=group, async_op=async_op)
 
 
@@ -208,12 +287,13 @@ def reduce(
 ) -> Any:
     """Sum `t` over ranks into global rank `dst` (in place there; undefined elsewhere)."""
     _, n = world(group)
-    if stats is not None and n > 1:
+    if n == 1:
+        return None
+    check_device(t, "reduce", group)
+    if stats is not None:
         b = _nbytes(t)
         is_dst = dist.get_rank() == dst
         stats.record("reduce", 0 if is_dst else b, b if is_dst else 0)
-    if n == 1:
-        return None
     return dist.reduce(t, dst=dst, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -222,12 +302,13 @@ def broadcast(
 ) -> Any:
     """Broadcast `t` from group rank `src` (a global rank, as torch.distributed expects)."""
     _, n = world(group)
-    if stats is not None and n > 1:
+    if n == 1:
+        return None
+    check_device(t, "broadcast", group)
+    if stats is not None:
         b = _nbytes(t)
         is_src = dist.get_rank() == src
         stats.record("broadcast", b if is_src else 0, 0 if is_src else b)
-    if n == 1:
-        return None
     return dist.broadcast(t, src=src, group=group, async_op=async_op)
 
 
@@ -242,16 +323,18 @@ def all_to_all(
 ) -> Any:
     """All-to-all of flat tensors: `in_splits[r]` elements go to rank r, `out_splits[r]` arrive."""
     rank, n = world(group)
-    if stats is not None and n > 1:
+    if n == 1:
+        out.copy_(inp)
+        return None
+    check_device(inp, "all_to_all", group)
+    check_device(out, "all_to_all", group)
+    if stats is not None:
         es = inp.element_size()
         stats.record(
             "all_to_all",
             (sum(in_splits) - in_splits[rank]) * es,
             (sum(out_splits) - out_splits[rank]) * es,
         )
-    if n == 1:
-        out.copy_(inp)
-        return None
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
@@ -343,11 +426,21 @@ def phase(name: str, group: Any = None) -> Iterator[None]:
         if isinstance(exc, CollectiveError):
             raise
         rank, n = world(group)
+        if _NO_BACKEND_FOR_DEVICE in str(exc):
+            raise CollectiveDeviceError(
+                f"rank {rank} of {n}: {name}: a tensor is on a device the process group's "
+                f"backend ({backend_config(group)}) does not serve: {exc}. Tensors handed to "
+                f"its collectives must live on {' or '.join(backend_devices(group))}"
+            ) from exc
         raise CollectiveError(
             f"rank {rank} of {n}: {name} failed: {exc}. Another rank probably died or stalled; "
             "the process-group timeout (init_process_group(timeout=...)) bounds this wait. "
             "Restart every rank from the last checkpoint."
         ) from exc
+
+
+# What torch's process group says when a tensor's device has no backend in the group.
+_NO_BACKEND_FOR_DEVICE = "No backend type associated with device type"
 
 
 def wait(work: Any, name: str, group: Any = None) -> Any:
@@ -367,10 +460,10 @@ def agree(
 ) -> tuple[list[bool], list[bool]]:
     """What every rank must agree on before a distributed step, in ONE small all-reduce:
     `present[i]` (item i has a gradient here) and `bad[j]` (item j's gradient is non-finite
-    here) are packed as int flags (on `device`: the backend's, e.g. CUDA for NCCL), summed
-    over ranks and decoded, so every rank gets (present anywhere, non-finite anywhere) and
-    skips, raises or steps together."""
-    flags = torch.tensor([*present, *bad], dtype=torch.int32, device=device)
+    here) are packed as int flags (on `device` when the backend serves it, else on
+    `device_for(group)`), summed over ranks and decoded, so every rank gets (present
+    anywhere, non-finite anywhere) and skips, raises or steps together."""
+    flags = torch.tensor([*present, *bad], dtype=torch.int32, device=device_for(group, device))
     with phase("non-finite gradient agreement (all-reduce)", group):
         all_reduce(flags, group=group, stats=stats)
     summed = [v > 0 for v in flags.tolist()]
@@ -379,17 +472,18 @@ def agree(
 
 def barrier(group: Any = None, stats: CommStats | None = None) -> None:
     """Every rank waits for every other (a one-element all-reduce, so it is counted)."""
-    all_reduce(torch.zeros(1), group=group, stats=stats)
+    all_reduce(torch.zeros(1, device=device_for(group)), group=group, stats=stats, kind="barrier")
 
 
-def _to_bytes(obj: Any) -> Tensor:
+def _to_bytes(obj: Any, device: torch.device) -> Tensor:
+    """`obj` serialised with torch.save, as a uint8 tensor on `device`."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
 
 
 def _from_bytes(t: Tensor) -> Any:
-    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=False)
+    return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=False)
 
 
 def all_gather_object(obj: Any, group: Any = None, stats: CommStats | None = None) -> list[Any]:
@@ -397,8 +491,9 @@ def all_gather_object(obj: Any, group: Any = None, stats: CommStats | None = Non
     rank, n = world(group)
     if n == 1:
         return [obj]
-    data = _to_bytes(obj)
-    sizes = torch.zeros(n, dtype=torch.int64)
+    device = device_for(group)
+    data = _to_bytes(obj, device)
+    sizes = torch.zeros(n, dtype=torch.int64, device=device)
     sizes[rank] = data.numel()
     all_reduce(sizes, group=group, stats=stats)
     parts = all_gatherv(data, sizes.tolist(), group=group, stats=stats).wait()
@@ -413,8 +508,9 @@ def gather_object(
     rank, n = world(group)
     if n == 1:
         return [obj]
-    data = _to_bytes(obj)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
+    device = device_for(group)
+    data = _to_bytes(obj, device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     if rank != dst:
         peer = global_rank(group, dst)
         dist.send(size, peer, group=group)
@@ -429,7 +525,7 @@ def gather_object(
             continue
         peer = global_rank(group, r)
         dist.recv(size, peer, group=group)
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.recv(buf, peer, group=group)
         if stats is not None:
             stats.record("gather", 0, 8 + buf.numel())

@@ -192,6 +192,8 @@ class FSDPOptimizer(torch.optim.Optimizer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.process_group, self.mesh = _shard_group([(n, p) for n, p in named])
         self.rank, self.world_size = C.world(self.process_group)
+        for n, p in named:
+            C.check_device(p, f"FSDPOptimizer: parameter {n!r}", self.process_group)
         self.device = named[0][1].device if named else torch.device("cpu")
 
         self.kind = optimizer

@@ -333,6 +333,9 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             model, optimizer=optimizer, lr=lr, route=rule, nonfinite=nonfinite, **dict(inner_kwargs)
         )
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        for group in (process_group, expert_group):
+            for n, p in named.items():
+                C.check_device(p, f"LayerwiseDistributedOptimizer: parameter {n!r}", group)
         self.expert_group = expert_group
         self._tp_groups = _tensor_parallel_groups(named, process_group)
         self.units = units_from_model(
@@ -523,7 +526,9 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         # Over the data-parallel group, then each tensor-parallel group: the ranks that run
         # a TP orthogonalizer together must agree on whether to step.
         for group in (self.process_group, *self._tp_groups):
-            present, bad = C.agree(present, bad, group=group, stats=self._stats)
+            present, bad = C.agree(
+                present, bad, group=group, stats=self._stats, device=self._slots[0].param.device
+            )
         return present, [u.name for u, v in zip(self.units, bad) if v]
 
     # -- the step ----------------------------------------------------------------------
