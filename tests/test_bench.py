@@ -115,6 +115,26 @@ def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(headline["per_round_speedups"]) == 2
 
 
+def test_bench_step_muon_suite_on_cuda_times_peers_as_shipped() -> None:
+    """On CUDA the suite adds explicit bf16/fp32 Newton-Schulz beside the default, and times
+    torch.optim.Muon unpatched (bf16); on CPU torch's is patched to float32."""
+    import argparse
+
+    from orthoptim.bench.step import muon_candidates
+
+    def by_name(device: str) -> dict:
+        ns = argparse.Namespace(device=device, bf16_peers=False)
+        return {c.name: c for c in muon_candidates(ns)}
+
+    cuda, cpu = by_name("cuda"), by_name("cpu")
+    assert {"orthoptim_muon_bfloat16", "orthoptim_muon_float32"} <= set(cuda)
+    assert "orthoptim_muon_bfloat16" not in cpu
+    assert cuda["torch_muon"].wrap is None and cuda["torch_muon"].peer
+    assert cpu["torch_muon"].wrap is not None
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    assert cuda["orthoptim_muon_bfloat16"].build([p]).param_groups[0]["ns_dtype"] == torch.bfloat16
+
+
 def test_bench_step_rejects_unknown_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match="--optimizer"):
         cli.main(["bench", "step", "--optimizer", "nope", "--layers", "1", "--width", "8"])
