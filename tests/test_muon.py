@@ -285,3 +285,51 @@ def test_bf16_param_keeps_fp32_momentum():
     opt.step()
     assert W.dtype == torch.bfloat16
     assert opt.state[W]["momentum_buffer"].dtype == torch.float32
+
+
+def test_ns_dtype_defaults_to_auto_and_resolves_per_device(monkeypatch):
+    """The param group says "auto"; Newton-Schulz gets it and resolves it from the device of
+    the matrices (on CPU: float32, bit for bit the ns_dtype=torch.float32 and None steps)."""
+    torch.manual_seed(0)
+    W0 = torch.randn(3, 16, 24)
+    grads = [torch.randn(3, 16, 24) for _ in range(3)]
+    finals = {}
+    for ns_dtype in ("default", "auto", torch.float32, None):
+        W = nn.Parameter(W0.clone())
+        opt = Muon([W], lr=0.05) if ns_dtype == "default" else Muon([W], lr=0.05, ns_dtype=ns_dtype)
+        if ns_dtype == "default":
+            assert opt.param_groups[0]["ns_dtype"] == "auto"
+            assert opt.defaults["ns_dtype"] == "auto"
+        for G in grads:
+            W.grad = G.clone()
+            opt.step()
+        finals[str(ns_dtype)] = W.detach().clone()
+    for key in ("auto", "torch.float32", "None"):
+        assert torch.equal(finals[key], finals["default"]), key
+
+    seen = []
+    real = newton_schulz
+
+    def spy(X, **kw):
+        seen.append(kw["dtype"])
+        return real(X, **kw)
+
+    monkeypatch.setattr("orthoptim.optim.muon.newton_schulz", spy)
+    W = nn.Parameter(torch.randn(8, 8))
+    opt = Muon([W])
+    opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 8))], "ns_dtype": torch.float32})
+    for p in (W, opt.param_groups[1]["params"][0]):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert seen == ["auto", torch.float32]
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_state_stays_float32_whatever_ns_dtype(param_dtype):
+    W = nn.Parameter(torch.randn(8, 12).to(param_dtype))
+    opt = Muon([W], lr=0.01, ns_dtype=torch.bfloat16)
+    for _ in range(2):
+        W.grad = torch.randn(8, 12).to(param_dtype)
+        opt.step()
+    assert W.dtype == param_dtype
+    assert opt.state[W]["momentum_buffer"].dtype == torch.float32

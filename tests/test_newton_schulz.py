@@ -6,9 +6,11 @@ import torch
 from orthoptim.newton_schulz import (
     COEFFICIENT_SETS,
     SINGULAR_VALUE_BANDS,
+    SINGULAR_VALUE_BANDS_BF16,
     coefficient_schedule,
     newton_schulz,
     polar_factor,
+    resolve_ns_dtype,
 )
 
 from conftest import ill_conditioned
@@ -99,6 +101,66 @@ def test_bf16_close_to_fp32():
     assert rel < 0.05
     # and the bf16 path really ran in bf16: it is not bit-identical to fp32
     assert rel > 0
+
+
+@pytest.mark.parametrize("name", sorted(COEFFICIENT_SETS))
+@pytest.mark.parametrize("shape", [(64, 128), (96, 48)])
+@pytest.mark.parametrize("cond", [100.0, 1e3])
+def test_bf16_singular_values_in_bf16_band(name, shape, cond):
+    """bf16 Newton-Schulz (what "auto" runs on CUDA) keeps the output's singular values in
+    SINGULAR_VALUE_BANDS_BF16: the float32 band widened by the margin bf16 rounding needs."""
+    X, U, V, s = ill_conditioned(*shape, cond=cond)
+    out = newton_schulz(X.float(), steps=_steps(name), coefficients=name, dtype=torch.bfloat16)
+    assert out.dtype == torch.float32
+    assert not torch.equal(out, newton_schulz(X.float(), steps=_steps(name), coefficients=name))
+    out = out.double()
+    low, high = SINGULAR_VALUE_BANDS_BF16[name]
+    sv = torch.linalg.svdvals(out)
+    assert sv.max() <= high
+    if cond <= 100:  # every σ >= 0.01·σ_max: every output singular value in the band
+        assert sv.min() >= low
+    f = torch.diagonal(U.T @ out @ V)  # what the input's σ >= 0.01·σ_max map to
+    assert f[s >= 0.01].min() >= low and f.max() <= high
+
+
+def test_resolve_ns_dtype():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+    # "auto": bf16 on CUDA, float32 elsewhere; float64 input stays float64 everywhere
+    assert resolve_ns_dtype("auto", cuda, f32) == bf16
+    assert resolve_ns_dtype("auto", "cuda:1", bf16) == bf16
+    assert resolve_ns_dtype("auto", cuda, f16) == bf16
+    assert resolve_ns_dtype("auto", cuda, f64) == f64
+    assert resolve_ns_dtype("auto", cpu, f32) == f32
+    assert resolve_ns_dtype("auto", "cpu", bf16) == f32
+    assert resolve_ns_dtype("auto", cpu, f64) == f64
+    assert resolve_ns_dtype("auto", torch.device("meta"), f32) == f32
+    # None: float32 on every device (float64 stays float64), as before "auto"
+    assert resolve_ns_dtype(None, cuda, f32) == f32
+    assert resolve_ns_dtype(None, cuda, bf16) == f32
+    assert resolve_ns_dtype(None, cpu, f64) == f64
+    # an explicit dtype wins, whatever the device and input
+    assert resolve_ns_dtype(f32, cuda, f32) == f32
+    assert resolve_ns_dtype(f32, cuda, f64) == f32
+    assert resolve_ns_dtype(bf16, cpu, f32) == bf16
+    with pytest.raises(ValueError, match="ns_dtype must be 'auto'.*got 'bf16'"):
+        resolve_ns_dtype("bf16", cuda, f32)
+    with pytest.raises(ValueError, match="dtype must be.*torch.int8"):
+        resolve_ns_dtype(torch.int8, cuda, f32, name="dtype")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_auto_on_cpu_is_the_float32_iteration_bitwise(dtype):
+    """On CPU "auto" runs the very float32 iteration (float64 input: float64), so it equals
+    the explicit dtype's result bit for bit, and None's."""
+    X = torch.randn(3, 24, 40, dtype=torch.float64).to(dtype)
+    auto = newton_schulz(X, dtype="auto")
+    explicit = newton_schulz(X, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    assert auto.dtype == dtype
+    assert torch.equal(auto, explicit)
+    assert torch.equal(auto, newton_schulz(X))
+    if dtype != torch.float64:  # and not the bf16 iteration
+        assert not torch.equal(auto, newton_schulz(X, dtype=torch.bfloat16))
 
 
 def test_dtype_preserved_and_default_compute_fp32():

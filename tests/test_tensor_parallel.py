@@ -282,6 +282,27 @@ def test_cost_model_and_forms():
     assert tp_cost("blockwise", 1, 256, 1024, 1, 4, 5, 4).bytes_sent == 0
 
 
+def test_auto_prices_the_wire_in_the_dtype_of_the_device():
+    """ns_dtype "auto" (the default) resolves from the device of the shards: the cost model
+    prices bf16 bytes (2 per element) on CUDA, float32 (4) on CPU; an explicit dtype wins."""
+    layout = _Layout(None, 4, 0, -1, (256,) * 4)
+    priced = []
+
+    def spy(orth):
+        orth.choose_form = lambda *args: priced.append(args[-1]) or "apply"
+        return orth
+
+    auto = spy(TensorParallelOrthogonalizer())
+    assert auto.ns_dtype == "auto"
+    for device in ("cuda", torch.device("cpu"), None):  # None: the GPU the cost model describes
+        auto.choose_mode(4, 256, 1024, layout, device)
+    spy(TensorParallelOrthogonalizer(ns_dtype=torch.float32)).choose_mode(
+        4, 256, 1024, layout, "cuda"
+    )
+    spy(TensorParallelOrthogonalizer(ns_dtype=None)).choose_mode(4, 256, 1024, layout, "cuda")
+    assert priced == [2, 4, 2, 4, 4]
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="mode"):
         TensorParallelOrthogonalizer(mode="fast")

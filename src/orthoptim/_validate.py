@@ -73,6 +73,20 @@ def check_float_dtype(name: str, value: T) -> T:
     return value
 
 
+def check_dtype_or_auto(name: str, value: T) -> T:
+    """`ns_dtype`: "auto", None or a floating-point torch dtype (the Newton-Schulz dtype)."""
+    allowed = "'auto', None or a torch floating-point dtype (e.g. torch.float32, torch.bfloat16)"
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+    if not value.is_floating_point:
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
 def check_member(name: str, group: Any) -> Any:
     """A process group this rank belongs to (None: the default group)."""
     import torch.distributed as dist

@@ -60,8 +60,11 @@ SCHEDULED_HYPERS = frozenset(
         "max_momentum",
     }
 )
-# Implementation switches that do not change the maths, so a checkpoint may differ in them.
-IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+# Implementation switches that do not change the maths, so a checkpoint may differ in them
+# (the optimizer keeps its own). `ns_dtype` is among them: the Newton-Schulz precision does
+# not change what the state means (momentum stays float32), and its default "auto" resolves
+# per device, so a checkpoint resumes across devices and from before "auto" (None).
+IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable", "ns_dtype"})
 _NOT_HYPER = ("params", "param_names", "optimizer")
 # Where a distributed optimizer's `state_dict()` delivers the full dict (its `state_dict_to`):
 # every rank, or rank 0 only (the others get {}).

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from orthoptim import kernels
-from orthoptim._validate import check_float_dtype, check_int, check_positive
+from orthoptim._validate import check_dtype_or_auto, check_int, check_positive
 from orthoptim.kernels import syrk_cpu
 
 Coefficients = tuple[float, float, float]
@@ -64,13 +64,27 @@ COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
 
 # Documented output band per set, measured against the float64 SVD (tests/test_newton_schulz.py):
 # with 5 steps (cubic: 30) every singular value σ ≥ 0.01·σ_max of the input (cond up to 1e3,
-# tall, wide or square) maps into [low, high], and none maps above `high`. Smaller ones are
-# raised monotonically towards the band but may stay below it.
+# tall, wide or square, min(m, n) <= 128) maps into [low, high], and none maps above `high`.
+# Smaller ones are raised monotonically towards the band but may stay below it; so may a
+# larger matrix's σ ≥ 0.01·σ_max, which the Frobenius normalisation puts lower (512×512, cond
+# 100: quintic and simple reach 0.62).
 SINGULAR_VALUE_BANDS: dict[str, tuple[float, float]] = {
     "simple": (0.67, 1.21),
     "quintic": (0.96, 1.16),
     "polar_express": (0.86, 1.13),
     "cubic": (0.999, 1.001),
+}
+
+# The same bands for a bfloat16 iteration (ns_dtype="auto" on CUDA): each float32 band widened
+# by BF16_BAND_MARGIN on both sides. Measured on CPU (64×64 to 128×512, 5 seeds, and 512×512,
+# 256×1024; cond 10, 100, 1e3), the band edges of the bf16 output's singular values lie within
+# 0.004 of the float32 ones (its projections on the input's singular vectors, which the
+# float32 band is read from, within 0.008); rounding the result to bf16 (unit roundoff
+# u = 2⁻⁸) alone moves a singular value by up to about 2u ≈ 0.008, so 0.01.
+BF16_BAND_MARGIN = 0.01
+SINGULAR_VALUE_BANDS_BF16: dict[str, tuple[float, float]] = {
+    name: (round(low - BF16_BAND_MARGIN, 3), round(high + BF16_BAND_MARGIN, 3))
+    for name, (low, high) in SINGULAR_VALUE_BANDS.items()
 }
 
 
@@ -109,11 +123,35 @@ def coefficient_schedule(
     return [resolved[min(i, len(resolved) - 1)] for i in range(steps)]
 
 
-def ns_compute_dtype(dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
-    """The dtype the iteration runs in: `requested`, else float32 (float64 stays float64)."""
-    if requested is not None:
-        return check_float_dtype("dtype", requested)
-    return torch.float64 if dtype == torch.float64 else torch.float32
+NSDtype = torch.dtype | str | None  # a floating torch dtype, "auto" or None
+
+
+def resolve_ns_dtype(
+    requested: NSDtype,
+    device: torch.device | str,
+    input_dtype: torch.dtype,
+    name: str = "ns_dtype",
+) -> torch.dtype:
+    """The dtype Newton-Schulz runs in for a matrix of `input_dtype` on `device`.
+
+    - a torch dtype: that dtype, whatever the device and input (torch.float32 forces float32,
+      also for float64 input);
+    - "auto" (the optimizers' default): torch.bfloat16 on CUDA, float32 on any other device
+      (on CPUs without bf16 units bf16 products are ~50-100× slower than float32). float64
+      input stays float64 on every device: asking for float64 parameters asks for float64;
+    - None (`newton_schulz`'s default, and what it meant before "auto"): float32 on every
+      device, float64 input stays float64.
+
+    A bad `requested` raises ValueError (TypeError for the wrong type) naming `name`.
+    """
+    check_dtype_or_auto(name, requested)
+    if isinstance(requested, torch.dtype):
+        return requested
+    if input_dtype == torch.float64:
+        return torch.float64
+    if requested == "auto" and torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.float32
 
 
 def newton_schulz(
@@ -121,14 +159,16 @@ def newton_schulz(
     steps: int = 5,
     coefficients: CoefficientsLike = "quintic",
     eps: float = 1e-7,
-    dtype: torch.dtype | None = None,
+    dtype: NSDtype = None,
 ) -> Tensor:
     """Approximate the polar factor U·Vᵀ of each matrix in `X` (shape [..., m, n]).
 
     Each matrix is transposed so rows <= columns and divided by its Frobenius norm (clamped
-    below by `eps`, so a zero matrix maps to zero). The iteration runs in `dtype` (default
-    float32; float64 input stays float64; bfloat16 only when asked) and the result comes back
-    in the input's shape and dtype. Non-finite input raises ValueError.
+    below by `eps`, so a zero matrix maps to zero). The iteration runs in `dtype`
+    (`resolve_ns_dtype`): default None is float32 on every device (float64 input stays
+    float64), so the engine's result does not depend on where it runs; "auto" is the
+    optimizers' default, bfloat16 on CUDA; a torch dtype forces it. The result comes back in
+    the input's shape and dtype. Non-finite input raises ValueError.
     """
     if X.ndim < 2:
         raise ValueError(
@@ -136,7 +176,7 @@ def newton_schulz(
         )
     schedule = _schedule(coefficients, steps)
     check_positive("eps", eps)
-    compute = ns_compute_dtype(X.dtype, dtype)
+    compute = resolve_ns_dtype(dtype, X.device, X.dtype, name="dtype")
     transposed = X.shape[-2] > X.shape[-1]
     Y = X.mT if transposed else X
     norm = _frobenius_norms(Y, torch.float64 if compute == torch.float64 else torch.float32)

@@ -29,13 +29,14 @@ from torch import Tensor
 
 from orthoptim._validate import (
     check_choice,
-    check_float_dtype,
+    check_dtype_or_auto,
     check_nonnegative,
     check_positive,
     check_unit_interval,
 )
 from orthoptim.newton_schulz import (
     CoefficientsLike,
+    NSDtype,
     coefficient_schedule,
     newton_schulz,
     stacking_pays,
@@ -162,8 +163,12 @@ class Muon(GuardedOptimizer):
     its own (for a 3-D parameter: the rows of every expert); it needs named parameters. The
     LR-scale convention is applied per block shape (a q block of a fused QKV gets the scale
     a separate q matrix would get).
-    The momentum buffer is kept in float32 for low-precision parameters (fp32 master state);
-    Newton-Schulz runs in float32 unless `ns_dtype` says otherwise.
+    The momentum buffer is kept in float32 for low-precision parameters (fp32 master state),
+    whatever `ns_dtype` is. `ns_dtype` is the Newton-Schulz dtype, resolved per batch from the
+    device of the matrices (`resolve_ns_dtype`): "auto" (default) is bfloat16 on CUDA and
+    float32 elsewhere, float64 parameters stay float64; a torch dtype (e.g. torch.float32)
+    forces it; None is float32 on every device (the default before "auto"). A custom
+    `orthogonalizer` uses its own (`TensorParallelOrthogonalizer(ns_dtype=...)`).
     """
 
     def __init__(
@@ -176,7 +181,7 @@ class Muon(GuardedOptimizer):
         ns_steps: int = 5,
         coefficients: CoefficientsLike = "quintic",
         lr_scale: str = "keller",
-        ns_dtype: torch.dtype | None = None,
+        ns_dtype: NSDtype = "auto",
         orthogonalizer: Orthogonalizer | None = None,
         nonfinite: str = "raise",
         eps: float = 1e-7,
@@ -188,7 +193,7 @@ class Muon(GuardedOptimizer):
         check_positive("eps", eps)
         check_choice("lr_scale", lr_scale, LR_SCALES)
         coefficient_schedule(coefficients, ns_steps, name="ns_steps")
-        check_float_dtype("ns_dtype", ns_dtype)
+        check_dtype_or_auto("ns_dtype", ns_dtype)
         if orthogonalizer is not None and not callable(orthogonalizer):
             raise TypeError(
                 "orthogonalizer must be a callable (Tensor) -> Tensor or None, "
@@ -214,6 +219,7 @@ class Muon(GuardedOptimizer):
         """As torch's, but rejects parameters that are not matrices, naming them."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        check_dtype_or_auto("ns_dtype", group["ns_dtype"])
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             if p.ndim < 2:

@@ -53,12 +53,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim import kernels
-from orthoptim._validate import check_choice, check_float_dtype, check_member, check_positive
+from orthoptim._validate import check_choice, check_dtype_or_auto, check_member, check_positive
 from orthoptim.newton_schulz import (
     CoefficientsLike,
+    NSDtype,
     coefficient_schedule,
     newton_schulz,
-    ns_compute_dtype,
+    resolve_ns_dtype,
 )
 from orthoptim.parallel import collectives
 from orthoptim.parallel.collectives import CommStats
@@ -119,7 +120,7 @@ class CostModel:
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         _, n = collectives.world(group)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        dev = collectives.device_for(group, device)
         elem = torch.empty((), dtype=dtype).element_size()
 
         def timed(fn: Any) -> float:
@@ -141,7 +142,7 @@ class CostModel:
         t_big = timed(lambda: collectives.all_reduce(big, group=group)) if n > 1 else 0.0
         t_tiny = timed(lambda: collectives.all_reduce(tiny, group=group)) if n > 1 else 0.0
         t_mm = timed(lambda: a @ a)
-        times = torch.tensor([t_big, t_tiny, t_mm], dtype=torch.float64)
+        times = torch.tensor([t_big, t_tiny, t_mm], dtype=torch.float64, device=dev)
         collectives.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         t_big, t_tiny, t_mm = times.tolist()
         defaults = cls()
@@ -282,8 +283,11 @@ class TensorParallelOrthogonalizer:
     the matrix dimension the plain local shards are split along (0: rows, as column-parallel
     layers split their weight; 1: columns, row-parallel). Both are ignored for DTensor
     inputs, whose device mesh and placements say it. `mode` is one of MODES; `form` how
-    distributed mode applies B·W (FORMS); `cost_model` drives `auto`. The last batch's
-    choices are in `last_modes` / `last_forms`; bytes are counted in `stats`.
+    distributed mode applies B·W (FORMS); `cost_model` drives `auto`. `ns_dtype` is the
+    dtype of the iteration and of the shards and Grams on the wire, resolved per batch from
+    the device of the local shards (`resolve_ns_dtype`): "auto" (default) is bfloat16 on CUDA,
+    float32 elsewhere, float64 stays float64; a torch dtype forces it; None is float32. The
+    last batch's choices are in `last_modes` / `last_forms`; bytes are counted in `stats`.
     """
 
     def __init__(
@@ -293,7 +297,7 @@ class TensorParallelOrthogonalizer:
         shard_dim: int | None = None,
         steps: int = 5,
         coefficients: CoefficientsLike = "quintic",
-        ns_dtype: torch.dtype | None = None,
+        ns_dtype: NSDtype = "auto",
         eps: float = 1e-7,
         form: str = "auto",
         cost_model: CostModel | None = None,
@@ -306,7 +310,7 @@ class TensorParallelOrthogonalizer:
                 f"shard_dim must be 0 (rows: column-parallel) or 1 (columns: row-parallel) of "
                 f"each matrix, or None for DTensor inputs, got {shard_dim!r}"
             )
-        check_float_dtype("ns_dtype", ns_dtype)
+        check_dtype_or_auto("ns_dtype", ns_dtype)
         check_positive("eps", eps)
         check_member("group", group)
         self.schedule = coefficient_schedule(coefficients, steps)
@@ -345,7 +349,7 @@ class TensorParallelOrthogonalizer:
             global_rows = sum(layout.sizes)
         elif layout.dim == -1:
             global_cols = sum(layout.sizes)
-        mode = self.choose_mode(flat.shape[0], global_rows, global_cols, layout)
+        mode = self.choose_mode(flat.shape[0], global_rows, global_cols, layout, flat.device)
         self.last_modes.append(mode)
         if mode == "duplicated":
             out = self._duplicated(flat, layout)
@@ -362,14 +366,24 @@ class TensorParallelOrthogonalizer:
             )
         return out
 
-    def choose_mode(self, k: int, rows: int, cols: int, layout: _Layout) -> str:
-        """The mode for k global rows×cols matrices: `mode`, or the cost model's pick."""
+    def choose_mode(
+        self,
+        k: int,
+        rows: int,
+        cols: int,
+        layout: _Layout,
+        device: torch.device | str | None = None,
+    ) -> str:
+        """The mode for k global rows×cols float32 matrices on `device`: `mode`, or the cost
+        model's pick. The bytes on the wire are priced in the Newton-Schulz dtype there;
+        `device` None assumes CUDA, the GPU node the default `CostModel` describes."""
         if layout.dim is None or layout.world_size == 1:
             return "blockwise" if self.mode == "blockwise" else "local"
         if self.mode != "auto":
             return self.mode
         shard = 0 if layout.dim == -2 else 1
-        elem = torch.empty((), dtype=self._compute_dtype(torch.float32)).element_size()
+        on = torch.device("cuda") if device is None else device
+        elem = resolve_ns_dtype(self.ns_dtype, on, torch.float32).itemsize
         args = (k, rows, cols, shard, layout.world_size, self.steps, elem)
         form = self.choose_form(*args)
         costs = {
@@ -414,8 +428,8 @@ class TensorParallelOrthogonalizer:
         dim = -2 if self.shard_dim == 0 else -1
         return mats, _Layout(self.group, n, rank, dim, (mats.shape[dim],) * n)
 
-    def _compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return ns_compute_dtype(dtype, self.ns_dtype)
+    def _compute_dtype(self, X: Tensor) -> torch.dtype:
+        return resolve_ns_dtype(self.ns_dtype, X.device, X.dtype)
 
     def _newton_schulz(self, X: Tensor) -> Tensor:
         return newton_schulz(
@@ -423,14 +437,14 @@ class TensorParallelOrthogonalizer:
             steps=self.steps,
             coefficients=self.schedule,
             eps=self.eps,
-            dtype=self._compute_dtype(X.dtype),
+            dtype=self._compute_dtype(X),
         )
 
     # -- modes -------------------------------------------------------------------------------
 
     def _duplicated(self, X: Tensor, layout: _Layout) -> Tensor:
         """All-gather the shards in the compute dtype, full iteration, keep the local slice."""
-        compute = self._compute_dtype(X.dtype)
+        compute = self._compute_dtype(X)
         dim = layout.dim
         assert dim is not None
         local = X.to(compute).contiguous()
@@ -456,7 +470,7 @@ class TensorParallelOrthogonalizer:
 
     def _distributed(self, X: Tensor, layout: _Layout) -> Tensor:
         """Sharded iteration: one packed partial-Gram all-reduce per step."""
-        compute = self._compute_dtype(X.dtype)
+        compute = self._compute_dtype(X)
         W = X if layout.dim == -1 else X.mT  # the sharded dimension last: W is [k, p, q_i]
         norm_dtype = torch.float64 if compute == torch.float64 else torch.float32
         sq = W.to(norm_dtype).square().sum(dim=(-2, -1))
