@@ -1,13 +1,18 @@
-"""Run a function on N real gloo ranks (separate processes) and collect what each returns.
+"""Run a function on N real ranks (separate processes) and collect what each returns.
 
     results = run_ranks(fn, world_size=2, args=(...,))   # fn(rank, world_size, *args)
+    results = run_ranks(fn, 2, backend="cuda:gloo", device="cuda:0")   # ranks share one GPU
 
-Each rank runs `fn` after `init_process_group("gloo")`; its return value (picklable) comes
-back in rank order. An exception on any rank fails the caller with that rank's traceback.
+Each rank runs `fn` after `init_process_group(backend)` (default "gloo"); with a CUDA
+`device` it first calls `torch.cuda.set_device(device)`, so every rank can share one GPU
+("cuda:gloo": CUDA tensors only, as under NCCL, which refuses two ranks on one GPU). Its
+return value (picklable) comes back in rank order. An exception on any rank fails the caller
+with that rank's traceback.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -26,13 +31,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    outdir: str,
+    fn: Callable,
+    args: tuple,
+    backend: str = "gloo",
+    device: str | None = None,
+    timeout: float | None = None,
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))
+        kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            **kw,
         )
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
@@ -44,13 +66,29 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any]:
-    """Spawn `world_size` gloo ranks running fn(rank, world_size, *args); return their results."""
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    backend: str = "gloo",
+    device: str | torch.device | None = None,
+    timeout: float | None = None,
+) -> list[Any]:
+    """Spawn `world_size` ranks running fn(rank, world_size, *args); return their results.
+
+    `backend` is what `init_process_group` gets ("gloo", "cuda:gloo", ...); a CUDA `device`
+    is made each rank's current device before the group starts (every rank may name the same
+    GPU); `timeout` (seconds) bounds every collective's wait (default: torch's).
+    """
+    device = None if device is None else str(device)
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
         try:
             mp.spawn(
-                _worker, args=(world_size, port, outdir, fn, args), nprocs=world_size, join=True
+                _worker,
+                args=(world_size, port, outdir, fn, args, backend, device, timeout),
+                nprocs=world_size,
+                join=True,
             )
         except Exception as exc:
             errors = []

@@ -63,3 +63,82 @@ def test_collectives_against_local_sums(world_size):
         full = torch.arange(2.0 * n) * sum(range(1, n + 1))
         torch.testing.assert_close(r["rs"], full[2 * rank : 2 * rank + 2])
     assert dist.is_available()
+
+
+def _device_checks(rank, world_size):
+    """Under "cuda:gloo" (CUDA tensors only, like NCCL) on a machine without a GPU: every
+    wrapper refuses a CPU tensor itself, naming the device and the backend."""
+    from torch import nn
+
+    from orthoptim.parallel import LayerwiseDistributedOptimizer
+    from orthoptim.parallel import collectives as C
+
+    cpu = torch.ones(2 * world_size)
+    calls = {
+        "all_reduce": lambda: C.all_reduce(cpu),
+        "reduce_scatter": lambda: C.reduce_scatter(torch.empty(2), cpu),
+        "all_gather": lambda: C.all_gather(torch.empty(2 * world_size), cpu[:2]),
+        "all_gatherv": lambda: C.all_gatherv(cpu[:2], [2] * world_size),
+        "broadcast": lambda: C.broadcast(cpu, src=0),
+        "reduce": lambda: C.reduce(cpu, dst=0),
+        "all_to_all": lambda: C.all_to_all(cpu.clone(), cpu, [2] * world_size, [2] * world_size),
+        "optimizer": lambda: LayerwiseDistributedOptimizer(nn.Linear(4, 4)),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except C.CollectiveDeviceError as exc:
+            errors[name] = str(exc)
+    # The backend's own refusal, met inside a named phase, is reported as a device problem.
+    try:
+        with C.phase("probe", None):
+            dist.all_reduce(cpu)
+    except C.CollectiveDeviceError as exc:
+        errors["phase"] = str(exc)
+    return {
+        "devices": C.backend_devices(),
+        "device_for": C.device_for().type,
+        "device_for_cpu": C.device_for(like=torch.device("cpu")).type,
+        "errors": errors,
+    }
+
+
+def test_cuda_only_backend_refuses_cpu_tensors_by_name():
+    res = run_ranks(_device_checks, 2, backend="cuda:gloo")
+    for r in res:
+        assert r["devices"] == ("cuda",)
+        assert r["device_for"] == r["device_for_cpu"] == "cuda"
+        assert set(r["errors"]) == {
+            "all_reduce", "reduce_scatter", "all_gather", "all_gatherv", "broadcast", "reduce",
+            "all_to_all", "optimizer", "phase",
+        }  # fmt: skip
+        for name, msg in r["errors"].items():
+            assert "cpu" in msg and "cuda:gloo" in msg, (name, msg)
+            assert "died" not in msg, (name, msg)
+        assert "parameter 'weight'" in r["errors"]["optimizer"]
+
+
+def _gloo_devices(rank, world_size):
+    from orthoptim.parallel import collectives as C
+
+    return {
+        "devices": C.backend_devices(),
+        "device_for": C.device_for(),
+        "cuda_like": C.device_for(like=torch.device("cuda", 0)),
+        "objects": C.all_gather_object({"rank": rank, "t": torch.arange(rank + 1)}),
+        "rank0": C.gather_object(rank * 10, dst=0),
+        "agree": C.agree([rank == 0, False], [False, rank == 1]),
+    }
+
+
+def test_gloo_serves_cpu_and_cuda_and_objects_round_trip():
+    res = run_ranks(_gloo_devices, 2)
+    for rank, r in enumerate(res):
+        assert r["devices"] == ("cpu", "cuda")
+        assert r["device_for"] == torch.device("cpu")
+        assert r["cuda_like"] == torch.device("cuda", 0)
+        assert [o["rank"] for o in r["objects"]] == [0, 1]
+        assert torch.equal(r["objects"][1]["t"], torch.arange(2))
+        assert r["rank0"] == ([0, 10] if rank == 0 else None)
+        assert r["agree"] == ([True, False], [False, True])
