@@ -150,8 +150,8 @@ class FSDPOptimizer(torch.optim.Optimizer):
     DTensor parameters (so LR schedulers and `state_dict()` act as usual; every state tensor
     is a DTensor sharded like its parameter). Arguments: `balance` ("cost", "round_robin",
     "capped") and `bucket_mb` as the layer-wise optimizer (one all-to-all pair per bucket),
-    `comm_dtype` (e.g. torch.bfloat16: updates travel in it; state and parameters stay in
-    their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks),
+    `comm_dtype` (e.g. torch.bfloat16: updates travel in it; by default they travel in the
+    state dtype, float32 or float64; state and parameters stay in their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks),
     `state_dict_to` ("all" or "rank0": where `state_dict()` delivers the full, unsharded
     dict of a Muon/AdamW run); other keyword arguments go to `build_optimizer`. Matrix
     optimizer: "muon", "soap" (whole per-matrix state on the owner), or "adamw" (the
@@ -305,7 +305,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         for ms in buckets:
             in_splits = [sum(m.numels[rank] for m in ms if m.owner == d) for d in range(n)]
             out_splits = [sum(m.numels[s] for m in ms if m.owner == rank) for s in range(n)]
-            dtype = wire or torch.float32
+            dtype = wire or _bucket_dtype(ms)
             parts = []
             for d in range(n):
                 for m in ms:
@@ -313,7 +313,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
                         u = updates.get(m.unit)
                         # A matrix with no gradient here (but somewhere) contributes zeros.
                         if u is None:
-                            u = torch.zeros(m.numels[rank], device=dev)
+                            u = torch.zeros(m.numels[rank], dtype=dtype, device=dev)
                         parts.append(u)
             send = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=dev)
             recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
@@ -335,7 +335,9 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     chunks[m.unit].append(recv[offset : offset + m.numels[s]])
                     offset += m.numels[s]
             for m in mine:
-                full[m.unit] = torch.cat(chunks[m.unit]).to(torch.float32).view(m.param.shape)
+                full[m.unit] = (
+                    torch.cat(chunks[m.unit]).to(state_dtype(m.param)).view(m.param.shape)
+                )
         mine = [m for ms in buckets for m in ms if m.owner == rank]
         compute = self._orthogonalize if self.kind == "muon" else self._soap_deltas
         ortho = compute(mine, full)
@@ -466,11 +468,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
         if n == 1:
             return out
         present = present if present is not None else [True] * len(self._matrices)
-        es = torch.empty(0, dtype=self.comm_dtype or torch.float32).element_size()
         for unit_ids in self.assignment.buckets:
             ms = [self._matrices[i] for i in unit_ids if present[i]]
             if not ms:
                 continue
+            es = (self.comm_dtype or _bucket_dtype(ms)).itemsize
             theirs = sum(m.numels[rank] for m in ms if m.owner != rank)
             mine = sum(sum(m.numels) - m.numels[rank] for m in ms if m.owner == rank)
             d = out.setdefault("all_to_all", {"sent": 0.0, "received": 0.0, "calls": 0})
@@ -584,6 +586,15 @@ class FSDPOptimizer(torch.optim.Optimizer):
                         local_shard(mine[k]).copy_(local_shard(v))
                 else:
                     mine[k] = v
+
+
+def _bucket_dtype(ms: list[_Matrix]) -> torch.dtype:
+    """The dtype a bucket's updates travel in without `comm_dtype`: its matrices' state dtype
+    (float32 for bf16/fp16 parameters; float64 parameters keep float64 end to end)."""
+    dtype = state_dtype(ms[0].param)
+    for m in ms[1:]:
+        dtype = torch.promote_types(dtype, state_dtype(m.param))
+    return dtype
 
 
 def _flat_grad(m: _Matrix) -> Tensor:
