@@ -105,6 +105,15 @@ def backend_devices(group: Any = None) -> tuple[str, ...]:
 _DEVICES_OF = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda")}
 
 
+def _backend_serving(device_type: str, group: Any = None) -> str:
+    """The name of the backend that serves `device_type` tensors in `group` ("" if none)."""
+    for part in backend_config(group).split(","):
+        kind, _, name = part.partition(":")
+        if kind.strip() == device_type:
+            return name.strip()
+    return ""
+
+
 def _default_device(kind: str) -> torch.device:
     """The device of type `kind` this process uses (CUDA: the current device)."""
     if kind == "cuda" and torch.cuda.is_available():
@@ -509,6 +518,11 @@ def gather_object(
     if n == 1:
         return [obj]
     device = device_for(group)
+    if device.type != "cpu" and _backend_serving(device.type, group) == "gloo":
+        # gloo's send/recv read host memory only: with CUDA tensors ("cuda:gloo") every rank
+        # gathers everything and the others drop it.
+        parts = all_gather_object(obj, group=group, stats=stats)
+        return parts if rank == dst else None
     data = _to_bytes(obj, device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     if rank != dst:
