@@ -151,7 +151,8 @@ class FSDPOptimizer(torch.optim.Optimizer):
     is a DTensor sharded like its parameter). Arguments: `balance` ("cost", "round_robin",
     "capped") and `bucket_mb` as the layer-wise optimizer (one all-to-all pair per bucket),
     `comm_dtype` (e.g. torch.bfloat16: updates travel in it; by default they travel in the
-    state dtype, float32 or float64; state and parameters stay in their dtype), `route`, `nonfinite` ("raise" or "skip", agreed by all ranks),
+    state dtype, float32 or float64; state and parameters stay in their dtype), `route`,
+    `nonfinite` ("raise" or "skip", agreed by all ranks),
     `state_dict_to` ("all" or "rank0": where `state_dict()` delivers the full, unsharded
     dict of a Muon/AdamW run); other keyword arguments go to `build_optimizer`. Matrix
     optimizer: "muon", "soap" (whole per-matrix state on the owner), or "adamw" (the
