@@ -267,6 +267,9 @@ def test_compare_writes_summary_and_plot(tmp_path):
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["runs"]) == {"adamw", "muon"}
+    # CPU defaults where no flag was given; --precision auto resolves to fp32 on CPU.
+    assert (summary["config"], summary["precision"], summary["compiled"]) == ("tiny", "fp32", False)
+    assert "fp32" in (out / "report.md").read_text()
     for run in summary["runs"].values():
         assert run["final_val_loss"] == run["val_curve"][-1][2]
         assert run["tokens_per_s"] > 0 and 0 < run["optimizer_share_of_step_time"] < 1

@@ -8,8 +8,37 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from orthoptim.train import devices
+from orthoptim.train.devices import PRECISIONS
 from orthoptim.train.loop import OPTIMIZERS, TrainArgs, launch
 from orthoptim.train.model import CONFIGS
+
+NPROC_HELP = (
+    "ranks to start on this machine (default: one per visible GPU; 2 on CPU or with "
+    "--shared-gpu); more than the GPUs are refused unless --shared-gpu"
+)
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """--precision, --compile and --shared-gpu (shared by `train` and `compare`)."""
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="bf16: forward and loss under bf16 autocast (fp32 parameters, gradients and "
+        "optimizer state); fp32: no autocast; auto (default): bf16 on CUDA, fp32 on CPU",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every transformer block (first steps pay the compilation)",
+    )
+    p.add_argument(
+        "--shared-gpu",
+        action="store_true",
+        help="run every rank on cuda:0 over the cuda:gloo backend (testing multi-rank code on "
+        "one GPU; NCCL refuses two ranks on one GPU)",
+    )
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +93,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data", default=None, help="a text file or folder (default: Python's stdlib source)"
     )
+    add_device_arguments(p)
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
@@ -105,20 +135,15 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         eval_every=ns.eval_every,
         adamw_lr=ns.adamw_lr,
         muon_lr=ns.muon_lr,
+        precision=ns.precision,
+        compile=ns.compile,
+        shared_gpu=ns.shared_gpu,
         progress=ns.progress,
         segments=ns.segments,
     )
     try:
-        for name in ("adamw", "muon"):
-            args = TrainArgs(
-                optimizer=name,
-                config=opts.config,
-                steps=opts.steps,
-                batch=opts.batch,
-                eval_every=opts.eval_every,
-                data=opts.data,
-            )
-            args.validate()
+        opts = opts.resolve(devices.visible_gpus())
+        opts.validate()
         summary = run_compare(opts)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
@@ -132,25 +157,36 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `orthoptim train` and `orthoptim compare`."""
     p = subparsers.add_parser("train", help="train a small byte-level GPT on N ranks")
-    p.add_argument("--nproc", type=int, default=1, help="ranks to start on this machine")
+    p.add_argument("--nproc", type=int, default=None, help=NPROC_HELP)
     add_train_arguments(p)
     p.set_defaults(func=_train_cmd)
 
-    from orthoptim.train.compare import CompareArgs
+    from orthoptim.train.compare import CompareArgs, device_defaults
 
-    d = CompareArgs()
+    d, cpu, gpu = CompareArgs(), device_defaults("cpu"), device_defaults("cuda")
+
+    def machine_default(name: str) -> str:
+        return f"default {cpu[name]} on CPU, {gpu[name]} on CUDA"
+
     c = subparsers.add_parser("compare", help="train with Muon and AdamW, report and plot")
-    c.add_argument("--nproc", type=int, default=d.nproc)
-    c.add_argument("--steps", type=int, default=d.steps)
-    c.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
-    c.add_argument("--config", choices=sorted(CONFIGS), default=d.config)
+    c.add_argument("--nproc", type=int, default=None, help=NPROC_HELP)
+    c.add_argument("--steps", type=int, default=None, help=machine_default("steps"))
+    c.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help=f"sequences per rank per step ({machine_default('batch')})",
+    )
+    c.add_argument(
+        "--config", choices=sorted(CONFIGS), default=None, help=machine_default("config")
+    )
     c.add_argument("--out", default=d.out)
     c.add_argument("--sweep", action="store_true", help="try a small LR grid for each optimizer")
     c.add_argument(
         "--data", default=None, help="a text file or folder (default: Python's stdlib source)"
     )
     c.add_argument("--seed", type=int, default=d.seed)
-    c.add_argument("--eval-every", type=int, default=d.eval_every)
+    c.add_argument("--eval-every", type=int, default=None, help=machine_default("eval_every"))
     c.add_argument("--adamw-lr", type=float, default=None, help="AdamW's LR (default 3e-3)")
     c.add_argument("--muon-lr", type=float, default=None, help="Muon's LR (default 0.05)")
     c.add_argument(
@@ -159,5 +195,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=d.segments,
         help="the runs take turns in this many segments (resuming), so load drifts hit both",
     )
+    add_device_arguments(c)
     c.add_argument("--no-progress", dest="progress", action="store_false")
     c.set_defaults(func=_compare_cmd)

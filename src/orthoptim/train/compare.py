@@ -4,15 +4,20 @@ then report what Muon buys (steps to AdamW's final validation loss) and what it 
 
 Writes `report.md`, `loss.png` and `summary.json` under the output folder; each run's own
 files (metrics.jsonl, logs, checkpoints) are in a subfolder named after it.
+
+Defaults depend on the machine (`device_defaults`): on CPU the tiny model on 2 gloo ranks, on
+CUDA the GPU-sized `base` model on one rank per GPU in bf16.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from orthoptim.train import devices
+from orthoptim.train.devices import plan_ranks
 from orthoptim.train.loop import DEFAULT_LR, TrainArgs, launch, read_metrics
 
 COMPARED = ("adamw", "muon")
@@ -22,33 +27,85 @@ TARGET_STEPS_FRACTION = 0.70
 TARGET_THROUGHPUT_RATIO = 0.98
 
 
+def device_defaults(device_type: str) -> dict[str, Any]:
+    """The comparison's default model, batch per rank, steps and evaluation interval on a
+    machine whose ranks run on `device_type` ("cpu" or "cuda").
+
+    Newton-Schulz costs ~3·d/B of a step's flops (d: width, B: tokens per step). CPU: the tiny
+    model (d = 128) at 64 sequences of 128 per rank (16k tokens a step at 2 ranks) keeps it to
+    ~2 %, and 100 steps take minutes. CUDA: the base model (126M parameters, d = 1024, context
+    1024) at 32 sequences per rank (32k tokens per rank per step; by estimate, not yet
+    measured, ~20 GiB of activations in bf16 with some fp32 ones: far inside one H200); 500
+    steps are 16M tokens per GPU, about half an epoch of the stdlib corpus on one GPU.
+    Newton-Schulz is then ~9 % of the flops on one GPU and ~1 % at 8, where each rank
+    orthogonalizes an eighth of the matrices."""
+    if device_type == "cuda":
+        return dict(config="base", batch=32, steps=500, eval_every=25)
+    return dict(config="tiny", batch=64, steps=100, eval_every=10)
+
+
 @dataclass
 class CompareArgs:
-    """Options of one comparison; every run shares everything except the optimizer and LR."""
+    """Options of one comparison; every run shares everything except the optimizer and LR.
 
-    nproc: int = 2
-    steps: int = 100
-    # Newton-Schulz costs ~3·d/B of a step's flops (d: width, B: tokens per step): 64 sequences
-    # per rank (16k tokens a step at 2 ranks) keeps it to ~2 % at the tiny config's d = 128.
-    batch: int = 64
-    config: str = "tiny"
+    None (nproc, steps, batch, config, eval_every): the machine's default, filled in by
+    `resolve` (`plan_ranks` and `device_defaults`)."""
+
+    nproc: int | None = None
+    steps: int | None = None
+    batch: int | None = None
+    config: str | None = None
     out: str = "runs/compare"
     sweep: bool = False
     data: str | None = None
     seed: int = 0
-    eval_every: int = 10
+    eval_every: int | None = None
     adamw_lr: float | None = None
     muon_lr: float | None = None
+    precision: str = "auto"
+    compile: bool = False
+    shared_gpu: bool = False
     progress: bool = True
     # The runs take turns in this many segments (at most one per step), each resuming from
     # its own checkpoint (bitwise the same run), so drifts in the machine's load over minutes
     # hit every run alike: the throughput ratio is measured side by side.
     segments: int = 5
 
+    def resolve(self, gpus: int) -> CompareArgs:
+        """A copy with every None replaced by the default of a machine with `gpus` visible GPUs
+        (refusing more ranks than GPUs, as `plan_ranks` does)."""
+        plan = plan_ranks(self.nproc, gpus, self.shared_gpu)
+        defaults = device_defaults(plan.device_type)
+        chosen = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        return replace(self, nproc=plan.nproc, **chosen)
+
     def validate(self) -> None:
         """Refuse option values the comparison cannot honour, naming the flag."""
         if self.segments < 1:
             raise ValueError(f"--segments must be at least 1, got {self.segments}")
+        for name in ("adamw", "muon"):
+            self.train_args(name, DEFAULT_LR[name], Path(self.out)).validate()
+
+    def train_args(self, optimizer: str, lr: float, out: Path) -> TrainArgs:
+        """The run of `optimizer` at `lr` writing to `out` (call `resolve` first)."""
+        if None in (self.steps, self.batch, self.config, self.eval_every):
+            raise ValueError("CompareArgs.train_args: call resolve() first")
+        return TrainArgs(
+            optimizer=optimizer,
+            config=self.config,
+            steps=self.steps,
+            batch=self.batch,
+            lr=lr,
+            eval_every=self.eval_every,
+            ckpt_every=self.steps,
+            out=str(out),
+            seed=self.seed,
+            data=self.data,
+            precision=self.precision,
+            compile=self.compile,
+            shared_gpu=self.shared_gpu,
+            progress=self.progress,
+        )
 
 
 def steps_to_reach(rows: list[dict[str, Any]], target: float) -> int | None:
@@ -65,22 +122,6 @@ def segment_ends(steps: int, segments: int) -> list[int]:
     return [steps * (i + 1) // segments for i in range(segments)]
 
 
-def _train_args(opts: CompareArgs, optimizer: str, lr: float, out: Path) -> TrainArgs:
-    return TrainArgs(
-        optimizer=optimizer,
-        config=opts.config,
-        steps=opts.steps,
-        batch=opts.batch,
-        lr=lr,
-        eval_every=opts.eval_every,
-        ckpt_every=opts.steps,
-        out=str(out),
-        seed=opts.seed,
-        data=opts.data,
-        progress=opts.progress,
-    )
-
-
 def _run_interleaved(
     opts: CompareArgs, runs: list[tuple[str, float, Path]]
 ) -> list[dict[str, Any]]:
@@ -89,7 +130,7 @@ def _run_interleaved(
     results: list[dict[str, Any]] = [{} for _ in runs]
     for i, end in enumerate(segment_ends(opts.steps, opts.segments)):
         for k, (optimizer, lr, out) in enumerate(runs):
-            args = _train_args(opts, optimizer, lr, out)
+            args = opts.train_args(optimizer, lr, out)
             args.stop_after = end if end < opts.steps else None
             args.resume = i > 0
             results[k] = launch(args, opts.nproc)
@@ -142,6 +183,8 @@ def summarize(opts: CompareArgs, results: dict[str, dict[str, Any]], sweep: dict
         eval_every=opts.eval_every,
         segments=len(segment_ends(opts.steps, opts.segments)),
         device=adamw["device"],
+        precision=adamw.get("precision"),
+        compiled=adamw.get("compiled", False),
         threads_per_rank=adamw["threads_per_rank"],
         data=opts.data or "python stdlib",
         runs={name: _record(r) for name, r in results.items()},
@@ -236,10 +279,12 @@ def report(summary: dict[str, Any]) -> str:
     """report.md: the table, the targets and what exactly was measured."""
     t = summary["targets"]
     ok = {True: "met", False: "not met"}
+    precision = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(summary["precision"], "fp32")
+    precision += ", blocks compiled" if summary["compiled"] else ""
     return f"""# orthoptim compare: Muon vs AdamW
 
 {summary["config"]} GPT on {summary["data"]}, {summary["nproc"]} ranks ({summary["device"]},
-{summary["threads_per_rank"]} thread(s) per rank), {summary["steps"]} steps of
+{summary["threads_per_rank"]} thread(s) per rank, {precision}), {summary["steps"]} steps of
 {summary["tokens_per_step"]} tokens (batch {summary["batch_per_rank"]} per rank), the same
 batches for both optimizers; validation every {summary["eval_every"]} steps on a fixed set.
 
@@ -268,6 +313,7 @@ of the throughput.
 def run_compare(opts: CompareArgs) -> dict[str, Any]:
     """Train both optimizers (with --sweep: each over its LR grid, keeping the best final
     validation loss) and write report.md, loss.png and summary.json."""
+    opts = opts.resolve(devices.visible_gpus())
     opts.validate()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)

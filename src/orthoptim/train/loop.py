@@ -7,6 +7,13 @@ train with a warmup + cosine LR schedule, evaluate on a fixed validation set, wr
 checkpoints and a result file. `launch(args, nproc)` starts `nproc` ranks through PyTorch's
 elastic launcher (the machinery behind `torchrun`) and returns rank 0's result.
 
+Devices (`orthoptim.train.devices`): gloo ranks on CPU; on CUDA rank r on cuda:LOCAL_RANK over
+NCCL, or with `--shared-gpu` every rank on cuda:0 over "cuda:gloo". Forward and loss run under
+bf16 autocast with `--precision bf16` (the default on CUDA); parameters, gradients and
+optimizer state stay fp32. `--compile` compiles each transformer block (`compile_blocks`).
+Every collective the loop itself issues (metric sums and gathers, barriers) goes through
+`orthoptim.parallel.collectives` with tensors on `collectives.device_for()`.
+
 Files under `out`:
     metrics.jsonl          one JSON line per step (rank 0); `val_loss` on evaluation steps
     result.json            the run's summary (rank 0), written at the end
@@ -42,8 +49,16 @@ from orthoptim.parallel import collectives
 from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
+from orthoptim.train import devices
 from orthoptim.train.data import get_batch, load_corpus, val_batches
-from orthoptim.train.model import GPT, check_tensor_parallel, get_config, parallelize
+from orthoptim.train.devices import PRECISIONS, autocast, plan_ranks, resolve_precision
+from orthoptim.train.model import (
+    GPT,
+    check_tensor_parallel,
+    compile_blocks,
+    get_config,
+    parallelize,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -81,12 +96,17 @@ class TrainArgs:
     tp: int = 1
     fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
     qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
+    precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on CUDA, fp32 on CPU
+    compile: bool = False  # torch.compile every transformer block
+    shared_gpu: bool = False  # every rank on cuda:0 over "cuda:gloo" (multi-rank tests, 1 GPU)
     progress: bool = True
 
     def validate(self) -> None:
         """Reject bad values up front, naming the flag."""
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         get_config(self.config)
         for name in ("steps", "batch", "eval_every", "eval_batches", "ckpt_every", "tp"):
             if getattr(self, name) < 1:
@@ -110,6 +130,13 @@ class TrainArgs:
                 "--fsdp runs --optimizer muon or adamw: FSDPOptimizer steps SOAP, but its "
                 "owner-held SOAP state has no sharded (DCP) checkpoint yet; drop --fsdp to train "
                 "SOAP with the layer-wise optimizer"
+            )
+        if self.compile and (self.fsdp or self.tp > 1):
+            flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
+            raise ValueError(
+                f"--compile with {flag}: compiling blocks whose modules carry FSDP2's or tensor "
+                "parallelism's hooks is not wired into `orthoptim train`; drop --compile (it "
+                "runs with the layer-wise optimizer)"
             )
         if self.fsdp and self.qk_clip_tau is not None:
             raise ValueError(
@@ -257,20 +284,24 @@ def _atomic_write_text(text: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()
+# The loop's own collectives: small float64 tensors on the device the process group's backend
+# serves (CPU under gloo, this rank's GPU under NCCL or "cuda:gloo").
 
 
 def _all_sum(values: list[float], world_size: int) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    """`values` summed over the ranks."""
+    if world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=collectives.device_for())
     collectives.all_reduce(t)
-    return t.tolist() if world_size > 1 else values
+    return t.tolist()
 
 
 def _all_gather_floats(values: list[float], world_size: int) -> list[list[float]]:
     """Every rank's `values`, in rank order."""
-    t = torch.tensor(values, dtype=torch.float64)
+    if world_size == 1:
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.float64, device=collectives.device_for())
     out = t.new_empty(world_size * t.numel())
     collectives.all_gather(out, t)
     return out.view(world_size, -1).tolist()
@@ -278,9 +309,15 @@ def _all_gather_floats(values: list[float], world_size: int) -> list[list[float]
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, batches: list, rank: int, world_size: int, lockstep: bool = False
+    model: nn.Module,
+    batches: list,
+    rank: int,
+    world_size: int,
+    lockstep: bool = False,
+    precision: str = "fp32",
 ) -> float:
-    """Mean validation loss over the fixed batches, split across ranks.
+    """Mean validation loss over the fixed batches, split across ranks, in the run's
+    `precision` ("bf16": under autocast, like training).
 
     `lockstep`: every rank runs the same number of forwards (a rank short of batches repeats
     one and ignores it), as a sharded model's forward is collective."""
@@ -291,10 +328,13 @@ def evaluate(
         j = rank + i * world_size
         if j < len(batches):
             x, y = batches[j]
-            total += model(x, y).item() * y.numel()
+            with autocast(x.device, precision):
+                loss = model(x, y)
+            total += loss.item() * y.numel()
             count += y.numel()
         elif lockstep:
-            model(*batches[0])
+            with autocast(batches[0][0].device, precision):
+                model(*batches[0])
     model.train()
     total, count = _all_sum([total, count], world_size)
     return total / count
@@ -350,7 +390,7 @@ class Checkpointer:
         folder = self.dir / f"step_{step:06d}"
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
-        _barrier(self.world_size)
+        collectives.barrier()
         _params_ready(opt)
         if self.tp > 1:
             checkpoint.save_sharded(folder / "dcp", opt, model)
@@ -363,14 +403,14 @@ class Checkpointer:
             if self.rank == 0:
                 _atomic_save(model.state_dict(), folder / "model.pt")
                 _atomic_save(optim, folder / "optim.pt")
-        _barrier(self.world_size)
+        collectives.barrier()
         if self.rank == 0:
             info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
             _atomic_write_text(json.dumps(info, indent=1), self.dir / "latest.json")
             for old in self.dir.glob("step_*"):
                 if old.name != folder.name:
                     shutil.rmtree(old, ignore_errors=True)
-        _barrier(self.world_size)
+        collectives.barrier()
 
     def load(self, model: nn.Module, opt: Any, args: TrainArgs) -> dict[str, Any]:
         info = self.latest()
@@ -412,19 +452,25 @@ def _setup_logging(out: Path, rank: int) -> logging.Logger:
     return log
 
 
-def _init_distributed() -> tuple[int, int, torch.device]:
-    """Join the process group the launcher described in the environment (if any)."""
+def _init_distributed(shared_gpu: bool = False) -> tuple[int, int, torch.device]:
+    """Take this rank's device (`plan_ranks` over this machine's ranks: cuda:LOCAL_RANK, cuda:0
+    with `shared_gpu`, or the CPU) and join the process group the launcher described in the
+    environment (if any) with the plan's backend (NCCL, "cuda:gloo" or gloo)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    plan = plan_ranks(local_world, devices.visible_gpus(), shared_gpu)
+    device = plan.device(local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        # NCCL binds the rank to its GPU at init (no guessing the device of a barrier).
+        bind = {"device_id": device} if plan.backend == "nccl" else {}
+        dist.init_process_group(plan.backend, **bind)
     rank, world_size = collectives.world()
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return rank, world_size, torch.device("cuda", local)
+    if device.type == "cuda":
+        return rank, world_size, device
     if "OMP_NUM_THREADS" not in os.environ:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return rank, world_size, torch.device("cpu")
 
@@ -443,10 +489,10 @@ def run(args: TrainArgs) -> dict[str, Any]:
     Returns the run's summary (the content of result.json) on every rank.
     """
     args.validate()
-    rank, world_size, device = _init_distributed()
+    rank, world_size, device = _init_distributed(args.shared_gpu)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _barrier(world_size)
+    collectives.barrier()
     log = _setup_logging(out, rank)
     try:
         return _train(args, rank, world_size, device, out, log)
@@ -485,6 +531,9 @@ def _train(
     opt = make_optimizer(model, args, world_size, mesh)
     tau = args.qk_clip_tau
     clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
+    precision = resolve_precision(args.precision, device.type)
+    if args.compile:
+        compile_blocks(model)  # in place: the optimizer's parameters and hooks stay as they are
     for g in opt.param_groups:
         g["initial_lr"] = g["lr"]
     val = [
@@ -492,7 +541,8 @@ def _train(
         for x, y in val_batches(corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed)
     ]
     log.info(
-        "model %s (%d params), optimizer %s%s, world size %d (tp %d), device %s",
+        "model %s (%d params), optimizer %s%s, world size %d (tp %d), device %s (%s), "
+        "precision %s%s",
         args.config,
         sum(p.numel() for p in model.parameters()),
         args.optimizer,
@@ -500,6 +550,9 @@ def _train(
         world_size,
         args.tp,
         device,
+        collectives.backend_config() or "no process group",
+        precision,
+        ", blocks compiled" if args.compile else "",
     )
 
     ckpt = Checkpointer(out, rank, world_size, sharded=args.fsdp and world_size > 1, tp=args.tp)
@@ -509,12 +562,15 @@ def _train(
         info = ckpt.load(model, opt, args)
         start, train_time = info["step"], info["train_time_s"]
         log.info("resumed from step %d", start)
+        # Allowed: the checkpoint holds fp32 parameters and optimizer state in either precision.
+        if info.get("precision", "fp32") != precision:
+            log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), precision)
         if rank == 0:
             kept = read_metrics(metrics_path, upto=start)
             _atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
     elif rank == 0:
         metrics_path.write_text("")
-    _barrier(world_size)
+    collectives.barrier()
 
     # The tp ranks of a data-parallel rank share its batch.
     tokens_per_step = args.batch * cfg.seq_len * dp_size
@@ -534,11 +590,11 @@ def _train(
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
     val_loss = None
     if start == 0:
-        val_loss = evaluate(model, val, dp_rank, dp_size, lockstep=args.fsdp)
+        _params_ready(opt)
+        val_loss = evaluate(model, val, dp_rank, dp_size, args.fsdp, precision)
         if metrics_file:
-            metrics_file.write(
-                json.dumps(dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)) + "\n"
-            )
+            row0 = dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0, precision=precision)
+            metrics_file.write(json.dumps(row0) + "\n")
             metrics_file.flush()
     comm = (0.0, 0.0)
     try:
@@ -551,7 +607,14 @@ def _train(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            loss = model(x, y)
+            if args.compile:
+                # Compiled blocks trace the optimizer's forward pre-hooks: finish the parameter
+                # gathers here, so the hooks find nothing to do and no graph recompiles. (Under
+                # NCCL the last step's loss all-reduce, queued behind the gathers, has waited
+                # for them already: only their copy into the parameters moves out of forward.)
+                _params_ready(opt)
+            with autocast(device, precision):
+                loss = model(x, y)
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -579,12 +642,14 @@ def _train(
                 tokens=step * tokens_per_step,
                 comm_sent_bytes=comm[0],
                 comm_received_bytes=comm[1],
+                precision=precision,
                 **clipped,
             )
             if step - start <= COLD_STEPS:
                 row["cold"] = True
             if step % args.eval_every == 0 or step == args.steps:
-                val_loss = evaluate(model, val, dp_rank, dp_size, lockstep=args.fsdp)
+                _params_ready(opt)
+                val_loss = evaluate(model, val, dp_rank, dp_size, args.fsdp, precision)
                 row["val_loss"] = val_loss
                 log.info("step %d train %.4f val %.4f", step, train_loss, val_loss)
             if metrics_file:
@@ -598,7 +663,7 @@ def _train(
                 )
                 bar.update(1)
             if step % args.ckpt_every == 0 or step == last:
-                meta = dict(args=args.to_dict(), train_time_s=train_time)
+                meta = dict(args=args.to_dict(), train_time_s=train_time, precision=precision)
                 ckpt.save(step, model, opt, meta)
                 log.info("checkpoint at step %d", step)
     finally:
@@ -614,6 +679,9 @@ def _train(
         model=cfg.as_dict(),
         world_size=world_size,
         device=str(device),
+        backend=collectives.backend_config() or None,
+        precision=precision,
+        compiled=args.compile,
         threads_per_rank=torch.get_num_threads(),
         tokens_per_step=tokens_per_step,
         last_step=last,
@@ -627,7 +695,7 @@ def _train(
     if rank == 0:
         _atomic_write_text(json.dumps(result, indent=1), out / "result.json")
     log.info("done: %s", json.dumps({k: result[k] for k in ("last_step", "final_val_loss")}))
-    _barrier(world_size)
+    collectives.barrier()
     return result
 
 
@@ -664,12 +732,15 @@ def _elastic_entry(args_dict: dict[str, Any]) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def launch(args: TrainArgs, nproc: int) -> dict[str, Any]:
+def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
     """Start `nproc` ranks on this machine through torch's elastic launcher and wait for them.
 
-    One rank runs in this process with no process group. Returns rank 0's result.
+    `nproc` None: one per visible GPU, or 2 on CPU (or with --shared-gpu); more ranks than
+    GPUs are refused here, before anything starts (`plan_ranks`). One rank runs in this
+    process with no process group. Returns rank 0's result.
     """
     args.validate()
+    nproc = plan_ranks(nproc, devices.visible_gpus(), args.shared_gpu).nproc
     args.check_nproc(nproc)
     if args.resume:
         check_resumable(Checkpointer(Path(args.out), 0, nproc).latest(), args, nproc)

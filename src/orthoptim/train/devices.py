@@ -1,0 +1,101 @@
+"""Where the ranks of `orthoptim train` / `compare` run, and in what precision.
+
+Small pure decisions, unit-tested on CPU with a made-up GPU count:
+
+    plan_ranks(nproc, gpus, shared_gpu)    how many ranks, which backend, which device each
+    resolve_precision(precision, device)   "auto" → "bf16" on CUDA, "fp32" elsewhere
+
+Rank placement:
+    CPU (no GPU visible)   gloo, every rank on the CPU; --nproc defaults to 2
+    CUDA                   NCCL, rank r on cuda:LOCAL_RANK; --nproc defaults to the number of
+                           visible GPUs and may not exceed it
+    CUDA, --shared-gpu     "cuda:gloo", every rank on cuda:0 (NCCL refuses two ranks on one GPU:
+                           "Duplicate GPU detected"); a test mode for multi-rank code paths on a
+                           one-GPU machine: like NCCL, its collectives take CUDA tensors only.
+                           --nproc defaults to 2.
+
+Precision: "bf16" runs forward and loss under `torch.autocast(device_type, torch.bfloat16)`;
+parameters (fp32 masters), gradients and optimizer state stay fp32, so gradients are reduced
+in fp32. "fp32" runs without autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+PRECISIONS = ("auto", "bf16", "fp32")
+# The data-parallel default on a machine without GPUs: two gloo ranks exercise the
+# distributed optimizer (one rank runs the plain single-process optimizer).
+CPU_DEFAULT_NPROC = 2
+SHARED_GPU_DEFAULT_NPROC = 2
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process may use (CUDA_VISIBLE_DEVICES honoured); 0 without CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """How `nproc` ranks run on this machine: the process-group backend and each rank's
+    device type (`device(local_rank)` gives the device itself)."""
+
+    nproc: int
+    backend: str  # "gloo", "nccl" or "cuda:gloo" (used when nproc > 1)
+    device_type: str  # "cpu" or "cuda"
+    shared_gpu: bool = False
+
+    def device(self, local_rank: int) -> torch.device:
+        """The device of the rank with this local rank."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device("cuda", 0 if self.shared_gpu else local_rank)
+
+
+def plan_ranks(nproc: int | None, gpus: int, shared_gpu: bool = False) -> RankPlan:
+    """The placement of `nproc` ranks (None: the default) on a machine with `gpus` visible GPUs.
+
+    Refuses, naming --nproc, the GPU count and the fix: fewer than one rank, more ranks than
+    GPUs (unless `shared_gpu`), and `shared_gpu` without a GPU."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if gpus < 1:
+        if shared_gpu:
+            raise ValueError(
+                "--shared-gpu runs every rank on cuda:0, but no CUDA GPU is visible; drop "
+                "--shared-gpu (on CPU the ranks use gloo)"
+            )
+        return RankPlan(nproc or CPU_DEFAULT_NPROC, "gloo", "cpu")
+    if shared_gpu:
+        return RankPlan(nproc or SHARED_GPU_DEFAULT_NPROC, "cuda:gloo", "cuda", shared_gpu=True)
+    nproc = nproc or gpus
+    if nproc > gpus:
+        gpu_s = "GPU is" if gpus == 1 else "GPUs are"
+        raise ValueError(
+            f"--nproc {nproc} asks for {nproc} ranks, one per GPU, but only {gpus} {gpu_s} "
+            f"visible (CUDA_VISIBLE_DEVICES / torch.cuda.device_count()); pass --nproc {gpus} "
+            f"or fewer, or --shared-gpu to run every rank on cuda:0 over the cuda:gloo backend "
+            "(a test mode: slower than NCCL)"
+        )
+    return RankPlan(nproc, "nccl", "cuda")
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """The run's precision, "bf16" or "fp32": `precision` itself, or for "auto" bf16 on CUDA
+    and fp32 elsewhere (bf16 matmuls are tens of times slower than fp32 on CPUs without bf16
+    instructions)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return precision
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The context forward and loss run in: bf16 autocast for "bf16", nothing for "fp32"."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
