@@ -146,10 +146,11 @@ def layout_bytes(assignment, world_size, rank, gather_ratio=1.0):
             shard[assignment.owners[i]] += assignment.unit_bytes[i]
         owners = [r for r in range(n) if shard[r]]
         if len(owners) == 1:
-            size = shard[owners[0]]
-            add("reduce", 0 if owners[0] == rank else size, size if owners[0] == rank else 0)
+            # pipelined chains: reduce owner+1 → … → owner, broadcast owner → … → owner−1
+            o, size = owners[0], shard[owners[0]]
+            add("reduce", 0 if rank == o else size, 0 if rank == (o + 1) % n else size)
             g = size * gather_ratio
-            add("broadcast", g if owners[0] == rank else 0, 0 if owners[0] == rank else g)
+            add("broadcast", 0 if rank == (o - 1) % n else g, 0 if rank == o else g)
         else:
             add("reduce_scatter", (n - 1) * max(shard), (n - 1) * max(shard))
             g = (n - 1) * max(shard) * gather_ratio

@@ -333,8 +333,8 @@ def test_planner_assignment_and_flops_equal_the_layerwise_optimizer(layerwise_ru
 
 
 def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
-    """A 2-rank gloo group, fp32 and bf16 parameter gathers: the bytes each rank's step sent
-    and received (collectives.py's counts, per collective kind) equal the planner's formula.
+    """A 2-rank gloo group, fp32 and bf16 parameter gathers, and 4 ranks, fp32: the bytes
+    each rank's step sent and received (collectives.py's counts) equal the planner's formula.
     The optimizer's small agreement all-reduce (two flags per unit) is left out of the plan."""
     group, plan = _plan_for(tiny_gpt_description(), 2)
     kinds = ("reduce_scatter", "all_gather", "reduce", "broadcast")
@@ -349,6 +349,14 @@ def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
             assert received == c["layerwise_received_per_rank"][rank]
     numel = sum(math.prod(u.shape) for u in group.units)
     assert plan["comm"]["fp32_gather"]["zero1_adamw_bytes"] == zero1_bytes(numel, 2, 4, 4)
+    # 4 ranks, where the reduce / broadcast chains have middle ranks that forward
+    group, plan = _plan_for(tiny_gpt_description(), 4)
+    c = plan["comm"]["fp32_gather"]
+    for rank in range(4):
+        comm = layerwise_runs[rank][("cost", "fp32", 4)]["comm"]
+        assert {"reduce_scatter", "reduce"} <= set(comm)
+        assert sum(comm[x]["sent"] for x in kinds) == c["layerwise_sent_per_rank"][rank]
+        assert sum(comm[x]["received"] for x in kinds) == c["layerwise_received_per_rank"][rank]
 
 
 # --- planner and CLI -----------------------------------------------------------------------
@@ -368,11 +376,33 @@ def test_plan_figures_add_up(layout: dict) -> None:
         # dense ones by one DP rank, each expert by one rank of its EP rank's expert-DP group
         assert sum(s["ns_flops_per_rank"]) == pytest.approx(total_ns, rel=1e-12)
         assert s["ns_flops_imbalance"] >= 1.0
+    for c in plan["comm"].values():  # every collective moves as many bytes out as in
+        sent, received = c["layerwise_sent_per_rank"], c["layerwise_received_per_rank"]
+        assert sum(sent) == pytest.approx(sum(received), rel=1e-12)
+        assert c["layerwise_unpadded_bytes"] <= c["layerwise_muon_bytes"]
     over = plan["overhead"]
     assert over["model_flops_per_step"] == pytest.approx(
         6 * param_counts(expand(desc))["matmul_active"] * 2**20
     )
     assert over["published_gb300"]["ns_share_of_model_flops"] == pytest.approx(35 / 686)
+
+
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [
+        ("kimi-k2", dict(dp=64, ep=64)),
+        ("qwen3-30b-a3b", dict(dp=8)),
+        ("llama3-70b", dict(dp=8, tp=8)),
+    ],
+)
+def test_layerwise_bytes_are_zero1_bytes_plus_padding(model: str, layout: dict) -> None:
+    """Reduce-scatter + all-gather and reduce + broadcast both move 2·(N−1)·S over the ranks,
+    so layer-wise Muon's busiest rank moves about what ZeRO-1 AdamW's does: 1 + padding."""
+    plan = make_plan(load_model(model), load_hardware("h200"), Layout(**layout))
+    for gather in ("fp32", "bf16"):
+        c = plan["comm"][f"{gather}_gather"]
+        assert 0.97 <= c["ratio"] <= 1.10, (model, gather, c["ratio"])
+        assert 0.97 <= c["unpadded_ratio"] <= c["ratio"], (model, gather)
 
 
 def test_cli_json_plot_and_errors(tmp_path, capsys) -> None:

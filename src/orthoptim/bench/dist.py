@@ -114,14 +114,16 @@ def _ddp_hook(stats: C.CommStats) -> Callable[..., Any]:
 @contextlib.contextmanager
 def _count_broadcasts(stats: C.CommStats) -> Iterator[None]:
     """Count torch.distributed.broadcast calls made inside the block (ZeRO's parameter sync)
-    under collectives.py's convention: the source sends the tensor, every other rank receives
-    it."""
+    under collectives.py's accounting (`collectives.broadcast_bytes`: a pipelined chain from
+    the source, every rank but the source receives the tensor, every rank but the last sends
+    it)."""
     original = dist.broadcast
 
     def counted(tensor: torch.Tensor, src: int, *a: Any, **kw: Any) -> Any:
+        group = kw.get("group", a[0] if a else None)
+        rank, n = C.world(group)
         b = tensor.numel() * tensor.element_size()
-        mine = dist.get_rank() == src
-        stats.record("broadcast", b if mine else 0, 0 if mine else b)
+        stats.record("broadcast", *C.broadcast_bytes(b, n, C.group_rank(group, src))[rank])
         return original(tensor, src, *a, **kw)
 
     dist.broadcast = counted

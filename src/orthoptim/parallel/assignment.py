@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from orthoptim.parallel import collectives as C
+
 KINDS = ("muon", "soap", "adamw")
 BALANCES = ("cost", "round_robin", "capped")
 CAPPED_FACTOR = 1.3
@@ -145,16 +147,13 @@ class Assignment:
                 continue
             if len(owners) == 1:
                 size = shard[owners[0]]
-                mine = owners[0] == rank
-                add("reduce", 0 if mine else size, size if mine else 0)
-                g = size * gather_ratio
-                add("broadcast", g if mine else 0, 0 if mine else g)
+                add("reduce", *C.reduce_bytes(size, n, owners[0])[rank])
+                add("broadcast", *C.broadcast_bytes(size * gather_ratio, n, owners[0])[rank])
             else:
-                padded = n * max(shard)
-                add("reduce_scatter", (n - 1) / n * padded, (n - 1) / n * padded)
-                g = (n - 1) / n * padded * gather_ratio
-                add("all_gather", g, g)
-        flags = 2 * (n - 1) / n * 2 * len(self.owners) * 4
+                add("reduce_scatter", *C.ring_reduce_scatter_bytes([max(shard)] * n)[rank])
+                g = max(shard) * gather_ratio
+                add("all_gather", *C.ring_all_gather_bytes([g] * n)[rank])
+        flags = C.ring_all_reduce_bytes(2 * len(self.owners) * 4, n)
         add("all_reduce", flags, flags)
         return out
 

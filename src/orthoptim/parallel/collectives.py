@@ -1,16 +1,33 @@
 """Every collective orthoptim issues goes through here, so bytes can be counted per step.
 
 Byte accounting: for each collective kind we record, per rank, the bytes it sends and the
-bytes it receives under the bandwidth-optimal (ring) algorithm of N ranks:
+bytes it receives under the bandwidth-optimal algorithm NCCL uses for it, on a ring of the N
+group ranks in rank order (r → r+1 mod N). S = the tensor's bytes, c_r = rank r's chunk:
 
-    all_reduce       sends 2·(N−1)/N · S and receives the same    (S = tensor bytes)
-    reduce_scatter   sends (N−1)/N · S_in, receives the same
-    all_gather       sends (N−1)/N · S_out, receives the same
-    broadcast/reduce the root sends (or receives) S; each other rank the reverse
+    all_reduce       ring reduce-scatter then ring all-gather over N equal chunks of S/N:
+                     every rank sends 2·(N−1)/N · S and receives the same
+                     (exact when N divides the elements; else the mean over ranks)
+    reduce_scatter   rank r ends with chunk r; it forwards every chunk but its own and
+                     receives every chunk but c_{r−1}: sends S − c_r, receives S − c_{r−1}
+                     ((N−1)/N · S_in each way: torch's chunks are equal)
+    all_gather       rank r starts with chunk r; it forwards every chunk but c_{r+1} and
+                     receives every chunk but its own: sends S − c_{r+1}, receives S − c_r
+                     ((N−1)/N · S_out each way; gloo's padding to the largest chunk counts)
+    reduce           pipelined chain dst+1 → dst+2 → … → dst: every rank but dst sends S,
+                     every rank but dst+1 receives S
+    broadcast        pipelined chain src → src+1 → … → src−1: every rank but src−1 sends S,
+                     every rank but src receives S
     all_to_all       sends what leaves this rank, receives what arrives
+    gather           (gather_object) point to point: each rank sends its size (8 bytes) and
+                     payload to dst, which receives them
 
-These are the figures benchmarks and tests compare against formulas; padding that gloo
-needs for uneven all-gathers is counted as sent, since it crosses the wire.
+So summed over the ranks of a group, sent = received for every kind: (N−1)·S each way for
+reduce and broadcast — the same 2·(N−1)·S in total as reduce-scatter + all-gather of S.
+Reduce and broadcast are the reduce-scatter and all-gather with only one non-empty chunk
+(dst's / src's). The helpers below (`ring_all_reduce_bytes`, `ring_reduce_scatter_bytes`,
+`ring_all_gather_bytes`, `reduce_bytes`, `broadcast_bytes`) are the only place these
+formulas live: the wrappers record them, `expected_comm_bytes()` and `orthoptim plan` use
+them. They are what the algorithm moves, not what gloo's own implementation does on loopback.
 
 Devices: a tensor handed to a collective must live on a device the group's backend serves —
 CUDA for NCCL (and "cuda:gloo"), CPU or CUDA for plain gloo, both for "cpu:gloo,cuda:nccl".
@@ -76,6 +93,58 @@ def world(group: Any = None) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def group_rank(group: Any, global_rank: int) -> int:
+    """The rank in `group` of `global_rank` (what broadcast / reduce take as src / dst)."""
+    if group is None or not dist.is_initialized():
+        return global_rank
+    return dist.get_group_rank(group, global_rank)
+
+
+# -- byte accounting (see the module docstring): [(sent, received)] of every group rank -----
+
+
+def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes every rank sends, and receives, in a ring all-reduce of `nbytes` over `n` ranks."""
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def ring_reduce_scatter_bytes(chunks: list[float]) -> list[tuple[float, float]]:
+    """(sent, received) of every rank in a ring reduce-scatter that leaves chunk r
+    (`chunks[r]` bytes) on rank r: rank r forwards every chunk but its own and receives
+    every chunk but rank r−1's."""
+    n = len(chunks)
+    if n <= 1:
+        return [(0.0, 0.0)] * n
+    total = sum(chunks)
+    return [(total - chunks[r], total - chunks[r - 1]) for r in range(n)]
+
+
+def ring_all_gather_bytes(chunks: list[float]) -> list[tuple[float, float]]:
+    """(sent, received) of every rank in a ring all-gather of chunk r (`chunks[r]` bytes)
+    from every rank r: rank r forwards every chunk but rank r+1's, receives all but its own."""
+    n = len(chunks)
+    if n <= 1:
+        return [(0.0, 0.0)] * n
+    total = sum(chunks)
+    return [(total - chunks[(r + 1) % n], total - chunks[r]) for r in range(n)]
+
+
+def reduce_bytes(nbytes: float, n: int, dst: int) -> list[tuple[float, float]]:
+    """(sent, received) of every group rank in a pipelined chain reduce of `nbytes` to group
+    rank `dst` (dst+1 → dst+2 → … → dst): all but dst send it, all but dst+1 receive it."""
+    if n <= 1:
+        return [(0.0, 0.0)] * n
+    return [(0.0 if r == dst else nbytes, 0.0 if r == (dst + 1) % n else nbytes) for r in range(n)]
+
+
+def broadcast_bytes(nbytes: float, n: int, src: int) -> list[tuple[float, float]]:
+    """(sent, received) of every group rank in a pipelined chain broadcast of `nbytes` from
+    group rank `src` (src → src+1 → … → src−1): all but src−1 send it, all but src receive it."""
+    if n <= 1:
+        return [(0.0, 0.0)] * n
+    return [(0.0 if r == (src - 1) % n else nbytes, 0.0 if r == src else nbytes) for r in range(n)]
 
 
 # -- devices ---------------------------------------------------------------------------------
@@ -169,7 +238,7 @@ def all_reduce(
         return None
     check_device(t, kind, group)
     if stats is not None:
-        b = 2 * (n - 1) / n * _nbytes(t)
+        b = ring_all_reduce_bytes(_nbytes(t), n)
         stats.record(kind, b, b)
     return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
@@ -191,15 +260,14 @@ def reduce_scatter(
 ) -> Any:
     """`out` ← this rank's 1/N chunk of the sum over ranks of `inp` (flat, equal chunks);
     `kind` is the name `stats` files it under."""
-    _, n = world(group)
+    rank, n = world(group)
     if n == 1:
         out.copy_(inp)
         return None
     check_device(inp, kind, group)
     check_device(out, kind, group)
     if stats is not None:
-        b = (n - 1) / n * _nbytes(inp)
-        stats.record(kind, b, b)
+        stats.record(kind, *ring_reduce_scatter_bytes([_nbytes(inp) / n] * n)[rank])
     return _REDUCE_SCATTER(out, inp, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -212,15 +280,14 @@ def all_gather(
     kind: str = "all_gather",
 ) -> Any:
     """`out` (N × inp elements, rank-major) ← every rank's `inp`."""
-    _, n = world(group)
+    rank, n = world(group)
     if n == 1:
         out.copy_(inp.reshape(out.shape))
         return None
     check_device(inp, kind, group)
     check_device(out, kind, group)
     if stats is not None:
-        b = (n - 1) / n * _nbytes(out)
-        stats.record(kind, b, b)
+        stats.record(kind, *ring_all_gather_bytes([_nbytes(out) / n] * n)[rank])
     return _ALL_GATHER(out, inp, group=group, async_op=async_op)
 
 
@@ -295,14 +362,12 @@ def reduce(
     async_op: bool = False,
 ) -> Any:
     """Sum `t` over ranks into global rank `dst` (in place there; undefined elsewhere)."""
-    _, n = world(group)
+    rank, n = world(group)
     if n == 1:
         return None
     check_device(t, "reduce", group)
     if stats is not None:
-        b = _nbytes(t)
-        is_dst = dist.get_rank() == dst
-        stats.record("reduce", 0 if is_dst else b, b if is_dst else 0)
+        stats.record("reduce", *reduce_bytes(_nbytes(t), n, group_rank(group, dst))[rank])
     return dist.reduce(t, dst=dst, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -310,14 +375,12 @@ def broadcast(
     t: Tensor, src: int, group: Any = None, stats: CommStats | None = None, async_op: bool = False
 ) -> Any:
     """Broadcast `t` from group rank `src` (a global rank, as torch.distributed expects)."""
-    _, n = world(group)
+    rank, n = world(group)
     if n == 1:
         return None
     check_device(t, "broadcast", group)
     if stats is not None:
-        b = _nbytes(t)
-        is_src = dist.get_rank() == src
-        stats.record("broadcast", b if is_src else 0, 0 if is_src else b)
+        stats.record("broadcast", *broadcast_bytes(_nbytes(t), n, group_rank(group, src))[rank])
     return dist.broadcast(t, src=src, group=group, async_op=async_op)
 
 
@@ -362,8 +425,7 @@ def unshard(t: Tensor, stats: CommStats | None = None) -> Tensor:
         if placement.is_shard():
             n *= t.device_mesh.size(dim)
     if stats is not None and n > 1:
-        b = (n - 1) / n * _nbytes(t)
-        stats.record("all_gather", b, b)
+        stats.record("all_gather", *ring_all_gather_bytes([_nbytes(t) / n] * n)[0])
     return t.full_tensor()
 
 

@@ -480,7 +480,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             d["sent"] += (theirs + mine) * es
             d["received"] += (theirs + mine) * es
             d["calls"] += 2
-        ar = 2 * (n - 1) / n * 4 * (len(self._matrices) + len(self._named))
+        ar = C.ring_all_reduce_bytes(4 * (len(self._matrices) + len(self._named)), n)
         out["all_reduce"] = {"sent": ar, "received": ar, "calls": 1}
         return out
 

@@ -632,18 +632,14 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             psize = torch.empty(0, dtype=b.dtype).element_size()
             n, rank = b.n, b.rank
             if b.single:
-                owner = b.owners[0] == rank
-                nb = b.flat_numel * psize
-                add("reduce", 0 if owner else nb, nb if owner else 0)
-                gb = b.flat_numel * gsize
-                add("broadcast", gb if owner else 0, 0 if owner else gb)
+                owner = b.owners[0]
+                add("reduce", *C.reduce_bytes(b.flat_numel * psize, n, owner)[rank])
+                add("broadcast", *C.broadcast_bytes(b.flat_numel * gsize, n, owner)[rank])
             else:
-                rs = (n - 1) / n * b.flat_numel * psize
-                add("reduce_scatter", rs, rs)
-                ag = (n - 1) / n * b.flat_numel * gsize
-                add("all_gather", ag, ag)
+                add("reduce_scatter", *C.ring_reduce_scatter_bytes([b.width * psize] * n)[rank])
+                add("all_gather", *C.ring_all_gather_bytes([b.width * gsize] * n)[rank])
         for size in [self.world_size] + [C.world(g)[1] for g in self._tp_groups]:
-            ar = 2 * (size - 1) / size * 2 * len(self.units) * 4
+            ar = C.ring_all_reduce_bytes(2 * len(self.units) * 4, size)
             add("all_reduce", ar, ar)
         return out
 

@@ -1,23 +1,33 @@
 """Flop and byte formulas of one optimizer step, per rank.
 
-Bytes follow the ring accounting of `orthoptim.parallel.collectives` (bytes a rank sends;
-it receives the same amount):
+Bytes follow the accounting of `orthoptim.parallel.collectives` (its module docstring; the
+formulas are its `ring_*_bytes`, `reduce_bytes` and `broadcast_bytes`): per rank, what the
+ring / pipelined-chain algorithm sends and receives, so that summed over the ranks sent =
+received for every collective. With S = a collective's bytes over N ranks:
 
-    all_reduce      2·(N−1)/N · S
-    reduce_scatter  (N−1)/N · S_in
-    all_gather      (N−1)/N · S_out
+    all_reduce      2·(N−1)/N · S each way
+    reduce_scatter  (N−1)/N · S_in each way (equal chunks)
+    all_gather      (N−1)/N · S_out each way (equal chunks)
+    reduce          S sent by every rank but the destination, received by all but the next
+    broadcast       S received by every rank but the root, sent by all but the one before it
 
 Layer-wise optimizer, per bucket b of the assignment: gradients are reduce-scattered over a
 flat buffer of N equal shards, each padded to the largest rank's share w_b of that bucket,
 then the updated parameters are all-gathered with the same padding; a bucket with a single
 owner is reduced to it and broadcast from it instead (S_b = the bucket's elements):
 
-    sent = Σ_b (N−1)·w_b·(grad_bytes + gather_bytes)      (shared buckets)
-         + Σ_b S_b·(gather_bytes if owner else grad_bytes) (single-owner buckets)
+    sent ≈ received ≈ Σ_b (N−1)·w_b·(grad_bytes + gather_bytes)   (shared buckets)
+                    + Σ_b S_b·(grad_bytes + gather_bytes)         (single-owner buckets,
+                      less S_b·grad_bytes on its owner and S_b·gather_bytes on owner−1)
+
+so over all ranks both paths move 2·(N−1)·S per byte of gradient and parameter. Without the
+padding (the "unpadded" figures: reduce-scatter-v / all-gather-v of the true shares) rank r
+sends (S_b − share_r)·grad_bytes + (S_b − share_{r+1})·gather_bytes per bucket, which for a
+single owner is exactly the reduce + broadcast above.
 
 ZeRO-1 AdamW has the same two collectives over equal element shards of all P parameters:
 
-    sent = (N−1)·⌈P/N⌉·(grad_bytes + gather_bytes)
+    sent = received = (N−1)·⌈P/N⌉·(grad_bytes + gather_bytes)
 
 Newton-Schulz on an m×n matrix (a = min, b = max), plain matmuls, per step: 4a²b + 2a³.
 Tensor-parallel modes are costed by `orthoptim.parallel.tensor_parallel.tp_cost`, the model
@@ -30,6 +40,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+from orthoptim.parallel import collectives as C
 from orthoptim.parallel.tensor_parallel import (
     CostModel,
     TensorParallelOrthogonalizer,
@@ -47,18 +58,6 @@ def ns_flops(shape: tuple[int, ...], steps: int) -> float:
     return float(steps * (4 * a * a * b + 2 * a**3))
 
 
-def ring_all_reduce(nbytes: float, n: int) -> float:
-    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
-
-
-def ring_reduce_scatter(in_bytes: float, n: int) -> float:
-    return (n - 1) / n * in_bytes if n > 1 else 0.0
-
-
-def ring_all_gather(out_bytes: float, n: int) -> float:
-    return (n - 1) / n * out_bytes if n > 1 else 0.0
-
-
 def layerwise_bytes(
     owners: Sequence[int],
     buckets: Sequence[Sequence[int]],
@@ -66,38 +65,42 @@ def layerwise_bytes(
     world: int,
     grad_bytes: int,
     gather_bytes: int,
+    padded: bool = True,
+    split: Sequence[Sequence[int]] = (),
 ) -> tuple[list[float], list[float]]:
     """(sent, received) bytes of every rank in one layer-wise step, per the bucket layout.
 
     A bucket shared by several owners is one reduce-scatter of N shards padded to the largest
     share w and one padded all-gather: (N−1)·w·(grad_bytes + gather_bytes) each way on every
-    rank. A bucket with a single owner is reduced to it and broadcast from it: the owner
-    receives S·grad_bytes and sends S·gather_bytes, every other rank the reverse (S = the
-    bucket's elements).
+    rank; with `padded=False` the shards are the true shares (reduce-scatter-v /
+    all-gather-v on the ring). A bucket with a single owner is reduced to it and broadcast
+    from it (pipelined chains, `collectives.reduce_bytes` / `broadcast_bytes`).
+    Units sharded element-wise (owner -1, AdamW) count by `split[b][r]`, the elements of
+    bucket b rank r holds (`Assignment.adamw_split`).
     """
     sent = [0.0] * world
     received = [0.0] * world
     if world == 1:
         return sent, received
-    for bucket in buckets:
+    for b, bucket in enumerate(buckets):
         share = [0] * world
         for i in bucket:
-            share[owners[i]] += numels[i]
+            if owners[i] >= 0:
+                share[owners[i]] += numels[i]
+        if b < len(split) and split[b]:
+            share = [s + x for s, x in zip(share, split[b])]
         holders = [r for r in range(world) if share[r]]
         if len(holders) == 1:
             owner, size = holders[0], share[holders[0]]
-            for r in range(world):
-                mine = r == owner
-                sent[r] += size * (gather_bytes if mine else grad_bytes)
-                received[r] += size * (grad_bytes if mine else gather_bytes)
-            continue
-        width = max(share)
-        each = ring_reduce_scatter(world * width * grad_bytes, world) + ring_all_gather(
-            world * width * gather_bytes, world
-        )
+            rs = C.reduce_bytes(size * grad_bytes, world, owner)
+            ag = C.broadcast_bytes(size * gather_bytes, world, owner)
+        else:
+            chunks = share if not padded else [max(share)] * world
+            rs = C.ring_reduce_scatter_bytes([c * grad_bytes for c in chunks])
+            ag = C.ring_all_gather_bytes([c * gather_bytes for c in chunks])
         for r in range(world):
-            sent[r] += each
-            received[r] += each
+            sent[r] += rs[r][0] + ag[r][0]
+            received[r] += rs[r][1] + ag[r][1]
     return sent, received
 
 
@@ -108,33 +111,23 @@ def layerwise_unpadded_bytes(
     world: int,
     grad_bytes: int,
     gather_bytes: int,
-) -> list[float]:
-    """Bytes every rank sends per step if shared buckets used true variable-size collectives
-    (no padding): the shares of the other ranks, S_b − share_r, once each way. Single-owner
-    buckets as in `layerwise_bytes`. The floor a reduce-scatter-v / all-gather-v reaches."""
-    sent = [0.0] * world
-    if world == 1:
-        return sent
-    for bucket in buckets:
-        share = [0] * world
-        for i in bucket:
-            share[owners[i]] += numels[i]
-        size = sum(share)
-        holders = [r for r in range(world) if share[r]]
-        for r in range(world):
-            if len(holders) == 1:
-                sent[r] += size * (gather_bytes if r == holders[0] else grad_bytes)
-            else:
-                sent[r] += (size - share[r]) * (grad_bytes + gather_bytes)
-    return sent
+    split: Sequence[Sequence[int]] = (),
+) -> tuple[list[float], list[float]]:
+    """(sent, received) of every rank if shared buckets used true variable-size collectives
+    (no padding): the floor a ring reduce-scatter-v / all-gather-v reaches. Single-owner
+    buckets as in `layerwise_bytes`."""
+    return layerwise_bytes(owners, buckets, numels, world, grad_bytes, gather_bytes, False, split)
 
 
 def zero1_bytes(numel: int, world: int, grad_bytes: int, gather_bytes: int) -> float:
-    """Bytes one rank sends per step under ZeRO-1: reduce-scatter grads, all-gather params."""
+    """Bytes one rank sends (and receives) per step under ZeRO-1: reduce-scatter grads,
+    all-gather params, over `world` equal shards of ⌈numel / world⌉ elements."""
     shard = math.ceil(numel / world)
-    return ring_reduce_scatter(world * shard * grad_bytes, world) + ring_all_gather(
-        world * shard * gather_bytes, world
-    )
+    if world == 1:
+        return 0.0
+    rs = C.ring_reduce_scatter_bytes([shard * grad_bytes] * world)[0]
+    ag = C.ring_all_gather_bytes([shard * gather_bytes] * world)[0]
+    return rs[0] + ag[0]
 
 
 @lru_cache(maxsize=4096)

@@ -193,11 +193,13 @@ class _Group:
         return layerwise_bytes(a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes)
 
     def comm_unpadded(self, grad_bytes: int, gather_bytes: int) -> list[float]:
+        """max(sent, received) per rank without the padding of shared buckets."""
         a = self.assignment
         numels = [math.prod(u.shape) for u in self.units]
-        return layerwise_unpadded_bytes(
+        sent, received = layerwise_unpadded_bytes(
             a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes
         )
+        return [max(s, r) for s, r in zip(sent, received, strict=True)]
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
