@@ -67,9 +67,9 @@ def test_collectives_against_local_sums(world_size):
     assert dist.is_available()
 
 
-def _device_checks(rank, world_size):
-    """Under "cuda:gloo" (CUDA tensors only, like NCCL) on a machine without a GPU: every
-    wrapper refuses a CPU tensor itself, naming the device and the backend."""
+def cpu_tensor_refusals(world_size):
+    """Under a CUDA-only backend ("cuda:gloo", NCCL): every wrapper, and the layer-wise
+    optimizer's construction, refuses a CPU tensor itself; {call: its message}."""
     from torch import nn
 
     from orthoptim.parallel import LayerwiseDistributedOptimizer
@@ -98,6 +98,14 @@ def _device_checks(rank, world_size):
             dist.all_reduce(cpu)
     except C.CollectiveDeviceError as exc:
         errors["phase"] = str(exc)
+    return errors
+
+
+def _device_checks(rank, world_size):
+    """Under "cuda:gloo" (CUDA tensors only, like NCCL) on a machine without a GPU."""
+    from orthoptim.parallel import collectives as C
+
+    errors = cpu_tensor_refusals(world_size)
     return {
         "devices": C.backend_devices(),
         "device_for": C.device_for().type,

@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ._models import WORLD, setup_rank, spawn, to_cpu
 
@@ -79,36 +78,9 @@ def _values(rank: int, n: int, device: str) -> dict:
 
 def _refusals(rank: int, n: int) -> dict[str, str]:
     """Under a CUDA-only backend: every wrapper refuses a CPU tensor itself, by name."""
-    from torch import nn
+    from test_collectives import cpu_tensor_refusals
 
-    from orthoptim.parallel import LayerwiseDistributedOptimizer
-    from orthoptim.parallel import collectives as C
-
-    cpu = torch.ones(2 * n)
-    calls = {
-        "all_reduce": lambda: C.all_reduce(cpu),
-        "reduce_scatter": lambda: C.reduce_scatter(torch.empty(2), cpu),
-        "all_gather": lambda: C.all_gather(torch.empty(2 * n), cpu[:2]),
-        "all_gatherv": lambda: C.all_gatherv(cpu[:2], [2] * n),
-        "broadcast": lambda: C.broadcast(cpu, src=0),
-        "reduce": lambda: C.reduce(cpu, dst=0),
-        "all_to_all": lambda: C.all_to_all(cpu.clone(), cpu, [2] * n, [2] * n),
-        "optimizer": lambda: LayerwiseDistributedOptimizer(nn.Linear(4, 4)),
-    }
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-        except C.CollectiveDeviceError as exc:
-            errors[name] = str(exc)
-    # The backend's own refusal (torch.distributed called directly), met inside a named
-    # phase, is reported as a device problem, not as a dead rank.
-    try:
-        with C.phase("probe", None):
-            dist.all_reduce(cpu)
-    except C.CollectiveDeviceError as exc:
-        errors["phase"] = str(exc)
-    return errors
+    return cpu_tensor_refusals(n)
 
 
 def _ranks(rank: int, n: int, device: str, outdir: str) -> dict:
