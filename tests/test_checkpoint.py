@@ -94,7 +94,11 @@ def _save_and_resume(rank, world_size, path):
     opt.state_dict_to = "rank0"
     out["full_rank0"] = opt.state_dict()
     opt.state_dict_to = "all"
-    out["owned"] = sorted(ckpt.sharded_state_dict(opt))
+    out["owned"] = {  # key → the chunks (offsets) of a sharded AdamW run; None: whole tensor
+        k: [tuple(c.offsets) for c in v.__create_chunk_list__()]
+        if isinstance(v, ckpt.FlatShard) else None
+        for k, v in ckpt.sharded_state_dict(opt).items()
+    }  # fmt: skip
     out["model"] = {k: v.clone() for k, v in model.state_dict().items()}
     out["uninterrupted"] = train(model, opt, range(BEFORE, BEFORE + AFTER), rank, world_size)
 
@@ -175,9 +179,17 @@ def test_reshard_and_resume(tmp_path):
             for n, p in r[rank][key].items():
                 assert torch.equal(p, r[rank]["uninterrupted"][n]), (rank, key, n)
         assert r[rank]["extra"] == {"step": BEFORE}
-    # each rank wrote only the state of what it owns; keys name parameters, not ranks
-    keys = [set(k for k in r[rank]["owned"] if k.startswith("optim/state/")) for rank in range(2)]
-    assert keys[0] and keys[1] and not keys[0] & keys[1]
+    # each rank wrote only the state of what it owns: a matrix's on its owner, its own chunks
+    # of a sharded AdamW parameter's (the same key on both: one tensor); keys name
+    # parameters, not ranks
+    owned = [r[rank]["owned"] for rank in range(2)]
+    keys = [set(k for k in o if k.startswith("optim/state/")) for o in owned]
+    assert keys[0] and keys[1]
+    assert "optim/state/emb.weight/exp_avg" in keys[0] & keys[1]  # split over both ranks
+    for k in keys[0] & keys[1]:
+        if not k.endswith("/step"):  # AdamW's step: one scalar, written once (DCP dedups)
+            assert None not in (owned[0][k], owned[1][k]), k
+            assert not set(owned[0][k]) & set(owned[1][k]), k
     assert not any("rank" in k for k in keys[0] | keys[1])
     # full dicts: the same on every rank; to_rank0 only on rank 0
     assert r[1]["full_rank0"] == {}

@@ -140,10 +140,13 @@ def layout_bytes(assignment, world_size, rank, gather_ratio=1.0):
         d[0] += sent
         d[1] += received
 
-    for bucket in assignment.buckets:
+    for b, bucket in enumerate(assignment.buckets):
         shard = [0] * n
         for i in bucket:
-            shard[assignment.owners[i]] += assignment.unit_bytes[i]
+            if assignment.owners[i] >= 0:  # -1: AdamW, sharded: each rank's run below
+                shard[assignment.owners[i]] += assignment.unit_bytes[i]
+        for r, x in enumerate(assignment.adamw_split[b] if assignment.adamw_split else []):
+            shard[r] += x * assignment.adamw_itemsize[b]
         owners = [r for r in range(n) if shard[r]]
         if len(owners) == 1:
             # pipelined chains: reduce owner+1 → … → owner, broadcast owner → … → owner−1
@@ -246,6 +249,8 @@ def _distributed_checks(rank, world_size, configs):
         rank, world_size, "hybrid", steps=3, gather_dtype=torch.bfloat16, bucket_mb=0.01
     )
     res["bf16_stats"] = opt.comm_stats()
+    # (master copies make the AdamW runs level another state: its own layout)
+    res["bf16_assignment"] = opt.assignment
     # Small buckets: several buckets, some with one owner (reduce + broadcast).
     opt, res["small_buckets"] = train_layerwise(rank, world_size, "hybrid", steps=3, bucket_mb=0.01)
     res["stats"] = opt.comm_stats()
@@ -296,7 +301,8 @@ def test_layerwise_matches_single_process(world_size):
             assert got[kind]["received"] == pytest.approx(received), kind
             assert a.comm_bytes(rank)[kind] == pytest.approx((sent, received))
         bf16 = res["bf16_stats"]
-        for kind, (sent, received) in layout_bytes(a, world_size, rank, 0.5).items():
+        bf16_layout = layout_bytes(res["bf16_assignment"], world_size, rank, 0.5)
+        for kind, (sent, received) in bf16_layout.items():
             assert bf16[kind]["sent"] == pytest.approx(sent), kind
             assert bf16[kind]["received"] == pytest.approx(received), kind
 

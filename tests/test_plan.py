@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from orthoptim.cli import main
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.optim.hybrid import default_route
-from orthoptim.parallel.assignment import units_from_model
+from orthoptim.parallel.assignment import MatrixCost, units_from_model
 from orthoptim.parallel.tensor_parallel import CostModel
 from orthoptim.plan import Layout, expand, load_hardware, load_model, make_plan, param_counts
 from orthoptim.plan.costs import ns_flops, tp_ns_cost, zero1_bytes
@@ -307,7 +307,8 @@ def _tp_runs(rank: int, pair: object) -> dict:
 
 def _plan_for(raw: dict, dp: int, balance: str = "cost") -> tuple:
     desc = model_from_dict(raw)
-    layout = Layout(dp=dp, bucket_mb=BUCKET_MB, grad_dtype="fp32")
+    # the optimizer in these tests runs on CPU in fp32: its matrices' path, and so its costs
+    layout = Layout(dp=dp, bucket_mb=BUCKET_MB, grad_dtype="fp32", device="cpu", ns_dtype="fp32")
     (group,) = plan_groups(desc, layout, balance)[0]
     return group, make_plan(desc, load_hardware("h200"), layout)
 
@@ -329,7 +330,7 @@ def test_planner_assignment_and_flops_equal_the_layerwise_optimizer(layerwise_ru
         assert run["units"] == group.units
         assert run["owners"] == group.assignment.owners
         assert run["flops"] == planned_flops[rank]
-    assert len(set(group.assignment.owners)) == 4
+    assert set(group.assignment.owners) - {-1} == {0, 1, 2, 3}  # -1: AdamW, sharded
 
 
 def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
@@ -366,7 +367,8 @@ def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
 def test_plan_figures_add_up(layout: dict) -> None:
     desc = load_model("qwen3-30b-a3b")
     plan = make_plan(desc, load_hardware("gb300"), Layout(**layout, tokens_per_step=2**20))
-    total_ns = sum(ns_flops(m.shape, 5) for m in expand(desc) if m.kind == "muon")
+    on_gpu = MatrixCost("cuda", "bf16", 5)  # the layout's path: Triton SYRK in bf16
+    total_ns = sum(on_gpu.of(m.shape, "muon") for m in expand(desc) if m.kind == "muon")
     pp = layout.get("pp", 1)
     assert plan["layout"]["layers_per_stage"] == [48 // pp] * pp
     for b in ("cost", "round_robin", "capped"):
@@ -403,6 +405,40 @@ def test_layerwise_bytes_are_zero1_bytes_plus_padding(model: str, layout: dict) 
         c = plan["comm"][f"{gather}_gather"]
         assert 0.97 <= c["ratio"] <= 1.10, (model, gather, c["ratio"])
         assert 0.97 <= c["unpadded_ratio"] <= c["ratio"], (model, gather)
+
+
+def _balance_layouts(desc) -> list[Layout]:
+    """dp 8, 64, 256; MoE models also with ep 8, 64 and ep = dp where the experts divide."""
+    out = []
+    for dp in (8, 64, 256):
+        eps = {1}
+        if desc.is_moe:
+            eps |= {e for e in (8, 64, dp) if dp % e == 0 and desc.n_routed_experts % e == 0}
+        out += [Layout(dp=dp, ep=ep) for ep in sorted(eps)]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TOTAL))
+def test_cost_balancing_never_loses_to_round_robin_on_the_bundled_models(name: str) -> None:
+    """Per-rank Newton-Schulz flops on each matrix's (GPU) path, as `orthoptim plan` reports
+    them: cost balancing's max/mean is never above round-robin's, and within 5 % of the mean
+    wherever at least 8 Muon units per rank have a choice of owner (qwen3-30b-a3b at dp 256
+    has 73 Muon units per rank, but equal experts fill every bucket's shards exactly, so
+    each rank holds the same ones whatever the balancing: it is lumpy, and says so)."""
+    from orthoptim.plan.planner import balancing_figures, movable_units_per_rank, plan_slots
+
+    desc, hw = load_model(name), load_hardware("h200")
+    matrices = expand(desc)
+    for layout in _balance_layouts(desc):
+        cost_slots, by_stage = plan_slots(desc, layout, "cost", hw, matrices)
+        cost = balancing_figures(cost_slots, by_stage, layout.dp)
+        rr = balancing_figures(*plan_slots(desc, layout, "round_robin", hw, matrices), layout.dp)
+        where = (name, layout.dp, layout.ep)
+        assert cost["ns_flops_imbalance"] <= rr["ns_flops_imbalance"] * (1 + 1e-12), where
+        assert cost["cost_imbalance"] <= rr["cost_imbalance"] * (1 + 1e-12), where
+        assert cost["cost_imbalance"] >= cost["imbalance_bound"] * (1 - 1e-9), where
+        if movable_units_per_rank(by_stage, layout.dp) >= 8:
+            assert cost["ns_flops_imbalance"] <= 1.05, where
 
 
 def test_cli_json_plot_and_errors(tmp_path, capsys) -> None:

@@ -17,7 +17,11 @@ The distributed optimizers' `state_dict()` is `full_state_dict` (to every rank, 
 `state_dict_to="rank0"` to rank 0 only) and their `load_state_dict()` takes any full dict.
 Expert slices of a `split_experts` run (`name[start:stop]`) are joined into their parameter's
 entry in full dicts and cut again on load; DCP checkpoints keep one entry per slice and load
-under any split.
+under any split. Runs of a sharded AdamW parameter (`name{lo:hi}`: elements lo:hi of the
+flattened parameter, one per rank) are joined into the parameter's entry in full dicts; in
+DCP checkpoints every rank writes its run as the boxes it covers of the full-size state
+tensor (`FlatShard`), under the parameter's key, so the stored tensor is the parameter's
+whole state, which loads as runs of any length or whole.
 
 Before anything is loaded the checkpoint is compared with the optimizer (parameter names
 and shapes, the optimizer of each group, hyper-parameters that change what the state means);
@@ -32,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import math
 import os
 import shutil
 import warnings
@@ -249,15 +254,16 @@ def _install(
         )
     holder = _state_holder(opt)
     owned = _owned(opt)
+    state_of = _by_base(state)
+    masters_of = _by_base({n: {"master": m} for n, m in masters.items()})
     if holder is not None:
         for n, p in owned.items():
             holder.pop(p, None)
-            st = _take(state, n)
+            st = _take(state_of.get(_base(n), {}), n, tuple(p.shape))
             if st is not None:
                 holder[p] = {k: _placed(v, p) for k, v in st.items()}
-    wrapped = {n: {"master": m} for n, m in masters.items()}
     for n, m in getattr(opt, "_master", {}).items():
-        st = _take(wrapped, n)
+        st = _take(masters_of.get(_base(n), {}), n, tuple(m.shape))
         m.copy_(st["master"] if st is not None else owned[n])
 
 
@@ -277,12 +283,20 @@ def _range(name: str) -> tuple[str, tuple[int, int] | None]:
     return name, None
 
 
-def _take(entries: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | None:
-    """The state of `name` (a parameter or an expert slice) from `entries`, keyed by
-    parameter or slice names: as is, cut from the whole parameter's entry, or joined from
-    slice entries. None when `entries` holds nothing for it; a partial cover raises."""
+def _take(
+    entries: dict[str, dict[str, Any]], name: str, shape: tuple[int, ...] | None = None
+) -> dict[str, Any] | None:
+    """The state of `name` (a parameter, an expert slice or a run of a sharded parameter)
+    from `entries`, keyed by parameter, slice or run names: as is, cut from the whole
+    parameter's entry, or joined from slice or run entries (runs joined into a whole
+    parameter take its `shape`). None when `entries` holds nothing for it; a partial cover
+    raises."""
     if name in entries:
         return entries[name]
+    base, run = _flat_range(name)
+    runs = (_flat_range(k) for k in entries)
+    if run is not None or any(r is not None and b == name for b, r in runs):
+        return _take_run(entries, base, run, shape)
     base, want = _range(name)
     pieces = []  # (start, stop, entry) of every entry for this parameter
     for key, entry in entries.items():
@@ -308,6 +322,79 @@ def _take(entries: dict[str, dict[str, Any]], name: str) -> dict[str, Any] | Non
         else:
             out[k] = v  # per-parameter scalars (step counts) are the same in every slice
     return out
+
+
+def _by_base(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`entries` (keyed by parameter, slice or run names) grouped by parameter, so that each
+    `_take` looks at its own parameter's entries only."""
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in entries.items():
+        out.setdefault(_base(k), {})[k] = v
+    return out
+
+
+def flat_label(name: str, lo: int, hi: int) -> str:
+    """The name of elements lo:hi of the flattened parameter `name` (one rank's run of a
+    sharded AdamW parameter): `name{lo:hi}`."""
+    return f"{name}{{{lo}:{hi}}}"
+
+
+def _flat_range(name: str) -> tuple[str, tuple[int, int] | None]:
+    """ "w{2:9}" → ("w", (2, 9)); "w" → ("w", None)."""
+    if name.endswith("}") and "{" in name:
+        base, _, rest = name[:-1].rpartition("{")
+        lo, _, hi = rest.partition(":")
+        if lo.isdigit() and hi.isdigit():
+            return base, (int(lo), int(hi))
+    return name, None
+
+
+def _base(name: str) -> str:
+    """The parameter a unit, expert slice or run name belongs to."""
+    return _range(_flat_range(name)[0])[0]
+
+
+def _take_run(
+    entries: dict[str, dict[str, Any]],
+    base: str,
+    want: tuple[int, int] | None,
+    shape: tuple[int, ...] | None,
+) -> dict[str, Any] | None:
+    """`_take` of elements `want` (None: all, shaped `shape`) of the flattened parameter
+    `base` from its whole entry or its runs' entries."""
+    pieces = []  # (lo, hi, entry) of every entry for this parameter
+    for key, entry in entries.items():
+        b, r = _flat_range(key)
+        if b == base:
+            pieces.append((*(r if r is not None else (0, _numel(entry))), entry))
+    if not pieces:
+        return None
+    pieces.sort(key=lambda x: x[0])
+    whole = math.prod(shape) if shape is not None else max(hi for _, hi, _ in pieces)
+    lo, hi = want if want is not None else (0, whole)
+    cover = [x for x in pieces if x[0] < hi and x[1] > lo]
+    gaps = any(a[1] != b[0] for a, b in itertools.pairwise(cover))
+    if not cover or cover[0][0] > lo or cover[-1][1] < hi or gaps:
+        held = [k for k in entries if _flat_range(k)[0] == base]
+        what = flat_label(base, lo, hi) if want is not None else base
+        raise CheckpointMismatchError(
+            [f"state of {what}: the checkpoint's entries {held} do not cover it"]
+        )
+    out: dict[str, Any] = {}
+    for k, v in cover[0][2].items():
+        if isinstance(v, Tensor) and v.ndim >= 1:
+            flat = [e[k].reshape(-1) for _, _, e in cover]
+            joined = torch.cat(flat) if len(flat) > 1 else flat[0]
+            piece = joined[lo - cover[0][0] : hi - cover[0][0]]
+            out[k] = piece if want is not None or shape is None else piece.reshape(shape)
+        else:
+            out[k] = v  # per-parameter scalars (step counts) are the same in every run
+    return out
+
+
+def _numel(entry: dict[str, Any]) -> int:
+    """Elements of a whole parameter's state entry (its first non-scalar tensor)."""
+    return next(v.numel() for v in entry.values() if isinstance(v, Tensor) and v.ndim >= 1)
 
 
 def _rows(entry: dict[str, Any]) -> int:
@@ -380,12 +467,18 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     for part in parts:
         pieces.update(part["state"])
         master_pieces.update({n: {"master": m} for n, m in part["master"].items()})
-    # expert slices (split_experts) are joined into their parameter's entry
-    state = {n: st for g in meta["groups"] for n in g["names"] if (st := _take(pieces, n))}
+    # expert slices (split_experts) and runs (sharded AdamW) are joined into their
+    # parameter's entry
+    shapes = {n: tuple(s) for n, s in meta["shapes"].items()}
+    pieces_of, master_pieces_of = _by_base(pieces), _by_base(master_pieces)
+    state = {
+        n: st for g in meta["groups"] for n in g["names"]
+        if (st := _take(pieces_of.get(n, {}), n, shapes.get(n)))
+    }  # fmt: skip
     master = {
         n: st["master"]
-        for n in dict.fromkeys(_range(k)[0] for k in master_pieces)
-        if (st := _take(master_pieces, n))
+        for n in dict.fromkeys(_base(k) for k in master_pieces)
+        if (st := _take(master_pieces_of.get(n, {}), n, shapes.get(n)))
     }
     index: dict[str, int] = {}
     groups = []
@@ -482,12 +575,23 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
     check_optimizer(opt)
     if _is_layerwise(opt):
         opt.wait_for_params()
-    out: dict[str, Any] = {_META_KEY: _pack(describe(opt))}
+    meta = describe(opt)
+    out: dict[str, Any] = {_META_KEY: _pack(meta)}
+
+    def value(name: str, v: Any) -> tuple[str, Any]:
+        # a run of a sharded parameter: its boxes of the full-size tensor, under its key
+        base, run = _flat_range(name)
+        if run is None or not isinstance(v, Tensor) or v.ndim == 0:
+            return base, v
+        return base, FlatShard(v, tuple(meta["shapes"][base]), run[0])
+
     for n, st in _local_state(opt).items():
         for k, v in st.items():
-            out[f"optim/state/{n}/{k}"] = v
+            base, v = value(n, v)
+            out[f"optim/state/{base}/{k}"] = v
     for n, m in _masters(opt).items():
-        out[f"optim/master/{n}"] = m
+        base, m = value(n, m)
+        out[f"optim/master/{base}"] = m
     return out
 
 
@@ -504,7 +608,129 @@ def load_sharded_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> N
             state.setdefault(name, {})[k] = v
         elif key.startswith("optim/master/"):
             masters[key[len("optim/master/") :]] = v
+    # runs read as `FlatShard`s go under their run's name
+    for name in list(state):
+        run = next((v for v in state[name].values() if isinstance(v, FlatShard)), None)
+        if run is not None:
+            st = state.pop(name)
+            state[run.label(name)] = {
+                k: v.local if isinstance(v, FlatShard) else v for k, v in st.items()
+            }
+    for name in list(masters):
+        if isinstance(masters[name], FlatShard):
+            run = masters.pop(name)
+            masters[run.label(name)] = run.local
     _install(opt, saved_meta, state, masters)
+
+
+def flat_boxes(
+    shape: tuple[int, ...], start: int, stop: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The boxes (offsets, sizes) that elements start:stop of the row-major flattening of a
+    tensor of `shape` cover, in order: a partial first row, whole rows, a partial last row,
+    recursively (at most 2·ndim − 1 boxes)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(stop, inner)
+    rest = [0] * (len(shape) - 1)
+
+    def row(r: int, lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((r, *o), (1, *z)) for o, z in flat_boxes(shape[1:], lo, hi)]
+
+    if r0 == r1:
+        return row(r0, c0, c1)
+    boxes = []
+    if c0:
+        boxes += row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        boxes.append(((r0, *rest), (r1 - r0, *shape[1:])))
+    if c1:
+        boxes += row(r1, 0, c1)
+    return boxes
+
+
+class FlatShard(Tensor):
+    """One rank's run of a tensor of `shape`: elements `offset` : `offset + local.numel()` of
+    its row-major flattening, held in the 1-D `local` (a sharded AdamW parameter's state or
+    master copy). To torch.distributed.checkpoint it is the full-size tensor of which this
+    rank holds the boxes its run covers (`flat_boxes`): a save writes them as chunks under
+    the tensor's key (the ranks' runs tile it), a load reads them from whatever chunks the
+    checkpoint holds, so runs reshard to any other runs or to whole tensors. Only DCP's
+    protocol is implemented; use `local` for anything else."""
+
+    local: Tensor
+    offset: int
+
+    @staticmethod
+    def __new__(cls, local: Tensor, shape: tuple[int, ...], offset: int) -> FlatShard:
+        t = Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+        t.local = local.view(-1)
+        t.offset = int(offset)
+        t._boxes = []
+        start = 0
+        for off, size in flat_boxes(tuple(shape), t.offset, t.offset + local.numel()):
+            t._boxes.append((off, size, start))
+            start += math.prod(size)
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise TypeError(
+            f"{func}: a FlatShard is one rank's run of a sharded optimizer state, for "
+            "torch.distributed.checkpoint only; use its .local (the run's elements)"
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"FlatShard(elements {self.offset}:{self.offset + self.local.numel()} of "
+            f"{tuple(self.shape)}, {self.dtype})"
+        )
+
+    def label(self, name: str) -> str:
+        """The run's name (`flat_label`) in a state dict of parameter `name`."""
+        return flat_label(name, self.offset, self.offset + self.local.numel())
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties.create_from_tensor(self.local)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(off)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)),
+                    properties=props,
+                    size=self.shape,
+                ),
+            )
+            for off, size, _ in self._boxes
+        ]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size))
+            for off, size, _ in self._boxes
+        ]
+
+    def __get_tensor_shard__(self, index: Any) -> Tensor:
+        for off, size, start in self._boxes:
+            if tuple(off) == tuple(index.offset):
+                return self.local[start : start + math.prod(size)].view(size)
+        raise ValueError(f"{index.fqn}: this rank holds no box at offset {index.offset}")
 
 
 def _pack(obj: Any) -> bytes:
@@ -653,11 +879,13 @@ def load_sharded(
         raise CheckpointMismatchError(mismatches)
 
     # what this rank needs: the entries of the parameters it owns (whole, or the expert
-    # slices it owns: entries of the same parameter are read and cut or joined by `_take`)
+    # slices it owns: entries of the same parameter are read and cut or joined by `_take`;
+    # or its run of a sharded parameter: only those elements are read)
     owned_params = _owned(opt)
     named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
-    need_state = {_range(n)[0] for n in owned_params}
-    need_master = {_range(n)[0] for n in _masters(opt)}
+    need_state = {_base(n) for n in owned_params}
+    need_master = {_base(n) for n in _masters(opt)}
+    runs = dict(_flat_range(n) for n in owned_params if _flat_range(n)[1] is not None)
     want: dict[str, Any] = {}
     for key, md in stored.items():
         if key.startswith("optim/state/"):
@@ -671,10 +899,14 @@ def load_sharded(
             continue
         else:
             continue
-        if _range(name)[0] not in needed:
+        if _base(name) not in needed:
             continue
         if isinstance(md, BytesStorageMetadata):
             want[key] = None
+        elif name in runs and len(md.size) > 0:
+            lo, hi = runs[name]
+            run = torch.empty(hi - lo, dtype=md.properties.dtype)
+            want[key] = FlatShard(run, tuple(md.size), lo)
         else:
             want[key] = _template(md, owned_params.get(name, named.get(name)))
     fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}

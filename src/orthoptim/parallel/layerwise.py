@@ -1,12 +1,13 @@
-"""The layer-wise distributed optimizer: every parameter is owned whole by one data-parallel rank.
+"""The layer-wise distributed optimizer: every matrix is owned whole by one data-parallel rank,
+the AdamW parameters (embeddings, head, vectors) are sharded element-wise over all of them.
 
 One training step::
 
     backward ──► per bucket, as soon as its gradients are ready: one async reduce-scatter
-                 of a flat buffer laid out rank by rank (shard r = the parameters rank r
-                 owns, padded to the bucket's largest shard), so each owner receives the
-                 summed gradient of exactly what it owns; a bucket owned by one rank is
-                 reduced to it instead
+                 of a flat buffer laid out rank by rank (shard r = the matrices rank r
+                 owns, then its run of the bucket's AdamW elements, padded to the bucket's
+                 largest shard), so each owner receives the summed gradient of exactly what
+                 it owns; a bucket owned by one rank is reduced to it instead
     step()   ──► wait, average by world size, agree on non-finite gradients and on which
                  parameters had a gradient anywhere (one small all-reduce), owners run the
                  inner optimizer (Muon, SOAP, AdamW, the hybrid) on what they own
@@ -14,6 +15,14 @@ One training step::
                  asynchronous: the forward pre-hook of each module waits for its buckets
 
 The model is not wrapped; the optimizer registers the hooks it needs.
+
+AdamW is element-wise, so its parameters need no single owner (`shard_adamw`, ZeRO-1 style):
+in every bucket each rank's shard ends with a run of the bucket's AdamW elements (the AdamW
+parameters flattened back to back, rank 0's run first), so the same reduce-scatter brings
+each rank the summed gradient of its run, its inner AdamW steps the run (a 1-D view of the
+parameter, named `name{lo:hi}`, state and master copy shaped like it), and the same
+all-gather returns it. The runs' lengths level the optimizer state per rank
+(`assignment.deal_adamw`). State dicts join and cut runs by name (`orthoptim.checkpoint`).
 
 Tensor parallelism (a (dp, tp) mesh, the model `parallelize_module`d over mesh["tp"], the
 optimizer given `process_group=mesh["dp"].get_group()`): buckets hold the local shards of
@@ -25,6 +34,7 @@ same on every tp rank), so the tp ranks of an owner step the same matrices and r
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,7 +57,14 @@ from orthoptim.optim.base import (
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.parallel import collectives as C
-from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
+from orthoptim.parallel.assignment import (
+    BALANCES,
+    NS_STEPS,
+    Assignment,
+    MatrixCost,
+    assign,
+    units_from_model,
+)
 
 
 def unit_label(name: str, part: tuple[int, int] | None) -> str:
@@ -57,11 +74,17 @@ def unit_label(name: str, part: tuple[int, int] | None) -> str:
 
 
 class _Slot:
-    """Where one unit (a parameter, or a slice of the experts of a 3-D one) lives in its
-    bucket: owner rank and offset in the owner's shard. `data` is the unit's values (a view
-    of the parameter) and the tensor the owner's inner optimizer steps."""
+    """Where one unit (a parameter, or a slice of the experts of a 3-D one), or one rank's
+    run of a sharded AdamW unit, lives in its bucket: owner rank and offset in the owner's
+    shard. `data` is the slot's values (a view of the parameter) and the tensor the owner's
+    inner optimizer steps.
 
-    __slots__ = ("data", "mine", "name", "numel", "offset", "owner", "param", "part", "unit")
+    `flat` = (lo, hi): elements lo:hi of the flattened parameter (a sharded AdamW unit's run
+    on rank `owner`, named `name{lo:hi}`, `data` 1-D); None: the whole unit."""
+
+    __slots__ = (
+        "data", "flat", "mine", "name", "numel", "offset", "owner", "param", "part", "unit",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -70,11 +93,22 @@ class _Slot:
         unit: int,
         owner: int,
         part: tuple[int, int] | None = None,
+        flat: tuple[int, int] | None = None,
     ) -> None:
         self.name, self.param, self.unit, self.owner = unit_label(name, part), param, unit, owner
         self.part = part
-        if part is None:
-            self.data: Tensor = param
+        self.flat = flat
+        if flat is not None:
+            if hasattr(param, "placements") or not param.is_contiguous():
+                raise ValueError(
+                    f"{name}: a sharded AdamW parameter must be a contiguous plain tensor; "
+                    "build the optimizer with shard_adamw=False"
+                )
+            self.name = checkpoint.flat_label(name, *flat)
+            # A leaf view of the run: the inner optimizer updates the parameter in place.
+            self.data: Tensor = param.detach().view(-1)[flat[0] : flat[1]].requires_grad_(True)
+        elif part is None:
+            self.data = param
         elif hasattr(param, "placements"):
             raise NotImplementedError(
                 f"{self.name}: expert slices of a tensor-parallel (DTensor) parameter are not "
@@ -92,7 +126,7 @@ class _Slot:
         return local_shard(self.data.detach())
 
     def local_grad(self) -> Tensor | None:
-        """This rank's (unreduced) gradient of the unit."""
+        """This rank's (unreduced) gradient of the unit (of a run: the whole parameter's)."""
         g = self.param.grad
         if g is None or self.part is None:
             return g
@@ -104,8 +138,9 @@ class _Bucket:
     the collectives in flight.
 
     Scatter mode (several owners): flat = N shards of `width` elements, shard r holding rank
-    r's parameters back to back; one reduce-scatter, one all-gather. Single mode (one owner):
-    flat = that owner's parameters; one reduce to it, one broadcast from it.
+    r's parameters back to back (its whole units, then its run of the sharded AdamW units);
+    one reduce-scatter, one all-gather. Single mode (one owner): flat = that owner's
+    parameters; one reduce to it, one broadcast from it.
     """
 
     def __init__(
@@ -115,6 +150,9 @@ class _Bucket:
         gather_dtype: torch.dtype | None,
     ) -> None:
         self.slots = slots
+        self.units: dict[int, list[_Slot]] = {}  # unit → its slots (several runs if sharded)
+        for s in slots:
+            self.units.setdefault(s.unit, []).append(s)
         self.group = group
         self.rank, self.n = C.world(group)
         rank, world_size = self.rank, self.n
@@ -160,6 +198,11 @@ class _Bucket:
         start = s.offset if self.single else s.owner * self.width + s.offset
         return self.grad_flat[start : start + s.numel]
 
+    def put_unit(self, unit: int) -> None:
+        """`put_grad` of every slot of `unit`."""
+        for s in self.units[unit]:
+            self.put_grad(s)
+
     def put_grad(self, s: _Slot) -> None:
         """Copy the parameter's local gradient (or zeros when it has none) into the flat."""
         dst = self.flat_slice(s)
@@ -173,7 +216,8 @@ class _Bucket:
                 f"{s.param.placements}; LayerwiseDistributedOptimizer needs gradients sharded "
                 "like their tensor-parallel parameters"
             )
-        dst.copy_(local_shard(g).reshape(-1))
+        src = local_shard(g).reshape(-1)
+        dst.copy_(src if s.flat is None else src[s.flat[0] : s.flat[1]])
 
     def reduce_phase(self) -> str:
         return f"gradient {'reduce' if self.single else 'reduce-scatter'} of {self.label}"
@@ -268,8 +312,8 @@ class _Bucket:
 
 
 class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
-    """Layer-wise distributed optimizer: each parameter (or expert slice) is owned whole by
-    one rank.
+    """Layer-wise distributed optimizer: each matrix (or expert slice) is owned whole by one
+    rank; AdamW parameters are sharded element-wise over all ranks (`shard_adamw`).
 
     Every rank builds `build_optimizer(model, optimizer, params=<what it owns>, ...)`; the
     assignment (`opt.assignment`) and the routing are computed from the whole model, so every
@@ -290,8 +334,13 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     parameter, are replicated; they are owned, reduced (averaged over it) and gathered within
     it, while dense weights use `process_group`; `owner_of` gives a rank within the unit's own
     group), `state_dict_to` ("all": `state_dict()` gathers the full dict to every rank;
-    "rank0": to rank 0 only, the others get {}); other keyword arguments go to
-    `build_optimizer`.
+    "rank0": to rank 0 only, the others get {}), `shard_adamw` (True: the AdamW parameters,
+    embeddings, head and vectors, have no owner but are sharded element-wise over
+    `process_group`, ZeRO-1 style, inside the same buckets and collectives: each rank steps
+    AdamW on its run of every bucket's AdamW elements, sized to level the optimizer state
+    per rank (`assignment.deal_adamw`); `owner_of` gives -1 for them. False: owned whole like
+    the matrices. Tensor-parallel (DTensor) models keep them whole); other keyword arguments
+    go to `build_optimizer`.
     """
 
     def __init__(
@@ -310,6 +359,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         split_experts: bool | int = False,
         expert_group: Any = None,
         state_dict_to: str = "all",
+        shard_adamw: bool = True,
         **inner_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -338,6 +388,9 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                 C.check_device(p, f"LayerwiseDistributedOptimizer: parameter {n!r}", group)
         self.expert_group = expert_group
         self._tp_groups = _tensor_parallel_groups(named, process_group)
+        # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
+        self.shard_adamw = bool(shard_adamw) and not self._tp_groups
+        masters = gather_dtype is not None and any(p.dtype != gather_dtype for p in named.values())
         self.units = units_from_model(
             model, optimizer=optimizer, route=rule, split_experts=split_experts
         )
@@ -354,29 +407,62 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         bucket_bytes = int(bucket_mb * 2**20)
         owners = [0] * len(self.units)
         self._assignments: list[Assignment] = []
+        # Costs on the path Newton-Schulz takes here (device, dtype, SYRK / Gram form); the
+        # expert group's units fill around the dense load its ranks already carry.
+        device = next(iter(named.values())).device if named else torch.device("cpu")
+        cost = MatrixCost.for_device(
+            device, inner_kwargs.get("ns_dtype", "auto"), inner_kwargs.get("ns_steps", NS_STEPS)
+        )
         for group, ids in zip(self._groups, self._group_units):
-            a = assign([self.units[i] for i in ids], C.world(group)[1], balance, bucket_bytes)
+            base = None
+            if self._assignments:  # the expert group, after the dense one
+                base = _carried_load(self._assignments[0], process_group, group)
+            a = assign(
+                [self.units[i] for i in ids], C.world(group)[1], balance, bucket_bytes,
+                cost=cost, base=base, shard_adamw=self.shard_adamw, masters=masters,
+            )  # fmt: skip
             for i, r in zip(ids, a.owners):
                 owners[i] = r
             self._assignments.append(a)
         # The dense units' assignment (all units' when there is no expert group).
         self.assignment: Assignment = self._assignments[0]
-        # One slot per unit, in unit order; owned units in model order for the inner optimizer.
-        self._slots = [
-            _Slot(u.name, named[u.name], i, owners[i], u.part) for i, u in enumerate(self.units)
-        ]
+        # One slot per unit owned whole and one per rank's run of a sharded AdamW unit, in
+        # unit order; owned slots in model order for the inner optimizer.
+        runs = self._adamw_runs()
+        self._slots: list[_Slot] = []
+        for i, u in enumerate(self.units):
+            p = named[u.name]
+            if owners[i] >= 0:
+                self._slots.append(_Slot(u.name, p, i, owners[i], u.part))
+                continue
+            for r, lo, hi in runs.get(i, []):  # a run of the whole parameter is the parameter
+                flat = None if (lo, hi) == (0, p.numel()) else (lo, hi)
+                self._slots.append(_Slot(u.name, p, i, r, flat=flat))
+        self._slots_by_unit: list[list[_Slot]] = [[] for _ in self.units]
+        for s in self._slots:
+            self._slots_by_unit[s.unit].append(s)
         for group, ids in zip(self._groups, self._group_units):
             rank = C.world(group)[0]
             for i in ids:
-                self._slots[i].mine = self._slots[i].owner == rank
+                for s in self._slots_by_unit[i]:
+                    s.mine = s.owner == rank
         owned = [(s.name, s.data) for s in reversed(self._slots) if s.mine]
-        self.owner_of: dict[str, int] = {s.name: s.owner for s in self._slots}
+        # owner rank of every unit within its group; -1: AdamW, sharded over the group
+        self.owner_of: dict[str, int] = {
+            unit_label(u.name, u.part): o for u, o in zip(self.units, owners)
+        }
+        # runs of sharded AdamW units go to AdamW whatever `route` says of their names
+        runs_here = {id(s.data) for s in self._slots if s.mine and s.flat is not None}
+
+        def inner_route(name: str, p: nn.Parameter) -> bool:
+            return id(p) not in runs_here and rule(name, p)
+
         self.inner = (
             build_optimizer(
                 model,
                 optimizer=optimizer,
                 lr=lr,
-                route=rule,
+                route=inner_route,
                 nonfinite=nonfinite,
                 params=owned,
                 **dict(inner_kwargs),
@@ -423,19 +509,42 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         for unit_ids, g in merged:
             by_dtype: dict[torch.dtype, list[_Slot]] = {}
             for i in unit_ids:
-                slot = self._slots[i]
-                if slot.numel:
-                    by_dtype.setdefault(slot.data.dtype, []).append(slot)
+                for slot in self._slots_by_unit[i]:
+                    if slot.numel:
+                        by_dtype.setdefault(slot.data.dtype, []).append(slot)
             for slots in by_dtype.values():
                 bucket = _Bucket(slots, self._groups[g], self.gather_dtype)
                 bucket.label = f"bucket {len(self._buckets)}"
                 self._buckets.append(bucket)
                 self._bucket_of.update((s.unit, bucket) for s in slots)
-        self._slots_of: dict[int, list[_Slot]] = {}  # id(param) → its units that communicate
-        for s in self._slots:
-            if s.unit in self._bucket_of:
-                self._slots_of.setdefault(id(s.param), []).append(s)
+        # id(param) → its units that communicate (one slot each: `put_unit` copies every run)
+        self._slots_of: dict[int, list[_Slot]] = {}
+        for slots in self._slots_by_unit:
+            if slots and slots[0].unit in self._bucket_of:
+                self._slots_of.setdefault(id(slots[0].param), []).append(slots[0])
         self._next_launch = 0
+
+    def _adamw_runs(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Unit → (rank, lo, hi) of every rank's run of a sharded AdamW unit: bucket by bucket
+        the AdamW units back to back, rank r holding the r-th `adamw_split` elements."""
+        runs: dict[int, list[tuple[int, int, int]]] = {}
+        for ids, a in zip(self._group_units, self._assignments):
+            for b, bucket in enumerate(a.buckets):
+                split = a.adamw_split[b] if a.adamw_split else []
+                if not split:
+                    continue
+                bounds = list(itertools.accumulate(split, initial=0))
+                start = 0
+                for j in bucket:
+                    if a.owners[j] >= 0:
+                        continue
+                    numel = self.units[ids[j]].numel
+                    for r in range(len(split)):
+                        lo, hi = max(start, bounds[r]), min(start + numel, bounds[r + 1])
+                        if lo < hi:
+                            runs.setdefault(ids[j], []).append((r, lo - start, hi - start))
+                    start += numel
+        return runs
 
     def _register_hooks(self) -> None:
         if self.overlap_grad_reduce:
@@ -466,17 +575,18 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         for slot in self._slots_of[id(p)]:
             bucket = self._bucket_of[slot.unit]
             bucket.finish_gather()
+            label = unit_label(self.units[slot.unit].name, self.units[slot.unit].part)
             if slot.unit in bucket.ready:
                 raise RuntimeError(
-                    f"the gradient of {slot.name} arrived twice before step(): accumulate "
+                    f"the gradient of {label} arrived twice before step(): accumulate "
                     "micro-batches inside `with opt.no_sync():` except for the last one"
                 )
             if bucket.launched:
                 raise RuntimeError(
-                    f"the gradient of {slot.name} arrived after its bucket was reduced; call "
+                    f"the gradient of {label} arrived after its bucket was reduced; call "
                     "step() before the next backward"
                 )
-            bucket.put_grad(slot)
+            bucket.put_unit(slot.unit)
             bucket.ready.add(slot.unit)
         self._launch_ready()
 
@@ -485,7 +595,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         whose gradients are all in."""
         while self._next_launch < len(self._buckets):
             b = self._buckets[self._next_launch]
-            if len(b.ready) < len(b.slots):
+            if len(b.ready) < len(b.units):
                 return
             b.launch_reduce(self._stats, async_op=True)
             self._next_launch += 1
@@ -504,9 +614,9 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         """Launch every bucket not yet launched (gradients missing here count as zeros), in
         order, and wait for all reductions."""
         for b in self._buckets[self._next_launch :]:
-            for s in b.slots:
-                if s.unit not in b.ready:
-                    b.put_grad(s)
+            for unit in b.units:
+                if unit not in b.ready:
+                    b.put_unit(unit)
             b.launch_reduce(self._stats, async_op=True)
         self._next_launch = len(self._buckets)
         for b in self._buckets:
@@ -522,7 +632,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         for b in self._buckets:
             if b.mine and not bool(torch.isfinite(b.grad_shard).all()):
                 for s in b.mine:
-                    bad[s.unit] = not bool(torch.isfinite(b.shard_view(s)).all())
+                    bad[s.unit] |= not bool(torch.isfinite(b.shard_view(s)).all())
         # Over the data-parallel group, then each tensor-parallel group: the ranks that run
         # a TP orthogonalizer together must agree on whether to step.
         for group in (self.process_group, *self._tp_groups):
@@ -673,6 +783,21 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
         checkpoint.load_sharded_state_dict(self, state_dict)
+
+
+def _carried_load(dense: Assignment, dense_group: Any, group: Any) -> list[float]:
+    """The load each rank of `group` carries from `dense` (an assignment over `dense_group`);
+    0 for a rank outside `dense_group`. Read from the groups' members, so every rank of
+    `group` gets the same list."""
+    loads = dense.loads
+    out = []
+    for j in range(C.world(group)[1]):
+        try:
+            k = C.group_rank(dense_group, C.global_rank(group, j))
+        except (ValueError, RuntimeError):
+            k = -1
+        out.append(loads[k] if 0 <= k < len(loads) else 0.0)
+    return out
 
 
 def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> list[Any]:

@@ -45,19 +45,33 @@ def format_report(p: dict[str, Any]) -> str:
             f"experts: {lay['experts_per_ep_rank']} per layer on each EP rank, assigned over "
             f"the expert-data-parallel group of {lay['expert_dp']}; the rest over DP {lay['dp']}"
         )
+    tp_note = ", TP-split matrices as auto mode" if lay["tp"] > 1 else ""
     lines += [
         "",
         f"Newton-Schulz per rank{' (stage x DP rank)' if lay['pp'] > 1 else ''} "
-        f"({lay['ns_steps']} steps, full matrices)   max        mean       max/mean"
-        "   (unit_cost max/mean)",
+        f"({lay['ns_steps']} steps on the {lay['device']} {lay['ns_dtype']} path{tp_note})",
+        f"{'':<47}max        mean   max/mean   (no balancing below)",
     ]
     for b in BALANCES:
         s = p["balancing"][b]
         label = "capped (1.3x mean/bucket)" if b == "capped" else b
         lines.append(
-            f"  {label:<45}{_si(s['ns_flops_max'], 'FLOP'):>11}"
-            f"{_si(s['ns_flops_mean'], 'FLOP'):>11}{s['ns_flops_imbalance']:>10.4f}"
-            f"{s['cost_imbalance']:>13.4f}"
+            f"  {label:<38}{_si(s['ns_flops_max'], 'FLOP'):>11}"
+            f"{_si(s['ns_flops_mean'], 'FLOP'):>11}{s['ns_flops_imbalance']:>11.4f}"
+            f"{s['imbalance_bound']:>13.4f}"
+        )
+    per, free = lay["muon_units_per_rank"], lay["movable_muon_units_per_rank"]
+    bound = p["balancing"]["cost"]["imbalance_bound"]
+    lines.append(
+        f"  {per:.1f} Muon units per rank, {free:.1f} with a choice of owner (the rest "
+        "pinned by even bucket shards or EP)"
+    )
+    if bound > 1.01 or free < 8:
+        lines.append(
+            "  lumpy layout: "
+            + (f"no assignment of these buckets gets below {bound:.4f}" if bound > 1.01 else "")
+            + ("; " if bound > 1.01 and free < 8 else "")
+            + ("too few movable units per rank to even out" if free < 8 else "")
         )
     mem = p["memory"]
     extra = " + fp32 master weights" if lay["master_weights"] else ""
@@ -65,7 +79,9 @@ def format_report(p: dict[str, Any]) -> str:
         "",
         f"optimizer state per rank (fp32 Muon momentum / AdamW moments{extra}):",
         f"  layer-wise Muon (cost)     max {_bytes(mem['layerwise_state_bytes_max'])}, "
-        f"mean {_bytes(mem['layerwise_state_bytes_mean'])}",
+        f"mean {_bytes(mem['layerwise_state_bytes_mean'])}, max/mean "
+        f"{mem['layerwise_state_bytes_max'] / mem['layerwise_state_bytes_mean']:.4f} "
+        + ("(AdamW sharded over DP)" if lay["tp"] == 1 else "(AdamW owned whole under TP)"),
         f"  ZeRO-1 AdamW               {_bytes(mem['zero1_adamw_state_bytes_per_rank'])}",
         f"  replicated Muon (no shard) {_bytes(mem['replicated_muon_state_bytes'])}",
         "",
@@ -172,6 +188,7 @@ def _cmd(args: argparse.Namespace) -> int:
             grad_dtype=args.grad_dtype,
             bucket_mb=args.bucket_mb,
             master_weights=not args.no_master_weights,
+            device=args.device,
         )
         plan = make_plan(desc, hw, layout)
     except (ValueError, FileNotFoundError) as exc:
@@ -223,6 +240,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--ns-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="where Newton-Schulz runs, for the path each matrix takes (SYRK, Gram form, "
+        "plain matmul) and so its cost (default cuda: Triton SYRK)",
+    )
     p.add_argument(
         "--grad-dtype",
         default="fp32",

@@ -13,23 +13,27 @@ rank of the layout:
   replicated over the `dp/ep` ranks with the same EP rank (the expert-data-parallel group),
   among which the layer-wise optimizer assigns them. Everything else (attention, dense MLPs,
   shared experts, router, embeddings, norms) is replicated over all `dp` ranks and assigned
-  among them. Rank r's load is its dense share plus its expert-group share.
+  among them first; each EP rank's experts are then dealt around the dense load of its
+  group's ranks. Rank r's load is its dense share plus its expert-group share. Without expert
+  parallelism (ep = 1) all units are one assignment over `dp`.
+
+Every unit costs what its owner really does on its path (`unit_costs`, `MatrixCost`): the
+cost the balancing balances and the per-rank Newton-Schulz figures add up.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from orthoptim.parallel.assignment import Assignment, Unit, assign
+from orthoptim.parallel.assignment import Assignment, MatrixCost, Unit, assign, deal_adamw
 from orthoptim.parallel.tensor_parallel import CostModel, TPCost
 from orthoptim.plan.costs import (
     TP_MODES,
     layerwise_bytes,
     layerwise_unpadded_bytes,
-    ns_flops,
     tp_ns_cost,
     zero1_bytes,
 )
@@ -74,6 +78,8 @@ class Layout:
     grad_dtype: str = "fp32"
     bucket_mb: float = 25.0
     master_weights: bool = True
+    # where Newton-Schulz runs ("cuda": the GPU path, Triton SYRK; "cpu"): `MatrixCost`
+    device: str = "cuda"
 
     @property
     def gpus(self) -> int:
@@ -177,27 +183,49 @@ class _Group:
     units: list[Unit]
     world: int
     assignment: Assignment
+    masters: bool = False  # what the AdamW split was levelled for (`deal_adamw`)
+    costs: list[float] = field(default_factory=list, repr=False)  # per unit (`unit_costs`)
+    # An expert group: the assignment of every EP rank's experts over its expert-DP group,
+    # index = EP rank (each filled around the dense load of its own ranks); [self] otherwise.
+    siblings: list[_Group] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._owned: list[list[int]] = [[] for _ in range(self.world)]
         for i, o in enumerate(self.assignment.owners):
-            self._owned[o].append(i)
+            if o >= 0:  # -1: AdamW, sharded element-wise over every rank
+                self._owned[o].append(i)
 
     def owned(self, rank: int) -> list[int]:
+        """The units `rank` owns whole."""
         return self._owned[rank]
+
+    def adamw_elements(self, rank: int) -> int:
+        """Elements of the sharded AdamW units `rank` holds."""
+        return sum(s[rank] for s in self.assignment.adamw_split if s)
+
+    def dealt(self, masters: bool) -> _Group:
+        """This group with its AdamW elements dealt as an optimizer with (or without) master
+        copies deals them; the owners of whole units are the same."""
+        if masters == self.masters or not self.assignment.adamw_split:
+            return self
+        a = deal_adamw(self.units, self.assignment, masters)
+        return _Group(self.matrices, self.units, self.world, a, masters)
 
     def comm(self, grad_bytes: int, gather_bytes: int) -> tuple[list[float], list[float]]:
         """(sent, received) bytes per rank of this group's world in one step."""
         a = self.assignment
         numels = [math.prod(u.shape) for u in self.units]
-        return layerwise_bytes(a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes)
+        return layerwise_bytes(
+            a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes,
+            split=a.adamw_split,
+        )  # fmt: skip
 
     def comm_unpadded(self, grad_bytes: int, gather_bytes: int) -> list[float]:
         """max(sent, received) per rank without the padding of shared buckets."""
         a = self.assignment
         numels = [math.prod(u.shape) for u in self.units]
         sent, received = layerwise_unpadded_bytes(
-            a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes
+            a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes, a.adamw_split
         )
         return [max(s, r) for s, r in zip(sent, received, strict=True)]
 
@@ -206,6 +234,41 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     mean = sum(values) / len(values) if values else 0.0
     mx = max(values) if values else 0.0
     return {"max": mx, "mean": mean, "imbalance": mx / mean if mean else 1.0}
+
+
+def _imbalance_bound(
+    slots: Sequence[Slot], by_stage: Sequence[Sequence[_Group]], cost: Sequence[float], dp: int
+) -> float:
+    """A max/mean of `cost` (per slot) that no balancing of these units reaches below, given
+    the expert groups' loads: every assignment's own `bound` (an expert group's includes the
+    dense load it was filled around), a dense group's raised by the least load any of its
+    ranks carries from the other groups. Above 1 the layout is lumpy: fewer units than
+    ranks, or single units heavier than the mean."""
+    mean = sum(cost) / len(cost) if cost else 0.0
+    if mean <= 0:
+        return 1.0
+    bound = 0.0
+    for s, stage_groups in enumerate(by_stage):
+        for g in stage_groups:
+            for sibling in g.siblings or [g]:
+                bound = max(bound, sibling.assignment.bound)
+            if g.world == dp:
+                rest = min(cost[s * dp + r] - g.assignment.rank_cost[r] for r in range(dp))
+                bound = max(bound, g.assignment.bound + rest)
+    return max(1.0, bound / mean)
+
+
+def movable_units_per_rank(by_stage: Sequence[Sequence[_Group]], dp: int) -> float:
+    """Muon units per DP rank that have a choice of owner (`Assignment.movable`: not pinned
+    by a bucket's even shards, in a group of more than one rank), every EP rank's experts
+    counted, averaged over the stages. Few per rank: the layout is lumpy."""
+    total = 0
+    for stage_groups in by_stage:
+        for g in stage_groups:
+            siblings = g.siblings or [g]
+            # an expert group stands for dp/world EP ranks (one sibling each, or all alike)
+            total += sum(x.assignment.movable for x in siblings) * (dp // g.world) // len(siblings)
+    return total / (dp * len(by_stage)) if by_stage else 0.0
 
 
 def stage_of_layers(num_layers: int, pp: int) -> list[int]:
@@ -230,32 +293,164 @@ def plan_groups(
     balance: str = "cost",
     dense: list[Matrix] | None = None,
     experts: list[Matrix] | None = None,
+    masters: bool | None = None,
+    matrices: list[Matrix] | None = None,
+    hardware: Hardware | None = None,
 ) -> list[list[_Group]]:
-    """Per pipeline stage, the assignments the layer-wise optimizers of one TP rank make: the
-    replicated units over `dp` ranks, then (MoE) EP rank 0's experts over `dp/ep` ranks.
-    Each group holds its matrices and units in the optimizer's (backward) order."""
+    """Per pipeline stage, the assignments the layer-wise optimizers of one TP rank make.
+    Each group holds its matrices and units in the optimizer's (backward) order.
+
+    Without expert parallelism (ep = 1) every unit, experts included, is assigned over the
+    `dp` ranks at once, as the optimizer without an `expert_group` does. With ep > 1 the
+    replicated units go over `dp` ranks first; then every EP rank's experts over its
+    `dp/ep` ranks, filled around the load those ranks already carry (`assign(base=...)`, as
+    the optimizer with an `expert_group` does): one group per stage, its `siblings` the
+    assignment of each EP rank. Costs are `unit_costs` (`hardware` prices the TP modes).
+
+    As the optimizer does (`shard_adamw`), AdamW units are sharded element-wise over the
+    group, levelling the state with master copies if `masters` (default
+    `layout.master_weights`); under tensor parallelism they stay owned whole."""
     check_layout(desc, layout)
+    masters = layout.master_weights if masters is None else masters
     if dense is None or experts is None:
-        dense, experts = split_matrices(expand(desc), desc, layout.ep)
+        matrices = expand(desc) if matrices is None else matrices
+        dense, experts = split_matrices(matrices, desc, layout.ep)
+    if layout.ep == 1 and experts:
+        everything = expand(desc) if matrices is None else matrices
+        parts = [everything]
+    else:
+        parts = [dense, experts]
     stages = stage_of_layers(desc.num_hidden_layers, layout.pp)
     grad_b = DTYPE_BYTES[layout.grad_dtype]
     bucket_bytes = int(layout.bucket_mb * 2**20)
+    tp_model = tp_cost_model(hardware, layout) if hardware is not None else CostModel()
     by_stage: list[list[_Group]] = []
     for s in range(layout.pp):
-        stage_groups = []
-        for mats, world in ((dense, layout.dp), (experts, layout.expert_dp)):
+        stage_groups: list[_Group] = []
+        for mats in parts:
             ordered = backward_order([m for m in mats if _stage(m, stages, layout.pp) == s])
             if not ordered:
                 continue
             units = to_units(ordered, layout.tp, grad_b)
-            a = assign(units, world, balance=balance, bucket_bytes=bucket_bytes)
-            stage_groups.append(_Group(ordered, units, world, a))
+            costs = unit_costs(ordered, units, layout, tp_model)
+            world = layout.dp if mats is not experts else layout.expert_dp
+            bases: list[list[float] | None] = [None]
+            if mats is experts and stage_groups and balance == "cost":
+                load = stage_groups[0].assignment.loads
+                bases = [load[e :: layout.ep] for e in range(layout.ep)]
+            done: dict[tuple[float, ...], Assignment] = {}
+            siblings = []
+            for base in bases:
+                key = tuple(base or ())
+                if key not in done:
+                    done[key] = assign(
+                        units, world, balance=balance, bucket_bytes=bucket_bytes, cost=costs,
+                        base=base, shard_adamw=layout.tp == 1, masters=masters,
+                    )  # fmt: skip
+                siblings.append(_Group(ordered, units, world, done[key], masters, costs))
+            for g in siblings:
+                g.siblings = siblings
+            stage_groups.append(siblings[0])
         by_stage.append(stage_groups)
     return by_stage
 
 
+def tp_cost_model(hw: Hardware, layout: Layout) -> CostModel:
+    """The tensor-parallel orthogonalizer's cost model on `hw`: its TP-link bandwidth and
+    latency and its Newton-Schulz matmul rate."""
+    bw, lat = hw.link(layout.tp)
+    ns_b = DTYPE_BYTES[layout.ns_dtype]
+    return CostModel(bandwidth=bw, latency=lat, throughput=hw.matmul_flops_per_s(ns_b))
+
+
+def tp_auto_cost(m: Matrix, layout: Layout, model: CostModel) -> tuple[TPCost, str]:
+    """Per-TP-rank cost of `m` in the mode the orthogonalizer's `auto` picks (the cheaper of
+    duplicated and distributed under `model`), and that mode."""
+    ns_b = DTYPE_BYTES[layout.ns_dtype]
+    options = {
+        k: tp_ns_cost(m.shape, m.tp_dim, layout.tp, k, layout.ns_steps, ns_b, model)[0]
+        for k in ("duplicated", "distributed")
+    }
+    best = min(options, key=lambda k: model.seconds(options[k]))
+    return options[best], best
+
+
+def unit_costs(
+    matrices: Sequence[Matrix], units: Sequence[Unit], layout: Layout, tp_model: CostModel
+) -> list[float]:
+    """What owning each unit costs its owner (one TP rank), on the path it really takes: the
+    cost `assign` balances and the plan's per-rank Newton-Schulz figures add up.
+
+    Whole matrices: `MatrixCost` on the layout's device and Newton-Schulz dtype and steps
+    (default the GPU path: Triton SYRK in bf16; Gram form for wide fp32 matrices). A Muon
+    matrix split by tensor parallelism: the flops per TP rank of the mode the orthogonalizer's
+    `auto` picks (`tp_cost`, the TP model's count). AdamW: its elements.
+    """
+    price = MatrixCost(layout.device, layout.ns_dtype, layout.ns_steps)
+    out = []
+    for m, u in zip(matrices, units, strict=True):
+        if m.kind == "muon" and layout.tp > 1 and m.tp_dim is not None:
+            out.append(tp_auto_cost(m, layout, tp_model)[0].flops)
+        else:
+            out.append(price(u))
+    return out
+
+
+def all_groups(by_stage: Sequence[Sequence[_Group]]) -> list[_Group]:
+    """Every assignment of `by_stage`, an expert group's siblings (one per EP rank) included."""
+    return [s for stage_groups in by_stage for g in stage_groups for s in g.siblings or [g]]
+
+
 # One GPU of one TP rank: the (group, rank in that group) pairs whose units it owns.
 Slot = list[tuple[_Group, int]]
+
+
+def plan_slots(
+    desc: ModelDescription,
+    layout: Layout,
+    balance: str = "cost",
+    hardware: Hardware | None = None,
+    matrices: list[Matrix] | None = None,
+) -> tuple[list[Slot], list[list[_Group]]]:
+    """`plan_groups` and, per (stage, DP rank), the (group, rank in it) pairs it owns units
+    of: the dense group's rank r, and EP rank r mod ep's experts at rank r // ep."""
+    matrices = expand(desc) if matrices is None else matrices
+    dense, experts = split_matrices(matrices, desc, layout.ep)
+    by_stage = plan_groups(
+        desc, layout, balance, dense, experts, matrices=matrices, hardware=hardware
+    )
+    dp, ep = layout.dp, layout.ep
+    slots: list[Slot] = [[] for _ in range(layout.pp * dp)]
+    for s, stage_groups in enumerate(by_stage):
+        for g in stage_groups:
+            for r in range(dp):
+                if g.world == dp:
+                    slots[s * dp + r].append((g, r))
+                else:  # EP rank r mod ep's experts, over its expert-DP group
+                    sibling = g.siblings[r % ep] if len(g.siblings) > 1 else g
+                    slots[s * dp + r].append((sibling, r // ep))
+    return slots, by_stage
+
+
+def balancing_figures(
+    slots: Sequence[Slot], by_stage: Sequence[Sequence[_Group]], dp: int
+) -> dict[str, Any]:
+    """Per-rank Newton-Schulz flops on each matrix's path (`unit_costs`: what the cost
+    balancing balances), their max / mean / max/mean, the same for the whole optimizer cost
+    (`cost_imbalance`, AdamW elements included where AdamW units are owned whole), the
+    imbalance no balancing could beat (`imbalance_bound`), the most units on one rank."""
+    flops = [
+        sum(g.costs[i] for g, gr in slot for i in g.owned(gr) if g.matrices[i].kind == "muon")
+        for slot in slots
+    ]
+    cost = [sum(g.assignment.rank_cost[gr] for g, gr in slot) for slot in slots]
+    return {
+        "ns_flops_per_rank": flops,
+        **{f"ns_flops_{k}": v for k, v in _stats(flops).items()},
+        "cost_imbalance": _stats(cost)["imbalance"],
+        "imbalance_bound": _imbalance_bound(slots, by_stage, cost, dp),
+        "matrices_per_rank_max": max(sum(len(g.owned(gr)) for g, gr in slot) for slot in slots),
+    }
 
 
 def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dict[str, Any]:
@@ -273,36 +468,12 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     tokens = layout.tokens_per_step or desc.default_tokens_per_step
     stages = stage_of_layers(desc.num_hidden_layers, pp)
 
-    def make_slots(balance: str) -> tuple[list[Slot], list[list[_Group]]]:
-        by_stage = plan_groups(desc, layout, balance, dense, experts)
-        slots: list[Slot] = [[] for _ in range(pp * dp)]
-        for s, stage_groups in enumerate(by_stage):
-            for g in stage_groups:
-                for r in range(dp):
-                    slots[s * dp + r].append((g, r if g.world == dp else r // ep))
-        return slots, by_stage
-
     steps = layout.ns_steps
     balancing: dict[str, Any] = {}
     per_balance: dict[str, tuple[list[Slot], list[list[_Group]]]] = {}
     for balance in BALANCES:
-        slots, by_stage = per_balance[balance] = make_slots(balance)
-        flops = [
-            sum(
-                ns_flops(g.matrices[i].shape, steps)
-                for g, gr in slot
-                for i in g.owned(gr)
-                if g.matrices[i].kind == "muon"
-            )
-            for slot in slots
-        ]
-        cost = [sum(g.assignment.rank_cost[gr] for g, gr in slot) for slot in slots]
-        balancing[balance] = {
-            "ns_flops_per_rank": flops,
-            **{f"ns_flops_{k}": v for k, v in _stats(flops).items()},
-            "cost_imbalance": _stats(cost)["imbalance"],
-            "matrices_per_rank_max": max(sum(len(g.owned(gr)) for g, gr in slot) for slot in slots),
-        }
+        per_balance[balance] = plan_slots(desc, layout, balance, hardware, matrices)
+        balancing[balance] = balancing_figures(*per_balance[balance], dp)
 
     slots, by_stage = per_balance["cost"]
     master = 4 if layout.master_weights else 0
@@ -310,12 +481,14 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     def numel(m: Matrix) -> int:
         return math.prod(local_shape(m, tp))
 
+    # whole-owned units, plus each rank's share of the sharded AdamW elements
     state = [
         sum(
             numel(g.matrices[i]) * ((4 if g.matrices[i].kind == "muon" else 8) + master)
             for g, gr in slot
             for i in g.owned(gr)
         )
+        + sum(g.adamw_elements(gr) for g, gr in slot) * (8 + master)
         for slot in slots
     ]
     zero1_state = max(
@@ -331,9 +504,13 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     bw, _ = hardware.link(dp * tp)
     for gather in ("fp32", "bf16"):
         gb = DTYPE_BYTES[gather]
+        # the optimizer keeps master copies when the gather changes the dtype, and deals its
+        # AdamW elements for them: that deal's padding
+        dealt = {id(g): g.dealt(gb != grad_b) for g in all_groups(by_stage)}
         per_group = {
-            id(g): (*g.comm(grad_b, gb), g.comm_unpadded(grad_b, gb)) for sg in by_stage for g in sg
-        }
+            id(g): (*d.comm(grad_b, gb), d.comm_unpadded(grad_b, gb)) for g, d in
+            ((g, dealt[id(g)]) for g in all_groups(by_stage))
+        }  # fmt: skip
         sent = [sum(per_group[id(g)][0][gr] for g, gr in slot) for slot in slots]
         received = [sum(per_group[id(g)][1][gr] for g, gr in slot) for slot in slots]
         unpadded = [sum(per_group[id(g)][2][gr] for g, gr in slot) for slot in slots]
@@ -409,8 +586,14 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "gpus": layout.gpus,
             "expert_dp": layout.expert_dp,
             "experts_per_ep_rank": len({m.expert for m in experts}),
+            "muon_units_per_rank": (
+                sum(m.kind == "muon" for m in dense) + sum(m.kind == "muon" for m in experts) * ep
+            )
+            / (dp * pp),
+            "movable_muon_units_per_rank": movable_units_per_rank(by_stage, dp),
             "ns_steps": steps,
             "ns_dtype": layout.ns_dtype,
+            "device": layout.device,
             "grad_dtype": layout.grad_dtype,
             "bucket_mb": layout.bucket_mb,
             "master_weights": layout.master_weights,
@@ -441,8 +624,7 @@ def _tp_modes(
     """
     tp, steps = layout.tp, layout.ns_steps
     ns_b = DTYPE_BYTES[layout.ns_dtype]
-    bw, lat = hw.link(tp)
-    model = CostModel(bandwidth=bw, latency=lat, throughput=hw.matmul_flops_per_s(ns_b))
+    model = tp_cost_model(hw, layout)
 
     def cost(m: Matrix, mode: str) -> tuple[TPCost, str]:
         if mode != "auto":
@@ -468,10 +650,10 @@ def _tp_modes(
                     if mode in ("auto", "distributed") and choice:
                         key = choice if mode == "auto" else f"distributed form {choice}"
                         picks[key] = picks.get(key, 0) + 1
-                per_matrix[id(g)] = rows
+                per_matrix[id(g.matrices)] = rows  # shared by an expert group's siblings
         per_rank = [
             tuple(
-                sum(per_matrix[id(g)][i][j] for g, gr in slot for i in g.owned(gr))
+                sum(per_matrix[id(g.matrices)][i][j] for g, gr in slot for i in g.owned(gr))
                 for j in range(3)
             )
             for slot in slots
