@@ -48,6 +48,7 @@ from orthoptim.optim.base import (
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.optim.muon import lr_scale_factor, orthogonalize_blocks, split_of
+from orthoptim.parallel import clip
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
 
@@ -267,6 +268,31 @@ class FSDPOptimizer(torch.optim.Optimizer):
             self.adamw.step()
         self._finish_stats()
         return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip the gradients of the whole model by their global norm, as
+        `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the unsharded model;
+        call it between backward and `step()`.
+
+        Sums the `norm_type`-th powers of this rank's local gradient shards, ONE small
+        all-reduce over the shard group (sum; max for inf; under HSDP the replicas hold equal
+        values, so the replicate dimension is left out) gives the total, and every local shard
+        is scaled by min(1, max_norm / (total + 1e-6)). Returns the total norm (the same on
+        every rank). A non-finite total raises RuntimeError with `error_if_nonfinite`;
+        otherwise the gradients are left unscaled and `step()` applies the `nonfinite` policy.
+        Collective: call it on every rank."""
+        p = clip.check_norm_type(norm_type)
+        grads = [local_shard(q.grad) for _, q in self._named if q.grad is not None]
+        device = C.device_for(self.process_group, self.device)
+        partial = clip.power_sum(grads, p, device)
+        total = clip.total_norm(partial, p, (self.process_group,), stats=self._stats)
+        dtype = self._named[0][1].dtype if self._named else total.dtype
+        if clip.check_finite(total, error_if_nonfinite, p):
+            clip.scale_(grads, clip.clip_coefficient(total, max_norm))
+        return total.to(dtype)
 
     def _finish_stats(self) -> None:
         self._last_stats = self._stats

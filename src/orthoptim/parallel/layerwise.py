@@ -56,6 +56,7 @@ from orthoptim.optim.base import (
     step_checked,
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
+from orthoptim.parallel import clip
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import (
     BALANCES,
@@ -552,14 +553,26 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                 hook = slots[0].param.register_post_accumulate_grad_hook(self._grad_hook)
                 self._hooks.append(hook)
         if self.overlap_param_gather and self.world_size > 1:
-            for module in self.model.modules():
-                mine = []
-                for p in module.parameters(recurse=False):
-                    for s in self._slots_of.get(id(p), []):
-                        if self._bucket_of[s.unit] not in mine:
-                            mine.append(self._bucket_of[s.unit])
-                if mine:
-                    self._hooks.append(module.register_forward_pre_hook(_waiter(mine)))
+            # Every pending gather lands at the first forward pre-hook of the model: a forward
+            # may read any parameter (a parent's F.linear(x, self.child.weight), weights tied
+            # by hand), so waiting module by module for the module's own parameters let such
+            # reads see the old values. The root's hook fires first; the hooks on the modules
+            # holding parameters serve a forward that enters a submodule directly, and find
+            # nothing to do otherwise (one flag test).
+            modules = [self.model] + [
+                m
+                for m in self.model.modules()
+                if m is not self.model
+                and any(id(p) in self._slots_of for p in m.parameters(recurse=False))
+            ]
+            for module in modules:
+                self._hooks.append(module.register_forward_pre_hook(self._wait_hook))
+
+    _gathering = False  # parameter gathers launched and not yet waited for
+
+    def _wait_hook(self, module: nn.Module, args: Any) -> None:
+        if self._gathering:
+            self.wait_for_params()
 
     def remove_hooks(self) -> None:
         """Detach every hook this optimizer put on the model (after waiting for parameters)."""
@@ -641,6 +654,61 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             )
         return present, [u.name for u, v in zip(self.units, bad) if v]
 
+    # -- gradient clipping -------------------------------------------------------------
+    _reduced = False  # the gradients of this step are reduced (by clip_grad_norm_)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip the gradients of the whole model by their global norm, as
+        `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on a single process with the
+        averaged gradients; call it between the (last) backward and `step()`.
+
+        Finishes the gradient reductions (`step()` then uses them as they are), sums the
+        `norm_type`-th powers of the averaged gradient elements this rank owns (its whole
+        units and its runs of the sharded AdamW units; each element of the model counted on
+        exactly one rank), ONE small all-reduce over `process_group` (sum; max for inf) gives
+        the total, and the owned gradients are scaled by min(1, max_norm / (total + 1e-6)).
+        Under tensor parallelism the sum also runs over each TP group (local shards; a
+        replicated tensor counted once). Returns the total norm (the same on every rank).
+
+        A non-finite total raises RuntimeError with `error_if_nonfinite`; otherwise the
+        gradients are left unscaled and `step()` applies the optimizer's `nonfinite` policy
+        to the parameters whose gradients are non-finite. Collective: call it on every rank."""
+        p = clip.check_norm_type(norm_type)
+        self.wait_for_params()  # a gather may still own a bucket's buffer
+        if not self._reduced:
+            self._reduce_all()
+            self._reduced = True
+        like = self._slots[0].param.device if self._slots else None
+        device = C.device_for(self.process_group, like)
+        owned = [
+            b.shard_view(s) for b in self._buckets for s in b.mine if self._counted_here(s)
+        ]
+        partial = clip.power_sum(owned, p, device)
+        total = clip.total_norm(
+            partial, p, (self.process_group, *self._tp_groups), stats=self._stats
+        )
+        dtype = self._buckets[0].dtype if self._buckets else total.dtype
+        if clip.check_finite(total, error_if_nonfinite, p):
+            coef = clip.clip_coefficient(total, max_norm)
+            clip.scale_((b.grad_shard for b in self._buckets if b.mine), coef)
+        return total.to(dtype)
+
+    def _counted_here(self, s: _Slot) -> bool:
+        """Whether this rank counts owned slot `s` in the gradient norm: always without
+        tensor parallelism; under it, a DTensor's local shard unless the tensor is replicated
+        over a mesh dimension where this rank's coordinate is not 0, a plain tensor on the
+        first rank of every TP group only."""
+        if not self._tp_groups:
+            return True
+        placements = getattr(s.param, "placements", None)
+        if placements is None:
+            return all(C.world(g)[0] == 0 for g in self._tp_groups)
+        coord = s.param.device_mesh.get_coordinate() or [0] * len(placements)
+        return all(c == 0 for c, pl in zip(coord, placements) if pl.is_replicate())
+
     # -- the step ----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -650,7 +718,8 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.wait_for_params()
-        self._reduce_all()
+        if not self._reduced:  # clip_grad_norm_ has reduced them already
+            self._reduce_all()
         present, bad = self._agree()
         try:
             if enforce_nonfinite_policy(self.nonfinite, bad, self.world_size):
@@ -660,8 +729,10 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             for b in self._buckets:
                 b.reset()
             self._next_launch = 0
+            self._reduced = False
         for b in reversed(self._buckets):  # forward order: the first layers arrive first
             b.launch_gather(self._stats, async_op=self.overlap_param_gather)
+        self._gathering = self.overlap_param_gather
         self._last_stats = self._stats
         self._stats = C.CommStats()
         return loss
@@ -689,10 +760,11 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         return self._master.get(name)
 
     def wait_for_params(self) -> None:
-        """Finish every parameter gather in flight (forward pre-hooks do this per module;
-        call it before reading parameters outside a forward pass)."""
+        """Finish every parameter gather in flight (the model's first forward pre-hook does
+        this; call it before reading parameters outside a forward pass)."""
         for b in self._buckets:
             b.finish_gather()
+        self._gathering = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter of the model (owned or not)."""
@@ -829,11 +901,3 @@ def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> li
                     )
             groups.append(g)
     return groups
-
-
-def _waiter(buckets: list[_Bucket]) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        for b in buckets:
-            b.finish_gather()
-
-    return hook

@@ -75,6 +75,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="MuonClip threshold tau on attention logits (default: the config's, 100 for "
         "tiny-moe, none for the others; 0: off)",
     )
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=d.grad_clip,
+        help="clip gradients to this global 2-norm before every step; the norm is logged as "
+        "grad_norm in metrics.jsonl (default %(default)s; 0: off)",
+    )
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear LR warmup steps")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)

@@ -96,6 +96,7 @@ class TrainArgs:
     tp: int = 1
     fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
     qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
+    grad_clip: float = 1.0  # global gradient-norm clipping threshold; 0 → off
     precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on CUDA, fp32 on CPU
     compile: bool = False  # torch.compile every transformer block
     shared_gpu: bool = False  # every rank on cuda:0 over "cuda:gloo" (multi-rank tests, 1 GPU)
@@ -115,6 +116,10 @@ class TrainArgs:
                 )
         if self.qk_clip is not None and self.qk_clip < 0:
             raise ValueError(f"--qk-clip must be >= 0 (0: off), got {self.qk_clip}")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(
+                f"--grad-clip must be a finite number >= 0 (0: off), got {self.grad_clip}"
+            )
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         for name in ("lr", "adamw_lr"):
@@ -239,6 +244,16 @@ def make_optimizer(
     return LayerwiseDistributedOptimizer(
         model, optimizer=args.optimizer, split_experts=experts, state_dict_to="rank0", **kwargs
     )
+
+
+def clip_gradients(model: nn.Module, opt: Any, max_norm: float) -> float:
+    """Clip the gradients by their global 2-norm and return the norm (before clipping): the
+    distributed optimizers' `clip_grad_norm_` (gradients reduced to owners or sharded), else
+    `torch.nn.utils.clip_grad_norm_` on the model's parameters (one process)."""
+    method = getattr(opt, "clip_grad_norm_", None)
+    if method is not None:
+        return float(method(max_norm))
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
 def _params_ready(opt: Any) -> None:
@@ -619,6 +634,7 @@ def _train(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t1 = time.perf_counter()
+            norm = clip_gradients(model, opt, args.grad_clip) if args.grad_clip > 0 else None
             opt.step()
             opt.zero_grad(set_to_none=True)
             clipped = clip.step() if clip is not None else {}
@@ -645,6 +661,8 @@ def _train(
                 precision=precision,
                 **clipped,
             )
+            if norm is not None:
+                row["grad_norm"] = norm
             if step - start <= COLD_STEPS:
                 row["cold"] = True
             if step % args.eval_every == 0 or step == args.steps:

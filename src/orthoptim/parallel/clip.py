@@ -1,0 +1,90 @@
+"""Global-norm gradient clipping when no rank holds every gradient.
+
+Each rank sums the `norm_type`-th powers of the gradient elements it is responsible for
+(`power_sum`; the max of their magnitudes for the inf-norm), ONE small all-reduce per group
+(sum; max for the inf-norm) gives the model's total on every rank (`total_norm`), and each
+rank scales its gradients by torch's coefficient (`clip_coefficient`), as
+`torch.nn.utils.clip_grad_norm_` does on a single process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from orthoptim.parallel import collectives as C
+
+
+def check_norm_type(norm_type: float) -> float:
+    """A p > 0 or inf, as a float; anything else named in a ValueError."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}") from None
+    if not (p > 0):  # also NaN
+        raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
+    return p
+
+
+def accumulator_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (the partial sums meet exactly once, so accumulate
+    them accurately), float32 on MPS."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def power_sum(tensors: Iterable[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """Σ |x|^p over every element of `tensors` (max |x| for p = inf), as a 1-element tensor of
+    `accumulator_dtype` on `device` (0 when there are none)."""
+    acc = accumulator_dtype(device)
+    parts = [
+        torch.linalg.vector_norm(t, norm_type, dtype=acc).to(device)
+        for t in tensors
+        if t.numel()
+    ]
+    if not parts:
+        return torch.zeros(1, dtype=acc, device=device)
+    norms = torch.stack(parts)
+    if math.isinf(norm_type):
+        return norms.max().reshape(1)
+    return norms.pow(norm_type).sum().reshape(1)
+
+
+def total_norm(
+    partial: Tensor, norm_type: float, groups: Iterable[Any], stats: C.CommStats | None = None
+) -> Tensor:
+    """The global norm from every rank's `power_sum`: one all-reduce per group (sum; max for
+    the inf-norm), then the p-th root. `partial` must be on `collectives.device_for(group)`."""
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for group in groups:
+        with C.phase("gradient norm (all-reduce)", group):
+            C.all_reduce(partial, op=op, group=group, stats=stats, kind="grad_norm")
+    total = partial[0]
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def check_finite(total: Tensor, error_if_nonfinite: bool, norm_type: float) -> bool:
+    """Whether `total` is finite; raise as torch does when it is not and `error_if_nonfinite`."""
+    finite = bool(torch.isfinite(total))
+    if not finite and error_if_nonfinite:
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+            "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    return finite
+
+
+def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
+    """torch's clip_coef: min(1, max_norm / (total + 1e-6))."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def scale_(tensors: Iterable[Tensor], coef: Tensor) -> None:
+    """Multiply every tensor in place by `coef` (in its own dtype and device)."""
+    for t in tensors:
+        t.mul_(coef.to(device=t.device, dtype=t.dtype))
