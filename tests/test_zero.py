@@ -208,15 +208,6 @@ def _ranks(rank, world_size, path, load_from):
         ckpt.load_sharded(path + "_bf16", opt, model)
     out["bf16_ckpt"] = opt.state_dict()
     return out
-    if True:
-        assert ckpt.load_sharded(path, opt, model) == {"step": BEFORE}
-        out["resumed_dcp"] = train(model, opt, rank, AFTER, start=BEFORE)
-        model = make_model(seed=1)
-        model.load_state_dict(load_from[1])
-        opt = LayerwiseDistributedOptimizer(model, bucket_mb=BUCKET_MB, **KW)
-        opt.load_state_dict(load_from[0])
-        out["resumed_full"] = train(model, opt, rank, AFTER, start=BEFORE)
-    return out
 
 
 @pytest.fixture(scope="module")
