@@ -38,32 +38,28 @@ def _lw_model():
     return LW.make_model().double()
 
 
-@functools.cache
-def lw_reference(max_norm, norm_type):
-    model = _lw_model()
-    opt = build_optimizer(model, **LW.CONFIGS[LW_CONFIG])
+def _clipped_reference(model, kw, suite, max_norm, norm_type):
+    """Single process: torch's clip_grad_norm_ then build_optimizer's step, STEPS times on
+    `suite`'s (test_layerwise's or test_fsdp's) global batches; (norms, final parameters)."""
+    opt = build_optimizer(model, **kw)
     norms = []
     for step in range(STEPS):
-        x, y = LW.batch(step)
-        LW.loss_fn(model, x, y).backward()
+        x, y = suite.batch(step)
+        suite.loss_fn(model, x, y).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type))
         opt.step()
         opt.zero_grad()
     return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@functools.cache
+def lw_reference(max_norm, norm_type):
+    return _clipped_reference(_lw_model(), LW.CONFIGS[LW_CONFIG], LW, max_norm, norm_type)
 
 
 @functools.cache
 def fsdp_reference(max_norm, norm_type):
-    model = FS.make_model(torch.float64)
-    opt = build_optimizer(model, **FS.KW)
-    norms = []
-    for step in range(STEPS):
-        x, y = FS.batch(step)
-        FS.loss_fn(model, x, y).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type))
-        opt.step()
-        opt.zero_grad()
-    return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return _clipped_reference(FS.make_model(torch.float64), FS.KW, FS, max_norm, norm_type)
 
 
 def _layerwise(rank, world_size, max_norm, norm_type, kw):
