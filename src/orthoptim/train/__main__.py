@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and "nothing_to_do" in result:
+        print(result["nothing_to_do"])
+    elif int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: result.get(k) for k in ("last_step", "final_val_loss")}))
     return 0
 

@@ -91,6 +91,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue from the last checkpoint in --out"
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run --out holds (its metrics, result, logs and checkpoints are "
+        "removed); without --resume or --overwrite a folder holding a run is refused",
+    )
+    p.add_argument(
         "--stop-after",
         type=int,
         default=None,
@@ -122,6 +128,9 @@ def _train_cmd(ns: argparse.Namespace) -> int:
         return _fail(str(e))
     except ChildFailedError as e:
         return _fail(f"a rank failed ({e.get_first_failure()[1].message}); see {args.out}/logs")
+    if "nothing_to_do" in result:
+        print(result["nothing_to_do"])
+        return 0
     keys = ("last_step", "final_val_loss", "tokens_per_s", "optimizer_share")
     print(json.dumps({k: result.get(k) for k in keys}))
     return 0

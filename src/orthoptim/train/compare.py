@@ -126,13 +126,15 @@ def _run_interleaved(
     opts: CompareArgs, runs: list[tuple[str, float, Path]]
 ) -> list[dict[str, Any]]:
     """Train every (optimizer, lr, out) run, taking turns segment by segment (each segment
-    after the first resumes from the run's checkpoint). Returns each run's final result."""
+    after the first resumes from the run's checkpoint; the first replaces a previous
+    compare's run in that folder). Returns each run's final result."""
     results: list[dict[str, Any]] = [{} for _ in runs]
     for i, end in enumerate(segment_ends(opts.steps, opts.segments)):
         for k, (optimizer, lr, out) in enumerate(runs):
             args = opts.train_args(optimizer, lr, out)
             args.stop_after = end if end < opts.steps else None
             args.resume = i > 0
+            args.overwrite = i == 0  # compare's own subfolder: a rerun replaces it
             results[k] = launch(args, opts.nproc)
     for result, (_, _, out) in zip(results, runs):
         result["metrics"] = read_metrics(out / "metrics.jsonl")

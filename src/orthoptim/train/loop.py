@@ -22,16 +22,23 @@ Files under `out`:
     checkpoints/step_NNNNNN/  model.pt and optim.pt (the full optimizer state), by rank 0; with
                            --fsdp dcp/, one torch.distributed.checkpoint of model and
                            optimizer shards
+    .lock                  while a run is going: its host, pid and start time
+
+An output folder belongs to one run (`claim_out`): a new run refuses a folder that holds one
+unless `--resume` (continue it) or `--overwrite` (remove its files and start afresh) is given;
+the lock keeps a second run out while one is going; resuming a finished run changes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import resource
 import shutil
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -90,6 +97,7 @@ class TrainArgs:
     ckpt_every: int = 50
     out: str = "runs/train"
     resume: bool = False
+    overwrite: bool = False  # remove the run --out holds and start afresh
     stop_after: int | None = None  # leave after this step (as if interrupted)
     seed: int = 0
     data: str | None = None
@@ -126,6 +134,10 @@ class TrainArgs:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "--resume continues the run in --out and --overwrite replaces it; pass one"
+            )
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(
                 f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
@@ -395,9 +407,15 @@ class Checkpointer:
         """The committed checkpoint's metadata; a clear error if there is none."""
         path = self.dir / "latest.json"
         if not path.exists():
+            out = self.dir.parent
+            advice = (
+                f"--out {out} holds a run with no checkpoint to continue; pass --overwrite "
+                "instead of --resume to replace it"
+                if held_run(out)
+                else f"--out {out} holds no run: drop --resume to start one there"
+            )
             raise FileNotFoundError(
-                f"--resume: no checkpoint in {self.dir} (latest.json is missing); "
-                "run without --resume to start fresh"
+                f"--resume: no checkpoint in {self.dir} (latest.json is missing); {advice}"
             )
         return json.loads(path.read_text())
 
@@ -498,11 +516,195 @@ def read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
     return [r for r in rows if upto is None or r["step"] <= upto]
 
 
+# ---------------------------------------------------------------- the output folder
+
+# What a run writes under --out (--overwrite removes these, and their ".tmp" leftovers); the
+# first three mark a folder that holds a run.
+RUN_FILES = ("metrics.jsonl", "result.json", "checkpoints", "logs")
+LOCK_FILE = ".lock"
+_log = logging.getLogger(__name__)
+
+
+def held_run(out: Path) -> str | None:
+    """The run `out` holds, in words ("checkpoint at step 10"), or None when it holds none
+    (no metrics.jsonl, result.json or checkpoints/)."""
+    if not any((out / name).exists() for name in RUN_FILES[:3]):
+        return None
+    try:
+        step = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no checkpoint"
+    return f"checkpoint at step {step}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _read_lock(path: Path) -> dict[str, Any] | None:
+    """The lock's holder; None if the lock is gone. A holder between creating and writing the
+    file is waited for (briefly); a lock that stays unreadable reads as {}."""
+    for _ in range(20):
+        try:
+            holder = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            time.sleep(0.05)
+            continue
+        return holder if isinstance(holder, dict) else {}
+    return {}
+
+
+def _remove_stale(path: Path, holder: dict[str, Any]) -> None:
+    """Remove the stale lock `holder`, and only it: move it aside first, so that a lock
+    another process has just put in its place is put back rather than removed."""
+    aside = path.with_name(f"{path.name}.stale-{os.getpid()}")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return
+    if _read_lock(aside) != holder:
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, path)
+    aside.unlink()
+
+
+def acquire_lock(out: Path) -> Path:
+    """Take `out/.lock` (created atomically; it holds this host, pid and start time) and
+    return its path. A lock left by a process of this host that is no longer running is stale:
+    taken over with a logged notice. A live holder, or one on another host (whose liveness
+    cannot be checked from here), is refused with a ValueError naming it."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    host = socket.gethostname()
+    me = dict(host=host, pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    for _ in range(5):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder is None:  # released meanwhile
+                continue
+            who = (
+                f"host {holder.get('host')}, pid {holder.get('pid')}, "
+                f"started {holder.get('started')}"
+            )
+            if not {"host", "pid"} <= holder.keys():
+                raise ValueError(
+                    f"--out {out} is locked ({path} unreadable); if no run is using the "
+                    f"folder, remove {path}"
+                ) from None
+            if holder["host"] != host:
+                raise ValueError(
+                    f"--out {out} is in use by a run on another machine ({who}); its liveness "
+                    f"cannot be checked from {host}: if that run is gone, remove {path}"
+                ) from None
+            if _pid_alive(int(holder["pid"])):
+                raise ValueError(
+                    f"--out {out} is in use by another run ({who}); wait for it to end or "
+                    "pass another --out"
+                ) from None
+            _log.warning("--out %s: taking over the stale lock of a run that is gone (%s)",
+                         out, who)  # fmt: skip
+            _remove_stale(path, holder)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise ValueError(f"--out {out}: could not take {path}; other runs keep taking it")
+
+
+def release_lock(path: Path) -> None:
+    """Remove the lock at `path` if this process holds it."""
+    holder = _read_lock(path)
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        path.unlink(missing_ok=True)
+
+
+def claim_out(args: TrainArgs, world_size: int) -> str | None:
+    """Check what this run may do with --out (call with the lock held), before any rank
+    trains. A folder holding a run is refused unless --resume (the checkpoint must match this
+    run) or --overwrite (its run's files are removed here). Returns a message when there is
+    nothing to do: a resumed run whose checkpoint is at or past its last step."""
+    out = Path(args.out)
+    if args.resume:
+        info = Checkpointer(out, 0, world_size).latest()
+        check_resumable(info, args, world_size)
+        step, last = info["step"], args.stop_after or args.steps
+        if step >= args.steps:
+            return f"--out {out} finished at step {step}; nothing to do"
+        if step >= last:
+            return f"--out {out} is at step {step}, --stop-after {last}; nothing to do"
+        return None
+    held = held_run(out)
+    if held is None:
+        return None
+    if not args.overwrite:
+        raise ValueError(
+            f"--out {out} holds a run ({held}); pass --resume to continue it or --overwrite "
+            "to replace it"
+        )
+    for name in RUN_FILES:
+        for path in (out / name, out / f"{name}.tmp"):
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    return None
+
+
+def _nothing_to_do(out: Path, message: str) -> dict[str, Any]:
+    """The result of a run that had nothing to do: the folder's result.json as it is (if any),
+    with the message under "nothing_to_do"."""
+    try:
+        result = json.loads((out / "result.json").read_text())
+    except (OSError, ValueError):
+        result = {}
+    return dict(result, nothing_to_do=message)
+
+
 def run(args: TrainArgs) -> dict[str, Any]:
-    """Train on this rank (joining the launcher's process group if there is one).
+    """Train on this rank (joining the launcher's process group if there is one), as started
+    by torchrun: rank 0 takes --out's lock and checks the folder (`claim_out`), every rank
+    follows its verdict. (`launch` does that once, before starting the ranks.)
 
     Returns the run's summary (the content of result.json) on every rank.
     """
+    args.validate()
+    rank, world_size, _ = _init_distributed(args.shared_gpu)
+    out = Path(args.out)
+    lock, done, error = None, None, None
+    if rank == 0:
+        try:
+            lock = acquire_lock(out)
+            done = claim_out(args, world_size)
+        except (ValueError, FileNotFoundError) as e:
+            error = e
+    # rank 0's verdict: 0 train, 1 nothing to do, 2 refused
+    (verdict,) = _all_sum([float(2 if error else 1 if done else 0) if rank == 0 else 0.0],
+                          world_size)  # fmt: skip
+    try:
+        if error is not None:
+            raise error
+        if verdict == 2:
+            raise ValueError(f"rank 0 refused --out {out} (see its error)")
+        if verdict == 1:
+            return _nothing_to_do(out, done or f"--out {out}: nothing to do (see rank 0)")
+        return _run_rank(args)
+    finally:
+        if lock is not None:
+            release_lock(lock)
+
+
+def _run_rank(args: TrainArgs) -> dict[str, Any]:
+    """One rank's training, --out already checked."""
     args.validate()
     rank, world_size, device = _init_distributed(args.shared_gpu)
     out = Path(args.out)
@@ -744,7 +946,7 @@ def throughput(rows: list[dict[str, Any]], tokens_per_step: int) -> dict[str, An
 def _elastic_entry(args_dict: dict[str, Any]) -> dict[str, Any]:
     """What each rank started by `launch` runs (module level, so it pickles)."""
     try:
-        return run(TrainArgs.from_dict(args_dict))
+        return _run_rank(TrainArgs.from_dict(args_dict))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -754,18 +956,34 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
     """Start `nproc` ranks on this machine through torch's elastic launcher and wait for them.
 
     `nproc` None: one per visible GPU, or 2 on CPU (or with --shared-gpu); more ranks than
-    GPUs are refused here, before anything starts (`plan_ranks`). One rank runs in this
-    process with no process group. Returns rank 0's result.
+    GPUs are refused here, before anything starts (`plan_ranks`), and so is an --out another
+    run holds or uses (`acquire_lock`, `claim_out`; the lock is held until the ranks end). One
+    rank runs in this process with no process group. Returns rank 0's result; with nothing to
+    do (resuming a finished run) the folder's result.json untouched, plus "nothing_to_do".
     """
     args.validate()
     nproc = plan_ranks(nproc, devices.visible_gpus(), args.shared_gpu).nproc
     args.check_nproc(nproc)
-    if args.resume:
-        check_resumable(Checkpointer(Path(args.out), 0, nproc).latest(), args, nproc)
-    # A bad --data fails here, once, before any rank starts.
-    load_corpus(args.data, min_bytes=get_config(args.config).seq_len + 1)
+    out = Path(args.out)
+    created = not out.exists()
+    lock = acquire_lock(out)
+    try:
+        done = claim_out(args, nproc)
+        if done is not None:
+            return _nothing_to_do(out, done)
+        # A bad --data fails here, once, before any rank starts.
+        load_corpus(args.data, min_bytes=get_config(args.config).seq_len + 1)
+        return _launch_ranks(args, nproc)
+    finally:
+        release_lock(lock)
+        if created:  # a refused run leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
+
+
+def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
     if nproc == 1:
-        return run(args)
+        return _run_rank(args)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
