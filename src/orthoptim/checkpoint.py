@@ -89,6 +89,28 @@ class CheckpointMismatchError(ValueError):
         )
 
 
+class CheckpointLoadError(Exception):
+    """A checkpoint could not be read (missing or damaged files). Raised in place of
+    torch.distributed.checkpoint's `CheckpointException`, a BaseException that
+    `except Exception` would not catch; the original is its `__cause__`."""
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Turn a failed DCP read of checkpoint `path` into a `CheckpointLoadError` that names
+    every rank's failure (KeyboardInterrupt, SystemExit and the like pass unchanged)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = getattr(exc, "failures", {}) or {}
+        why = "; ".join(
+            f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items())
+        ) or str(exc)
+        raise CheckpointLoadError(f"could not read checkpoint {path}: {why}") from exc
+
+
 # -- what an optimizer is, independent of ranks ----------------------------------------------
 
 
@@ -191,7 +213,10 @@ def compare(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
     kinds_s = [g["hypers"].get("optimizer") for g in sg]
     kinds_h = [g["hypers"].get("optimizer") for g in hg]
     if kinds_s != kinds_h:
-        out.append(f"param groups: optimizers {kinds_s} in the checkpoint, {kinds_h} here")
+        out.append(
+            f"param groups: optimizers {kinds_s} in the checkpoint, {kinds_h} here "
+            "(another optimizer or routing)"
+        )
     group_of_s = {n: g["hypers"].get("optimizer") for g in sg for n in g["names"]}
     group_of_h = {n: g["hypers"].get("optimizer") for g in hg for n in g["names"]}
     for n in sorted(set(group_of_h) - set(group_of_s)):
@@ -519,15 +544,8 @@ def _meta_from_full(sd: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT_VERSION, "groups": groups, "shapes": shapes}
 
 
-def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """Load a `full_state_dict` (or a single-process optimizer's `state_dict()`) into a
-    layer-wise or single-process optimizer: each rank takes the state of what it owns.
-
-    Every mismatch is listed in one `CheckpointMismatchError` before anything changes. State
-    tensors keep their saved dtype (torch's own loader would cast a bf16 parameter's fp32
-    momentum to bf16).
-    """
-    check_optimizer(opt)
+def _require_full(sd: Any) -> None:
+    """Raise a ValueError naming what `sd` is when it is not a torch-format optimizer dict."""
     if not isinstance(sd, dict) or not is_full_state_dict(sd):
         if not isinstance(sd, dict):
             got = type(sd).__name__
@@ -540,6 +558,18 @@ def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None
             f"'param_groups' with 'params'), got {got}; load the dict rank 0 saved on every "
             "rank, or use load_sharded for DCP checkpoints"
         )
+
+
+def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Load a `full_state_dict` (or a single-process optimizer's `state_dict()`) into a
+    layer-wise or single-process optimizer: each rank takes the state of what it owns.
+
+    Every mismatch is listed in one `CheckpointMismatchError` before anything changes. State
+    tensors keep their saved dtype (torch's own loader would cast a bf16 parameter's fp32
+    momentum to bf16).
+    """
+    check_optimizer(opt)
+    _require_full(sd)
     saved_meta = _meta_from_full(sd)
     here = describe(opt)
     if not saved_meta["shapes"]:
@@ -554,14 +584,120 @@ def _shapes_from_state(
     sd: dict[str, Any], meta: dict[str, Any], here: dict[str, Any]
 ) -> dict[str, list[int]]:
     """Shapes of a plain torch dict's parameters, read off state tensors shaped like them
-    (momentum, exp_avg); parameters without such state are assumed to match."""
-    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    (momentum, exp_avg); parameters without such state are assumed to match. `meta`'s names
+    are taken position by position for the dict's parameter indices."""
+    names = {i: n for g, mg in zip(sd["param_groups"], meta["groups"]) for i, n in
+             zip(g["params"], mg["names"])}  # fmt: skip
     out = {n: here["shapes"].get(n) for g in meta["groups"] for n in g["names"]}
     for i, st in sd["state"].items():
-        for k in ("momentum_buffer", "exp_avg"):
-            if isinstance(st.get(k), Tensor):
-                out[names[i]] = list(st[k].shape)
+        for k in _SHAPED_STATE:
+            if i in names and isinstance(st.get(k), Tensor):
+                shape, want = list(st[k].shape), out.get(names[i])
+                # SOAP keeps a matrix's moments as its stack of matrices [k, rows, cols]
+                matrix = want is not None and len(want) >= 2 and shape == _stacked(want)
+                out[names[i]] = want if matrix else shape
     return out
+
+
+def _stacked(shape: list[int]) -> list[int]:
+    """The shape of `orthoptim.optim.base.matrix_view` of a parameter of `shape` (>= 2 dims)."""
+    if len(shape) == 2:
+        return [1, *shape]
+    if len(shape) == 3:
+        return list(shape)
+    return [1, shape[0], math.prod(shape[1:])]
+
+
+# State keys whose tensor has its parameter's shape (Muon / SGD momentum, Adam(W) and SOAP
+# first moments): a plain dict's parameter shapes are read off them.
+_SHAPED_STATE = ("momentum_buffer", "exp_avg")
+
+
+def _with_kinds(
+    saved: dict[str, Any], here: dict[str, Any], opt: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Copies of two metas whose groups all name their optimizer: a plain optimizer's groups
+    carry no "optimizer" key, so here it is the optimizer's class ("muon" for Muon, as the
+    layer-wise and hybrid optimizers name it); a saved plain group's is unknown and taken as
+    this one's (its hyper-parameters then tell another optimizer apart)."""
+    own = type(opt).__name__.lower()
+
+    def named(meta: dict[str, Any], kinds: list[Any]) -> dict[str, Any]:
+        groups = [
+            {**g, "hypers": {**g["hypers"], "optimizer": g["hypers"].get("optimizer", k)}}
+            for g, k in zip(meta["groups"], kinds)
+        ]
+        return {**meta, "groups": groups}
+
+    here = named(here, [own] * len(here["groups"]))
+    kinds = [g["hypers"]["optimizer"] for g in here["groups"]]
+    saved_kinds = [kinds[i] if i < len(kinds) else own for i in range(len(saved["groups"]))]
+    return named(saved, saved_kinds), here
+
+
+def _positional_meta(groups: list[tuple[dict[str, Any], list[str]]]) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "groups": [{"hypers": _hypers(g), "names": names} for g, names in groups],
+        "shapes": {},
+    }
+
+
+def _slots(sizes: list[int]) -> list[list[str]]:
+    """Positional names of the parameters of groups of `sizes` ("param_groups[0][1]")."""
+    return [[f"param_groups[{gi}][{pi}]" for pi in range(n)] for gi, n in enumerate(sizes)]
+
+
+def check_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
+    """Compare a torch-format optimizer dict with a single-process optimizer (Muon, SOAP,
+    `build_optimizer(...)`) before torch's loader installs it, as the layer-wise loader
+    does (`compare`): parameter names and shapes, the optimizer of each group (which
+    optimizer wrote it, read off its group's optimizer or hyper-parameters) and every
+    hyper-parameter but those a scheduler moves (`SCHEDULED_HYPERS`) and implementation
+    switches (`IMPLEMENTATION_HYPERS`). Raises one `CheckpointMismatchError` listing every
+    difference; returns None when the dict loads.
+
+    torch's loader matches parameters by position, so parameter names must also come in
+    the same order. A dict or optimizer without `param_names` (older torch, an optimizer
+    built from unnamed parameters) is checked by position: group count and sizes, state
+    shapes, hyper-parameters; the error says names could not be checked.
+    """
+    _require_full(sd)
+    saved_groups = sd["param_groups"]
+    named = all("param_names" in g for g in saved_groups) and all(
+        g.get("param_names") is not None for g in opt.param_groups
+    )
+    if named:
+        saved_meta = _meta_from_full(sd)
+        here = describe(opt)
+    else:
+        saved_meta = _positional_meta(
+            list(zip(saved_groups, _slots([len(g["params"]) for g in saved_groups])))
+        )
+        slots = _slots([len(g["params"]) for g in opt.param_groups])
+        here = _positional_meta(list(zip(opt.param_groups, slots)))
+        here["shapes"] = {
+            n: list(p.shape) for g, ns in zip(opt.param_groups, slots) for n, p in
+            zip(ns, g["params"])
+        }  # fmt: skip
+    if not saved_meta["shapes"]:
+        saved_meta = {**saved_meta, "shapes": _shapes_from_state(sd, saved_meta, here)}
+    saved_meta, here = _with_kinds(saved_meta, here, opt)
+    mismatches = compare(saved_meta, here)
+    if named and not mismatches:
+        for i, (a, b) in enumerate(zip(saved_meta["groups"], here["groups"])):
+            if a["names"] != b["names"]:
+                mismatches.append(
+                    f"param group {i}: the same parameters in another order (torch's loader "
+                    "matches them by position)"
+                )
+    if mismatches:
+        if not named:
+            mismatches.append(
+                "(the checkpoint or this optimizer has no 'param_names', so parameters were "
+                "matched by position and their names could not be checked)"
+            )
+        raise CheckpointMismatchError(mismatches)
 
 
 # -- sharded state dicts (DCP) --------------------------------------------------------------------
@@ -845,7 +981,9 @@ def load_sharded(
     Each rank reads only the state of the parameters it owns now. Names, shapes, optimizers
     and hyper-parameters are checked first, for the model too; every mismatch is listed in
     one `CheckpointMismatchError` and neither the model nor the optimizer is touched.
-    Returns the `extra` values saved with it. Collective: call on every rank.
+    Returns the `extra` values saved with it. Collective: call on every rank. A checkpoint
+    that cannot be read (missing or damaged files) raises `CheckpointLoadError`, an
+    Exception, in place of DCP's `CheckpointException` (a BaseException).
     """
     dcp = _dcp()
     from torch.distributed.checkpoint import FileSystemReader
@@ -854,10 +992,15 @@ def load_sharded(
     check_optimizer(opt)
     group = _group(opt)
     path = resolve(path)
-    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointLoadError(
+            f"could not read the metadata of checkpoint {path}: {type(exc).__name__}: {exc}"
+        ) from exc
     with C.phase("checkpoint load (metadata)", group):
         head: dict[str, Any] = {_META_KEY: None}
-        with _quiet():
+        with _quiet(), _reading(path):
             dcp.load(head, checkpoint_id=path, process_group=group)
     saved_meta = _unpack(head[_META_KEY])
     mismatches = compare(saved_meta, describe(opt))
@@ -911,7 +1054,7 @@ def load_sharded(
             want[key] = _template(md, owned_params.get(name, named.get(name)))
     fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}
     want.update(fresh_model)
-    with C.phase("checkpoint load", group), _quiet():
+    with C.phase("checkpoint load", group), _quiet(), _reading(path):
         dcp.load(want, checkpoint_id=path, process_group=group)
     # Both reads succeeded: only now change anything.
     with torch.no_grad():

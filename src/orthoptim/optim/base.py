@@ -98,6 +98,30 @@ def apply_nonfinite_policy(
     )
 
 
+def check_params(owner: str, groups: list[dict[str, Any]]) -> None:
+    """Refuse degenerate parameters at construction, naming them: an empty one (a dimension
+    of size 0: nothing to optimize, and Newton-Schulz would divide by its zero norm) and the
+    same tensor listed twice (it would be stepped twice per step)."""
+    seen: dict[int, str] = {}
+    for gi, group in enumerate(groups):
+        names = group.get("param_names")
+        for pi, p in enumerate(group["params"]):
+            name = names[pi] if names is not None else f"param_groups[{gi}]['params'][{pi}]"
+            if p.numel() == 0:
+                raise ValueError(
+                    f"{owner} got {name} with shape {tuple(p.shape)}, which has no elements: "
+                    "leave empty parameters out of the optimizer (or freeze them, "
+                    "requires_grad=False, so build_optimizer skips them)"
+                )
+            if id(p) in seen:
+                raise ValueError(
+                    f"{owner} got the same tensor twice: {name} is {seen[id(p)]} again, and "
+                    "would be stepped twice per step; list each parameter once (tied weights "
+                    "once, e.g. from model.named_parameters(), which lists them once)"
+                )
+            seen[id(p)] = name
+
+
 def state_dtype(p: Tensor) -> torch.dtype:
     """The dtype of a parameter's optimizer state: float32 for bf16/fp16 (fp32 master state)."""
     return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
@@ -167,7 +191,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, but keeps float32 state of bf16/fp16 parameters in float32."""
+        """As torch's, after checking the dict against this optimizer the way the layer-wise
+        loader does (`orthoptim.checkpoint.check_state_dict`: names, shapes, which optimizer,
+        hyper-parameters; one `CheckpointMismatchError` listing every difference, nothing
+        loaded), and keeping float32 state of bf16/fp16 parameters in float32."""
+        from orthoptim.checkpoint import check_state_dict  # imports this module
+
+        check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
         restore_state_dtypes(self, state_dict)
 

@@ -17,6 +17,7 @@ from orthoptim._validate import check_choice, check_nonnegative, check_unit_inte
 from orthoptim.optim.base import (
     GuardedOptimizer,
     check_nonfinite_policy,
+    check_params,
     step_checked,
 )
 from orthoptim.optim.muon import Muon
@@ -79,8 +80,7 @@ class HybridOptimizer(GuardedOptimizer):
     ) -> None:
         if not isinstance(inner, dict) or not inner:
             raise ValueError(
-                "inner must be a non-empty dict of name -> torch.optim.Optimizer, "
-                f"got {inner!r}"
+                f"inner must be a non-empty dict of name -> torch.optim.Optimizer, got {inner!r}"
             )
         for key, opt in inner.items():
             if not isinstance(opt, torch.optim.Optimizer):
@@ -88,6 +88,7 @@ class HybridOptimizer(GuardedOptimizer):
                     f"inner[{key!r}] must be a torch.optim.Optimizer, got {type(opt).__name__}"
                 )
         self.nonfinite = check_nonfinite_policy(nonfinite)
+        check_params("HybridOptimizer", [g for opt in inner.values() for g in opt.param_groups])
         groups: list[dict[str, Any]] = []
         for key, opt in inner.items():
             for g in opt.param_groups:
@@ -123,16 +124,9 @@ class HybridOptimizer(GuardedOptimizer):
         self.param_groups.append(group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, then re-bind the inner optimizers to the loaded groups and state."""
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.param_groups) or any(
-            s.get("optimizer") != g.get("optimizer") for s, g in zip(saved, self.param_groups)
-        ):
-            raise ValueError(
-                "state_dict's param groups do not match this optimizer's routing "
-                f"(saved {[s.get('optimizer') for s in saved]}, "
-                f"here {[g.get('optimizer') for g in self.param_groups]})"
-            )
+        """As torch's, after the checks of `GuardedOptimizer.load_state_dict` (a dict of
+        another routing, model or optimizer raises `CheckpointMismatchError` listing every
+        difference), then re-bind the inner optimizers to the loaded groups and state."""
         super().load_state_dict(state_dict)
         for key, opt in self.inner.items():
             opt.param_groups = [g for g in self.param_groups if g["optimizer"] == key]

@@ -44,6 +44,7 @@ from orthoptim.newton_schulz import (
 from orthoptim.optim.base import (
     GuardedOptimizer,
     check_nonfinite_policy,
+    check_params,
     matrix_view,
     state_dtype,
 )
@@ -220,6 +221,7 @@ class Muon(GuardedOptimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         check_dtype_or_auto("ns_dtype", group["ns_dtype"])
+        check_params("Muon", self.param_groups)
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             if p.ndim < 2:

@@ -43,6 +43,7 @@ from orthoptim._validate import (
 from orthoptim.optim.base import (
     GuardedOptimizer,
     check_nonfinite_policy,
+    check_params,
     matrix_view,
     param_names,
     state_dtype,
@@ -157,8 +158,9 @@ class SOAP(GuardedOptimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's, but rejects complex parameters, naming them."""
+        """As torch's, but rejects complex, empty and repeated parameters, naming them."""
         super().add_param_group(param_group)
+        check_params("SOAP", self.param_groups)
         group = self.param_groups[-1]
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
