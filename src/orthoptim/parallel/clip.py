@@ -88,3 +88,26 @@ def scale_(tensors: Iterable[Tensor], coef: Tensor) -> None:
     """Multiply every tensor in place by `coef` (in its own dtype and device)."""
     for t in tensors:
         t.mul_(coef.to(device=t.device, dtype=t.dtype))
+
+
+def clip_(
+    counted: Iterable[Tensor],
+    scaled: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    device: torch.device,
+    groups: Iterable[Any],
+    dtype: torch.dtype | None,
+    stats: C.CommStats | None = None,
+) -> Tensor:
+    """The whole clip of a distributed optimizer: the global norm of the `counted` tensors
+    (each element of the model counted on exactly one rank of `groups`), then `scaled` (the
+    gradients this rank applies) multiplied by torch's coefficient unless the norm is
+    non-finite (`check_finite`). Returns the norm in `dtype` (None: the accumulator's), the
+    same on every rank."""
+    p = check_norm_type(norm_type)
+    total = total_norm(power_sum(counted, p, device), p, groups, stats=stats)
+    if check_finite(total, error_if_nonfinite, p):
+        scale_(scaled, clip_coefficient(total, max_norm))
+    return total if dtype is None else total.to(dtype)

@@ -284,15 +284,18 @@ class FSDPOptimizer(torch.optim.Optimizer):
         every rank). A non-finite total raises RuntimeError with `error_if_nonfinite`;
         otherwise the gradients are left unscaled and `step()` applies the `nonfinite` policy.
         Collective: call it on every rank."""
-        p = clip.check_norm_type(norm_type)
         grads = [local_shard(q.grad) for _, q in self._named if q.grad is not None]
-        device = C.device_for(self.process_group, self.device)
-        partial = clip.power_sum(grads, p, device)
-        total = clip.total_norm(partial, p, (self.process_group,), stats=self._stats)
-        dtype = self._named[0][1].dtype if self._named else total.dtype
-        if clip.check_finite(total, error_if_nonfinite, p):
-            clip.scale_(grads, clip.clip_coefficient(total, max_norm))
-        return total.to(dtype)
+        return clip.clip_(
+            grads,
+            grads,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            device=C.device_for(self.process_group, self.device),
+            groups=(self.process_group,),
+            dtype=self._named[0][1].dtype if self._named else None,
+            stats=self._stats,
+        )
 
     def _finish_stats(self) -> None:
         self._last_stats = self._stats

@@ -682,19 +682,17 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             self._reduce_all()
             self._reduced = True
         like = self._slots[0].param.device if self._slots else None
-        device = C.device_for(self.process_group, like)
-        owned = [
-            b.shard_view(s) for b in self._buckets for s in b.mine if self._counted_here(s)
-        ]
-        partial = clip.power_sum(owned, p, device)
-        total = clip.total_norm(
-            partial, p, (self.process_group, *self._tp_groups), stats=self._stats
+        return clip.clip_(
+            (b.shard_view(s) for b in self._buckets for s in b.mine if self._counted_here(s)),
+            [b.grad_shard for b in self._buckets if b.mine],
+            max_norm,
+            p,
+            error_if_nonfinite,
+            device=C.device_for(self.process_group, like),
+            groups=(self.process_group, *self._tp_groups),
+            dtype=self._buckets[0].dtype if self._buckets else None,
+            stats=self._stats,
         )
-        dtype = self._buckets[0].dtype if self._buckets else total.dtype
-        if clip.check_finite(total, error_if_nonfinite, p):
-            coef = clip.clip_coefficient(total, max_norm)
-            clip.scale_((b.grad_shard for b in self._buckets if b.mine), coef)
-        return total.to(dtype)
 
     def _counted_here(self, s: _Slot) -> bool:
         """Whether this rank counts owned slot `s` in the gradient norm: always without
