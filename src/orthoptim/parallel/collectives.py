@@ -162,25 +162,23 @@ def backend_config(group: Any = None) -> str:
     return str(dist.get_backend_config(group))
 
 
-def backend_devices(group: Any = None) -> tuple[str, ...]:
-    """Device types ("cpu", "cuda", ...) whose tensors `group`'s collectives accept, in
-    the backend's order; () when torch.distributed is not initialised (anything goes)."""
-    config = backend_config(group)
-    if ":" not in config:  # a bare backend name from an older torch: ask the backend
-        return _DEVICES_OF.get(config, ())
-    return tuple(part.split(":")[0].strip() for part in config.split(","))
-
-
 _DEVICES_OF = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda")}
 
 
-def _backend_serving(device_type: str, group: Any = None) -> str:
-    """The name of the backend that serves `device_type` tensors in `group` ("" if none)."""
-    for part in backend_config(group).split(","):
-        kind, _, name = part.partition(":")
-        if kind.strip() == device_type:
-            return name.strip()
-    return ""
+def _backends(group: Any = None) -> dict[str, str]:
+    """{device type: name of the backend serving it} in `group`, in the backend's order;
+    {} when torch.distributed is not initialised."""
+    config = backend_config(group)
+    if ":" not in config:  # a bare backend name from an older torch
+        return dict.fromkeys(_DEVICES_OF.get(config, ()), config)
+    pairs = (part.partition(":") for part in config.split(","))
+    return {kind.strip(): name.strip() for kind, _, name in pairs}
+
+
+def backend_devices(group: Any = None) -> tuple[str, ...]:
+    """Device types ("cpu", "cuda", ...) whose tensors `group`'s collectives accept, in
+    the backend's order; () when torch.distributed is not initialised (anything goes)."""
+    return tuple(_backends(group))
 
 
 def _default_device(kind: str) -> torch.device:
@@ -218,10 +216,7 @@ def check_device(t: Tensor, what: str, group: Any = None) -> None:
 
 def to_backend(t: Tensor, group: Any = None) -> Tensor:
     """`t` itself when `group`'s backend serves its device, else a copy on `device_for(group)`."""
-    served = backend_devices(group)
-    if not served or t.device.type in served:
-        return t
-    return t.to(device_for(group))
+    return t.to(device_for(group, t))
 
 
 def all_reduce(
@@ -580,7 +575,7 @@ def gather_object(
     if n == 1:
         return [obj]
     device = device_for(group)
-    if device.type != "cpu" and _backend_serving(device.type, group) == "gloo":
+    if device.type != "cpu" and _backends(group).get(device.type) == "gloo":
         # gloo's send/recv read host memory only: with CUDA tensors ("cuda:gloo") every rank
         # gathers everything and the others drop it.
         parts = all_gather_object(obj, group=group, stats=stats)
