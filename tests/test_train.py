@@ -11,6 +11,7 @@ import torch
 
 from orthoptim.cli import main
 from orthoptim.optim.hybrid import build_optimizer, routing_table
+from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import (
     DataError,
     get_batch,
@@ -19,7 +20,6 @@ from orthoptim.train.data import (
     stdlib_root,
     val_batches,
 )
-from orthoptim.train.loop import TrainArgs
 from orthoptim.train.model import CONFIGS, GPT, GPTConfig
 
 SEQ = CONFIGS["tiny"].seq_len

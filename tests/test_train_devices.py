@@ -15,9 +15,9 @@ import torch
 
 from orthoptim.cli import main
 from orthoptim.train import devices
+from orthoptim.train.args import TrainArgs
 from orthoptim.train.compare import CompareArgs, device_defaults
 from orthoptim.train.devices import RankPlan, plan_ranks, resolve_precision
-from orthoptim.train.loop import TrainArgs
 from orthoptim.train.model import CONFIGS, GPT, GPTConfig, compile_blocks
 
 from distributed import run_ranks
@@ -58,7 +58,7 @@ def test_plan_ranks_refuses_with_the_flag_the_count_and_the_fix():
 def test_cli_refuses_more_ranks_than_gpus_before_launching(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(devices, "visible_gpus", lambda: 1)
     launched = []
-    monkeypatch.setattr("orthoptim.train.loop.run", lambda args: launched.append(args))
+    monkeypatch.setattr("orthoptim.train.launcher.run", lambda args: launched.append(args))
     out = tmp_path / "run"
     assert main(["train", "--nproc", "2", "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err

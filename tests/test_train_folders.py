@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from orthoptim.cli import main
-from orthoptim.train import loop
-from orthoptim.train.loop import TrainArgs
+from orthoptim.train import launcher, runfolder
+from orthoptim.train.args import TrainArgs
 
 
 def _argv(out: Path, *extra: str) -> list[str]:
@@ -150,12 +151,12 @@ def test_a_running_run_locks_its_folder(tmp_path, capsys, monkeypatch):
         assert main(_argv(out)) == 2
         raise RuntimeError("a rank failed")
 
-    monkeypatch.setattr(loop, "_launch_ranks", fake_ranks)
+    monkeypatch.setattr(launcher, "_launch_ranks", fake_ranks)
     with pytest.raises(RuntimeError, match="a rank failed"):
         main(_argv(out))
     err = capsys.readouterr().err
     (holder,) = seen
-    assert holder["host"] == socket.gethostname() and holder["pid"] == loop.os.getpid()
+    assert holder["host"] == socket.gethostname() and holder["pid"] == os.getpid()
     assert "started" in holder
     who = f"host {holder['host']}, pid {holder['pid']}"
     assert f"--out {out} is in use by another run ({who}" in err
@@ -177,28 +178,28 @@ def test_lock_stale_and_other_host(tmp_path, caplog):
     """The lock function: atomic, exclusive; a lock whose process is gone on this host is taken
     over with a logged notice; another host's lock is refused (its liveness is unknown)."""
     out = tmp_path / "A"
-    path = loop.acquire_lock(out)
+    path = runfolder.acquire_lock(out)
     me = json.loads(path.read_text())
-    assert me["pid"] == loop.os.getpid() and me["host"] == socket.gethostname()
+    assert me["pid"] == os.getpid() and me["host"] == socket.gethostname()
     with pytest.raises(ValueError, match="in use by another run"):
-        loop.acquire_lock(out)
-    loop.release_lock(path)
+        runfolder.acquire_lock(out)
+    runfolder.release_lock(path)
     assert not path.exists()
 
     dead = _dead_pid()
     _write_lock(out, socket.gethostname(), dead)
-    with caplog.at_level(logging.WARNING, logger="orthoptim.train.loop"):
-        path = loop.acquire_lock(out)
-    assert json.loads(path.read_text())["pid"] == loop.os.getpid()
+    with caplog.at_level(logging.WARNING, logger="orthoptim.train.runfolder"):
+        path = runfolder.acquire_lock(out)
+    assert json.loads(path.read_text())["pid"] == os.getpid()
     assert "stale lock" in caplog.text and f"pid {dead}" in caplog.text
-    loop.release_lock(path)
+    runfolder.release_lock(path)
     assert sorted(p.name for p in out.iterdir()) == []
 
     other = _write_lock(out, "elsewhere.example", dead)
     with pytest.raises(ValueError, match=r"another machine \(host elsewhere.example") as e:
-        loop.acquire_lock(out)
+        runfolder.acquire_lock(out)
     assert f"remove {other}" in str(e.value)
-    loop.release_lock(other)  # not ours: left alone
+    runfolder.release_lock(other)  # not ours: left alone
     assert other.exists()
 
 
@@ -208,9 +209,9 @@ def test_run_under_torchrun_checks_the_folder(tmp_path, runs):
     before = _snapshot(out)
     args = TrainArgs(config="tiny", steps=4, batch=2, eval_batches=1, out=str(out), progress=False)
     with pytest.raises(ValueError, match="holds a run"):
-        loop.run(args)
+        launcher.run(args)
     args.resume = True
-    result = loop.run(args)
+    result = launcher.run(args)
     assert result["nothing_to_do"] == f"--out {out} finished at step 4; nothing to do"
     assert result["final_val_loss"] is not None
     assert _snapshot(out) == before

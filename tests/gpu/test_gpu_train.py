@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from orthoptim.train.loop import TrainArgs
+from orthoptim.train.args import TrainArgs
 
 STEPS = 6
 # Seconds one run may take (the tiny GPT: 20–45 s on 2 CPU cores in bf16; compiling the

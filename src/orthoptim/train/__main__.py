@@ -10,7 +10,7 @@ import sys
 import torch.distributed as dist
 
 from orthoptim.train.cli import add_train_arguments, train_args_from
-from orthoptim.train.loop import run
+from orthoptim.train.launcher import run
 
 
 def main(argv: list[str] | None = None) -> int:

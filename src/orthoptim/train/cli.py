@@ -9,8 +9,9 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from orthoptim.train import devices
+from orthoptim.train.args import OPTIMIZERS, TrainArgs
 from orthoptim.train.devices import PRECISIONS
-from orthoptim.train.loop import OPTIMIZERS, TrainArgs, launch
+from orthoptim.train.launcher import launch
 from orthoptim.train.model import CONFIGS
 
 NPROC_HELP = (

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from orthoptim.train import devices
+from orthoptim.train.args import DEFAULT_LR, TrainArgs
 from orthoptim.train.devices import plan_ranks
-from orthoptim.train.loop import DEFAULT_LR, TrainArgs, launch, read_metrics
+from orthoptim.train.launcher import launch
+from orthoptim.train.runfolder import read_metrics
 
 COMPARED = ("adamw", "muon")
 # --sweep: the matrix optimizer's LR grid (AdamW: every parameter; Muon: hidden matrices).

@@ -1,0 +1,155 @@
+"""What one training run is: `TrainArgs`, the flags of `orthoptim train` one to one, and the
+checks that refuse a bad value naming its flag."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from orthoptim.train.devices import PRECISIONS
+from orthoptim.train.model import check_tensor_parallel, get_config
+
+OPTIMIZERS = ("muon", "adamw", "soap")
+
+
+# Learning rates tuned on the tiny config at compare's defaults (100 steps of 32 x 128 tokens;
+# AdamW over {1.5e-3, 3e-3, 6e-3}, Muon over {0.02, 0.05, 0.1}, best final validation loss):
+# the matrix optimizer's LR, and the AdamW LR used for everything under "adamw" and for
+# embeddings / head / gains otherwise. SOAP's is AdamW's (it runs Adam in a rotated basis).
+DEFAULT_LR = {"muon": 0.05, "adamw": 3e-3, "soap": 3e-3}
+
+
+DEFAULT_ADAMW_LR = 3e-3
+
+
+@dataclass
+class TrainArgs:
+    """Everything one training run needs; the CLI flags map one to one onto these fields."""
+
+    optimizer: str = "muon"
+    config: str = "tiny"
+    steps: int = 200
+    batch: int = 16  # sequences per rank per step
+    lr: float | None = None  # None → DEFAULT_LR[optimizer]
+    adamw_lr: float | None = None  # None → DEFAULT_ADAMW_LR (embeddings, head, gains)
+    weight_decay: float = 0.0
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    eval_every: int = 10
+    eval_batches: int = 8
+    ckpt_every: int = 50
+    out: str = "runs/train"
+    resume: bool = False
+    overwrite: bool = False  # remove the run --out holds and start afresh
+    stop_after: int | None = None  # leave after this step (as if interrupted)
+    seed: int = 0
+    data: str | None = None
+    tp: int = 1
+    fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
+    qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
+    grad_clip: float = 1.0  # global gradient-norm clipping threshold; 0 → off
+    precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on CUDA, fp32 on CPU
+    compile: bool = False  # torch.compile every transformer block
+    shared_gpu: bool = False  # every rank on cuda:0 over "cuda:gloo" (multi-rank tests, 1 GPU)
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Reject bad values up front, naming the flag."""
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        get_config(self.config)
+        for name in ("steps", "batch", "eval_every", "eval_batches", "ckpt_every", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.qk_clip is not None and self.qk_clip < 0:
+            raise ValueError(f"--qk-clip must be >= 0 (0: off), got {self.qk_clip}")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(
+                f"--grad-clip must be a finite number >= 0 (0: off), got {self.grad_clip}"
+            )
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        for name in ("lr", "adamw_lr"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "--resume continues the run in --out and --overwrite replaces it; pass one"
+            )
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(
+                f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
+            )
+        if self.fsdp and self.optimizer == "soap":
+            raise ValueError(
+                "--fsdp runs --optimizer muon or adamw: FSDPOptimizer steps SOAP, but its "
+                "owner-held SOAP state has no sharded (DCP) checkpoint yet; drop --fsdp to train "
+                "SOAP with the layer-wise optimizer"
+            )
+        if self.compile and (self.fsdp or self.tp > 1):
+            flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
+            raise ValueError(
+                f"--compile with {flag}: compiling blocks whose modules carry FSDP2's or tensor "
+                "parallelism's hooks is not wired into `orthoptim train`; drop --compile (it "
+                "runs with the layer-wise optimizer)"
+            )
+        if self.fsdp and self.qk_clip_tau is not None:
+            raise ValueError(
+                f"--fsdp does not run QK-clip yet (it would rescale rows of sharded q/k "
+                f"weights); pass --qk-clip 0 with --config {self.config}"
+            )
+        if self.tp > 1:
+            if self.fsdp:
+                raise ValueError(
+                    f"--fsdp with --tp {self.tp}: FSDP2 sharding of a tensor-parallel model is "
+                    "not wired into `orthoptim train`; use one of them"
+                )
+            if self.optimizer != "muon":
+                raise ValueError(
+                    f"--tp {self.tp} runs with --optimizer muon (its Newton-Schulz is tensor-"
+                    f"parallel), got --optimizer {self.optimizer}; use --tp 1 for it"
+                )
+            check_tensor_parallel(get_config(self.config), self.tp)
+            if self.qk_clip_tau is not None:
+                raise ValueError(
+                    f"--tp {self.tp}: MuonClip (--qk-clip {self.qk_clip_tau}) rescales whole "
+                    "query/key heads and does not run on tensor-parallel shards; pass --qk-clip 0"
+                )
+
+    def check_nproc(self, nproc: int) -> None:
+        """Refuse a number of ranks the tensor-parallel size does not divide."""
+        if nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        if nproc % self.tp:
+            raise ValueError(
+                f"--nproc {nproc} must be a multiple of --tp {self.tp} (ranks form a "
+                f"(data-parallel, tensor-parallel) mesh of nproc/tp × tp)"
+            )
+
+    @property
+    def matrix_lr(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    @property
+    def qk_clip_tau(self) -> float | None:
+        """The MuonClip threshold of this run (None: no clipping)."""
+        tau = self.qk_clip if self.qk_clip is not None else get_config(self.config).qk_clip
+        return tau or None
+
+    @property
+    def embed_lr(self) -> float:
+        return self.adamw_lr if self.adamw_lr is not None else DEFAULT_ADAMW_LR
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
