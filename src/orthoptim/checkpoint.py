@@ -34,14 +34,16 @@ checkpoint, as torch does; every other hyper-parameter must be equal.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import math
 import os
+import pickle
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -90,7 +92,8 @@ class CheckpointMismatchError(ValueError):
 
 
 class CheckpointLoadError(Exception):
-    """A checkpoint could not be read (missing or damaged files). Raised in place of
+    """A checkpoint could not be read (missing or damaged files), or was refused because
+    loading it would run code it pickled (`load_file`). Raised in place of
     torch.distributed.checkpoint's `CheckpointException`, a BaseException that
     `except Exception` would not catch; the original is its `__cause__`."""
 
@@ -734,7 +737,7 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
 def load_sharded_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Install a dict read with DCP (keys as `sharded_state_dict`, for the parameters this
     rank owns now, whatever world size wrote them); validates first, lists every mismatch."""
-    saved_meta = _unpack(sd[_META_KEY])
+    saved_meta = _unpack(sd[_META_KEY], f"the state dict's {_META_KEY!r} entry")
     validate(opt, saved_meta)
     state: dict[str, dict[str, Any]] = {}
     masters: dict[str, Tensor] = {}
@@ -876,8 +879,46 @@ def _pack(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+def _unpack(data: bytes, source: str) -> Any:
+    """What `_pack` serialised, read as `_safe_load` reads files (`source` names it in errors)."""
+    return _safe_load(io.BytesIO(data), source)
+
+
+def _safe_load(f: str | IO[bytes], source: str, map_location: Any = None) -> Any:
+    """`torch.load(f, weights_only=True)`. Everything orthoptim saves (optimizer, full and
+    sharded state dicts, their metadata) is made of what that allows by default: tensors,
+    dicts, lists, tuples, str, int, float, bool, None, torch.dtype, torch.Size; so nothing
+    is added to the allow-list. Anything else is refused with a `CheckpointLoadError` that
+    names `source` and the globals it wanted."""
+    try:
+        return torch.load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if not isinstance(f, str):
+            f.seek(0)
+        try:
+            wanted = torch.serialization.get_unsafe_globals_in_checkpoint(f)
+        except Exception:
+            wanted = []
+        if not wanted:  # torch's own reason, without its advice around it
+            why = str(exc.__cause__ or exc.__context__ or exc)
+            raise CheckpointLoadError(
+                f"refused to load {source}: torch.load(weights_only=True) cannot read it "
+                f"({why}): it is damaged, not a torch.save file, or holds objects that only "
+                "an unrestricted load builds, which may execute code it pickled; if you trust "
+                "its source, load it with torch.load(weights_only=False) yourself"
+            ) from exc
+        raise _refused(source, wanted) from exc
+
+
+def _refused(source: str, wanted: list[str]) -> CheckpointLoadError:
+    """The error for a file (`source`) refused because it needs the globals `wanted`."""
+    return CheckpointLoadError(
+        f"refused to load {source}: it needs the global(s) {', '.join(wanted)}, which "
+        "torch.load(weights_only=True) does not allow: loading it would execute code it "
+        "pickled. orthoptim's own checkpoints hold only tensors, numbers, strings and "
+        "containers of them; if you trust its source, load it with "
+        "torch.load(weights_only=False) yourself"
+    )
 
 
 @contextlib.contextmanager
@@ -893,6 +934,99 @@ def _dcp() -> Any:
     import torch.distributed.checkpoint as dcp
 
     return dcp
+
+
+# What the `.metadata` pickle of a DCP checkpoint may name: DCP's metadata records and what
+# they hold. Checked before anything is imported; torch dtypes are allowed too.
+_DCP_METADATA_GLOBALS = frozenset(
+    [
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "StorageMeta",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ]
+    + [
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+    ]
+    # Python 3.13 pickles paths from pathlib._local
+    + [(m, c) for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "WindowsPath")]
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads a DCP `.metadata` pickle (`source`), refusing every global outside
+    `_DCP_METADATA_GLOBALS` and torch dtypes."""
+
+    def __init__(self, file: IO[bytes], source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in _DCP_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise _refused(self.source, [f"{module}.{name}"])
+
+
+@functools.cache
+def _safe_dcp() -> tuple[type, type]:
+    """DCP's file reader and load planner, made to unpickle nothing that
+    `torch.load(weights_only=True)` would refuse: DCP reads `.metadata` with `pickle.load`
+    and non-tensor items with `torch.load(weights_only=False)`."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            # FileSystemReader.read_metadata with a restricted unpickler
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f, os.fspath(path)).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def __init__(self, path: str) -> None:
+            super().__init__()
+            self.path = path
+
+        def load_bytes(self, read_item: Any, value: IO[bytes]) -> None:
+            fqn = read_item.dest_index.fqn
+            obj = _safe_load(value, f"{fqn!r} of checkpoint {self.path}")
+            # the parent places it in the state dict; what it unpickles is only what passed
+            super().load_bytes(read_item, io.BytesIO(_pack(obj)))
+
+    return Reader, Planner
+
+
+def dcp_load(
+    state_dict: dict[str, Any], path: str | os.PathLike[str], process_group: Any = None
+) -> None:
+    """`torch.distributed.checkpoint.load(state_dict, checkpoint_id=path, process_group=...)`
+    that unpickles only what `torch.load(weights_only=True)` allows (and DCP's own metadata
+    records): a checkpoint that would run code while loading is refused instead. Any failure
+    to read raises `CheckpointLoadError` (an Exception, unlike DCP's `CheckpointException`)
+    naming every rank's reason. Collective over `process_group`."""
+    reader, planner = _safe_dcp()
+    path = os.fspath(path)
+    with _quiet(), _reading(path):
+        _dcp().load(
+            state_dict,
+            storage_reader=reader(path),
+            planner=planner(path),
+            process_group=process_group,
+        )
 
 
 def _group(opt: torch.optim.Optimizer) -> Any:
@@ -983,26 +1117,28 @@ def load_sharded(
     one `CheckpointMismatchError` and neither the model nor the optimizer is touched.
     Returns the `extra` values saved with it. Collective: call on every rank. A checkpoint
     that cannot be read (missing or damaged files) raises `CheckpointLoadError`, an
-    Exception, in place of DCP's `CheckpointException` (a BaseException).
+    Exception, in place of DCP's `CheckpointException` (a BaseException); so does one that
+    would run code while loading (nothing is unpickled beyond what
+    `torch.load(weights_only=True)` allows, `dcp_load`), before anything is changed.
     """
-    dcp = _dcp()
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     check_optimizer(opt)
     group = _group(opt)
     path = resolve(path)
+    reader, _ = _safe_dcp()
     try:
-        stored = FileSystemReader(path).read_metadata().state_dict_metadata
+        stored = reader(path).read_metadata().state_dict_metadata
+    except CheckpointLoadError:
+        raise
     except Exception as exc:
         raise CheckpointLoadError(
             f"could not read the metadata of checkpoint {path}: {type(exc).__name__}: {exc}"
         ) from exc
     with C.phase("checkpoint load (metadata)", group):
         head: dict[str, Any] = {_META_KEY: None}
-        with _quiet(), _reading(path):
-            dcp.load(head, checkpoint_id=path, process_group=group)
-    saved_meta = _unpack(head[_META_KEY])
+        dcp_load(head, path, group)
+    saved_meta = _unpack(head[_META_KEY], f"{_META_KEY!r} of checkpoint {path}")
     mismatches = compare(saved_meta, describe(opt))
     model_sd = model.state_dict() if model is not None else {}
     if model is not None:
@@ -1054,14 +1190,19 @@ def load_sharded(
             want[key] = _template(md, owned_params.get(name, named.get(name)))
     fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}
     want.update(fresh_model)
-    with C.phase("checkpoint load", group), _quiet(), _reading(path):
-        dcp.load(want, checkpoint_id=path, process_group=group)
-    # Both reads succeeded: only now change anything.
+    with C.phase("checkpoint load", group):
+        dcp_load(want, path, group)
+    extra = {
+        k[len("extra/") :]: _unpack(v, f"{k!r} of checkpoint {path}")
+        for k, v in want.items()
+        if k.startswith("extra/")
+    }
+    # Everything was read (and nothing refused): only now change anything.
     with torch.no_grad():
         for k, v in model_sd.items():
             v.copy_(fresh_model[f"model/{k}"])
     load_sharded_state_dict(opt, {**want, _META_KEY: head[_META_KEY]})
-    return {k[len("extra/") :]: _unpack(v) for k, v in want.items() if k.startswith("extra/")}
+    return extra
 
 
 # -- single-file atomic save ------------------------------------------------------------------
@@ -1104,6 +1245,15 @@ def atomic_save(
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def load_file(path: str | os.PathLike[str], map_location: Any = "cpu") -> Any:
+    """Load a checkpoint file (an optimizer's state dict, `full_state_dict`, a model's state
+    dict; tensors onto `map_location`) with `torch.load(weights_only=True)`: a file that
+    would run code while loading is refused with a `CheckpointLoadError` naming what it
+    wanted, instead of running it."""
+    path = os.fspath(path)
+    return _safe_load(path, path, map_location)
+
+
 def atomic_load(path: str | os.PathLike[str], map_location: Any = "cpu") -> Any:
-    """Load what `atomic_save` wrote (tensors onto `map_location`)."""
-    return torch.load(os.fspath(path), map_location=map_location, weights_only=False)
+    """Load what `atomic_save` wrote, as `load_file` does."""
+    return load_file(path, map_location)

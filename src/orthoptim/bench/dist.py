@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from orthoptim.bench import emit, environment
+from orthoptim.checkpoint import load_file
 from orthoptim.optim.base import local_shard
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.parallel import collectives as C
@@ -286,10 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(_rank_main, args=(world, port, outdir, args), nprocs=world, join=True)
-        per_rank = [
-            torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
-            for r in range(world)
-        ]
+        per_rank = [load_file(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
     rows: dict[str, dict[str, Any]] = {}
     for m in args.methods:
         rs = [pr[m] for pr in per_rank]

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from torch.utils.flop_counter import FlopCounterMode
 
 from orthoptim import kernels
+from orthoptim.checkpoint import load_file
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.parallel import collectives
 from orthoptim.parallel.collectives import CommStats
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_worker, args=(args.nproc, port, outdir, args), nprocs=args.nproc, join=True)
-        return torch.load(os.path.join(outdir, "result.pt"), weights_only=False)
+        return load_file(os.path.join(outdir, "result.pt"))
 
 
 def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
