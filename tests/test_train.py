@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,7 @@ def layerwise_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return full
 
 
-def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
+def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run, capsys):
     full = layerwise_run
     step6 = "checkpoints/step_000006"
     for f in ("metrics.jsonl", "result.json", "logs/rank0.log", "logs/rank1.log",
@@ -170,6 +171,16 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
     part = tmp_path / "part"
     assert _train(part, "--stop-after", "3") == 0
     assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3]
+    # Every rank refuses a checkpoint whose bytes changed (rank 0 checks, all follow).
+    damaged = tmp_path / "damaged"
+    shutil.copytree(part, damaged)
+    optim = damaged / "checkpoints/step_000003/optim.pt"
+    data = bytearray(optim.read_bytes())
+    data[-100] ^= 1
+    optim.write_bytes(bytes(data))
+    assert _train(damaged, "--resume") != 0
+    err = capsys.readouterr().err
+    assert "no intact checkpoint" in err and "optim.pt fails its SHA-256 check" in err, err
     assert _train(part, "--resume") == 0
     resumed = _metrics(part)
     assert [r["step"] for r in resumed] == list(range(7))
@@ -312,3 +323,4 @@ def test_compare_sweep_keeps_each_optimizers_best_lr(tmp_path):
     assert summary["runs"]["adamw"]["final_val_loss"] == tried[best]
     assert summary["runs"]["muon"]["lr"] == 0.05
     assert (out / "muon" / "metrics.jsonl").exists()
+

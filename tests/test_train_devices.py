@@ -257,14 +257,14 @@ def test_train_issues_no_collective_past_parallel_collectives():
 
 def _loop_collectives(rank, world_size):
     """Under "cuda:gloo" (CUDA tensors only, as under NCCL) on a machine without a GPU, the
-    loop's helpers must make their tensors for CUDA (which fails here: no CUDA), never hand
-    the backend a CPU tensor (refused by `collectives` as a CollectiveDeviceError)."""
+    loop's collectives (`sum_floats`, `gather_floats`, `barrier`) must make their tensors for
+    CUDA (which fails here: no CUDA), never hand the backend a CPU tensor (refused by
+    `collectives` as a CollectiveDeviceError)."""
     from orthoptim.parallel import collectives
-    from orthoptim.train import loop
 
     calls = {
-        "sum": lambda: loop._all_sum([1.0, 2.0], world_size),
-        "gather": lambda: loop._all_gather_floats([1.0], world_size),
+        "sum": lambda: collectives.sum_floats([1.0, 2.0]),
+        "gather": lambda: collectives.gather_floats([1.0]),
         "barrier": collectives.barrier,
     }
     outcome = {}

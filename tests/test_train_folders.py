@@ -207,7 +207,9 @@ def test_run_under_torchrun_checks_the_folder(tmp_path, runs):
     """`run` (each rank under torchrun; here one process, rank 0) applies the same rules."""
     out = _copy(runs["finished"], tmp_path / "A")
     before = _snapshot(out)
-    args = TrainArgs(config="tiny", steps=4, batch=2, eval_batches=1, out=str(out), progress=False)
+    args = TrainArgs(
+        config="tiny", steps=4, batch=2, warmup=1, eval_batches=1, out=str(out), progress=False
+    )
     with pytest.raises(ValueError, match="holds a run"):
         launcher.run(args)
     args.resume = True

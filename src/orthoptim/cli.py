@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -37,7 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # a second Ctrl-C during interpreter shutdown would print a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("orthoptim: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

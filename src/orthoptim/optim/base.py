@@ -21,7 +21,12 @@ NONFINITE_POLICIES = ("raise", "skip")
 
 
 class NonFiniteGradientError(ValueError):
-    """A gradient holds NaN or Inf under the `nonfinite="raise"` policy."""
+    """A gradient holds NaN or Inf under the `nonfinite="raise"` policy; `names` lists the
+    parameters whose gradients do."""
+
+    def __init__(self, message: str, names: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.names = names or []
 
 
 def check_nonfinite_policy(policy: str) -> str:
@@ -79,7 +84,8 @@ def enforce_nonfinite_policy(policy: str, names: list[str], world_size: int = 1)
         agreed = f" (agreed by all {world_size} ranks)" if world_size > 1 else ""
         raise NonFiniteGradientError(
             f"non-finite gradient (NaN or Inf) in {listed}{agreed}; optimizer state and "
-            "parameters are untouched. Pass nonfinite='skip' to skip such steps instead."
+            "parameters are untouched. Pass nonfinite='skip' to skip such steps instead.",
+            names,
         )
     everywhere = " on every rank" if world_size > 1 else ""
     message = f"skipping optimizer step{everywhere}: non-finite gradient in {listed}"

@@ -541,6 +541,27 @@ def barrier(group: Any = None, stats: CommStats | None = None) -> None:
     all_reduce(torch.zeros(1, device=device_for(group)), group=group, stats=stats, kind="barrier")
 
 
+def sum_floats(values: list[float], group: Any = None) -> list[float]:
+    """`values` summed over the ranks (float64, on the backend's device); unchanged without a
+    process group. For the small host-side numbers a training loop agrees on."""
+    if world(group)[1] == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device_for(group))
+    all_reduce(t, group=group)
+    return t.tolist()
+
+
+def gather_floats(values: list[float], group: Any = None) -> list[list[float]]:
+    """Every rank's `values` (the same length on every rank), in rank order."""
+    n = world(group)[1]
+    if n == 1:
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.float64, device=device_for(group))
+    out = t.new_empty(n * t.numel())
+    all_gather(out, t, group=group)
+    return out.view(n, -1).tolist()
+
+
 def _to_bytes(obj: Any, device: torch.device) -> Tensor:
     """`obj` serialised with torch.save, as a uint8 tensor on `device`."""
     buf = io.BytesIO()

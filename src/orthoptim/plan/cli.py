@@ -195,7 +195,15 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"orthoptim plan: error: {exc}", file=sys.stderr)
         return 2
     if args.plot:
-        plot_plan(plan, args.plot)
+        try:
+            plot_plan(plan, args.plot)
+        except OSError as exc:
+            print(
+                f"orthoptim plan: error: --plot {args.plot}: cannot write it "
+                f"({exc.strerror or exc}); pass a path in a writable folder",
+                file=sys.stderr,
+            )
+            return 2
     if args.json:
         json.dump(plan, sys.stdout, indent=1)
         print()

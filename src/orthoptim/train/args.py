@@ -21,6 +21,8 @@ DEFAULT_LR = {"muon": 0.05, "adamw": 3e-3, "soap": 3e-3}
 
 
 DEFAULT_ADAMW_LR = 3e-3
+DEFAULT_WEIGHT_DECAY = 0.0
+DEFAULT_GRAD_CLIP = 1.0
 
 
 @dataclass
@@ -33,7 +35,7 @@ class TrainArgs:
     batch: int = 16  # sequences per rank per step
     lr: float | None = None  # None → DEFAULT_LR[optimizer]
     adamw_lr: float | None = None  # None → DEFAULT_ADAMW_LR (embeddings, head, gains)
-    weight_decay: float = 0.0
+    weight_decay: float | None = None  # None → 0, or with --resume the checkpoint's
     warmup: int = 10
     min_lr_ratio: float = 0.1
     eval_every: int = 10
@@ -48,10 +50,13 @@ class TrainArgs:
     tp: int = 1
     fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
     qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
-    grad_clip: float = 1.0  # global gradient-norm clipping threshold; 0 → off
+    grad_clip: float | None = None  # global gradient-norm threshold; 0 → off; None → 1.0,
+    # or with --resume the checkpoint's
+    keep_checkpoints: int = 2  # the newest step folders kept
     precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on CUDA, fp32 on CPU
     compile: bool = False  # torch.compile every transformer block
     shared_gpu: bool = False  # every rank on cuda:0 over "cuda:gloo" (multi-rank tests, 1 GPU)
+    pg_timeout: float = 600.0  # s a rank waits in a collective; the watchdog's stall limit
     progress: bool = True
 
     def validate(self) -> None:
@@ -61,23 +66,35 @@ class TrainArgs:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         get_config(self.config)
-        for name in ("steps", "batch", "eval_every", "eval_batches", "ckpt_every", "tp"):
+        for name in (
+            "steps", "batch", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "tp"
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
-        if self.qk_clip is not None and self.qk_clip < 0:
-            raise ValueError(f"--qk-clip must be >= 0 (0: off), got {self.qk_clip}")
-        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+        if self.qk_clip is not None and not (math.isfinite(self.qk_clip) and self.qk_clip >= 0):
+            raise ValueError(f"--qk-clip must be a finite number >= 0 (0: off), got {self.qk_clip}")
+        if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
             raise ValueError(
-                f"--grad-clip must be a finite number >= 0 (0: off), got {self.grad_clip}"
+                f"--grad-clip must be a finite number >= 0 (0: off), got {self.clip_norm}"
             )
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         for name in ("lr", "adamw_lr"):
             v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v}")
+        if not (math.isfinite(self.decay) and self.decay >= 0):
+            raise ValueError(
+                f"--weight-decay must be a finite number >= 0 (0: off), got {self.decay}"
+            )
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if not (math.isfinite(self.pg_timeout) and self.pg_timeout > 0):
+            raise ValueError(
+                f"--pg-timeout must be a finite number of seconds > 0, got {self.pg_timeout}"
+            )
         if self.resume and self.overwrite:
             raise ValueError(
                 "--resume continues the run in --out and --overwrite replaces it; pass one"
@@ -145,6 +162,16 @@ class TrainArgs:
     @property
     def embed_lr(self) -> float:
         return self.adamw_lr if self.adamw_lr is not None else DEFAULT_ADAMW_LR
+
+    @property
+    def decay(self) -> float:
+        """The weight decay of this run (matrices and AdamW parameters alike)."""
+        return self.weight_decay if self.weight_decay is not None else DEFAULT_WEIGHT_DECAY
+
+    @property
+    def clip_norm(self) -> float:
+        """The global gradient-norm clipping threshold of this run (0: off)."""
+        return self.grad_clip if self.grad_clip is not None else DEFAULT_GRAD_CLIP
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

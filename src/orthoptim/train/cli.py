@@ -6,12 +6,10 @@ import argparse
 import json
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
 from orthoptim.train import devices
-from orthoptim.train.args import OPTIMIZERS, TrainArgs
+from orthoptim.train.args import DEFAULT_GRAD_CLIP, OPTIMIZERS, TrainArgs
 from orthoptim.train.devices import PRECISIONS
-from orthoptim.train.launcher import launch
+from orthoptim.train.launcher import RankFailedError, launch
 from orthoptim.train.model import CONFIGS
 
 NPROC_HELP = (
@@ -68,7 +66,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="AdamW LR for embeddings, head and gains under muon/soap (default 3e-3)",
     )
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="decoupled weight decay of every parameter group (default 0)",
+    )
     p.add_argument(
         "--qk-clip",
         type=float,
@@ -79,17 +82,28 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grad-clip",
         type=float,
-        default=d.grad_clip,
+        default=None,
         help="clip gradients to this global 2-norm before every step; the norm is logged as "
-        "grad_norm in metrics.jsonl (default %(default)s; 0: off)",
+        f"grad_norm in metrics.jsonl (default {DEFAULT_GRAD_CLIP}; 0: off)",
     )
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear LR warmup steps")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="checkpoint interval")
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=d.keep_checkpoints,
+        help="the newest step folders kept (default %(default)s); --resume falls back to an "
+        "older one when the newest is damaged",
+    )
     p.add_argument("--out", default=d.out, help="output folder (metrics, logs, checkpoints)")
     p.add_argument(
-        "--resume", action="store_true", help="continue from the last checkpoint in --out"
+        "--resume",
+        action="store_true",
+        help="continue from the newest intact checkpoint in --out; --lr, --adamw-lr, "
+        "--weight-decay, --grad-clip and --qk-clip left off keep the run's values, given "
+        "they apply from the checkpoint's step (with a notice)",
     )
     p.add_argument(
         "--overwrite",
@@ -108,6 +122,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--data", default=None, help="a text file or folder (default: Python's stdlib source)"
     )
     add_device_arguments(p)
+    p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=d.pg_timeout,
+        metavar="SECONDS",
+        help="how long a rank waits for the others in a collective, and how long a rank may go "
+        "without a heartbeat before the run is stopped naming it (default %(default)g)",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
@@ -125,10 +147,8 @@ def _train_cmd(ns: argparse.Namespace) -> int:
     args = train_args_from(ns)
     try:
         result = launch(args, ns.nproc)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RankFailedError) as e:
         return _fail(str(e))
-    except ChildFailedError as e:
-        return _fail(f"a rank failed ({e.get_first_failure()[1].message}); see {args.out}/logs")
     if "nothing_to_do" in result:
         print(result["nothing_to_do"])
         return 0
@@ -162,10 +182,8 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         opts = opts.resolve(devices.visible_gpus())
         opts.validate()
         summary = run_compare(opts)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RankFailedError) as e:
         return _fail(str(e))
-    except ChildFailedError as e:
-        return _fail(f"a rank failed ({e.get_first_failure()[1].message}); see {opts.out}/*/logs")
     print(table(summary))
     print(f"\nwrote {opts.out}/report.md, loss.png, summary.json")
     return 0

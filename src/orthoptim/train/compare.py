@@ -12,6 +12,7 @@ CUDA the GPU-sized `base` model on one rank per GPU in bf16.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_LR, TrainArgs
 from orthoptim.train.devices import plan_ranks
-from orthoptim.train.launcher import launch
+from orthoptim.train.launcher import check_out, launch
 from orthoptim.train.runfolder import read_metrics
 
 COMPARED = ("adamw", "muon")
@@ -85,6 +86,9 @@ class CompareArgs:
         """Refuse option values the comparison cannot honour, naming the flag."""
         if self.segments < 1:
             raise ValueError(f"--segments must be at least 1, got {self.segments}")
+        for flag, lr in (("--adamw-lr", self.adamw_lr), ("--muon-lr", self.muon_lr)):
+            if lr is not None and not (math.isfinite(lr) and lr > 0):
+                raise ValueError(f"{flag} must be a finite number > 0, got {lr}")
         for name in ("adamw", "muon"):
             self.train_args(name, DEFAULT_LR[name], Path(self.out)).validate()
 
@@ -320,7 +324,7 @@ def run_compare(opts: CompareArgs) -> dict[str, Any]:
     opts = opts.resolve(devices.visible_gpus())
     opts.validate()
     out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_out(out)
     chosen = {"adamw": opts.adamw_lr, "muon": opts.muon_lr}
     swept = {name for name in COMPARED if opts.sweep and chosen[name] is None}
     runs: list[tuple[str, float, Path]] = []

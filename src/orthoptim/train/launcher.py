@@ -8,10 +8,16 @@ NCCL, or with `--shared-gpu` every rank on cuda:0 over "cuda:gloo".
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
+import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,15 +27,27 @@ from orthoptim.train import devices
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import load_corpus
 from orthoptim.train.devices import plan_ranks
-from orthoptim.train.loop import _all_sum, _setup_logging, train
+from orthoptim.train.loop import _setup_logging, train
 from orthoptim.train.model import get_config
-from orthoptim.train.runfolder import _nothing_to_do, acquire_lock, claim_out, release_lock
+from orthoptim.train.runfolder import (
+    _atomic_write_text,
+    _nothing_to_do,
+    acquire_lock,
+    claim_out,
+    release_lock,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 
-def _init_distributed(shared_gpu: bool = False) -> tuple[int, int, torch.device]:
+def _init_distributed(
+    shared_gpu: bool = False, timeout: float | None = None
+) -> tuple[int, int, torch.device]:
     """Take this rank's device (`plan_ranks` over this machine's ranks: cuda:LOCAL_RANK, cuda:0
     with `shared_gpu`, or the CPU) and join the process group the launcher described in the
-    environment (if any) with the plan's backend (NCCL, "cuda:gloo" or gloo)."""
+    environment (if any) with the plan's backend (NCCL, "cuda:gloo" or gloo); `timeout`
+    (--pg-timeout, seconds) bounds every wait of its collectives."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
@@ -39,8 +57,10 @@ def _init_distributed(shared_gpu: bool = False) -> tuple[int, int, torch.device]
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         # NCCL binds the rank to its GPU at init (no guessing the device of a barrier).
-        bind = {"device_id": device} if plan.backend == "nccl" else {}
-        dist.init_process_group(plan.backend, **bind)
+        kw: dict[str, Any] = {"device_id": device} if plan.backend == "nccl" else {}
+        if timeout is not None:
+            kw["timeout"] = datetime.timedelta(seconds=timeout)
+        dist.init_process_group(plan.backend, **kw)
     rank, world_size = collectives.world()
     if device.type == "cuda":
         return rank, world_size, device
@@ -57,18 +77,19 @@ def run(args: TrainArgs) -> dict[str, Any]:
     Returns the run's summary (the content of result.json) on every rank.
     """
     args.validate()
-    rank, world_size, _ = _init_distributed(args.shared_gpu)
+    rank, world_size, _ = _init_distributed(args.shared_gpu, args.pg_timeout)
     out = Path(args.out)
     lock, done, error = None, None, None
     if rank == 0:
         try:
+            check_out(out)
             lock = acquire_lock(out)
             done = claim_out(args, world_size)
         except (ValueError, FileNotFoundError) as e:
             error = e
     # rank 0's verdict: 0 train, 1 nothing to do, 2 refused
-    (verdict,) = _all_sum([float(2 if error else 1 if done else 0) if rank == 0 else 0.0],
-                          world_size)  # fmt: skip
+    mine = float(2 if error else 1 if done else 0) if rank == 0 else 0.0
+    (verdict,) = collectives.sum_floats([mine])
     try:
         if error is not None:
             raise error
@@ -85,7 +106,7 @@ def run(args: TrainArgs) -> dict[str, Any]:
 def _run_rank(args: TrainArgs) -> dict[str, Any]:
     """One rank's training, --out already checked."""
     args.validate()
-    rank, world_size, device = _init_distributed(args.shared_gpu)
+    rank, world_size, device = _init_distributed(args.shared_gpu, args.pg_timeout)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
@@ -93,18 +114,19 @@ def _run_rank(args: TrainArgs) -> dict[str, Any]:
     try:
         return train(args, rank, world_size, device, out, log)
     finally:
-        for h in list(log.handlers):
-            log.removeHandler(h)
-            h.close()
+        _close(log)
+
+
+def _close(log: logging.Logger) -> None:
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
 
 
 def _elastic_entry(args_dict: dict[str, Any]) -> dict[str, Any]:
-    """What each rank started by `launch` runs (module level, so it pickles)."""
-    try:
-        return _run_rank(TrainArgs.from_dict(args_dict))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    """What each rank started by `launch` runs (module level, so it pickles): the rank's
+    training with a heartbeat for the launcher's watchdog and its failure recorded."""
+    return _run_recorded(TrainArgs.from_dict(args_dict), heartbeat=True)
 
 
 def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
@@ -121,6 +143,7 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
     args.check_nproc(nproc)
     out = Path(args.out)
     created = not out.exists()
+    check_out(out)
     lock = acquire_lock(out)
     try:
         done = claim_out(args, nproc)
@@ -137,8 +160,19 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
 
 
 def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
+    """Run the ranks; a failure comes back as one `RankFailedError` (the first failing rank's
+    exception, or the rank the watchdog found stalled), Ctrl-C as KeyboardInterrupt, and
+    torch's launcher reports go to OUT/logs/launcher.log instead of the terminal."""
+    logs = Path(args.out) / "logs"
+    _clear_records(logs)
     if nproc == 1:
-        return _run_rank(args)
+        try:
+            return _run_recorded(args, heartbeat=False)
+        except Exception as exc:
+            message = _failure_message(logs, 1, args.pg_timeout, local=exc)
+            raise RankFailedError(message) from exc
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -155,9 +189,335 @@ def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
     # Ranks share this machine's cores; one thread each unless the user set OMP_NUM_THREADS.
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = saved or str(max(1, (os.cpu_count() or 1) // nproc))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    watchdog = _Watchdog(logs, nproc, args.pg_timeout)
     try:
-        results = elastic_launch(config, _elastic_entry)(args.to_dict())
+        with _launcher_log(logs / LAUNCHER_LOG):
+            watchdog.start()
+            results = elastic_launch(config, _elastic_entry)(args.to_dict())
+    except SignalException as exc:
+        if exc.sigval != signal.SIGINT:
+            raise
+        raise KeyboardInterrupt from None
+    except ChildFailedError as exc:
+        message = _failure_message(logs, nproc, args.pg_timeout, exc, watchdog.found)
+        raise RankFailedError(message) from exc
     finally:
+        watchdog.stop()
+        if threading.current_thread() is threading.main_thread():  # where it installs its own
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         if saved is None:
             del os.environ["OMP_NUM_THREADS"]
     return results[0]
+
+
+# -- failures: each rank records its own, the launcher reports the first one ----------------
+
+LAUNCHER_LOG = "launcher.log"  # torch's launcher reports and the watchdog's, under OUT/logs
+FAILURE_FILE = "rank{rank}.error.json"
+HEARTBEAT_FILE = "rank{rank}.heartbeat.json"
+HEARTBEAT_S = 1.0
+MESSAGE_CHARS = 400  # an exception's message is cut to this in the one-line report
+_LOG = logging.getLogger("orthoptim.launcher")
+
+
+class RankFailedError(RuntimeError):
+    """A rank failed or stalled; the message is the one-line report (rank, phase, exception,
+    the log holding its traceback)."""
+
+
+def check_out(out: Path, flag: str = "--out") -> None:
+    """Refuse a run folder that cannot be created or written (a file, a read-only or virtual
+    file system), naming `flag` and the OS's reason, before anything starts."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {out} is a file; pass a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(
+            f"{flag} {out}: cannot write a run folder there ({e.strerror or e}); "
+            "pass a writable folder"
+        ) from e
+
+
+class _Progress:
+    """This process's optimizer steps, as torch's global step hooks see them: the last step
+    done (counting from `start`, where a resumed run continues) and whether one is under way.
+    The loop's optimizers nest (an outer step steps inner ones), so the steps done are the
+    most any one optimizer took."""
+
+    def __init__(self, start: int) -> None:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self.start, self.done = start, 0
+        self._begun: dict[int, int] = {}
+        self._ended: dict[int, int] = {}
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._pre),
+            register_optimizer_step_post_hook(self._post),
+        ]
+
+    def _pre(self, opt: Any, *_: Any) -> None:
+        self._begun[id(opt)] = self._begun.get(id(opt), 0) + 1
+
+    def _post(self, opt: Any, *_: Any) -> None:
+        self._ended[id(opt)] = n = self._ended.get(id(opt), 0) + 1
+        self.done = max(self.done, n)
+
+    @property
+    def step(self) -> int:
+        return self.start + self.done
+
+    def phase(self) -> str:
+        """Where the rank is: before step 1, in the optimizer step of step N, or after step N
+        (its forward, backward, evaluation or checkpoint)."""
+        if any(n > self._ended.get(k, 0) for k, n in self._begun.items()):
+            return f"in the optimizer step of step {self.step + 1}"
+        return f"after step {self.step}" if self.step else "before step 1"
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def _resume_step(args: TrainArgs) -> int:
+    """The step a --resume run continues from (0 otherwise, or when unreadable)."""
+    if not args.resume:
+        return 0
+    info = _read_json(Path(args.out) / "checkpoints" / "latest.json")
+    return int(info.get("step", 0)) if info else 0
+
+
+class _Heartbeat:
+    """A thread writing {"pid", "step", "time"} to OUT/logs/rank{R}.heartbeat.json every
+    HEARTBEAT_S. It keeps beating while the rank waits in a collective and stops when the
+    process is stopped or hangs holding the interpreter: what the launcher's watchdog looks
+    for. The file is removed when the rank ends, so one left behind marks a rank that died."""
+
+    def __init__(self, path: Path, progress: _Progress) -> None:
+        self.path, self.progress = path, progress
+        self._stop = threading.Event()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
+        self._thread = threading.Thread(target=self._beat, name="orthoptim-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        beat = dict(pid=os.getpid(), step=self.progress.step, time=time.time())
+        _atomic_write_text(json.dumps(beat), self.path)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                self._write()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.path.unlink(missing_ok=True)
+
+
+def _run_recorded(args: TrainArgs, heartbeat: bool) -> dict[str, Any]:
+    """`_run_rank`, its failure written to the rank's log (with the traceback) and to
+    OUT/logs/rank{R}.error.json for the launcher to report; with `heartbeat` a `_Heartbeat`
+    beats meanwhile. Ctrl-C (KeyboardInterrupt) is no failure: it is not recorded."""
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(args.out)
+    progress = _Progress(_resume_step(args))
+    path = out / "logs" / HEARTBEAT_FILE.format(rank=rank)
+    beat = _Heartbeat(path, progress) if heartbeat else None
+    joins = not dist.is_initialized()  # the group this rank joins is its own to end
+    try:
+        return _run_rank(args)
+    except Exception as exc:
+        _record_failure(out, rank, exc, progress.phase())
+        raise
+    finally:
+        if beat is not None:
+            beat.stop()
+        progress.close()
+        if joins and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _record_failure(out: Path, rank: int, exc: Exception, phase: str) -> None:
+    # A rank whose collective failed (a peer died or stalled) is usually not the cause.
+    knock_on = type(exc) is collectives.CollectiveError or isinstance(exc, dist.DistError)
+    record = dict(
+        rank=rank,
+        type=type(exc).__name__,
+        message=str(exc),
+        phase=phase,
+        knock_on=knock_on,
+        time=time.time(),
+        log=str(out / "logs" / f"rank{rank}.log"),
+    )
+    with contextlib.suppress(OSError):
+        log = _setup_logging(out, rank)
+        try:
+            log.error("failed %s", phase, exc_info=exc)
+        finally:
+            _close(log)
+        _atomic_write_text(json.dumps(record), out / "logs" / FAILURE_FILE.format(rank=rank))
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _clear_records(logs: Path) -> None:
+    """Remove a previous launch's failure records and heartbeats from `logs`."""
+    for pattern in (FAILURE_FILE, HEARTBEAT_FILE):
+        for path in logs.glob(pattern.format(rank="*")):
+            path.unlink(missing_ok=True)
+
+
+def _stalled(logs: Path, nproc: int, limit: float) -> tuple[int, dict[str, Any], float] | None:
+    """The rank whose heartbeat is oldest, if older than `limit` seconds: (rank, its last
+    heartbeat, its age)."""
+    now = time.time()
+    beats = [
+        (r, b) for r in range(nproc) if (b := _read_json(logs / HEARTBEAT_FILE.format(rank=r)))
+    ]
+    if not beats:
+        return None
+    rank, beat = min(beats, key=lambda rb: rb[1]["time"])
+    age = now - beat["time"]
+    return (rank, beat, age) if age > limit else None
+
+
+def _is_child(pid: int) -> bool:
+    """Whether `pid` is a process this one started (Linux's /proc; False elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()
+
+
+class _Watchdog:
+    """A thread of the launcher that stops the run when a rank has stalled: its heartbeat
+    is older than `limit` (--pg-timeout) seconds, so its process is stopped or hangs. The
+    stalled rank is killed, so the others' collectives fail at once and the launcher ends
+    the run; `_failure_message` then names the rank."""
+
+    def __init__(self, logs: Path, nproc: int, limit: float) -> None:
+        self.logs, self.nproc, self.limit = logs, nproc, limit
+        self.found: tuple[int, dict[str, Any], float] | None = None  # what `_stalled` said
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="orthoptim-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(HEARTBEAT_S, self.limit / 4)):
+            self.found = _stalled(self.logs, self.nproc, self.limit)
+            if self.found is None:
+                continue
+            rank, beat, age = self.found
+            _LOG.error(
+                "rank %d (pid %d) stalled after step %d: no heartbeat for %.1f s "
+                "(--pg-timeout %g); stopping it",
+                rank, beat["pid"], beat["step"], age, self.limit,
+            )  # fmt: skip
+            if _is_child(beat["pid"]):
+                with contextlib.suppress(OSError):
+                    os.kill(beat["pid"], signal.SIGKILL)
+            return
+
+
+@contextlib.contextmanager
+def _launcher_log(path: Path) -> Iterator[None]:
+    """While the ranks run, torch's launcher loggers (its failure tracebacks among them) and
+    this module's write to `path` instead of the terminal."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    names = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    loggers = [logging.getLogger(n) for n in (*names, _LOG.name)]
+    saved = [lg.propagate for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, propagate in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+        handler.close()
+
+
+def _short(message: str) -> str:
+    text = " ".join(message.split())
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 1] + "…"
+
+
+def _failure_message(
+    logs: Path,
+    nproc: int,
+    limit: float,
+    failed: ChildFailedError | None = None,
+    stalled: tuple[int, dict[str, Any], float] | None = None,
+    local: Exception | None = None,
+) -> str:
+    """One line for the user, the likeliest cause first: the rank the watchdog found
+    `stalled`; the first failing rank's exception (type, message, the rank, the phase) and
+    the log holding its traceback; a rank stalled by now; a rank that died without a record
+    (killed by a signal, named with its last heartbeat's step); last, the first knock-on
+    failure of a collective. Where no rank could write its record (OUT's disk full), the
+    exception itself: `local` (one process) or what torch's launcher kept of it."""
+    records = [r for n in range(nproc) if (r := _read_json(logs / FAILURE_FILE.format(rank=n)))]
+    causes = sorted(records, key=lambda r: (r["knock_on"], r["time"]))
+    if stalled is None and not (causes and not causes[0]["knock_on"]):
+        stalled = _stalled(logs, nproc, limit)
+    if stalled is not None:
+        rank, beat, age = stalled
+        return (
+            f"rank {rank} stalled after step {beat['step']}: no progress for {age:.0f} s "
+            f"(--pg-timeout {limit:g}), so the run was stopped; logs: {logs}"
+        )
+    if causes and not causes[0]["knock_on"]:
+        return _describe(causes[0])
+    recorded = {r["rank"] for r in records}
+    for rank, failure in sorted((failed.failures if failed else {}).items()):
+        if rank in recorded:
+            continue
+        beat = _read_json(logs / HEARTBEAT_FILE.format(rank=rank))
+        where = f" after step {beat['step']}" if beat else ""
+        how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        return f"rank {rank} died{where} ({how}); logs: {logs}"
+    if causes:
+        return _describe(causes[0])
+    if local is not None:
+        return f"rank 0 failed: {type(local).__name__}: {_short(str(local))}"
+    for rank, failure in sorted((failed.failures if failed else {}).items()):
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message")
+        if isinstance(message, str) and message.strip():
+            return f"rank {rank} failed: {_short(message)}; logs: {logs}"
+    return f"a rank failed; logs: {logs}"
+
+
+def _describe(record: dict[str, Any]) -> str:
+    return (
+        f"rank {record['rank']} failed {record['phase']}: {record['type']}: "
+        f"{_short(record['message'])} (full traceback: {record['log']})"
+    )

@@ -1,10 +1,10 @@
 """The training loop every rank runs.
 
-`train(args, ...)` is one rank's whole job: build the model (same seed on every rank), the corpus and
-the optimizer (the layer-wise distributed optimizer when there is more than one rank; with
-`--fsdp` the model is sharded by FSDP2's `fully_shard` and `FSDPOptimizer` steps it), then
-train with a warmup + cosine LR schedule, evaluate on a fixed validation set, write metrics,
-checkpoints and a result file (`orthoptim.train.runfolder`). Ranks are started by
+`train(args, ...)` is one rank's whole job: build the model (same seed on every rank), the
+corpus and the optimizer (the layer-wise distributed optimizer when there is more than one
+rank; with `--fsdp` the model is sharded by FSDP2's `fully_shard` and `FSDPOptimizer` steps
+it), then train with a warmup + cosine LR schedule, evaluate on a fixed validation set, write
+metrics, checkpoints and a result file (`orthoptim.train.runfolder`). Ranks are started by
 `orthoptim.train.launcher`.
 
 Devices (`orthoptim.train.devices`): gloo ranks on CPU; on CUDA rank r on cuda:LOCAL_RANK over
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel import collectives
@@ -39,7 +40,12 @@ from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import get_batch, load_corpus, val_batches
 from orthoptim.train.devices import autocast, resolve_precision
 from orthoptim.train.model import GPT, compile_blocks, get_config, parallelize
-from orthoptim.train.runfolder import Checkpointer, _atomic_write_text, read_metrics
+from orthoptim.train.runfolder import (
+    Checkpointer,
+    _atomic_write_text,
+    read_metrics,
+    resumed_args,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,12 +61,12 @@ def lr_multiplier(step: int, args: TrainArgs) -> float:
 
 def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
     if args.optimizer == "adamw":
-        return dict(lr=args.matrix_lr, adamw_weight_decay=args.weight_decay)
+        return dict(lr=args.matrix_lr, adamw_weight_decay=args.decay)
     return dict(
         lr=args.matrix_lr,
         adamw_lr=args.embed_lr,
-        weight_decay=args.weight_decay,
-        adamw_weight_decay=args.weight_decay,
+        weight_decay=args.decay,
+        adamw_weight_decay=args.decay,
     )
 
 
@@ -133,29 +139,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
 
 
-# The loop's own collectives: small float64 tensors on the device the process group's backend
-# serves (CPU under gloo, this rank's GPU under NCCL or "cuda:gloo").
-
-
-def _all_sum(values: list[float], world_size: int) -> list[float]:
-    """`values` summed over the ranks."""
-    if world_size == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=collectives.device_for())
-    collectives.all_reduce(t)
-    return t.tolist()
-
-
-def _all_gather_floats(values: list[float], world_size: int) -> list[list[float]]:
-    """Every rank's `values`, in rank order."""
-    if world_size == 1:
-        return [list(values)]
-    t = torch.tensor(values, dtype=torch.float64, device=collectives.device_for())
-    out = t.new_empty(world_size * t.numel())
-    collectives.all_gather(out, t)
-    return out.view(world_size, -1).tolist()
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -185,8 +168,16 @@ def evaluate(
             with autocast(batches[0][0].device, precision):
                 model(*batches[0])
     model.train()
-    total, count = _all_sum([total, count], world_size)
+    total, count = collectives.sum_floats([total, count])
     return total / count
+
+
+def _notice(log: logging.Logger, rank: int, message: str) -> None:
+    """Something the user must know about this run: in the rank's log, and on rank 0's
+    stderr."""
+    log.warning(message)
+    if rank == 0:
+        print(f"orthoptim: {message}", file=sys.stderr, flush=True)
 
 
 def _setup_logging(out: Path, rank: int) -> logging.Logger:
@@ -211,6 +202,17 @@ def train(
     out: Path,
     log: logging.Logger,
 ) -> dict[str, Any]:
+    ckpt = Checkpointer(
+        out,
+        rank,
+        world_size,
+        sharded=args.fsdp and world_size > 1,
+        tp=args.tp,
+        keep=args.keep_checkpoints,
+    )
+    changes: list[str] = []
+    if args.resume:
+        args, changes = resumed_args(args, ckpt.latest())
     cfg = get_config(args.config)
     corpus = load_corpus(args.data, min_bytes=cfg.seq_len + 1)
     log.info("corpus %s", corpus.describe())
@@ -256,13 +258,23 @@ def train(
         ", blocks compiled" if args.compile else "",
     )
 
-    ckpt = Checkpointer(out, rank, world_size, sharded=args.fsdp and world_size > 1, tp=args.tp)
     metrics_path = out / "metrics.jsonl"
     start, train_time = 0, 0.0
     if args.resume:
+        # The hyper-parameters of this run's flags, which the checkpoint's must not replace.
+        wanted = [(g["initial_lr"], g.get("weight_decay")) for g in opt.param_groups]
         info = ckpt.load(model, opt, args)
         start, train_time = info["step"], info["train_time_s"]
-        log.info("resumed from step %d", start)
+        for g, (lr, decay) in zip(opt.param_groups, wanted):
+            g["initial_lr"] = lr
+            if decay is not None:
+                g["weight_decay"] = decay
+        for message in (
+            *(f"--resume: passed over {why}" for why in info["passed_over"]),
+            f"resuming from {info['folder']} (step {start})",
+            *(f"{change} from step {start}" for change in changes),
+        ):
+            _notice(log, rank, message)
         # Allowed: the checkpoint holds fp32 parameters and optimizer state in either precision.
         if info.get("precision", "fp32") != precision:
             log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), precision)
@@ -320,8 +332,14 @@ def train(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t1 = time.perf_counter()
-            norm = clip_gradients(model, opt, args.grad_clip) if args.grad_clip > 0 else None
-            opt.step()
+            norm = clip_gradients(model, opt, args.clip_norm) if args.clip_norm > 0 else None
+            try:
+                opt.step()
+            except NonFiniteGradientError as exc:
+                raise FloatingPointError(
+                    f"non-finite gradient at step {step}; the last checkpoint is intact: "
+                    f"--resume it with a lower --lr or --grad-clip (in {', '.join(exc.names)})"
+                ) from exc
             opt.zero_grad(set_to_none=True)
             clipped = clip.step() if clip is not None else {}
             if device.type == "cuda":
@@ -329,7 +347,7 @@ def train(
             t2 = time.perf_counter()
             train_time += t2 - t0
             comm = _comm_totals(opt)
-            (train_loss,) = _all_sum([loss.item() / world_size], world_size)
+            (train_loss,) = collectives.sum_floats([loss.item() / world_size])
             if not math.isfinite(train_loss):
                 raise FloatingPointError(
                     f"training loss is {train_loss} at step {step}; lower --lr"
@@ -377,8 +395,8 @@ def train(
         if metrics_file:
             metrics_file.close()
 
-    peaks = _all_gather_floats([float(peak_memory_bytes(device))], world_size)
-    comms = _all_gather_floats(list(comm), world_size)
+    peaks = collectives.gather_floats([float(peak_memory_bytes(device))])
+    comms = collectives.gather_floats(list(comm))
     result = dict(
         args=args.to_dict(),
         model=cfg.as_dict(),

@@ -5,7 +5,8 @@ Files under `out`:
     result.json            the run's summary (rank 0), written at the end
     logs/rank{R}.log       every rank's log
     checkpoints/latest.json   the committed checkpoint: its step folder and metadata
-    checkpoints/step_NNNNNN/  model.pt and optim.pt (the full optimizer state), by rank 0; with
+    checkpoints/step_NNNNNN/  checkpoint.json (metadata, every file's size and SHA-256), and
+                           model.pt and optim.pt (the full optimizer state), by rank 0; with
                            --fsdp dcp/, one torch.distributed.checkpoint of model and
                            optimizer shards
     .lock                  while a run is going: its host, pid and start time
@@ -18,12 +19,15 @@ the lock keeps a second run out while one is going; resuming a finished run chan
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import logging
 import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +52,41 @@ def _atomic_write_text(text: str, path: Path) -> None:
 
 
 def read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
-    """The rows of a run's metrics.jsonl (those with step <= `upto` when given)."""
+    """The rows of a run's metrics.jsonl (those with step <= `upto` when given). A last line
+    cut short (a run stopped while writing it) is left out; a damaged line before it is an
+    error naming the file and line."""
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i == len(lines):
+                continue
+            raise ValueError(
+                f"{path}, line {i}, is not a JSON row ({line[:60]!r}); remove or mend that "
+                "line to continue the run"
+            ) from None
     return [r for r in rows if upto is None or r["step"] <= upto]
 
 
-RESUME_MUST_MATCH = ("optimizer", "config", "batch", "seed", "data", "steps", "tp", "fsdp")
+RESUME_MUST_MATCH = (
+    "optimizer", "config", "batch", "seed", "data", "steps", "warmup",
+    "min_lr_ratio", "tp", "fsdp",
+)  # fmt: skip
+# Flags a resumed run may change (applied with a notice); left off, the checkpoint's value.
+RESUME_MAY_CHANGE = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
 
 
 def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch."""
     saved = dict(TrainArgs().to_dict(), **info["args"])  # flags newer than the checkpoint
     mismatched = [
-        f"--{k}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}"
+        f"--{k.replace('_', '-')}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}"
         for k in RESUME_MUST_MATCH
         if saved[k] != getattr(args, k)
     ]
@@ -74,22 +98,137 @@ def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> N
         )
 
 
-class Checkpointer:
-    """Atomic checkpoints: every file is written aside and renamed, then `latest.json` (the
-    commit point) is replaced to name the new step folder; older folders are removed after.
-    A step folder holds `model.pt` and `optim.pt`, the optimizer's full state dict (gathered
-    to rank 0), which every rank loads on resume.
+def resumed_args(args: TrainArgs, info: dict[str, Any]) -> tuple[TrainArgs, list[str]]:
+    """The arguments a resumed run continues with: each of RESUME_MAY_CHANGE left off (None)
+    takes the checkpoint's value, one given applies from the step resumed. Returns them and
+    each changed value in words ("--lr 0.05 → 0.02")."""
+    saved = TrainArgs.from_dict(dict(TrainArgs().to_dict(), **info["args"]))
+    now = TrainArgs.from_dict(args.to_dict())
+    notices = []
+    for name in RESUME_MAY_CHANGE:
+        if getattr(now, name) is None:
+            setattr(now, name, getattr(saved, name))
+    for flag, before, after in (
+        ("--lr", saved.matrix_lr, now.matrix_lr),
+        ("--adamw-lr", saved.embed_lr, now.embed_lr),
+        ("--weight-decay", saved.decay, now.decay),
+        ("--grad-clip", saved.clip_norm, now.clip_norm),
+        ("--qk-clip", saved.qk_clip_tau or 0.0, now.qk_clip_tau or 0.0),
+    ):
+        if before != after:
+            notices.append(f"{flag} {before:g} → {after:g}")
+    return now, notices
 
-    `sharded`: model and optimizer are FSDP2 shards, saved and loaded together with
-    torch.distributed.checkpoint (each rank writes its own shards). Under tensor parallelism
-    (`tp` > 1) model and optimizer go through `orthoptim.checkpoint.save_sharded` (DCP, each
-    tp rank its DTensor shards; keys free of world and tp size)."""
+
+# In each step folder: the checkpoint's metadata and every file's size and SHA-256.
+STEP_RECORD = "checkpoint.json"
+# Below this much free space a failed write is reported as the disk being full.
+FULL_BELOW_BYTES = 16 * 2**20
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written (no space left, an unwritable folder). The step folder
+    being written is removed; the last committed checkpoint is intact."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _record_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file under `folder` (but the record itself): its size and SHA-256."""
+    return {
+        str(p.relative_to(folder)): dict(bytes=p.stat().st_size, sha256=_sha256(p))
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != STEP_RECORD
+    }
+
+
+def damage(folder: Path, record: dict[str, Any]) -> str | None:
+    """Why step folder `folder` does not hold what its record says was written (a file
+    missing, resized or changed), or None when it does. A record without checksums (written
+    before they existed) is taken as it is."""
+    for name, want in record.get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes where {want['bytes']} were written"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} fails its SHA-256 check (its bytes changed after it was written)"
+    return None
+
+
+def _free_bytes(path: Path) -> int:
+    for p in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(p).free
+    return 0
+
+
+@contextlib.contextmanager
+def _writing(folder: Path, step: int, last_good: str) -> Iterator[None]:
+    """Report a failed checkpoint write as a `CheckpointSaveError` that says why ("no space
+    left on <folder>" when the disk is full: torch's own error only says "unexpected pos")
+    and what is intact."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        free = _free_bytes(folder)
+        if getattr(exc, "errno", None) == errno.ENOSPC or free < FULL_BELOW_BYTES:
+            why = f"no space left on {folder} ({free} bytes free)"
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        raise CheckpointSaveError(
+            f"could not save the checkpoint of step {step}: {why}; {last_good}"
+        ) from exc
+
+
+def _first_nonfinite(model: nn.Module) -> str | None:
+    """The name of a parameter or buffer of `model` holding NaN or infinity (this rank's
+    shard of it), or None."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        local = t.to_local() if collectives.is_dtensor(t) else t
+        if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+            return name
+    return None
+
+
+class Checkpointer:
+    """Checkpoints a run can trust. A step folder's files are written aside and renamed, then
+    its record (`checkpoint.json`: metadata, each file's size and SHA-256), then `latest.json`
+    (the commit point) is replaced to name it; the newest `keep` committed folders stay.
+
+    Loading takes the newest committed folder whose files match their record and whose model
+    is finite, and says which folders it passed over and why (a damaged one is renamed
+    `*.damaged` and kept for inspection). A failed save (disk full) removes its folder and raises a
+    `CheckpointSaveError` that says why; leftovers of an interrupted save are removed by
+    `clean_leftovers` before a run starts.
+
+    Formats: `model.pt` and `optim.pt` (the optimizer's full state dict, gathered to rank 0,
+    which every rank loads on resume); `sharded`: FSDP2 shards of model and optimizer saved
+    together with torch.distributed.checkpoint under `dcp/` (each rank its shards); `tp` > 1:
+    `orthoptim.checkpoint.save_sharded` under `dcp/` (keys free of world and tp size)."""
 
     def __init__(
-        self, out: Path, rank: int, world_size: int, sharded: bool = False, tp: int = 1
+        self,
+        out: Path,
+        rank: int,
+        world_size: int,
+        sharded: bool = False,
+        tp: int = 1,
+        keep: int = 2,
     ) -> None:
         self.dir = out / "checkpoints"
         self.rank, self.world_size, self.sharded, self.tp = rank, world_size, sharded, tp
+        self.keep = keep
 
     def latest(self) -> dict[str, Any]:
         """The committed checkpoint's metadata; a clear error if there is none."""
@@ -107,11 +246,59 @@ class Checkpointer:
             )
         return json.loads(path.read_text())
 
+    def committed(self) -> list[dict[str, Any]]:
+        """The records of the committed step folders, newest first: the one latest.json names
+        and every older one with a record."""
+        latest = self.latest()
+        records = {latest["folder"]: latest}
+        for path in self.dir.glob(f"step_*/{STEP_RECORD}"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                record = json.loads(path.read_text())
+                if record["folder"] == path.parent.name and record["step"] < latest["step"]:
+                    records[record["folder"]] = record
+        return sorted(records.values(), key=lambda r: -r["step"])
+
     def save(self, step: int, model: nn.Module, opt: Any, meta: dict[str, Any]) -> None:
+        """Write the checkpoint of `step` (collective: every rank calls it, with the
+        optimizer's parameters current)."""
         folder = self.dir / f"step_{step:06d}"
+        try:
+            last_good = f"the last good checkpoint (step {self.latest()['step']}) is intact"
+        except (FileNotFoundError, ValueError):
+            last_good = "there is no earlier checkpoint"
+        self._together(step, folder, last_good, lambda: self._write(folder, model, opt))
+
+        def commit() -> None:
+            if self.rank == 0:
+                info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
+                record = json.dumps(dict(info, files=_record_files(folder)), indent=1)
+                _atomic_write_text(record, folder / STEP_RECORD)
+                _atomic_write_text(record, self.dir / "latest.json")
+
+        self._together(step, folder, last_good, commit)
         if self.rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
+            self._prune(folder.name)
         collectives.barrier()
+
+    def _together(self, step: int, folder: Path, last_good: str, work: Any) -> None:
+        """Run this rank's part of a save; if it fails on any rank, every rank raises (the
+        failing one its own `CheckpointSaveError`) and the uncommitted folder is removed."""
+        error = None
+        try:
+            with _writing(folder, step, last_good):
+                work()
+        except CheckpointSaveError as exc:
+            error = exc
+        if collectives.sum_floats([float(error is not None)])[0]:
+            if self.rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise error or CheckpointSaveError(
+                f"could not save the checkpoint of step {step}: another rank failed to write "
+                f"its part (see its error); {last_good}"
+            )
+
+    def _write(self, folder: Path, model: nn.Module, opt: Any) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
         if self.tp > 1:
             checkpoint.save_sharded(folder / "dcp", opt, model)
         elif self.sharded:
@@ -123,34 +310,78 @@ class Checkpointer:
             if self.rank == 0:
                 _atomic_save(model.state_dict(), folder / "model.pt")
                 _atomic_save(optim, folder / "optim.pt")
-        collectives.barrier()
-        if self.rank == 0:
-            info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
-            _atomic_write_text(json.dumps(info, indent=1), self.dir / "latest.json")
-            for old in self.dir.glob("step_*"):
-                if old.name != folder.name:
-                    shutil.rmtree(old, ignore_errors=True)
-        collectives.barrier()
+
+    def _prune(self, newest: str) -> None:
+        """Keep the newest `keep` committed step folders (`newest` among them)."""
+        kept = [r["folder"] for r in self.committed()][: self.keep]
+        for old in self.dir.glob("step_*"):
+            if old.is_dir() and old.name not in (*kept, newest) and old.suffix != ".damaged":
+                shutil.rmtree(old, ignore_errors=True)
 
     def load(self, model: nn.Module, opt: Any, args: TrainArgs) -> dict[str, Any]:
-        info = self.latest()
-        check_resumable(info, args, self.world_size)
-        folder = self.dir / info["folder"]
+        """Load the newest intact committed checkpoint into `model` and `opt` (collective) and
+        return its record, with "passed_over": what was skipped and why. Rank 0 checks the
+        files against their record; every rank checks the model it loaded is finite."""
+        damaged: list[tuple[Path, str]] = []
+        for info in self.committed():
+            folder = self.dir / info["folder"]
+            why = collectives.all_gather_object(damage(folder, info) if self.rank == 0 else None)
+            if why[0] is not None:
+                damaged.append((folder, why[0]))
+                continue
+            check_resumable(info, args, self.world_size)
+            self._read(folder, model, opt)
+            names = [n for n in collectives.all_gather_object(_first_nonfinite(model)) if n]
+            if names:
+                damaged.append((folder, f"the model holds NaN or inf ({names[0]})"))
+                continue
+            if self.rank == 0 and damaged:
+                # the damaged folders kept aside (never loaded or pruned), this one committed
+                for bad, _ in damaged:
+                    with contextlib.suppress(OSError):
+                        os.replace(bad, bad.with_name(bad.name + ".damaged"))
+                _atomic_write_text(json.dumps(info, indent=1), self.dir / "latest.json")
+            collectives.barrier()
+            return dict(info, passed_over=[f"{f.name}: {why}" for f, why in damaged])
+        raise checkpoint.CheckpointLoadError(
+            f"--resume: no intact checkpoint in {self.dir}: "
+            + "; ".join(f"{f.name}: {why}" for f, why in damaged)
+            + "; pass --overwrite instead of --resume to start the run afresh"
+        )
+
+    def _read(self, folder: Path, model: nn.Module, opt: Any) -> None:
         if self.tp > 1:
             checkpoint.load_sharded(folder / "dcp", opt, model)
-            return info
-        if self.sharded:
-            import torch.distributed.checkpoint as dcp
-
+        elif self.sharded:
             state = _sharded_state(model, opt)
-            dcp.load(state, checkpoint_id=folder / "dcp")
+            checkpoint.dcp_load(state, folder / "dcp")
             model.load_state_dict(state["model"])
             opt.load_sharded_state_dict(state["optim"])
-            return info
-        model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
-        # every rank reads the full dict and keeps the state of what it owns
-        opt.load_state_dict(torch.load(folder / "optim.pt", weights_only=False))
-        return info
+        else:
+            model.load_state_dict(checkpoint.load_file(folder / "model.pt"))
+            # every rank reads the full dict and keeps the state of what it owns
+            opt.load_state_dict(checkpoint.load_file(folder / "optim.pt"))
+
+
+def clean_leftovers(out: Path) -> list[str]:
+    """Remove what an interrupted run left half-written under `out` (call with the lock held,
+    before any rank starts): `*.tmp` files and step folders that were never committed (no
+    record, not named by latest.json). Returns what was removed."""
+    removed = []
+    ckpts = out / "checkpoints"
+    try:
+        named = json.loads((ckpts / "latest.json").read_text())["folder"]
+    except (OSError, ValueError, KeyError, TypeError):
+        named = None
+    for path in sorted(ckpts.glob("step_*")):
+        if path.is_dir() and path.name != named and not (path / STEP_RECORD).exists():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    for path in [*out.glob("*.tmp"), *ckpts.rglob("*.tmp")]:
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(str(path))
+    return removed
 
 
 def _sharded_state(model: nn.Module, opt: Any) -> dict[str, Any]:
@@ -279,8 +510,11 @@ def claim_out(args: TrainArgs, world_size: int) -> str | None:
     nothing to do: a resumed run whose checkpoint is at or past its last step."""
     out = Path(args.out)
     if args.resume:
+        for path in clean_leftovers(out):
+            _log.warning("--out %s: removed %s, left by an interrupted save", out, path)
         info = Checkpointer(out, 0, world_size).latest()
         check_resumable(info, args, world_size)
+        read_metrics(out / "metrics.jsonl")  # a damaged row is refused before any rank starts
         step, last = info["step"], args.stop_after or args.steps
         if step >= args.steps:
             return f"--out {out} finished at step {step}; nothing to do"
