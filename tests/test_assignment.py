@@ -388,15 +388,73 @@ def test_lumpy_layouts_report_their_bound():
     a = assign(units, 4, bucket_bytes=1)
     assert a.imbalance == pytest.approx(4 / 3) == pytest.approx(a.imbalance_bound)
     assert a.movable == 3
-    # equal units filling the shards of a bucket exactly are pinned: 2 per rank, whatever
-    # their cost; the bound counts that floor
-    pinned = [Unit(f"e{i}", (8, 8), "muon", 256) for i in range(8)] + [
-        Unit("big", (64, 64), "muon", 10**6)
-    ]
+
+
+def _one_owner_or_even(a: Assignment, bucket_bytes: int) -> None:
+    """Every unit in one bucket; a bucket of several units has one owner (within
+    `bucket_bytes`) or shards of equal size: nothing is padded."""
+    assert sorted(i for b in a.buckets for i in b) == list(range(len(a.owners)))
+    for k, b in enumerate(a.buckets):
+        shard = a.bucket_shard_bytes(k)
+        if len(b) > 1 and sum(1 for x in shard if x) == 1:
+            assert sum(shard) <= bucket_bytes
+        elif len(b) > 1:
+            assert min(shard) == max(shard)
+    assert a.padded_bytes() == sum(a.unit_bytes)
+
+
+def test_units_pinned_by_even_shards_are_freed():
+    """8 equal units filling one bucket's 4 shards exactly would sit 2 per rank (make_buckets
+    puts them together), so the rank with the big one would carry 3 + 2 = 5. Freed into
+    one-owner buckets they even out to the bound: max(big, mean) = 3."""
+    units = [Unit(f"e{i}", (8, 8), "muon", 256) for i in range(8)]
+    units.append(Unit("big", (64, 64), "muon", 10**6))
     costs = [1.0] * 8 + [3.0]
-    b = assign(pinned, 4, bucket_bytes=10**5, cost=costs)
-    assert b.movable == 1  # only the big one, alone in its bucket
-    assert b.imbalance == pytest.approx(b.imbalance_bound) == pytest.approx(5 / (11 / 4))
+    assert make_buckets([u.nbytes for u in units], 10**5, 4) == [list(range(8)), [8]]
+    b = assign(units, 4, bucket_bytes=10**5, cost=costs)
+    assert _max_load(b) == 3.0
+    assert b.imbalance == pytest.approx(b.imbalance_bound) == pytest.approx(3 / (11 / 4))
+    _one_owner_or_even(b, 10**5)
+    assert len(b.buckets) == 4  # the big one, and one bucket per rank holding small ones
+    assert b.movable == 9
+
+
+def _pinned_expert_units(layers: int = 4, experts: int = 64) -> tuple[list[Unit], list[float]]:
+    """Per layer `experts` equal expert slices (cost 1, 4 KiB) and one attention matrix worth
+    10 experts (16 KiB, a bucket of its own at 16 KiB buckets), in backward order."""
+    units, costs = [], []
+    for layer in range(layers):
+        units += [Unit(f"{layer}.x", (1, 32, 32), "muon", 4096, (e, e + 1)) for e in range(experts)]
+        costs += [1.0] * experts
+        units.append(Unit(f"{layer}.q", (64, 64), "muon", 16384))
+        costs.append(10.0)
+    return units[::-1], costs[::-1]
+
+
+@pytest.mark.parametrize("carried", [False, True], ids=["dense-inside", "dense-as-base"])
+def test_cost_balance_frees_experts_pinned_by_their_buckets(carried):
+    """qwen3-30b-a3b at 256 ranks in small: on 16 ranks, 32-expert buckets give every rank 2
+    of each, 16 in all, so the 4 ranks with an attention matrix (or carrying its load from
+    the dense assignment) would be at 10 + 16 = 26 against a mean of 18.5. Freeing experts
+    reaches the integer optimum ⌈18.5⌉ = 19, padding nothing."""
+    units, costs = _pinned_expert_units()
+    base = None
+    if carried:  # the attention matrices as load carried in from another assignment
+        keep = [i for i, u in enumerate(units) if u.name.endswith(".x")]
+        units, costs = [units[i] for i in keep], [costs[i] for i in keep]
+        base = [10.0] * 4 + [0.0] * 12
+    buckets = make_buckets([u.nbytes for u in units], 2**14, 16)
+    assert {len(b) for b in buckets if len(b) > 1} == {32}
+    a = assign(units, 16, bucket_bytes=2**14, cost=costs, base=base)
+    assert _max_load(a) == 19.0
+    assert a.imbalance == pytest.approx(19 / 18.5)
+    assert sum(a.rank_cost) == sum(costs)
+    _one_owner_or_even(a, 2**14)
+    # freed experts share one-owner buckets of up to 4 (16 KiB), not one bucket each
+    one_owner = [b for b in a.buckets if len(b) > 1 and len({a.owners[i] for i in b}) == 1]
+    assert one_owner and len(a.buckets) < len(buckets) + sum(map(len, one_owner)) // 2
+    again = assign(list(units), 16, bucket_bytes=2**14, cost=list(costs), base=base)
+    assert again.owners == a.owners and again.buckets == a.buckets
 
 
 def test_base_load_is_filled_around():
@@ -464,3 +522,55 @@ def test_expert_group_fills_around_its_members_dense_load():
         assert base == [dense[rank % 2], dense[rank % 2 + 2]]
         assert filled == results[rank ^ 2][2]  # the other member computed the same
         assert max(filled) - min(filled) <= 2 * unit_cost((16, 64), "muon")
+
+
+def _freed_model() -> nn.Module:
+    """8 equal 16×16 matrices (1 KiB each, two 4-per-bucket shared buckets at 4 KiB buckets)
+    and one 32×32 worth 8 of them (4 KiB, a bucket of its own)."""
+    torch.manual_seed(11)
+    model = nn.ParameterList([nn.Parameter(torch.randn(16, 16)) for _ in range(8)])
+    model.append(nn.Parameter(torch.randn(32, 32)))
+    return model
+
+
+def _step_with_freed_buckets(rank, world_size):
+    """One layer-wise step from the same dyadic gradients on every rank."""
+    from orthoptim.parallel import LayerwiseDistributedOptimizer
+
+    model = _freed_model()
+    opt = LayerwiseDistributedOptimizer(
+        model, lr=0.02, bucket_mb=4096 / 2**20, route=lambda n, p: True
+    )
+    g = torch.Generator().manual_seed(5)
+    for p in model.parameters():
+        p.grad = torch.randint(-8, 9, p.shape, generator=g).float() / 16
+    opt.step()
+    opt.wait_for_params()
+    kinds = {k for k, v in opt.comm_stats().items() if k != "total" and v["sent"]}
+    return [p.detach().clone() for p in model.parameters()], opt.assignment, kinds
+
+
+def test_layerwise_steps_freed_experts_in_one_owner_buckets():
+    """On 2 real ranks, even shards would put 4 small matrices with the big one (cost 12 vs
+    4); the balancing frees them into one-owner buckets (8 vs 8), which the optimizer reduces
+    to their owner and broadcasts from it: every rank ends with the single-process step."""
+    from orthoptim import build_optimizer
+
+    from distributed import run_ranks
+
+    results = run_ranks(_step_with_freed_buckets, 2)
+    a = results[0][1]
+    assert sorted(a.rank_cost) == [a.rank_cost[0]] * 2  # 8 small against the big one
+    one_owner = [b for b in a.buckets if len(b) > 1 and len({a.owners[i] for i in b}) == 1]
+    assert len(one_owner) == 2 and all(len(b) == 4 for b in one_owner)
+    assert {"reduce", "broadcast"} <= results[0][2]
+    model = _freed_model()
+    ref = build_optimizer(model, lr=0.02, route=lambda n, p: True)
+    g = torch.Generator().manual_seed(5)
+    for p in model.parameters():
+        p.grad = torch.randint(-8, 9, p.shape, generator=g).float() / 16
+    ref.step()
+    for params, assignment, _ in results:
+        assert assignment.owners == a.owners and assignment.buckets == a.buckets
+        for got, want in zip(params, model.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

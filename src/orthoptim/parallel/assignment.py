@@ -35,6 +35,10 @@ NS_STEPS = 5
 SWAP_PARTNERS = 32
 MAX_IMPROVEMENTS = 20_000
 KINDS_PER_COST = 8  # units of one cost in different shared buckets a rank offers per step
+# Freeing units pinned by even bucket shards (`_release`): stop within this much of the bound,
+# and only keep a layout that lowers the busiest rank by at least RELEASE_GAIN.
+RELEASE_SLACK = 0.01
+RELEASE_GAIN = 0.001
 # Padding (padded / unpadded bytes) make_buckets sizes buckets for: "about 1 + 1/spread"
 PAD_ALLOWANCE = 1 + 1 / SPREAD
 
@@ -585,8 +589,11 @@ def _local_search(
         for s in [x for x in ranked[: SWAP_PARTNERS + 1] if x != r][:SWAP_PARTNERS]:
             if load[s] >= limit:
                 break
+            theirs = movable(s).items()
             for ci, units_i in mine.items():
-                for cj, units_j in movable(s).items():
+                for cj, units_j in theirs:
+                    if ci - cj <= 0 or load[s] + (ci - cj) >= limit:
+                        continue  # (what `offer` would refuse first, without the call)
                     pairs = ((i, j) for i in units_i for j in units_j)
                     best = offer(best, r, s, ci - cj, pairs)
             for b in mixed_r:  # swaps inside one bucket leave its shards' sizes alone
@@ -689,6 +696,123 @@ def _movable(
     return count
 
 
+def _balance_cost(
+    costs: Sequence[float],
+    nbytes: Sequence[int],
+    buckets: list[list[int]],
+    world_size: int,
+    base: Sequence[float],
+) -> list[int]:
+    """The cost balancing of fixed buckets: `_bucketed_lpt`, then `_local_search`; round-robin's
+    dealing (improved the same way) instead when its busiest rank is lighter and its buckets
+    pad within what make_buckets sizes them for (or no more than the greedy's)."""
+    owners = _bucketed_lpt(costs, nbytes, buckets, world_size, base)
+    owners = _local_search(costs, nbytes, buckets, owners, world_size, base)
+    worst = max(_rank_loads(costs, owners, world_size, base))
+    dealt = _round_robin(nbytes, world_size)
+    allowed = max(_padded(nbytes, buckets, owners, world_size), PAD_ALLOWANCE * sum(nbytes))
+    if max(_rank_loads(costs, dealt, world_size, base)) < worst and (
+        _padded(nbytes, buckets, dealt, world_size) <= allowed
+    ):
+        dealt = _local_search(costs, nbytes, buckets, dealt, world_size, base)
+        if max(_rank_loads(costs, dealt, world_size, base)) < worst:
+            owners = dealt
+    return owners
+
+
+def _release(
+    costs: Sequence[float],
+    nbytes: Sequence[int],
+    bucket_bytes: int,
+    buckets: list[list[int]],
+    owners: list[int],
+    world_size: int,
+    base: Sequence[float],
+) -> tuple[list[int], list[list[int]]]:
+    """Free units that even bucket shards pin, when that is what keeps the busiest rank above
+    the bound: (owners, buckets), the given ones if nothing better is found.
+
+    Equal units filling every rank's shard of their buckets give each rank the same number of
+    them, so they cannot even out the other units' load (qwen3-30b-a3b's experts at 256
+    ranks: 1.117). Candidates free the weighted units of the last j shared buckets (j = 1, 2,
+    4, …, all; whole buckets, so the others keep their even shards), each freed unit a bucket
+    of its own, and balance again (`_bucketed_lpt`, `_local_search`); the first candidate
+    within RELEASE_SLACK of the bound without bucket constraints wins (bisected down to the
+    fewest freed buckets that stay within it), else the one with the lightest busiest rank
+    (a gain of at least RELEASE_GAIN). The freed units then share one-owner buckets
+    (`_one_owner_buckets`): a bucket with one owner is reduced to it and broadcast from it,
+    so it pads nothing.
+    """
+    n = world_size
+    best = max(_rank_loads(costs, owners, n, base))
+    target = (1 + RELEASE_SLACK) * _lower_bound(costs, n, base)
+    weighted = [[i for i in b if costs[i] > 0 and nbytes[i]] for b in buckets]
+    shared = [b for b, w in enumerate(weighted) if len(buckets[b]) > 1 and w]
+    if n == 1 or best <= target or not shared:
+        return owners, buckets
+
+    def attempt(j: int) -> tuple[float, list[int], list[list[int]], list[int]]:
+        """(busiest load, owners, buckets, freed units) with the last j shared buckets freed."""
+        freed = sorted(i for b in shared[-j:] for i in weighted[b])
+        out = set(freed)
+        rest = [[i for i in b if i not in out] for b in buckets]
+        trial = sorted([b for b in rest if b] + [[i] for i in freed])
+        dealt = _bucketed_lpt(costs, nbytes, trial, n, base)
+        dealt = _local_search(costs, nbytes, trial, dealt, n, base)
+        return max(_rank_loads(costs, dealt, n, base)), dealt, trial, freed
+
+    found: tuple[float, list[int], list[list[int]], list[int]] | None = None
+    lo = hi = 0  # the most buckets freed short of the target; the fewest found to reach it
+    while hi < len(shared) and (found is None or found[0] > target):
+        lo, hi = hi, min(len(shared), 2 * hi or 1)
+        trial = attempt(hi)
+        if trial[0] < (found[0] if found else best) * (1 - RELEASE_GAIN):
+            found = trial
+    while found is not None and found[0] <= target and hi - lo > 1:  # fewer freed buckets
+        mid = (lo + hi) // 2
+        trial = attempt(mid)
+        lo, hi = (lo, mid) if trial[0] <= target else (mid, hi)
+        found = trial if trial[0] <= target else found
+    if found is None:
+        return owners, buckets
+    _, dealt, trial_buckets, freed = found
+    return dealt, _one_owner_buckets(costs, nbytes, bucket_bytes, trial_buckets, dealt, freed)
+
+
+def _one_owner_buckets(
+    costs: Sequence[float],
+    nbytes: Sequence[int],
+    bucket_bytes: int,
+    buckets: list[list[int]],
+    owners: list[int],
+    freed: Sequence[int],
+) -> list[list[int]]:
+    """`buckets` with the one-unit buckets of `freed` (ascending) merged into buckets of one
+    owner each, up to `bucket_bytes`: fewer collectives, none padded.
+
+    Freed units of equal cost and size are interchangeable, so their owners are first
+    reordered (in place, loads and bytes per rank unchanged) to give each rank one run of them;
+    then consecutive freed units of one owner share a bucket."""
+    same: dict[tuple[float, int], list[int]] = {}
+    for i in freed:
+        same.setdefault((costs[i], nbytes[i]), []).append(i)
+    for ids in same.values():
+        for i, r in zip(ids, sorted(owners[i] for i in ids)):
+            owners[i] = r
+    out = set(freed)
+    merged = [b for b in buckets if len(b) > 1 or b[0] not in out]
+    run: list[int] = []
+    size = 0
+    for i in freed:
+        if run and (owners[i] != owners[run[0]] or size + nbytes[i] > bucket_bytes):
+            merged.append(run)
+            run, size = [], 0
+        run.append(i)
+        size += nbytes[i]
+    merged.append(run)
+    return sorted(merged)
+
+
 def _lpt(costs: Sequence[float], nbytes: Sequence[int], world_size: int) -> list[int]:
     """Longest-processing-time first: largest cost to the least-loaded rank.
 
@@ -747,10 +871,12 @@ def assign(
     bucket's shards kept even), then `_local_search` (moves and swaps off the busiest rank
     that never grow a bucket's padding); round-robin's dealing, improved the same way, is
     kept instead whenever its busiest rank is lighter, so "cost" is never worse than
-    "round_robin" on the cost it balances. "round_robin": size-sorted dealing, the simple
+    "round_robin" on the cost it balances. Where even shards pin equal units (every rank
+    the same number of them) and that keeps the busiest rank above the bound, `_release`
+    frees some into one-owner buckets. "round_robin": size-sorted dealing, the simple
     baseline. "capped": fill ranks in order up to 1.3 × the mean cost per bucket. Buckets come
-    from `make_buckets(…, bucket_bytes, world_size)`; ownership inside a bucket is free
-    because the optimizer lays each bucket out rank by rank.
+    from `make_buckets(…, bucket_bytes, world_size)` (less what `_release` frees); ownership
+    inside a bucket is free because the optimizer lays each bucket out rank by rank.
 
     cost: a function of a unit (e.g. `MatrixCost.for_device(device)`) or the list of unit
     costs; default `unit_cost` on the GPU path. base: load every rank already carries (from
@@ -783,19 +909,10 @@ def assign(
         costs = [0.0 if u.kind == "adamw" else c for u, c in zip(units, costs)]
         nbytes = [0 if u.kind == "adamw" else b for u, b in zip(units, nbytes)]
     if balance == "cost":
-        owners = _bucketed_lpt(costs, nbytes, buckets, world_size, base_load)
-        owners = _local_search(costs, nbytes, buckets, owners, world_size, base_load)
-        worst = max(_rank_loads(costs, owners, world_size, base_load))
-        dealt = _round_robin(nbytes, world_size)
-        # round-robin's dealing wins when its busiest rank is lighter and its buckets pad
-        # within what make_buckets is sized for (or no more than the greedy's)
-        allowed = max(_padded(nbytes, buckets, owners, world_size), PAD_ALLOWANCE * sum(nbytes))
-        if max(_rank_loads(costs, dealt, world_size, base_load)) < worst and (
-            _padded(nbytes, buckets, dealt, world_size) <= allowed
-        ):
-            dealt = _local_search(costs, nbytes, buckets, dealt, world_size, base_load)
-            if max(_rank_loads(costs, dealt, world_size, base_load)) < worst:
-                owners = dealt
+        owners = _balance_cost(costs, nbytes, buckets, world_size, base_load)
+        owners, buckets = _release(
+            costs, nbytes, bucket_bytes, buckets, owners, world_size, base_load
+        )
     elif balance == "round_robin":
         owners = _round_robin(nbytes, world_size)
     else:
