@@ -24,7 +24,7 @@ from orthoptim import build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 from orthoptim.parallel.collectives import CollectiveError
-from test_checkpoint import KW, make_model, train
+from test_checkpoint import KW, every_matrix, make_model, train
 
 from distributed import free_port
 
@@ -273,14 +273,14 @@ def test_degenerate_under_layerwise_optimizer():
 def test_low_precision_checkpoint_keeps_fp32_state(dtype, tmp_path):
     """The fp32 momentum of a bf16/fp16 matrix survives both checkpoint paths in fp32."""
     model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Linear(6, 4, bias=False)).to(dtype)
-    opt = LayerwiseDistributedOptimizer(model, lr=0.02)
+    opt = LayerwiseDistributedOptimizer(model, lr=0.02, route=every_matrix)
     for p in model.parameters():
         p.grad = torch.randn(p.shape).to(dtype)
     opt.step()
     ckpt.save_sharded(tmp_path / "c", opt)
     want = opt.full_state_dict()
     for load in ("dcp", "full"):
-        fresh = LayerwiseDistributedOptimizer(model, lr=0.02)
+        fresh = LayerwiseDistributedOptimizer(model, lr=0.02, route=every_matrix)
         if load == "dcp":
             ckpt.load_sharded(tmp_path / "c", fresh)
         else:

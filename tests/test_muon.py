@@ -59,7 +59,8 @@ def test_without_nesterov_uses_buffer():
     [
         ("keller", 64, 16, 2.0),
         ("keller", 16, 64, 1.0),
-        ("spectral", 16, 64, 0.5),
+        ("unit_rms_norm", 16, 64, 0.5),
+        ("spectral", 16, 64, 8.0),
         ("match_adamw_rms", 16, 64, 0.2 * 8),
         ("none", 16, 64, 1.0),
     ],

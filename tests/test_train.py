@@ -324,3 +324,13 @@ def test_compare_sweep_keeps_each_optimizers_best_lr(tmp_path):
     assert summary["runs"]["muon"]["lr"] == 0.05
     assert (out / "muon" / "metrics.jsonl").exists()
 
+
+def test_hf_config_without_transformers_says_how_to_install(monkeypatch):
+    """--hf-config is an optional extra: without transformers the error says how to get it."""
+    import sys
+
+    from orthoptim.train.hf import hf_config
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails, as if absent
+    with pytest.raises(ValueError, match=r"pip install 'orthoptim\[hf\]'"):
+        hf_config("llama", 64)

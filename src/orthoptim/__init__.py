@@ -4,6 +4,7 @@ from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_facto
 from orthoptim.optim import SOAP, HybridOptimizer, Muon, build_optimizer, routing_table
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.optim.qk_clip import QKClip
+from orthoptim.optim.routing import explain_routing
 from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "NonFiniteGradientError",
     "QKClip",
     "build_optimizer",
+    "explain_routing",
     "newton_schulz",
     "polar_factor",
     "routing_table",

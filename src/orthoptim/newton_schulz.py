@@ -45,7 +45,8 @@ COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
     # maximise the slope at zero; singular values end up in roughly [0.7, 1.2].
     "simple": ((3.4445, -4.7750, 2.0315),),
     # The 5-step per-step schedule tuned by You Jiacheng (used by the modded-nanogpt speedrun,
-    # microsoft/dion and NVIDIA Emerging-Optimizers as "quintic"); last tuple repeats.
+    # microsoft/dion and NVIDIA Emerging-Optimizers as "quintic"). Past 5 steps the last tuple
+    # repeats; Emerging-Optimizers cycles through the five instead, so ns_steps > 5 differs.
     "quintic": (
         (4.0848, -6.8946, 2.9270),
         (3.9505, -6.3029, 2.6377),
@@ -53,6 +54,8 @@ COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
         (2.8769, -3.1427, 1.2046),
         (2.8366, -3.0525, 1.2012),
     ),
+    # Input normalised by ‖X‖_F alone, as every set here: the paper's code divides by
+    # 1.01·‖X‖_F, so there every singular value starts 1% lower than here.
     "polar_express": (
         *((a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]),
         _POLAR_EXPRESS_RAW[-1],
@@ -93,7 +96,8 @@ def coefficient_schedule(
 ) -> list[Coefficients]:
     """Resolve a named set or a user sequence of (a, b, c) into exactly `steps` tuples.
 
-    A schedule shorter than `steps` repeats its last tuple. `name` is what the caller calls
+    A schedule shorter than `steps` repeats its last tuple (Emerging-Optimizers cycles
+    through it instead). `name` is what the caller calls
     the step count (Muon: `ns_steps`), for the error message.
     """
     check_int(name, steps, 1)

@@ -7,7 +7,7 @@ optimizers behind one `torch.optim.Optimizer` so that schedulers, `state_dict()`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -21,10 +21,7 @@ from orthoptim.optim.base import (
     step_checked,
 )
 from orthoptim.optim.muon import Muon
-
-RoutePredicate = Callable[[str, nn.Parameter], bool]
-
-HEAD_NAMES = frozenset({"lm_head", "head", "output", "output_layer", "classifier", "unembed"})
+from orthoptim.optim.routing import ModelRoute, RoutePredicate
 
 
 def _matrix_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
@@ -39,29 +36,11 @@ def _matrix_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
     return table
 
 
-def default_route(model: nn.Module) -> RoutePredicate:
-    """The default routing rule for `model`: True → matrix optimizer, False → AdamW.
-
-    AdamW gets every parameter with fewer than 2 dims, every nn.Embedding weight (and any
-    parameter tied to one: it is the same tensor), and the output head: a Linear named like a
-    head (`lm_head`, `head`, `output`, ...), or when none is, one whose output size equals an
-    embedding's vocabulary size (a fused qkv of that size next to an `lm_head` stays a matrix).
-    """
-    embed_ids: set[int] = set()
-    vocab_sizes: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            embed_ids.add(id(module.weight))
-            vocab_sizes.add(module.num_embeddings)
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    head_ids = {id(m.weight) for n, m in linears if n.rsplit(".", 1)[-1] in HEAD_NAMES}
-    if not head_ids:  # no head by name: fall back to the vocabulary size
-        head_ids = {id(m.weight) for _, m in linears if m.out_features in vocab_sizes}
-
-    def route(name: str, p: nn.Parameter) -> bool:
-        return p.ndim >= 2 and id(p) not in embed_ids and id(p) not in head_ids
-
-    return route
+def default_route(model: nn.Module) -> ModelRoute:
+    """The default routing rule for `model`: `rule(name, param)` is True for the matrix
+    optimizer, False for AdamW (see `orthoptim.optim.routing` for the rules, and
+    `explain_routing(model)` for each parameter's reason)."""
+    return ModelRoute(model)
 
 
 class HybridOptimizer(GuardedOptimizer):
@@ -155,9 +134,11 @@ def build_optimizer(
 
     `optimizer` is "muon", "soap" or "adamw" (plain AdamW over everything, the baseline; it
     uses `lr` when given, else `adamw_lr`). `route(name, param) -> bool` overrides the
-    default rule (True → matrix optimizer). `params` restricts the build to a subset of the
-    model's named parameters (the layer-wise distributed optimizer passes the ones a rank
-    owns). Extra keyword arguments go to the matrix optimizer. Frozen parameters are left out.
+    default rule (True → matrix optimizer; the default, `default_route(model)`, is described
+    in `orthoptim.optim.routing`, and `explain_routing(model)` prints its reasons). `params`
+    restricts the build to a subset of the model's named parameters (the layer-wise
+    distributed optimizer passes the ones a rank owns). Extra keyword arguments go to the
+    matrix optimizer. Frozen parameters are left out.
 
     Fused matrices: Muon's `split` ({name: row sizes}) defaults to `model.split_spec()` when
     the model has one (the built-in GPT does: fused QKV and gate/up); pass `split={}` to

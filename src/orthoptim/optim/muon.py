@@ -49,7 +49,14 @@ from orthoptim.optim.base import (
     state_dtype,
 )
 
-LR_SCALES = ("keller", "spectral", "match_adamw_rms", "none")
+# LR-scale conventions by their published names; LR_SCALE_ALIASES maps other libraries' spellings
+# (NVIDIA Emerging-Optimizers' `scale_mode`, torch.optim.Muon's `adjust_lr_fn`) onto them.
+LR_SCALES = ("keller", "unit_rms_norm", "spectral", "match_adamw_rms", "none")
+LR_SCALE_ALIASES = {
+    "shape_scaling": "keller",  # Emerging-Optimizers
+    "original": "keller",  # torch.optim.Muon
+    "match_rms_adamw": "match_adamw_rms",  # torch.optim.Muon
+}
 
 Orthogonalizer = Callable[[Tensor], Tensor]
 
@@ -139,21 +146,33 @@ def check_split(name: str, sizes: Any, rows: int) -> Split:
     return tuple(sizes)
 
 
-def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
-    """The per-matrix learning-rate multiplier of an LR-scale convention.
+def lr_scale_name(convention: str) -> str:
+    """The published name of an LR-scale convention given by its name or an alias
+    (`LR_SCALE_ALIASES`); raises ValueError naming `lr_scale` and every accepted spelling."""
+    check_choice("lr_scale", convention, (*LR_SCALES, *LR_SCALE_ALIASES))
+    return LR_SCALE_ALIASES.get(convention, convention)
 
-    keller: √max(1, rows/cols); spectral: √(rows/cols); match_adamw_rms: 0.2·√max(rows, cols)
-    (update RMS ≈ AdamW's, so AdamW learning rates and decay carry over); none: 1.
+
+def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
+    """The per-matrix learning-rate multiplier of an LR-scale convention (name or alias).
+
+    keller (Jordan's Muon; EO `shape_scaling`, torch `original`): √max(1, rows/cols);
+    unit_rms_norm (Bernstein's RMS→RMS norm; EO the same): √(rows/cols);
+    spectral (Scion, EO the same): √max(rows, cols);
+    match_adamw_rms (Moonlight; torch `match_rms_adamw`): 0.2·√max(rows, cols), update RMS
+    ≈ AdamW's, so AdamW learning rates and decay carry over; none: 1.
+    Earlier orthoptim versions called √(rows/cols) `spectral`; that is now `unit_rms_norm`.
     """
+    convention = lr_scale_name(convention)
     if convention == "keller":
         return math.sqrt(max(1.0, rows / cols))
-    if convention == "spectral":
+    if convention == "unit_rms_norm":
         return math.sqrt(rows / cols)
+    if convention == "spectral":
+        return math.sqrt(max(rows, cols))
     if convention == "match_adamw_rms":
         return 0.2 * math.sqrt(max(rows, cols))
-    if convention == "none":
-        return 1.0
-    raise ValueError(f"lr_scale must be one of {LR_SCALES}, got {convention!r}")
+    return 1.0
 
 
 class Muon(GuardedOptimizer):
@@ -163,7 +182,11 @@ class Muon(GuardedOptimizer):
     `split` ({parameter name: row sizes}) orthogonalizes each row block of a fused matrix on
     its own (for a 3-D parameter: the rows of every expert); it needs named parameters. The
     LR-scale convention is applied per block shape (a q block of a fused QKV gets the scale
-    a separate q matrix would get).
+    a separate q matrix would get). `lr_scale` takes the published names or the
+    Emerging-Optimizers / torch.optim.Muon spellings (`lr_scale_factor`; README, "LR scales").
+    `coefficients`: "quintic" (default) repeats its last tuple past 5 steps, where
+    Emerging-Optimizers cycles; "polar_express" normalises by ‖X‖_F without the paper's 1.01
+    (`orthoptim.newton_schulz.COEFFICIENT_SETS`).
     The momentum buffer is kept in float32 for low-precision parameters (fp32 master state),
     whatever `ns_dtype` is. `ns_dtype` is the Newton-Schulz dtype, resolved per batch from the
     device of the matrices (`resolve_ns_dtype`): "auto" (default) is bfloat16 on CUDA and
@@ -192,7 +215,7 @@ class Muon(GuardedOptimizer):
         check_unit_interval("momentum", momentum)
         check_nonnegative("weight_decay", weight_decay)
         check_positive("eps", eps)
-        check_choice("lr_scale", lr_scale, LR_SCALES)
+        lr_scale = lr_scale_name(lr_scale)
         coefficient_schedule(coefficients, ns_steps, name="ns_steps")
         check_dtype_or_auto("ns_dtype", ns_dtype)
         if orthogonalizer is not None and not callable(orthogonalizer):
@@ -220,6 +243,7 @@ class Muon(GuardedOptimizer):
         """As torch's, but rejects parameters that are not matrices, naming them."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        group["lr_scale"] = lr_scale_name(group["lr_scale"])
         check_dtype_or_auto("ns_dtype", group["ns_dtype"])
         check_params("Muon", self.param_groups)
         names = group.get("param_names")

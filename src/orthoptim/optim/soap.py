@@ -106,7 +106,9 @@ class SOAP(GuardedOptimizer):
         betas: Adam's (β₁, β₂) in the rotated basis.
         shampoo_beta: EMA coefficient of the Kronecker factors L, R; None → betas[1].
         eps: added to the bias-corrected √V (torch.optim.AdamW's placement).
-        weight_decay: decoupled, W ← W − lr·wd·W.
+        weight_decay: decoupled and applied before the update, W ← (1 − lr·wd)·W − lr·N
+            (torch.optim.AdamW's order); the original soap.py decays after it,
+            W ← (1 − lr·wd)·(W − lr·N).
         precondition_frequency: refresh the eigenbases every this many steps.
         max_precond_dim: a side longer than this keeps the identity basis.
         correct_bias: Adam's bias correction of M and V.

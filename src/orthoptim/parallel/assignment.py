@@ -946,14 +946,16 @@ def units_from_model(
 
     Trainable parameters only; a tied parameter appears once, under its first name. `route`
     (default: `default_route(model)`) decides matrix optimizer (`optimizer`) vs AdamW, exactly
-    as `build_optimizer` does. `split_experts` (True, or k experts per unit) turns each 3-D
-    matrix-optimizer parameter [E, out, in] into expert slices with `part` set.
+    as `build_optimizer` does. `split_experts` (True, or k experts per unit) turns each
+    matrix-optimizer parameter the model declares an expert stack [E, out, in] (see
+    `orthoptim.optim.routing`; being 3-D is not enough) into expert slices with `part` set.
     """
-    from orthoptim.optim.hybrid import default_route
+    from orthoptim.optim.routing import ModelRoute
 
     if optimizer not in KINDS:
         raise ValueError(f"optimizer must be one of {KINDS}, got {optimizer!r}")
-    rule = route if route is not None else default_route(model)
+    default = route if isinstance(route, ModelRoute) else ModelRoute(model)
+    rule = route if route is not None else default
     per = int(split_experts)
     if per < 0:
         raise ValueError(f"split_experts must be a bool or a positive int, got {split_experts}")
@@ -963,7 +965,7 @@ def units_from_model(
             continue
         kind = optimizer if optimizer != "adamw" and rule(name, p) else "adamw"
         shape = tuple(p.shape)
-        if per and kind != "adamw" and p.ndim == 3:
+        if per and kind != "adamw" and default.is_expert(name, p):
             row_bytes = p[0].numel() * p.element_size()
             for start in range(0, shape[0], per):
                 stop = min(start + per, shape[0])

@@ -56,6 +56,7 @@ from orthoptim.optim.base import (
     step_checked,
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
+from orthoptim.optim.routing import ModelRoute
 from orthoptim.parallel import clip
 from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import (
@@ -395,10 +396,14 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         self.units = units_from_model(
             model, optimizer=optimizer, route=rule, split_experts=split_experts
         )
-        # Units by the group they are data-parallel over: experts (3-D matrix parameters)
-        # over `expert_group` when one is given, everything else over `process_group`.
+        # Units by the group they are data-parallel over: experts (the stacks the model
+        # declares, `ModelRoute.is_expert`) over `expert_group` when one is given, everything
+        # else over `process_group`.
+        declared = ModelRoute(model)
         expert = [
-            expert_group is not None and u.kind != "adamw" and named[u.name].ndim == 3
+            expert_group is not None
+            and u.kind != "adamw"
+            and declared.is_expert(u.name, named[u.name])
             for u in self.units
         ]
         self._groups = [process_group] + ([expert_group] if expert_group is not None else [])

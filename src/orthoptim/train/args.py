@@ -31,6 +31,7 @@ class TrainArgs:
 
     optimizer: str = "muon"
     config: str = "tiny"
+    hf_config: str | None = None  # a transformers model (preset or config.json) to train
     steps: int = 200
     batch: int = 16  # sequences per rank per step
     lr: float | None = None  # None → DEFAULT_LR[optimizer]
@@ -121,6 +122,16 @@ class TrainArgs:
                 f"--fsdp does not run QK-clip yet (it would rescale rows of sharded q/k "
                 f"weights); pass --qk-clip 0 with --config {self.config}"
             )
+        if self.hf_config is not None and self.tp > 1:
+            raise ValueError(
+                f"--hf-config with --tp {self.tp}: tensor parallelism of transformers models is "
+                "not wired into `orthoptim train`; use --tp 1 (layer-wise or --fsdp)"
+            )
+        if self.hf_config is not None and self.qk_clip_tau is not None:
+            raise ValueError(
+                "--hf-config with --qk-clip: MuonClip finds the built-in GPT's attention only; "
+                "pass --qk-clip 0"
+            )
         if self.tp > 1:
             if self.fsdp:
                 raise ValueError(
@@ -156,7 +167,9 @@ class TrainArgs:
     @property
     def qk_clip_tau(self) -> float | None:
         """The MuonClip threshold of this run (None: no clipping)."""
-        tau = self.qk_clip if self.qk_clip is not None else get_config(self.config).qk_clip
+        tau = self.qk_clip
+        if tau is None and self.hf_config is None:
+            tau = get_config(self.config).qk_clip
         return tau or None
 
     @property

@@ -44,7 +44,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of one training run (everything but --nproc)."""
     d = TrainArgs()
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
-    p.add_argument("--config", choices=sorted(CONFIGS), default=d.config)
+    p.add_argument(
+        "--config",
+        choices=sorted(CONFIGS),
+        default=d.config,
+        help="the built-in GPT's size; with --hf-config its sequence length only",
+    )
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PRESET|PATH",
+        help="train a Hugging Face transformers causal LM built from a config, no download: "
+        "gpt2, llama or qwen3_moe (small sizes), or a config.json (or its folder); the "
+        "vocabulary is the corpus's 256 bytes (pip install 'orthoptim[hf]')",
+    )
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (1: none)")
     p.add_argument(
         "--fsdp",

@@ -39,6 +39,7 @@ from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import get_batch, load_corpus, val_batches
 from orthoptim.train.devices import autocast, resolve_precision
+from orthoptim.train.hf import build_hf_model
 from orthoptim.train.model import GPT, compile_blocks, get_config, parallelize
 from orthoptim.train.runfolder import (
     Checkpointer,
@@ -92,7 +93,8 @@ def make_optimizer(
         )
     if world_size == 1:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
-    experts = get_config(args.config).moe is not None and args.optimizer != "adamw"
+    # only the parameters the model declares expert stacks are split (`optim.routing`)
+    experts = args.optimizer != "adamw"
     return LayerwiseDistributedOptimizer(
         model, optimizer=args.optimizer, split_experts=experts, state_dict_to="rank0", **kwargs
     )
@@ -217,7 +219,7 @@ def train(
     corpus = load_corpus(args.data, min_bytes=cfg.seq_len + 1)
     log.info("corpus %s", corpus.describe())
     torch.manual_seed(args.seed)
-    model = GPT(cfg).to(device)
+    model = (build_hf_model(args.hf_config, cfg.seq_len) if args.hf_config else GPT(cfg)).to(device)
     args.check_nproc(world_size)
     if args.fsdp and world_size > 1:
         shard_model(model)
@@ -246,7 +248,7 @@ def train(
     log.info(
         "model %s (%d params), optimizer %s%s, world size %d (tp %d), device %s (%s), "
         "precision %s%s",
-        args.config,
+        f"transformers {args.hf_config}" if args.hf_config else args.config,
         sum(p.numel() for p in model.parameters()),
         args.optimizer,
         " (FSDP2)" if args.fsdp else "",
@@ -399,7 +401,8 @@ def train(
     comms = collectives.gather_floats(list(comm))
     result = dict(
         args=args.to_dict(),
-        model=cfg.as_dict(),
+        model=dict(hf_config=args.hf_config) if args.hf_config else cfg.as_dict(),
+        parameters=sum(p.numel() for p in model.parameters()),
         world_size=world_size,
         device=str(device),
         backend=collectives.backend_config() or None,
