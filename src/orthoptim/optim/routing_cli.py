@@ -4,36 +4,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from orthoptim.optim.routing import explain_routing
+from orthoptim.train.hf import PRESETS, hf_config, require_transformers
 
-# Tiny Hugging Face models, built from configs (no download): (config class, model class, kw).
+# Tiny Hugging Face classifiers, built from configs (no download): (config class, model class,
+# kw). The causal LMs are `orthoptim train --hf-config`'s presets (`orthoptim.train.hf`).
 _SMALL = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_hidden_layers=1)
-_DECODER = dict(_SMALL, num_key_value_heads=1, vocab_size=64, bos_token_id=0, eos_token_id=0)
-HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "gpt2": (
-        "GPT2Config",
-        "GPT2LMHeadModel",
-        dict(
-            n_layer=1,
-            n_embd=16,
-            n_head=2,
-            vocab_size=64,
-            n_positions=32,
-            bos_token_id=0,
-            eos_token_id=0,
-        ),
-    ),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", _DECODER),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(_DECODER, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, head_dim=8),
-    ),
+HF_CLASSIFIERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bert": (
         "BertConfig",
         "BertForSequenceClassification",
@@ -45,20 +28,19 @@ HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         dict(_SMALL, image_size=16, patch_size=4, num_labels=3),
     ),
 }
+HF_MODELS = (*PRESETS, *HF_CLASSIFIERS)
 
 
 def hf_model(name: str) -> nn.Module:
-    """A tiny Hugging Face model of family `name` (a key of `HF_CONFIGS`), randomly
+    """A small Hugging Face model of family `name` (one of `HF_MODELS`), randomly
     initialised from its config; needs `transformers` (`pip install orthoptim[hf]`)."""
-    if name not in HF_CONFIGS:
-        raise ValueError(f"--hf-config must be one of {sorted(HF_CONFIGS)}, got {name!r}")
-    try:
-        import transformers
-    except ImportError as exc:
-        raise SystemExit("--hf-config needs transformers: pip install 'orthoptim[hf]'") from exc
-    config_cls, model_cls, kw = HF_CONFIGS[name]
-    config = getattr(transformers, config_cls)(**kw)
-    return getattr(transformers, model_cls)(config)
+    if name not in HF_MODELS:
+        raise ValueError(f"--hf-config must be one of {sorted(HF_MODELS)}, got {name!r}")
+    transformers = require_transformers()
+    if name in PRESETS:
+        return transformers.AutoModelForCausalLM.from_config(hf_config(name, seq_len=128))
+    config_cls, model_cls, kw = HF_CLASSIFIERS[name]
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw))
 
 
 def model_from_factory(spec: str) -> nn.Module:
@@ -80,7 +62,11 @@ def model_from_factory(spec: str) -> nn.Module:
 
 def run(args: argparse.Namespace) -> int:
     """Build the model the arguments name and print its routing table."""
-    model = hf_model(args.hf_config) if args.hf_config else model_from_factory(args.model)
+    try:
+        model = hf_model(args.hf_config) if args.hf_config else model_from_factory(args.model)
+    except ValueError as exc:
+        print(f"orthoptim routing: error: {exc}", file=sys.stderr)
+        return 2
     explain_routing(model, optimizer=args.optimizer)
     return 0
 
@@ -94,7 +80,7 @@ def add_parser(subparsers: Any) -> None:
     )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument(
-        "--hf-config", choices=sorted(HF_CONFIGS), help="a tiny Hugging Face model of this family"
+        "--hf-config", choices=sorted(HF_MODELS), help="a small Hugging Face model of this family"
     )
     which.add_argument("--model", metavar="MODULE:FACTORY", help="a model built by factory()")
     p.add_argument("--optimizer", default="muon", choices=["muon", "soap", "adamw"])
