@@ -16,6 +16,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,9 @@ from torch import Tensor, nn
 from orthoptim import kernels
 from orthoptim.newton_schulz import GRAM_FORM_RESTART
 from orthoptim.parallel import collectives as C
+
+if TYPE_CHECKING:
+    from orthoptim.optim.routing import RoutePredicate
 
 KINDS = ("muon", "soap", "adamw")
 BALANCES = ("cost", "round_robin", "capped")
@@ -930,9 +934,6 @@ def assign(
         a.owners = [-1 if u.kind == "adamw" else o for u, o in zip(units, owners)]
         return deal_adamw(units, a, masters)
     return a
-
-
-RoutePredicate = Callable[[str, nn.Parameter], bool]
 
 
 def units_from_model(
