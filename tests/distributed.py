@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from orthoptim.parallel.collectives import backend_devices
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -57,6 +59,11 @@ def _worker(
             **kw,
         )
         result = fn(rank, world_size, *args)
+        # Work `fn` left in flight (a layer-wise optimizer's last parameter gathers) must end
+        # before the group is destroyed: gloo's barrier waits for every pending operation
+        # (a CPU barrier: not under "cuda:gloo", which serves CUDA tensors only).
+        if "cpu" in backend_devices():
+            dist.barrier()
         torch.save({"ok": True, "result": result}, path)
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
