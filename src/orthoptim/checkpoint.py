@@ -301,14 +301,21 @@ def _install(
 # Checkpoints may hold whole-parameter or slice entries; `_take` cuts or joins them.
 
 
-def _range(name: str) -> tuple[str, tuple[int, int] | None]:
-    """ "w[2:4]" → ("w", (2, 4)); "w" → ("w", None)."""
-    if name.endswith("]") and "[" in name:
-        base, _, rest = name[:-1].rpartition("[")
+def _ranged(name: str, brackets: str) -> tuple[str, tuple[int, int] | None]:
+    """ "w[2:4]" → ("w", (2, 4)) with brackets "[]"; "w{2:9}" → ("w", (2, 9)) with "{}";
+    a name without such a suffix → (name, None)."""
+    left, right = brackets
+    if name.endswith(right) and left in name:
+        base, _, rest = name[:-1].rpartition(left)
         start, _, stop = rest.partition(":")
         if start.isdigit() and stop.isdigit():
             return base, (int(start), int(stop))
     return name, None
+
+
+def _range(name: str) -> tuple[str, tuple[int, int] | None]:
+    """An expert slice's range: "w[2:4]" → ("w", (2, 4)); "w" → ("w", None)."""
+    return _ranged(name, "[]")
 
 
 def _take(
@@ -326,30 +333,7 @@ def _take(
     if run is not None or any(r is not None and b == name for b, r in runs):
         return _take_run(entries, base, run, shape)
     base, want = _range(name)
-    pieces = []  # (start, stop, entry) of every entry for this parameter
-    for key, entry in entries.items():
-        b, r = _range(key)
-        if b == base:
-            pieces.append((*(r if r is not None else (0, _rows(entry))), entry))
-    if not pieces:
-        return None
-    pieces.sort(key=lambda x: x[0])
-    lo, hi = want if want is not None else (0, max(stop for _, stop, _ in pieces))
-    cover = [x for x in pieces if x[0] < hi and x[1] > lo]
-    gaps = any(a[1] != b[0] for a, b in itertools.pairwise(cover))
-    if not cover or cover[0][0] > lo or cover[-1][1] < hi or gaps:
-        held = [k for k in entries if _range(k)[0] == base]
-        raise CheckpointMismatchError(
-            [f"state of {name}: the checkpoint's entries {held} do not cover it"]
-        )
-    out: dict[str, Any] = {}
-    for k, v in cover[0][2].items():
-        if isinstance(v, Tensor) and v.ndim >= 1:
-            joined = torch.cat([e[k] for _, _, e in cover]) if len(cover) > 1 else v
-            out[k] = joined[lo - cover[0][0] : hi - cover[0][0]]
-        else:
-            out[k] = v  # per-parameter scalars (step counts) are the same in every slice
-    return out
+    return _joined(entries, base, want, _range, _rows, name)
 
 
 def _by_base(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -368,13 +352,8 @@ def flat_label(name: str, lo: int, hi: int) -> str:
 
 
 def _flat_range(name: str) -> tuple[str, tuple[int, int] | None]:
-    """ "w{2:9}" → ("w", (2, 9)); "w" → ("w", None)."""
-    if name.endswith("}") and "{" in name:
-        base, _, rest = name[:-1].rpartition("{")
-        lo, _, hi = rest.partition(":")
-        if lo.isdigit() and hi.isdigit():
-            return base, (int(lo), int(hi))
-    return name, None
+    """A run's range: "w{2:9}" → ("w", (2, 9)); "w" → ("w", None)."""
+    return _ranged(name, "{}")
 
 
 def _base(name: str) -> str:
@@ -390,33 +369,55 @@ def _take_run(
 ) -> dict[str, Any] | None:
     """`_take` of elements `want` (None: all, shaped `shape`) of the flattened parameter
     `base` from its whole entry or its runs' entries."""
-    pieces = []  # (lo, hi, entry) of every entry for this parameter
+    what = flat_label(base, *want) if want is not None else base
+    whole = math.prod(shape) if shape is not None else None
+    out = _joined(entries, base, want, _flat_range, _numel, what, whole=whole, flat=True)
+    if out is None or want is not None or shape is None:
+        return out
+    return {k: v.reshape(shape) if isinstance(v, Tensor) and v.ndim >= 1 else v
+            for k, v in out.items()}  # fmt: skip
+
+
+def _joined(
+    entries: dict[str, dict[str, Any]],
+    base: str,
+    want: tuple[int, int] | None,
+    parse: Callable[[str], tuple[str, tuple[int, int] | None]],
+    size: Callable[[dict[str, Any]], int],
+    what: str,
+    whole: int | None = None,
+    flat: bool = False,
+) -> dict[str, Any] | None:
+    """Range `want` (None: 0 to `whole`, default the end of the last piece) of parameter
+    `base`, joined from the entries `parse` names as its pieces (a whole entry spans 0 to
+    `size(entry)`): along dim 0, or over the flattened tensors with `flat`. None when no
+    entry belongs to `base`; pieces that leave a gap in the range raise, naming `what`."""
+    pieces = []  # (start, stop, entry) of every entry for this parameter
     for key, entry in entries.items():
-        b, r = _flat_range(key)
+        b, r = parse(key)
         if b == base:
-            pieces.append((*(r if r is not None else (0, _numel(entry))), entry))
+            pieces.append((*(r if r is not None else (0, size(entry))), entry))
     if not pieces:
         return None
     pieces.sort(key=lambda x: x[0])
-    whole = math.prod(shape) if shape is not None else max(hi for _, hi, _ in pieces)
+    if whole is None:
+        whole = max(stop for _, stop, _ in pieces)
     lo, hi = want if want is not None else (0, whole)
     cover = [x for x in pieces if x[0] < hi and x[1] > lo]
     gaps = any(a[1] != b[0] for a, b in itertools.pairwise(cover))
     if not cover or cover[0][0] > lo or cover[-1][1] < hi or gaps:
-        held = [k for k in entries if _flat_range(k)[0] == base]
-        what = flat_label(base, lo, hi) if want is not None else base
+        held = [k for k in entries if parse(k)[0] == base]
         raise CheckpointMismatchError(
             [f"state of {what}: the checkpoint's entries {held} do not cover it"]
         )
     out: dict[str, Any] = {}
     for k, v in cover[0][2].items():
         if isinstance(v, Tensor) and v.ndim >= 1:
-            flat = [e[k].reshape(-1) for _, _, e in cover]
-            joined = torch.cat(flat) if len(flat) > 1 else flat[0]
-            piece = joined[lo - cover[0][0] : hi - cover[0][0]]
-            out[k] = piece if want is not None or shape is None else piece.reshape(shape)
+            parts = [e[k].reshape(-1) if flat else e[k] for _, _, e in cover]
+            joined = torch.cat(parts) if len(parts) > 1 else parts[0]
+            out[k] = joined[lo - cover[0][0] : hi - cover[0][0]]
         else:
-            out[k] = v  # per-parameter scalars (step counts) are the same in every run
+            out[k] = v  # per-parameter scalars (step counts) are the same in every piece
     return out
 
 
