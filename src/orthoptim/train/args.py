@@ -68,7 +68,13 @@ class TrainArgs:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         get_config(self.config)
         for name in (
-            "steps", "batch", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "tp"
+            "steps",
+            "batch",
+            "eval_every",
+            "eval_batches",
+            "ckpt_every",
+            "keep_checkpoints",
+            "tp",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(

@@ -27,13 +27,14 @@ from orthoptim.train import devices
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import load_corpus
 from orthoptim.train.devices import plan_ranks
-from orthoptim.train.loop import _setup_logging, train
+from orthoptim.train.loop import setup_logging, train
 from orthoptim.train.model import get_config
 from orthoptim.train.runfolder import (
-    _atomic_write_text,
-    _nothing_to_do,
     acquire_lock,
+    atomic_write_text,
     claim_out,
+    latest_record,
+    nothing_to_do,
     release_lock,
 )
 
@@ -96,7 +97,7 @@ def run(args: TrainArgs) -> dict[str, Any]:
         if verdict == 2:
             raise ValueError(f"rank 0 refused --out {out} (see its error)")
         if verdict == 1:
-            return _nothing_to_do(out, done or f"--out {out}: nothing to do (see rank 0)")
+            return nothing_to_do(out, done or f"--out {out}: nothing to do (see rank 0)")
         return _run_rank(args)
     finally:
         if lock is not None:
@@ -110,7 +111,7 @@ def _run_rank(args: TrainArgs) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     collectives.barrier()
-    log = _setup_logging(out, rank)
+    log = setup_logging(out, rank)
     try:
         return train(args, rank, world_size, device, out, log)
     finally:
@@ -148,7 +149,7 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
     try:
         done = claim_out(args, nproc)
         if done is not None:
-            return _nothing_to_do(out, done)
+            return nothing_to_do(out, done)
         # A bad --data fails here, once, before any rank starts.
         load_corpus(args.data, min_bytes=get_config(args.config).seq_len + 1)
         return _launch_ranks(args, nproc)
@@ -289,10 +290,8 @@ class _Progress:
 
 def _resume_step(args: TrainArgs) -> int:
     """The step a --resume run continues from (0 otherwise, or when unreadable)."""
-    if not args.resume:
-        return 0
-    info = _read_json(Path(args.out) / "checkpoints" / "latest.json")
-    return int(info.get("step", 0)) if info else 0
+    record = latest_record(Path(args.out)) if args.resume else None
+    return int(record["step"]) if record else 0
 
 
 class _Heartbeat:
@@ -311,7 +310,7 @@ class _Heartbeat:
 
     def _write(self) -> None:
         beat = dict(pid=os.getpid(), step=self.progress.step, time=time.time())
-        _atomic_write_text(json.dumps(beat), self.path)
+        atomic_write_text(json.dumps(beat), self.path)
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -360,12 +359,12 @@ def _record_failure(out: Path, rank: int, exc: Exception, phase: str) -> None:
         log=str(out / "logs" / f"rank{rank}.log"),
     )
     with contextlib.suppress(OSError):
-        log = _setup_logging(out, rank)
+        log = setup_logging(out, rank)
         try:
             log.error("failed %s", phase, exc_info=exc)
         finally:
             _close(log)
-        _atomic_write_text(json.dumps(record), out / "logs" / FAILURE_FILE.format(rank=rank))
+        atomic_write_text(json.dumps(record), out / "logs" / FAILURE_FILE.format(rank=rank))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -43,7 +43,7 @@ from orthoptim.train.hf import build_hf_model
 from orthoptim.train.model import GPT, compile_blocks, get_config, parallelize
 from orthoptim.train.runfolder import (
     Checkpointer,
-    _atomic_write_text,
+    atomic_write_text,
     read_metrics,
     resumed_args,
 )
@@ -182,7 +182,8 @@ def _notice(log: logging.Logger, rank: int, message: str) -> None:
         print(f"orthoptim: {message}", file=sys.stderr, flush=True)
 
 
-def _setup_logging(out: Path, rank: int) -> logging.Logger:
+def setup_logging(out: Path, rank: int) -> logging.Logger:
+    """Rank `rank`'s logger, writing to OUT/logs/rank{rank}.log (its handlers replaced)."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     log = logging.getLogger(f"orthoptim.train.rank{rank}")
     log.setLevel(logging.INFO)
@@ -282,7 +283,7 @@ def train(
             log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), precision)
         if rank == 0:
             kept = read_metrics(metrics_path, upto=start)
-            _atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
+            atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
     elif rank == 0:
         metrics_path.write_text("")
     collectives.barrier()
@@ -419,7 +420,7 @@ def train(
     )
     result.update(throughput(read_metrics(metrics_path) if rank == 0 else [], tokens_per_step))
     if rank == 0:
-        _atomic_write_text(json.dumps(result, indent=1), out / "result.json")
+        atomic_write_text(json.dumps(result, indent=1), out / "result.json")
     log.info("done: %s", json.dumps({k: result[k] for k in ("last_step", "final_val_loss")}))
     collectives.barrier()
     return result

@@ -39,13 +39,8 @@ from orthoptim.parallel import collectives
 from orthoptim.train.args import TrainArgs
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(text: str, path: Path) -> None:
+def atomic_write_text(text: str, path: Path) -> None:
+    """Replace `path` with `text` at once: written aside to `path.tmp`, then renamed."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -84,11 +79,11 @@ RESUME_MAY_CHANGE = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
 
 def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch."""
-    saved = dict(TrainArgs().to_dict(), **info["args"])  # flags newer than the checkpoint
+    saved = TrainArgs.from_dict(info["args"])  # defaults for flags newer than the checkpoint
     mismatched = [
-        f"--{k.replace('_', '-')}: checkpoint {saved[k]!r}, now {getattr(args, k)!r}"
+        f"--{k.replace('_', '-')}: checkpoint {getattr(saved, k)!r}, now {getattr(args, k)!r}"
         for k in RESUME_MUST_MATCH
-        if saved[k] != getattr(args, k)
+        if getattr(saved, k) != getattr(args, k)
     ]
     if info["world_size"] != world_size:
         mismatched.append(f"--nproc: checkpoint {info['world_size']}, now {world_size}")
@@ -102,7 +97,7 @@ def resumed_args(args: TrainArgs, info: dict[str, Any]) -> tuple[TrainArgs, list
     """The arguments a resumed run continues with: each of RESUME_MAY_CHANGE left off (None)
     takes the checkpoint's value, one given applies from the step resumed. Returns them and
     each changed value in words ("--lr 0.05 → 0.02")."""
-    saved = TrainArgs.from_dict(dict(TrainArgs().to_dict(), **info["args"]))
+    saved = TrainArgs.from_dict(info["args"])
     now = TrainArgs.from_dict(args.to_dict())
     notices = []
     for name in RESUME_MAY_CHANGE:
@@ -272,8 +267,8 @@ class Checkpointer:
             if self.rank == 0:
                 info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
                 record = json.dumps(dict(info, files=_record_files(folder)), indent=1)
-                _atomic_write_text(record, folder / STEP_RECORD)
-                _atomic_write_text(record, self.dir / "latest.json")
+                atomic_write_text(record, folder / STEP_RECORD)
+                atomic_write_text(record, self.dir / "latest.json")
 
         self._together(step, folder, last_good, commit)
         if self.rank == 0:
@@ -308,8 +303,8 @@ class Checkpointer:
         else:
             optim = opt.state_dict()  # collective: the full dict, on rank 0 only
             if self.rank == 0:
-                _atomic_save(model.state_dict(), folder / "model.pt")
-                _atomic_save(optim, folder / "optim.pt")
+                checkpoint.atomic_save(model.state_dict(), folder / "model.pt")
+                checkpoint.atomic_save(optim, folder / "optim.pt")
 
     def _prune(self, newest: str) -> None:
         """Keep the newest `keep` committed step folders (`newest` among them)."""
@@ -340,7 +335,7 @@ class Checkpointer:
                 for bad, _ in damaged:
                     with contextlib.suppress(OSError):
                         os.replace(bad, bad.with_name(bad.name + ".damaged"))
-                _atomic_write_text(json.dumps(info, indent=1), self.dir / "latest.json")
+                atomic_write_text(json.dumps(info, indent=1), self.dir / "latest.json")
             collectives.barrier()
             return dict(info, passed_over=[f"{f.name}: {why}" for f, why in damaged])
         raise checkpoint.CheckpointLoadError(
@@ -365,19 +360,16 @@ class Checkpointer:
 
 def clean_leftovers(out: Path) -> list[str]:
     """Remove what an interrupted run left half-written under `out` (call with the lock held,
-    before any rank starts): `*.tmp` files and step folders that were never committed (no
-    record, not named by latest.json). Returns what was removed."""
+    before any rank starts): `*.tmp` and `*.tmp.PID` files and step folders that were never
+    committed (no record, not named by latest.json). Returns what was removed."""
     removed = []
     ckpts = out / "checkpoints"
-    try:
-        named = json.loads((ckpts / "latest.json").read_text())["folder"]
-    except (OSError, ValueError, KeyError, TypeError):
-        named = None
+    named = (latest_record(out) or {}).get("folder")
     for path in sorted(ckpts.glob("step_*")):
         if path.is_dir() and path.name != named and not (path / STEP_RECORD).exists():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
-    for path in [*out.glob("*.tmp"), *ckpts.rglob("*.tmp")]:
+    for path in [*out.glob("*.tmp"), *ckpts.rglob("*.tmp"), *ckpts.rglob("*.tmp.*")]:
         with contextlib.suppress(OSError):
             path.unlink()
             removed.append(str(path))
@@ -405,11 +397,18 @@ def held_run(out: Path) -> str | None:
     (no metrics.jsonl, result.json or checkpoints/)."""
     if not any((out / name).exists() for name in RUN_FILES[:3]):
         return None
+    record = latest_record(out)
+    return f"checkpoint at step {record['step']}" if record else "no checkpoint"
+
+
+def latest_record(out: Path) -> dict[str, Any] | None:
+    """The committed checkpoint's record (`checkpoints/latest.json`: its step, folder and
+    metadata), or None when there is none or it cannot be read."""
     try:
-        step = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "no checkpoint"
-    return f"checkpoint at step {step}"
+        record = json.loads((out / "checkpoints" / "latest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "step" in record else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -538,7 +537,7 @@ def claim_out(args: TrainArgs, world_size: int) -> str | None:
     return None
 
 
-def _nothing_to_do(out: Path, message: str) -> dict[str, Any]:
+def nothing_to_do(out: Path, message: str) -> dict[str, Any]:
     """The result of a run that had nothing to do: the folder's result.json as it is (if any),
     with the message under "nothing_to_do"."""
     try:
