@@ -55,11 +55,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"whole": base / "whole", "partial": base / "partial"}
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
 def _rerecord(folder: Path, name: str) -> None:
     """Record `name`'s current bytes as the ones written (a checkpoint saved that way)."""
     data = (folder / name).read_bytes()
@@ -87,7 +82,7 @@ def test_keeps_the_newest_checkpoints(runs, tmp_path):
 def test_changed_lr_and_weight_decay_apply_from_the_step_resumed(runs, tmp_path, capsys):
     """Issue case 2: a new --lr / --weight-decay on --resume used to be replaced by the
     checkpoint's values while result.json recorded the new ones."""
-    out = _copy(runs["partial"], tmp_path / "A")
+    out = shutil.copytree(runs["partial"], tmp_path / "A")
     capsys.readouterr()
     assert (
         main(_argv(out, "--resume", "--lr", "0.02", "--weight-decay", "0.1", "--stop-after", "5"))
@@ -111,13 +106,14 @@ def test_changed_lr_and_weight_decay_apply_from_the_step_resumed(runs, tmp_path,
     result = json.loads((out / "result.json").read_text())["args"]
     assert (result["lr"], result["weight_decay"]) == (0.02, 0.1)
     # Schedule changes are refused, naming the flag.
-    assert main(_argv(_copy(runs["partial"], tmp_path / "B"), "--resume", "--warmup", "3")) == 2
+    other = shutil.copytree(runs["partial"], tmp_path / "B")
+    assert main(_argv(other, "--resume", "--warmup", "3")) == 2
     assert "--warmup: checkpoint 1, now 3" in capsys.readouterr().err
 
 
 def test_corrupted_byte_falls_back_to_the_newest_intact_checkpoint(runs, tmp_path, capsys):
     """Issue case 5: a changed byte inside optim.pt used to load silently (different losses)."""
-    out = _copy(runs["partial"], tmp_path / "A")
+    out = shutil.copytree(runs["partial"], tmp_path / "A")
     path = out / "checkpoints" / "step_000004" / "optim.pt"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -133,7 +129,7 @@ def test_corrupted_byte_falls_back_to_the_newest_intact_checkpoint(runs, tmp_pat
 
 def test_nonfinite_model_falls_back(runs, tmp_path, capsys):
     """Issue case 5: NaN in model.pt used to surface as a gradient problem at the next step."""
-    out = _copy(runs["partial"], tmp_path / "A")
+    out = shutil.copytree(runs["partial"], tmp_path / "A")
     folder = out / "checkpoints" / "step_000004"
     state = torch.load(folder / "model.pt", weights_only=True)
     name = next(iter(state))
@@ -150,7 +146,7 @@ def test_nonfinite_model_falls_back(runs, tmp_path, capsys):
 def test_leftovers_and_a_cut_metrics_line_do_not_block_resume(runs, tmp_path, caplog, capsys):
     """Issue case 6: a leftover model.pt.tmp, or a half-written last line of metrics.jsonl,
     used to make every later --resume fail."""
-    out = _copy(runs["partial"], tmp_path / "A")
+    out = shutil.copytree(runs["partial"], tmp_path / "A")
     ckpts = out / "checkpoints"
     (ckpts / "step_000004" / "model.pt.tmp").write_bytes(b"half")
     (ckpts / "step_000006").mkdir()  # a save that never committed
@@ -163,7 +159,7 @@ def test_leftovers_and_a_cut_metrics_line_do_not_block_resume(runs, tmp_path, ca
     assert _losses(out) == _losses(runs["whole"])
     assert not list(out.rglob("*.tmp"))
     # A damaged line before the last is an error naming the file and the line.
-    bad = _copy(runs["partial"], tmp_path / "B")
+    bad = shutil.copytree(runs["partial"], tmp_path / "B")
     lines = (bad / "metrics.jsonl").read_text().splitlines()
     lines[1] = lines[1][:10]
     (bad / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -200,7 +196,7 @@ def test_disk_full_says_so_and_keeps_the_last_good_checkpoint(runs, tmp_path, sm
     room the run continues bit-identically."""
     used = sum(p.stat().st_size for p in runs["partial"].rglob("*") if p.is_file())
     disk = small_disk(used + 2**20)  # room for the run, not for another checkpoint
-    out = _copy(runs["partial"], disk / "A")
+    out = shutil.copytree(runs["partial"], disk / "A")
     before = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     capsys.readouterr()
     assert main(_argv(out, "--resume")) != 0
@@ -209,7 +205,7 @@ def test_disk_full_says_so_and_keeps_the_last_good_checkpoint(runs, tmp_path, sm
     assert "the last good checkpoint (step 4) is intact" in err
     after = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     assert after == before
-    roomy = _copy(out, tmp_path / "roomy")
+    roomy = shutil.copytree(out, tmp_path / "roomy")
     (roomy / ".lock").unlink(missing_ok=True)
     assert main(_argv(roomy, "--resume")) == 0
     assert _losses(roomy) == _losses(runs["whole"])

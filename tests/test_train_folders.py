@@ -51,14 +51,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"finished": base / "finished", "partial": base / "partial"}
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
 def test_new_run_refuses_a_folder_holding_a_run_unless_overwrite(tmp_path, runs, capsys):
     """Issue case 1: leaving off --resume used to wipe the previous run."""
-    out = _copy(runs["partial"], tmp_path / "A")
+    out = shutil.copytree(runs["partial"], tmp_path / "A")
     before = _snapshot(out)
     assert main(_argv(out, "--stop-after", "1")) == 2
     err = capsys.readouterr().err
@@ -102,7 +97,7 @@ def test_resume_without_checkpoint_gives_the_right_advice(tmp_path, capsys):
 def test_resuming_a_finished_run_changes_nothing(tmp_path, runs, capsys):
     """Issue case 4: resuming a finished run (or --stop-after at or below the checkpoint's
     step) used to exit 0 after overwriting result.json with final_val_loss null."""
-    out = _copy(runs["finished"], tmp_path / "A")
+    out = shutil.copytree(runs["finished"], tmp_path / "A")
     before = _snapshot(out)
     result = json.loads((out / "result.json").read_text())
     assert result["final_val_loss"] is not None
@@ -111,7 +106,7 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, runs, capsys):
         assert main(_argv(out, "--resume", *extra)) == 0
         assert f"--out {out} finished at step 4; nothing to do" in capsys.readouterr().out
         assert _snapshot(out) == before
-    part = _copy(runs["partial"], tmp_path / "B")
+    part = shutil.copytree(runs["partial"], tmp_path / "B")
     before = _snapshot(part)
     for stop in ("1", "2"):
         assert main(_argv(part, "--resume", "--stop-after", stop)) == 0
@@ -205,7 +200,7 @@ def test_lock_stale_and_other_host(tmp_path, caplog):
 
 def test_run_under_torchrun_checks_the_folder(tmp_path, runs):
     """`run` (each rank under torchrun; here one process, rank 0) applies the same rules."""
-    out = _copy(runs["finished"], tmp_path / "A")
+    out = shutil.copytree(runs["finished"], tmp_path / "A")
     before = _snapshot(out)
     args = TrainArgs(
         config="tiny", steps=4, batch=2, warmup=1, eval_batches=1, out=str(out), progress=False
