@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orthoptim.parallel.collectives import backend_devices
+from orthoptim.collectives import backend_devices
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orthoptim.parallel.collectives import (
+from orthoptim.collectives import (
     CommStats,
     all_gatherv,
     all_reduce,
@@ -72,8 +72,8 @@ def cpu_tensor_refusals(world_size):
     optimizer's construction, refuses a CPU tensor itself; {call: its message}."""
     from torch import nn
 
+    from orthoptim import collectives as C
     from orthoptim.parallel import LayerwiseDistributedOptimizer
-    from orthoptim.parallel import collectives as C
 
     cpu = torch.ones(2 * world_size)
     calls = {
@@ -103,7 +103,7 @@ def cpu_tensor_refusals(world_size):
 
 def _device_checks(rank, world_size):
     """Under "cuda:gloo" (CUDA tensors only, like NCCL) on a machine without a GPU."""
-    from orthoptim.parallel import collectives as C
+    from orthoptim import collectives as C
 
     errors = cpu_tensor_refusals(world_size)
     return {
@@ -130,7 +130,7 @@ def test_cuda_only_backend_refuses_cpu_tensors_by_name():
 
 
 def _gloo_devices(rank, world_size):
-    from orthoptim.parallel import collectives as C
+    from orthoptim import collectives as C
 
     return {
         "devices": C.backend_devices(),
@@ -255,7 +255,7 @@ def _replay(wire: _Wire, call: dict) -> None:
 def test_accounting_helpers_equal_simulated_algorithms(n):
     """Per rank, the helpers collectives.py records with equal what the simulated ring and
     chain algorithms move, for uneven chunks and every root; sent = received summed."""
-    from orthoptim.parallel import collectives as C
+    from orthoptim import collectives as C
 
     sizes = [3 + 2 * r for r in range(n)]
     xs = [torch.randn(sum(sizes), dtype=torch.float64) for _ in range(n)]
@@ -286,8 +286,8 @@ def _logged_step(rank, world_size):
     Every torch.distributed collective it issues is logged with its group, size and root."""
     from torch import nn
 
+    from orthoptim import collectives as C
     from orthoptim.parallel import LayerwiseDistributedOptimizer
-    from orthoptim.parallel import collectives as C
 
     log, phase = [], ["setup"]
 

@@ -22,8 +22,8 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from orthoptim import build_optimizer
 from orthoptim import checkpoint as ckpt
+from orthoptim.collectives import CollectiveError
 from orthoptim.parallel import LayerwiseDistributedOptimizer
-from orthoptim.parallel.collectives import CollectiveError
 from test_checkpoint import KW, every_matrix, make_model, train
 
 from distributed import free_port

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orthoptim import build_optimizer
+from orthoptim import checkpoint as ckpt_mod
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.parallel.fsdp import FSDPOptimizer
 
@@ -126,6 +127,7 @@ def soap_checks(rank, world_size):
         ref = build_optimizer(model, **SOAP_KW)
         train_same_batch(model, ref, range(STEPS))
         out["soap_ref"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["soap_ref_state"] = ref.state_dict()
     model = sharded_model(world_size)
     opt = FSDPOptimizer(model, bucket_mb=0.01, **SOAP_KW)
     train_same_batch(model, opt, range(STEPS))
@@ -135,10 +137,8 @@ def soap_checks(rank, world_size):
     p = dict(model.named_parameters())["blocks.0.fc.weight"]
     out["soap_state_keys"] = sorted(opt.state[p])
     out["soap_owner"] = opt.owner_of["blocks.0.fc.weight"]
-    try:
-        opt.sharded_state_dict()
-    except NotImplementedError as e:
-        out["soap_sharded_error"] = str(e)
+    # the full dict joins the owners' whole-matrix state with every rank's step count
+    out["soap_full"] = opt.state_dict()
     return out
 
 
@@ -159,9 +159,7 @@ def worker(rank, world_size, ckpt, full_sd=None):
     out["owners"] = dict(opt.owner_of)
     out["buckets"] = len(opt.assignment.buckets)
     if world_size == 2:
-        dcp.save(
-            {"model": model.state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=ckpt
-        )
+        ckpt_mod.save_sharded(ckpt, opt, model)
         out.update(nonfinite_checks(model, opt, rank))
         out.update(soap_checks(rank, world_size))
         # float64 end to end: updates travel and are orthogonalized in float64.
@@ -178,18 +176,14 @@ def worker(rank, world_size, ckpt, full_sd=None):
     # 4 ranks: resume the 2-rank checkpoint (resharded by DCP) and take EXTRA more steps.
     model = sharded_model(world_size)
     opt = FSDPOptimizer(model, bucket_mb=0.01, **KW)
-    sd = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
-    dcp.load(sd, checkpoint_id=ckpt)
-    model.load_state_dict(sd["model"])
-    opt.load_sharded_state_dict(sd["optim"])
+    ckpt_mod.load_sharded(ckpt, opt, model)
     train(model, opt, rank, world_size, range(STEPS, STEPS + EXTRA))
     out["resumed"] = local_params(model)
     # the same from the 2-rank full dict: each rank keeps its shard of every state tensor
     model = sharded_model(world_size)
     opt = FSDPOptimizer(model, bucket_mb=0.01, **KW)
-    sd = {"model": model.state_dict()}
+    sd = {f"model/{k}": v for k, v in model.state_dict().items()}
     dcp.load(sd, checkpoint_id=ckpt)
-    model.load_state_dict(sd["model"])
     opt.load_state_dict(full_sd)
     train(model, opt, rank, world_size, range(STEPS, STEPS + EXTRA))
     out["resumed_full"] = local_params(model)
@@ -387,7 +381,16 @@ def test_soap_matches_single_process_soap_bitwise(runs):
     for r in two:
         # Gradient shards travel as Muon's update shards do: the same bytes formula.
         assert r["soap_stats"]["all_to_all"] == r["soap_expected"]["all_to_all"]
-        assert "state_dict()" in r["soap_sharded_error"]
+    # the full dict equals single-process SOAP's state, bit for bit
+    want, got = two[0]["soap_ref_state"], two[1]["soap_full"]
+    assert [g["param_names"] for g in got["param_groups"]] == [
+        g["param_names"] for g in want["param_groups"]
+    ]
+    assert got["state"].keys() == want["state"].keys()
+    for i, st in want["state"].items():
+        assert got["state"][i].keys() == st.keys(), i
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(got["state"][i][k]), torch.as_tensor(v)), (i, k)
 
 
 def test_resume_2_rank_checkpoint_at_4_ranks(runs):

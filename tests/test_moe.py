@@ -260,7 +260,7 @@ def _moe_ranks(rank, world_size):
     model = GPT(cfg)
     model.load_state_dict(ref.state_dict())
     ref_opt = build_optimizer(ref, lr=0.01)
-    ref_clip = QKClip(ref, tau=10.0)
+    ref_clip = QKClip(ref, tau=10.0, reduce_max=lambda t: t)  # this process's reference
     opt = LayerwiseDistributedOptimizer(model, lr=0.01)
     clip = QKClip(model, tau=10.0, optimizer=opt)
     out["qk_owners"] = {
@@ -276,6 +276,10 @@ def _moe_ranks(rank, world_size):
         out["stats"].append((clip.step(), ref_clip.step()))
     out["gpt"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["gpt_ref"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    try:  # under 2 ranks, with no way to agree: refused, not left to drift apart
+        QKClip(GPT(cfg), tau=10.0)
+    except ValueError as exc:
+        out["qk_refused"] = str(exc)
     return out
 
 
@@ -318,6 +322,7 @@ def test_expert_slices_and_qk_clip_across_two_ranks():
         for k, v in st.items():
             assert torch.equal(again["state"][i][k], v), (i, k)
     # QK-clip: q and k on different owners; every replica equals the single-process run.
+    assert "optimizer=" in r0["qk_refused"] and "reduce_max=" in r0["qk_refused"]
     q_owner, k_owner = r0["qk_owners"].values()
     assert q_owner != k_owner
     for dist_stats, ref_stats in r0["stats"] + r1["stats"]:

@@ -287,7 +287,7 @@ def _tp_runs(rank: int, pair: object) -> dict:
     """A real 2-rank TensorParallelOrthogonalizer on the local shard of full matrices, per
     mode: the bytes collectives.py counted and the matmul flops of this rank."""
     from orthoptim import kernels
-    from orthoptim.parallel.collectives import CommStats
+    from orthoptim.collectives import CommStats
     from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 
     out = {}

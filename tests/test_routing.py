@@ -220,7 +220,7 @@ def test_builtin_moe_gpt_experts():
 
 
 def _hf(name):
-    from orthoptim.optim.routing_cli import hf_model
+    from orthoptim.train.routing_cli import hf_model
 
     torch.manual_seed(0)
     return hf_model(name)

@@ -125,7 +125,10 @@ def test_first_step_only_initialises_rotated_matrices():
 
 def test_max_precond_dim_below_both_sides_equals_adamw():
     """Every side unrotated → AdamW (eps on the bias-corrected √V, as torch's), from the
-    first step. Tolerance: 1e-6 relative, float32 rounding only."""
+    first step. Tolerance: float32 rounding only. SOAP forms the update as
+    (lr / c1)·(M / (sqrt(V) + eps)), torch's AdamW as (lr / c1)·M / (sqrt(V) + eps): the two
+    differ by ~2 ulp of an update of size <= lr / (1 - beta1) = 0.1 per step, so 10 steps stay
+    within 10 · 2 · 2^-23 · 0.1 < 3e-7 absolute (plus 1e-6 relative)."""
     torch.manual_seed(0)
 
     def make():
@@ -143,7 +146,7 @@ def test_max_precond_dim_below_both_sides_equals_adamw():
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
     for p, q in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, atol=0.0, rtol=1e-6)
+        torch.testing.assert_close(p, q, atol=3e-7, rtol=1e-6)
     assert "factor_left" not in soap.state[a[0].weight]
 
 

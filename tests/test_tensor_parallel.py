@@ -7,14 +7,15 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from orthoptim import kernels
-from orthoptim.newton_schulz import newton_schulz
-from orthoptim.parallel import TensorParallelOrthogonalizer
-from orthoptim.parallel.collectives import (
+from orthoptim.collectives import (
     CommStats,
     all_reduce,
     all_reduce_symmetric,
     packed_triangle_size,
+    shard_sizes,
 )
+from orthoptim.newton_schulz import newton_schulz
+from orthoptim.parallel import TensorParallelOrthogonalizer
 from orthoptim.parallel.tensor_parallel import (
     FORMS,
     GRAM_KIND,
@@ -23,7 +24,6 @@ from orthoptim.parallel.tensor_parallel import (
     SPLIT_KIND,
     CostModel,
     _Layout,
-    shard_sizes,
     split_plan,
     tp_cost,
 )

@@ -247,7 +247,7 @@ def test_compare_defaults_follow_the_device():
 
 
 def test_train_issues_no_collective_past_parallel_collectives():
-    """Every collective in train/ goes through `orthoptim.parallel.collectives`."""
+    """Every collective in train/ goes through `orthoptim.collectives`."""
     import orthoptim.train as train
 
     direct = re.compile(r"\bdist\.(barrier|all_reduce|all_gather\w*|broadcast\w*|reduce\w*)\(")
@@ -260,7 +260,7 @@ def _loop_collectives(rank, world_size):
     loop's collectives (`sum_floats`, `gather_floats`, `barrier`) must make their tensors for
     CUDA (which fails here: no CUDA), never hand the backend a CPU tensor (refused by
     `collectives` as a CollectiveDeviceError)."""
-    from orthoptim.parallel import collectives
+    from orthoptim import collectives
 
     calls = {
         "sum": lambda: collectives.sum_floats([1.0, 2.0]),

@@ -1,7 +1,19 @@
-"""orthoptim: matrix-aware optimizers (Muon, SOAP) at data- and tensor-parallel scale."""
+"""orthoptim: matrix-aware optimizers (Muon and its variants, SOAP) at data- and tensor-parallel
+scale."""
 
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_factor
-from orthoptim.optim import SOAP, HybridOptimizer, Muon, build_optimizer, routing_table
+from orthoptim.optim import (
+    SOAP,
+    AdaMuon,
+    HybridOptimizer,
+    MatrixOptimizer,
+    Muon,
+    NorMuon,
+    PolarGrad,
+    Scion,
+    build_optimizer,
+    routing_table,
+)
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.optim.routing import explain_routing
@@ -12,12 +24,17 @@ __version__ = "0.1.0"
 __all__ = [
     "COEFFICIENT_SETS",
     "SOAP",
+    "AdaMuon",
     "FSDPOptimizer",
     "HybridOptimizer",
     "LayerwiseDistributedOptimizer",
+    "MatrixOptimizer",
     "Muon",
     "NonFiniteGradientError",
+    "NorMuon",
+    "PolarGrad",
     "QKClip",
+    "Scion",
     "build_optimizer",
     "explain_routing",
     "newton_schulz",

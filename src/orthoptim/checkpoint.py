@@ -49,46 +49,53 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from orthoptim.optim.base import shard_like
-from orthoptim.parallel import collectives as C
-
-FORMAT_VERSION = 1
-SCHEDULED_HYPERS = frozenset(
-    {
-        "lr",
-        "initial_lr",
-        "weight_decay",
-        "momentum",
-        "betas",
-        "max_lr",
-        "min_lr",
-        "base_lr",
-        "base_momentum",
-        "max_momentum",
-    }
+from orthoptim import collectives as C
+from orthoptim.optim.state import (
+    _NOT_HYPER,
+    IMPLEMENTATION_HYPERS,
+    SCHEDULED_HYPERS,
+    CheckpointMismatchError,
+    StateView,
+    _meta_from_full,
+    _require_full,
+    _shapes_from_state,
+    base_name,
+    check_optimizer,
+    check_state_dict,
+    compare,
+    describe,
+    flat_label,
+    is_full_state_dict,
+    ranged,
+    state_view,
+    validate,
 )
-# Implementation switches that do not change the maths, so a checkpoint may differ in them
-# (the optimizer keeps its own). `ns_dtype` is among them: the Newton-Schulz precision does
-# not change what the state means (momentum stays float32), and its default "auto" resolves
-# per device, so a checkpoint resumes across devices and from before "auto" (None).
-IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable", "ns_dtype"})
-_NOT_HYPER = ("params", "param_names", "optimizer")
+
+__all__ = [
+    "SCHEDULED_HYPERS",
+    "STATE_DICT_TO",
+    "CheckpointLoadError",
+    "CheckpointMismatchError",
+    "StateView",
+    "atomic_load",
+    "atomic_save",
+    "check_state_dict",
+    "full_state_dict",
+    "is_full_state_dict",
+    "load_file",
+    "load_full_state_dict",
+    "load_sharded",
+    "load_sharded_state_dict",
+    "save_sharded",
+    "sharded_state_dict",
+]
+
 # Where a distributed optimizer's `state_dict()` delivers the full dict (its `state_dict_to`):
 # every rank, or rank 0 only (the others get {}).
 STATE_DICT_TO = ("all", "rank0")
 _META_KEY = "optim/meta"
 
 
-class CheckpointMismatchError(ValueError):
-    """The checkpoint was written for another model or optimizer; lists every difference."""
-
-    def __init__(self, mismatches: list[str]) -> None:
-        self.mismatches = mismatches
-        listed = "\n".join(f"  - {m}" for m in mismatches)
-        super().__init__(
-            f"checkpoint does not match this model/optimizer ({len(mismatches)} "
-            f"mismatch{'es' if len(mismatches) != 1 else ''}); nothing was loaded:\n{listed}"
-        )
 
 
 class CheckpointLoadError(Exception):
@@ -114,152 +121,6 @@ def _reading(path: str) -> Iterator[None]:
         raise CheckpointLoadError(f"could not read checkpoint {path}: {why}") from exc
 
 
-# -- what an optimizer is, independent of ranks ----------------------------------------------
-
-
-def check_optimizer(opt: Any) -> torch.optim.Optimizer:
-    """The checkpoint functions take a torch optimizer (any orthoptim optimizer is one)."""
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(
-            f"opt must be a torch.optim.Optimizer (Muon, SOAP, build_optimizer(...), "
-            f"LayerwiseDistributedOptimizer, FSDPOptimizer), got {type(opt).__name__}"
-        )
-    return opt
-
-
-def _is_layerwise(opt: torch.optim.Optimizer) -> bool:
-    from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer  # imports this module
-
-    return isinstance(opt, LayerwiseDistributedOptimizer)
-
-
-def _hypers(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def describe(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """What a checkpoint of `opt` must agree with: per group its optimizer and hyper-parameters
-    and the names of ALL its parameters (on every rank, not only the owned ones), and the
-    shape of every parameter."""
-    groups = []
-    shapes: dict[str, list[int]] = {}
-    if _is_layerwise(opt):
-        if opt.expert_group is not None:
-            # Each expert group steps its own copy of the experts under the same names, so
-            # one name-keyed dict cannot hold them all.
-            raise NotImplementedError(
-                "full and sharded checkpoints (state_dict(), save_sharded) of a layer-wise "
-                "optimizer built with an expert_group are not supported yet: expert groups "
-                "hold different experts under the same parameter names; save "
-                "opt.inner.state_dict() on every rank and load it with "
-                "opt.inner.load_state_dict() at the same layout (opt.inner is None on a rank "
-                "that owns nothing)"
-            )
-        named = {n: p for n, p in opt.model.named_parameters()}
-        # units are in backward order; expert slices of one parameter share its name
-        order = list(dict.fromkeys(u.name for u in reversed(opt.units)))
-        kinds = {u.name: u.kind for u in opt.units}
-        for g in opt.param_groups:
-            names = [n for n in order if kinds[n] == g["optimizer"]]
-            groups.append({"hypers": _hypers(g), "names": names})
-        shapes = {n: list(named[n].shape) for n in order}
-    else:
-        for gi, g in enumerate(opt.param_groups):
-            names = g.get("param_names")
-            if names is None:
-                raise ValueError(
-                    f"param group {gi} has no 'param_names': checkpoints are keyed by name; "
-                    "build the optimizer with named parameters (orthoptim.build_optimizer does)"
-                )
-            groups.append({"hypers": _hypers(g), "names": list(names)})
-            for n, p in zip(names, g["params"]):
-                shapes[n] = list(p.shape)
-    return {"format": FORMAT_VERSION, "groups": groups, "shapes": shapes}
-
-
-def _owned(opt: torch.optim.Optimizer) -> dict[str, Tensor]:
-    """Name → parameter for the parameters whose state lives on this rank."""
-    inner = opt.inner if _is_layerwise(opt) else opt
-    if inner is None:
-        return {}
-    out: dict[str, Tensor] = {}
-    for g in inner.param_groups:
-        out.update(zip(g["param_names"], g["params"]))
-    return out
-
-
-def _state_holder(opt: torch.optim.Optimizer) -> dict[Any, Any] | None:
-    if _is_layerwise(opt):
-        return opt.inner.state if opt.inner is not None else None
-    return opt.state
-
-
-def _local_state(opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
-    """Name → state (the live tensors) of the owned parameters that have state."""
-    state = _state_holder(opt)
-    if state is None:
-        return {}
-    return {n: dict(state[p]) for n, p in _owned(opt).items() if state.get(p)}
-
-
-def _masters(opt: torch.optim.Optimizer) -> dict[str, Tensor]:
-    return dict(getattr(opt, "_master", {}))
-
-
-def compare(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
-    """Every difference between two `describe()` results, as readable lines ([] if none)."""
-    out: list[str] = []
-    if saved.get("format") != here["format"]:
-        out.append(f"checkpoint format {saved.get('format')!r}, this code reads {here['format']}")
-        return out
-    sg, hg = saved["groups"], here["groups"]
-    kinds_s = [g["hypers"].get("optimizer") for g in sg]
-    kinds_h = [g["hypers"].get("optimizer") for g in hg]
-    if kinds_s != kinds_h:
-        out.append(
-            f"param groups: optimizers {kinds_s} in the checkpoint, {kinds_h} here "
-            "(another optimizer or routing)"
-        )
-    group_of_s = {n: g["hypers"].get("optimizer") for g in sg for n in g["names"]}
-    group_of_h = {n: g["hypers"].get("optimizer") for g in hg for n in g["names"]}
-    for n in sorted(set(group_of_h) - set(group_of_s)):
-        out.append(f"parameter {n}: in this model, missing from the checkpoint")
-    for n in sorted(set(group_of_s) - set(group_of_h)):
-        out.append(f"parameter {n}: in the checkpoint, not in this model")
-    for n in sorted(set(group_of_s) & set(group_of_h)):
-        if group_of_s[n] != group_of_h[n]:
-            out.append(
-                f"parameter {n}: optimized by {group_of_s[n]} in the checkpoint, "
-                f"by {group_of_h[n]} here"
-            )
-        ss, hs = saved["shapes"].get(n), here["shapes"].get(n)
-        if ss != hs:
-            out.append(f"parameter {n}: shape {tuple(ss)} in the checkpoint, {tuple(hs)} here")
-    if kinds_s == kinds_h:
-        for i, (a, b) in enumerate(zip(sg, hg)):
-            label = f"param group {i} ({kinds_h[i]})"
-            free = SCHEDULED_HYPERS | IMPLEMENTATION_HYPERS | {"optimizer"}
-            ha = {k: v for k, v in a["hypers"].items() if k not in free}
-            hb = {k: v for k, v in b["hypers"].items() if k not in free}
-            for k in sorted(set(ha) - set(hb)):
-                out.append(f"{label}: hyper-parameter {k!r} in the checkpoint, unknown here")
-            for k in sorted(set(hb) - set(ha)):
-                out.append(f"{label}: hyper-parameter {k!r} here, missing from the checkpoint")
-            for k in sorted(set(ha) & set(hb)):
-                if not _equal(ha[k], hb[k]):
-                    out.append(f"{label}: {k} = {ha[k]!r} in the checkpoint, {hb[k]!r} here")
-    return out
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and torch.equal(a, b)
-    try:
-        return bool(a == b)
-    except Exception:
-        return repr(a) == repr(b)
-
-
 # -- install, shared by every loader -----------------------------------------------------------
 
 
@@ -280,18 +141,19 @@ def _install(
                 if k not in _NOT_HYPER and k not in IMPLEMENTATION_HYPERS
             }
         )
-    holder = _state_holder(opt)
-    owned = _owned(opt)
+    view = state_view(opt)
+    owned = view.owned_params()
     state_of = _by_base(state)
     masters_of = _by_base({n: {"master": m} for n, m in masters.items()})
-    if holder is not None:
-        for n, p in owned.items():
-            holder.pop(p, None)
-            st = _take(state_of.get(_base(n), {}), n, tuple(p.shape))
-            if st is not None:
-                holder[p] = {k: _placed(v, p) for k, v in st.items()}
-    for n, m in getattr(opt, "_master", {}).items():
-        st = _take(masters_of.get(_base(n), {}), n, tuple(m.shape))
+    for n, p in owned.items():
+        opt.state.pop(p, None)
+        st = _take(state_of.get(base_name(n), {}), n, tuple(p.shape))
+        if st is not None:
+            opt.state[p] = {
+                k: _placed(v, p, view.elementwise(n, k)) for k, v in st.items() if view.keeps(n, k)
+            }
+    for n, m in view.masters().items():
+        st = _take(masters_of.get(base_name(n), {}), n, tuple(m.shape))
         m.copy_(st["master"] if st is not None else owned[n])
 
 
@@ -301,21 +163,9 @@ def _install(
 # Checkpoints may hold whole-parameter or slice entries; `_take` cuts or joins them.
 
 
-def _ranged(name: str, brackets: str) -> tuple[str, tuple[int, int] | None]:
-    """ "w[2:4]" → ("w", (2, 4)) with brackets "[]"; "w{2:9}" → ("w", (2, 9)) with "{}";
-    a name without such a suffix → (name, None)."""
-    left, right = brackets
-    if name.endswith(right) and left in name:
-        base, _, rest = name[:-1].rpartition(left)
-        start, _, stop = rest.partition(":")
-        if start.isdigit() and stop.isdigit():
-            return base, (int(start), int(stop))
-    return name, None
-
-
 def _range(name: str) -> tuple[str, tuple[int, int] | None]:
     """An expert slice's range: "w[2:4]" → ("w", (2, 4)); "w" → ("w", None)."""
-    return _ranged(name, "[]")
+    return ranged(name, "[]")
 
 
 def _take(
@@ -341,24 +191,13 @@ def _by_base(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
     `_take` looks at its own parameter's entries only."""
     out: dict[str, dict[str, Any]] = {}
     for k, v in entries.items():
-        out.setdefault(_base(k), {})[k] = v
+        out.setdefault(base_name(k), {})[k] = v
     return out
-
-
-def flat_label(name: str, lo: int, hi: int) -> str:
-    """The name of elements lo:hi of the flattened parameter `name` (one rank's run of a
-    sharded AdamW parameter): `name{lo:hi}`."""
-    return f"{name}{{{lo}:{hi}}}"
 
 
 def _flat_range(name: str) -> tuple[str, tuple[int, int] | None]:
     """A run's range: "w{2:9}" → ("w", (2, 9)); "w" → ("w", None)."""
-    return _ranged(name, "{}")
-
-
-def _base(name: str) -> str:
-    """The parameter a unit, expert slice or run name belongs to."""
-    return _range(_flat_range(name)[0])[0]
+    return ranged(name, "{}")
 
 
 def _take_run(
@@ -431,29 +270,21 @@ def _rows(entry: dict[str, Any]) -> int:
     return next(v.shape[0] for v in entry.values() if isinstance(v, Tensor) and v.ndim >= 1)
 
 
-def _placed(v: Any, p: Tensor) -> Any:
-    """A saved state value as a fresh tensor on `p`'s device; a full tensor shaped like a
+def _placed(v: Any, p: Tensor, elementwise: bool) -> Any:
+    """A saved state value as a fresh tensor on `p`'s device; a full elementwise tensor of a
     DTensor parameter becomes a DTensor laid out like it (each rank keeps its shard)."""
     if not isinstance(v, Tensor):
         return v
-    if C.is_dtensor(p) and not C.is_dtensor(v) and v.shape == p.shape:
-        return C.shard_like(v.detach().to(p.device_mesh.device_type, copy=True), p)
+    if elementwise and C.is_dtensor(p) and not C.is_dtensor(v) and v.shape == p.shape:
+        return C.cut_like(v.detach().to(p.device_mesh.device_type, copy=True), p)
     return v.detach().to(p.device, copy=True)
 
 
-def validate(opt: torch.optim.Optimizer, saved_meta: dict[str, Any]) -> None:
-    """Raise `CheckpointMismatchError` listing every difference from `opt`; None if none."""
-    mismatches = compare(saved_meta, describe(opt))
-    if mismatches:
-        raise CheckpointMismatchError(mismatches)
 
 
 # -- full state dicts (torch format) ------------------------------------------------------------
 
 
-def is_full_state_dict(sd: dict[str, Any]) -> bool:
-    """True for a dict in torch's optimizer format (what `full_state_dict` returns)."""
-    return "param_groups" in sd and all("params" in g for g in sd["param_groups"])
 
 
 def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[str, Any]:
@@ -468,18 +299,20 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     global rank 0 keeps the result. Tensors are copies on the CPU. Collective.
     """
     check_optimizer(opt)
-    meta = describe(opt)
-    group = _group(opt)
+    view = state_view(opt)
+    view.sync()
+    meta = view.layout()
     # DTensor state (FSDP, tensor-parallel parameters) is all-gathered into full tensors, in
     # the same (parameter, key) order on every rank.
     local = {
         "state": {
-            n: {k: _cpu(C.unshard(v)) for k, v in st.items()} for n, st in _local_state(opt).items()
+            n: {k: _cpu(C.unshard(v)) for k, v in st.items()}
+            for n, st in view.owned_state().items()
         },
-        "master": {n: _cpu(C.unshard(m)) for n, m in _masters(opt).items()},
+        "master": {n: _cpu(C.unshard(m)) for n, m in view.masters().items()},
     }
-    if _is_layerwise(opt):
-        opt.wait_for_params()
+    if view.spread:
+        group = view.gather_group
         with C.phase("full state dict gather", group):
             if to_rank0:
                 parts = C.gather_object(local, dst=0, group=group)
@@ -494,7 +327,8 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     pieces: dict[str, dict[str, Any]] = {}
     master_pieces: dict[str, dict[str, Any]] = {}
     for part in parts:
-        pieces.update(part["state"])
+        for n, st in part["state"].items():  # a name's entries may come from several ranks
+            pieces.setdefault(n, {}).update(st)
         master_pieces.update({n: {"master": m} for n, m in part["master"].items()})
     # expert slices (split_experts) and runs (sharded AdamW) are joined into their
     # parameter's entry
@@ -506,7 +340,7 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     }  # fmt: skip
     master = {
         n: st["master"]
-        for n in dict.fromkeys(_base(k) for k in master_pieces)
+        for n in dict.fromkeys(base_name(k) for k in master_pieces)
         if (st := _take(master_pieces_of.get(n, {}), n, shapes.get(n)))
     }
     index: dict[str, int] = {}
@@ -528,40 +362,8 @@ def _cpu(v: Any) -> Any:
     return v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
 
 
-def _meta_from_full(sd: dict[str, Any]) -> dict[str, Any]:
-    extra = sd.get("orthoptim")
-    if extra is not None:
-        return extra["meta"]
-    # A plain torch dict from a single-process optimizer: names from param_names, shapes
-    # unknown (taken from the state tensors' parameters where the loader has them).
-    groups, shapes = [], {}
-    for gi, g in enumerate(sd["param_groups"]):
-        names = g.get("param_names")
-        if names is None:
-            raise CheckpointMismatchError(
-                [
-                    f"param group {gi} of the state dict has no 'param_names'; it cannot be "
-                    "matched to parameters by name"
-                ]
-            )
-        groups.append({"hypers": _hypers(g), "names": list(names)})
-    return {"format": FORMAT_VERSION, "groups": groups, "shapes": shapes}
 
 
-def _require_full(sd: Any) -> None:
-    """Raise a ValueError naming what `sd` is when it is not a torch-format optimizer dict."""
-    if not isinstance(sd, dict) or not is_full_state_dict(sd):
-        if not isinstance(sd, dict):
-            got = type(sd).__name__
-        elif not sd:
-            got = "{} (what state_dict_to='rank0' returns on ranks other than 0)"
-        else:
-            got = f"a dict with keys {sorted(map(str, sd))[:6]}"
-        raise ValueError(
-            "state_dict must be a full optimizer state dict (torch's format: 'state' and "
-            f"'param_groups' with 'params'), got {got}; load the dict rank 0 saved on every "
-            "rank, or use load_sharded for DCP checkpoints"
-        )
 
 
 def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
@@ -584,124 +386,18 @@ def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None
     _install(opt, saved_meta, state, sd.get("orthoptim", {}).get("master", {}))
 
 
-def _shapes_from_state(
-    sd: dict[str, Any], meta: dict[str, Any], here: dict[str, Any]
-) -> dict[str, list[int]]:
-    """Shapes of a plain torch dict's parameters, read off state tensors shaped like them
-    (momentum, exp_avg); parameters without such state are assumed to match. `meta`'s names
-    are taken position by position for the dict's parameter indices."""
-    names = {i: n for g, mg in zip(sd["param_groups"], meta["groups"]) for i, n in
-             zip(g["params"], mg["names"])}  # fmt: skip
-    out = {n: here["shapes"].get(n) for g in meta["groups"] for n in g["names"]}
-    for i, st in sd["state"].items():
-        for k in _SHAPED_STATE:
-            if i in names and isinstance(st.get(k), Tensor):
-                shape, want = list(st[k].shape), out.get(names[i])
-                # SOAP keeps a matrix's moments as its stack of matrices [k, rows, cols]
-                matrix = want is not None and len(want) >= 2 and shape == _stacked(want)
-                out[names[i]] = want if matrix else shape
-    return out
 
 
-def _stacked(shape: list[int]) -> list[int]:
-    """The shape of `orthoptim.optim.base.matrix_view` of a parameter of `shape` (>= 2 dims)."""
-    if len(shape) == 2:
-        return [1, *shape]
-    if len(shape) == 3:
-        return list(shape)
-    return [1, shape[0], math.prod(shape[1:])]
 
 
-# State keys whose tensor has its parameter's shape (Muon / SGD momentum, Adam(W) and SOAP
-# first moments): a plain dict's parameter shapes are read off them.
-_SHAPED_STATE = ("momentum_buffer", "exp_avg")
 
 
-def _with_kinds(
-    saved: dict[str, Any], here: dict[str, Any], opt: torch.optim.Optimizer
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Copies of two metas whose groups all name their optimizer: a plain optimizer's groups
-    carry no "optimizer" key, so here it is the optimizer's class ("muon" for Muon, as the
-    layer-wise and hybrid optimizers name it); a saved plain group's is unknown and taken as
-    this one's (its hyper-parameters then tell another optimizer apart)."""
-    own = type(opt).__name__.lower()
-
-    def named(meta: dict[str, Any], kinds: list[Any]) -> dict[str, Any]:
-        groups = [
-            {**g, "hypers": {**g["hypers"], "optimizer": g["hypers"].get("optimizer", k)}}
-            for g, k in zip(meta["groups"], kinds)
-        ]
-        return {**meta, "groups": groups}
-
-    here = named(here, [own] * len(here["groups"]))
-    kinds = [g["hypers"]["optimizer"] for g in here["groups"]]
-    saved_kinds = [kinds[i] if i < len(kinds) else own for i in range(len(saved["groups"]))]
-    return named(saved, saved_kinds), here
 
 
-def _positional_meta(groups: list[tuple[dict[str, Any], list[str]]]) -> dict[str, Any]:
-    return {
-        "format": FORMAT_VERSION,
-        "groups": [{"hypers": _hypers(g), "names": names} for g, names in groups],
-        "shapes": {},
-    }
 
 
-def _slots(sizes: list[int]) -> list[list[str]]:
-    """Positional names of the parameters of groups of `sizes` ("param_groups[0][1]")."""
-    return [[f"param_groups[{gi}][{pi}]" for pi in range(n)] for gi, n in enumerate(sizes)]
 
 
-def check_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
-    """Compare a torch-format optimizer dict with a single-process optimizer (Muon, SOAP,
-    `build_optimizer(...)`) before torch's loader installs it, as the layer-wise loader
-    does (`compare`): parameter names and shapes, the optimizer of each group (which
-    optimizer wrote it, read off its group's optimizer or hyper-parameters) and every
-    hyper-parameter but those a scheduler moves (`SCHEDULED_HYPERS`) and implementation
-    switches (`IMPLEMENTATION_HYPERS`). Raises one `CheckpointMismatchError` listing every
-    difference; returns None when the dict loads.
-
-    torch's loader matches parameters by position, so parameter names must also come in
-    the same order. A dict or optimizer without `param_names` (older torch, an optimizer
-    built from unnamed parameters) is checked by position: group count and sizes, state
-    shapes, hyper-parameters; the error says names could not be checked.
-    """
-    _require_full(sd)
-    saved_groups = sd["param_groups"]
-    named = all("param_names" in g for g in saved_groups) and all(
-        g.get("param_names") is not None for g in opt.param_groups
-    )
-    if named:
-        saved_meta = _meta_from_full(sd)
-        here = describe(opt)
-    else:
-        saved_meta = _positional_meta(
-            list(zip(saved_groups, _slots([len(g["params"]) for g in saved_groups])))
-        )
-        slots = _slots([len(g["params"]) for g in opt.param_groups])
-        here = _positional_meta(list(zip(opt.param_groups, slots)))
-        here["shapes"] = {
-            n: list(p.shape) for g, ns in zip(opt.param_groups, slots) for n, p in
-            zip(ns, g["params"])
-        }  # fmt: skip
-    if not saved_meta["shapes"]:
-        saved_meta = {**saved_meta, "shapes": _shapes_from_state(sd, saved_meta, here)}
-    saved_meta, here = _with_kinds(saved_meta, here, opt)
-    mismatches = compare(saved_meta, here)
-    if named and not mismatches:
-        for i, (a, b) in enumerate(zip(saved_meta["groups"], here["groups"])):
-            if a["names"] != b["names"]:
-                mismatches.append(
-                    f"param group {i}: the same parameters in another order (torch's loader "
-                    "matches them by position)"
-                )
-    if mismatches:
-        if not named:
-            mismatches.append(
-                "(the checkpoint or this optimizer has no 'param_names', so parameters were "
-                "matched by position and their names could not be checked)"
-            )
-        raise CheckpointMismatchError(mismatches)
 
 
 # -- sharded state dicts (DCP) --------------------------------------------------------------------
@@ -713,9 +409,9 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
     `optim/master/<name>`, and `optim/meta` (the same on every rank). No key mentions a rank
     or a world size. Values are the live tensors (no copy)."""
     check_optimizer(opt)
-    if _is_layerwise(opt):
-        opt.wait_for_params()
-    meta = describe(opt)
+    view = state_view(opt)
+    view.sync()
+    meta = view.layout()
     out: dict[str, Any] = {_META_KEY: _pack(meta)}
 
     def value(name: str, v: Any) -> tuple[str, Any]:
@@ -725,11 +421,11 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
             return base, v
         return base, FlatShard(v, tuple(meta["shapes"][base]), run[0])
 
-    for n, st in _local_state(opt).items():
+    for n, st in view.owned_state().items():
         for k, v in st.items():
             base, v = value(n, v)
             out[f"optim/state/{base}/{k}"] = v
-    for n, m in _masters(opt).items():
+    for n, m in view.masters().items():
         base, m = value(n, m)
         out[f"optim/master/{base}"] = m
     return out
@@ -1030,16 +726,6 @@ def dcp_load(
         )
 
 
-def _group(opt: torch.optim.Optimizer) -> Any:
-    """The group a DCP save/load runs over: the data-parallel group, or under tensor
-    parallelism the whole world (each tp rank writes and reads its own shards)."""
-    if not _is_layerwise(opt):
-        return None
-    if any(C.world(g)[1] > 1 for g in getattr(opt, "_tp_groups", ())):
-        return None
-    return opt.process_group
-
-
 def _template(md: Any, like: Tensor | None) -> Tensor:
     """An empty tensor for DCP to read a stored tensor of metadata `md` into: sharded like
     `like` (the parameter it belongs to) when that is a DTensor of the same shape, so each
@@ -1047,7 +733,7 @@ def _template(md: Any, like: Tensor | None) -> Tensor:
     shape = tuple(md.size)
     if like is not None and hasattr(like, "placements") and tuple(like.shape) == shape:
         local = torch.empty(like.to_local().shape, dtype=md.properties.dtype)
-        return shard_like(local, like)
+        return C.wrap_local(local, like)
     return torch.empty(shape, dtype=md.properties.dtype)
 
 
@@ -1066,7 +752,7 @@ def save_sharded(
     """
     check_optimizer(opt)
     dcp = _dcp()
-    group = _group(opt)
+    group = state_view(opt).dcp_group
     rank, _ = C.world(group)
     path = os.fspath(path)
     partial, old = path + ".partial", path + ".old"
@@ -1125,7 +811,7 @@ def load_sharded(
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     check_optimizer(opt)
-    group = _group(opt)
+    group = state_view(opt).dcp_group
     path = resolve(path)
     reader, _ = _safe_dcp()
     try:
@@ -1161,16 +847,20 @@ def load_sharded(
     # what this rank needs: the entries of the parameters it owns (whole, or the expert
     # slices it owns: entries of the same parameter are read and cut or joined by `_take`;
     # or its run of a sharded parameter: only those elements are read)
-    owned_params = _owned(opt)
-    named = dict(opt.model.named_parameters()) if _is_layerwise(opt) else {}
-    need_state = {_base(n) for n in owned_params}
-    need_master = {_base(n) for n in _masters(opt)}
+    view = state_view(opt)
+    owned_params = view.owned_params()
+    named = view.params()
+    need_state = {base_name(n) for n in owned_params}
+    need_master = {base_name(n) for n in view.masters()}
     runs = dict(_flat_range(n) for n in owned_params if _flat_range(n)[1] is not None)
     want: dict[str, Any] = {}
     for key, md in stored.items():
+        entry = None
         if key.startswith("optim/state/"):
-            name = key[len("optim/state/") :].rpartition("/")[0]
+            name, _, entry = key[len("optim/state/") :].rpartition("/")
             needed = need_state
+            if not view.keeps(name, entry):
+                continue
         elif key.startswith("optim/master/"):
             name = key[len("optim/master/") :]
             needed = need_master
@@ -1179,7 +869,7 @@ def load_sharded(
             continue
         else:
             continue
-        if _base(name) not in needed:
+        if base_name(name) not in needed:
             continue
         if isinstance(md, BytesStorageMetadata):
             want[key] = None
@@ -1188,7 +878,10 @@ def load_sharded(
             run = torch.empty(hi - lo, dtype=md.properties.dtype)
             want[key] = FlatShard(run, tuple(md.size), lo)
         else:
-            want[key] = _template(md, owned_params.get(name, named.get(name)))
+            like = owned_params.get(name, named.get(name))
+            if entry is not None and not view.elementwise(name, entry):
+                like = None  # whole-matrix state: read whole
+            want[key] = _template(md, like)
     fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}
     want.update(fresh_model)
     with C.phase("checkpoint load", group):

@@ -16,7 +16,7 @@ SUBCOMMAND_MODULES = (
     "orthoptim.train.cli",
     "orthoptim.bench.cli",
     "orthoptim.plan",
-    "orthoptim.optim.routing_cli",
+    "orthoptim.train.routing_cli",
 )
 
 

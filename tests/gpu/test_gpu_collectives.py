@@ -1,4 +1,4 @@
-"""Every `orthoptim.parallel.collectives` wrapper at 2 ranks on the suite's device (one GPU
+"""Every `orthoptim.collectives` wrapper at 2 ranks on the suite's device (one GPU
 shared under "cuda:gloo"): exact values (small integers, every sum exact in any order), byte
 counts, and on CUDA the refusal of a CPU tensor by name, as NCCL would refuse it."""
 
@@ -20,7 +20,7 @@ REFUSING = (
 
 
 def _values(rank: int, n: int, device: str) -> dict:
-    from orthoptim.parallel import collectives as C
+    from orthoptim import collectives as C
 
     out: dict = {}
     stats = C.CommStats()
@@ -84,7 +84,7 @@ def _refusals(rank: int, n: int) -> dict[str, str]:
 
 
 def _ranks(rank: int, n: int, device: str, outdir: str) -> dict:
-    from orthoptim.parallel import collectives as C
+    from orthoptim import collectives as C
 
     setup_rank(device)
     out = {"values": to_cpu(_values(rank, n, device))}

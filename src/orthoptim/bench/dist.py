@@ -43,11 +43,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from orthoptim import collectives as C
 from orthoptim.bench import emit, environment
 from orthoptim.checkpoint import load_file
-from orthoptim.optim.base import local_shard
 from orthoptim.optim.hybrid import build_optimizer
-from orthoptim.parallel import collectives as C
 from orthoptim.parallel.fsdp import FSDPOptimizer, count_fsdp_collectives, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 
@@ -96,7 +95,7 @@ def state_bytes(optimizer: Any) -> int:
 
 def _tensor_bytes(state: dict[str, Any]) -> int:
     """Bytes held on this rank (a DTensor counts its local shard)."""
-    local = [local_shard(v) for v in state.values()]
+    local = [C.local_shard(v) for v in state.values()]
     return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v))
 
 

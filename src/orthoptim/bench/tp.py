@@ -23,11 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.flop_counter import FlopCounterMode
 
-from orthoptim import kernels
+from orthoptim import collectives, kernels
 from orthoptim.checkpoint import load_file
+from orthoptim.collectives import CommStats
 from orthoptim.newton_schulz import newton_schulz
-from orthoptim.parallel import collectives
-from orthoptim.parallel.collectives import CommStats
 from orthoptim.parallel.tensor_parallel import (
     GRAM_KIND,
     CostModel,

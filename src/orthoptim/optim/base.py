@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from orthoptim._validate import check_choice
+from orthoptim.optim.state import StateView, check_state_dict
 
 logger = logging.getLogger("orthoptim")
 
@@ -149,38 +150,19 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str,
                 optimizer.state[p][key] = value.to(device=p.device)
 
 
-def local_shard(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a plain tensor is its own shard); shares storage."""
-    return t.to_local() if hasattr(t, "to_local") else t
+class CompositeOptimizer(torch.optim.Optimizer):
+    """An optimizer whose `param_groups` and `state` are those of optimizers it holds (the
+    hybrid's inner Muon and AdamW, a distributed optimizer's per-rank optimizer): the very
+    dicts, so LR schedulers and `zero_grad` act on them. torch's constructor runs over `params`
+    only for its hooks and bookkeeping; `adopt` then installs the groups and state."""
 
+    def __init__(self, params: Iterable[Tensor]) -> None:
+        torch.optim.Optimizer.__init__(self, [{"params": list(params)}], {})
 
-def shard_like(local: Tensor, p: Tensor) -> Tensor:
-    """`local` as a tensor sharded like `p`: a DTensor on p's mesh and placements holding
-    `local` as this rank's shard when p is a DTensor, else `local` itself."""
-    if not hasattr(p, "placements"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
-
-
-def matrix_view(p: Tensor) -> Tensor:
-    """A parameter seen as a stack of matrices [k, rows, cols].
-
-    2-D → one matrix; 3-D [E, out, in] → E expert matrices; ≥4-D (conv) → one (out, rest)
-    matrix. The view shares storage with `p`.
-    """
-    if p.ndim == 2:
-        return p.unsqueeze(0)
-    if p.ndim == 3:
-        return p
-    if p.ndim >= 4:
-        return p.reshape(1, p.shape[0], -1)
-    raise ValueError(
-        f"a matrix optimizer needs a parameter with >= 2 dims, got shape {tuple(p.shape)}"
-    )
+    def adopt(self, groups: list[dict[str, Any]], state: Any) -> None:
+        """Expose `groups` as `param_groups` and `state` as `state` (shared, not copied)."""
+        self.param_groups = groups
+        self.state = state
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -201,11 +183,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
         loader does (`orthoptim.checkpoint.check_state_dict`: names, shapes, which optimizer,
         hyper-parameters; one `CheckpointMismatchError` listing every difference, nothing
         loaded), and keeping float32 state of bf16/fp16 parameters in float32."""
-        from orthoptim.checkpoint import check_state_dict  # imports this module
-
         check_state_dict(self, state_dict)
         super().load_state_dict(state_dict)
         restore_state_dtypes(self, state_dict)
+
+    def state_view(self) -> StateView:
+        """This optimizer's state by parameter name, for checkpoints (`orthoptim.checkpoint`)."""
+        kinds = getattr(self, "state_kinds", {})
+        return StateView(self, lambda name: kinds)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

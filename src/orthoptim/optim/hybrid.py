@@ -15,25 +15,16 @@ from torch import nn
 
 from orthoptim._validate import check_choice, check_nonnegative, check_unit_interval
 from orthoptim.optim.base import (
+    CompositeOptimizer,
     GuardedOptimizer,
     check_nonfinite_policy,
     check_params,
     step_checked,
 )
 from orthoptim.optim.muon import Muon
+from orthoptim.optim.registry import MATRIX_OPTIMIZERS, OPTIMIZER_NAMES
 from orthoptim.optim.routing import ModelRoute, RoutePredicate
-
-
-def _matrix_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
-    """Name → class of every optimizer `build_optimizer` can route hidden matrices to."""
-    table: dict[str, type[torch.optim.Optimizer]] = {"muon": Muon}
-    try:
-        from orthoptim.optim.soap import SOAP
-    except ImportError:
-        pass
-    else:
-        table["soap"] = SOAP
-    return table
+from orthoptim.optim.state import StateView
 
 
 def default_route(model: nn.Module) -> ModelRoute:
@@ -43,7 +34,7 @@ def default_route(model: nn.Module) -> ModelRoute:
     return ModelRoute(model)
 
 
-class HybridOptimizer(GuardedOptimizer):
+class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
     """One optimizer over a matrix optimizer and AdamW, each owning a disjoint set of params.
 
     `param_groups` is the matrix optimizer's groups followed by AdamW's (the same dicts, so
@@ -73,10 +64,9 @@ class HybridOptimizer(GuardedOptimizer):
             for g in opt.param_groups:
                 g["optimizer"] = key
                 groups.append(g)
-        # torch's constructor copies groups; it is called only to set hooks and bookkeeping.
-        super().__init__([{"params": list(g["params"])} for g in groups], {})
+        CompositeOptimizer.__init__(self, [p for g in groups for p in g["params"]])
         self.inner = inner
-        self.param_groups = groups
+        self.adopt(groups, self.state)
         self._share_state()
 
     def _share_state(self) -> None:
@@ -111,6 +101,15 @@ class HybridOptimizer(GuardedOptimizer):
             opt.param_groups = [g for g in self.param_groups if g["optimizer"] == key]
             opt.state = self.state
 
+    def state_view(self) -> StateView:
+        """State by parameter name; each entry's kind from the inner optimizer stepping it."""
+        kinds = {
+            n: getattr(self.inner[g["optimizer"]], "state_kinds", {})
+            for g in self.param_groups
+            for n in g.get("param_names") or []
+        }
+        return StateView(self, lambda name: kinds.get(name, {}))
+
     def _update(self) -> None:
         """Step every inner optimizer (the non-finite policy already covered all of them)."""
         for opt in self.inner.values():
@@ -132,10 +131,12 @@ def build_optimizer(
 ) -> HybridOptimizer:
     """Build the optimizer for `model`: hidden matrices → `optimizer`, the rest → AdamW.
 
-    `optimizer` is "muon", "soap" or "adamw" (plain AdamW over everything, the baseline; it
-    uses `lr` when given, else `adamw_lr`). `route(name, param) -> bool` overrides the
-    default rule (True → matrix optimizer; the default, `default_route(model)`, is described
-    in `orthoptim.optim.routing`, and `explain_routing(model)` prints its reasons). `params`
+    `optimizer` is a matrix optimizer of `orthoptim.optim.registry.MATRIX_OPTIMIZERS` ("muon",
+    "soap", "normuon", "adamuon", "polargrad", "scion") or "adamw" (plain AdamW over
+    everything, the baseline; it uses `lr` when given, else `adamw_lr`).
+    `route(name, param) -> bool` overrides the default rule (True → matrix optimizer; the
+    default, `default_route(model)`, is described in `orthoptim.optim.routing`, and
+    `explain_routing(model)` prints its reasons). `params`
     restricts the build to a subset of the model's named parameters (the layer-wise
     distributed optimizer passes the ones a rank owns). Extra keyword arguments go to the
     matrix optimizer. Frozen parameters are left out.
@@ -144,8 +145,7 @@ def build_optimizer(
     the model has one (the built-in GPT does: fused QKV and gate/up); pass `split={}` to
     orthogonalize fused matrices whole. Every name in it must be a matrix routed to Muon.
     """
-    matrix_optimizers = _matrix_optimizers()
-    check_choice("optimizer", optimizer, sorted([*matrix_optimizers, "adamw"]))
+    check_choice("optimizer", optimizer, sorted(OPTIMIZER_NAMES))
     check_nonfinite_policy(nonfinite)
     if lr is not None:
         check_nonnegative("lr", lr)
@@ -162,7 +162,7 @@ def build_optimizer(
     named = list(params) if params is not None else list(model.named_parameters())
     named = [(n, p) for n, p in named if p.requires_grad]
 
-    if optimizer == "muon":
+    if issubclass(MATRIX_OPTIMIZERS.get(optimizer, object), Muon):  # Muon and its variants
         kw["split"] = _split_for(model, rule, kw.get("split"))
 
     adamw_kw = dict(betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
@@ -180,7 +180,7 @@ def build_optimizer(
         if matrix:
             if lr is not None:
                 kw["lr"] = lr
-            inner[optimizer] = matrix_optimizers[optimizer](matrix, **kw)
+            inner[optimizer] = MATRIX_OPTIMIZERS[optimizer](matrix, **kw)
         if rest:
             inner["adamw"] = torch.optim.AdamW(rest, lr=adamw_lr, **adamw_kw)
     if not inner:
@@ -206,7 +206,7 @@ def _split_for(
 
 
 def routing_table(optimizer: HybridOptimizer) -> dict[str, str]:
-    """Parameter name → the inner optimizer that owns it ("muon", "soap" or "adamw")."""
+    """Parameter name → the name of the inner optimizer that owns it ("muon", ..., "adamw")."""
     table: dict[str, str] = {}
     for g in optimizer.param_groups:
         names = g.get("param_names") or [f"<unnamed {i}>" for i in range(len(g["params"]))]

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -41,13 +41,10 @@ from orthoptim.newton_schulz import (
     newton_schulz,
     stacking_pays,
 )
-from orthoptim.optim.base import (
-    GuardedOptimizer,
-    check_nonfinite_policy,
-    check_params,
-    matrix_view,
-    state_dtype,
-)
+from orthoptim.optim.base import check_nonfinite_policy, check_params
+from orthoptim.optim.contract import MatrixOptimizer, StateKind
+from orthoptim.optim.shapes import matrix_view
+from orthoptim.optim.state import base_name
 
 # LR-scale conventions by their published names; LR_SCALE_ALIASES maps other libraries' spellings
 # (NVIDIA Emerging-Optimizers' `scale_mode`, torch.optim.Muon's `adjust_lr_fn`) onto them.
@@ -79,11 +76,6 @@ def qkv_split(
     if per_head:
         return (head_dim,) * (n_head + 2 * kv)
     return (n_head * head_dim, kv * head_dim, kv * head_dim)
-
-
-def base_name(name: str) -> str:
-    """The parameter name of a piece label: "w[0:2]" (experts 0..1 of w) → "w"."""
-    return name.split("[", 1)[0] if name.endswith("]") else name
 
 
 def split_of(group: dict[str, Any], name: str) -> Split | None:
@@ -175,7 +167,40 @@ def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
     return 1.0
 
 
-class Muon(GuardedOptimizer):
+def muon_defaults(
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    ns_steps: int,
+    coefficients: CoefficientsLike,
+    lr_scale: str,
+    ns_dtype: NSDtype,
+    eps: float,
+    split: dict[str, Split] | None,
+) -> dict[str, Any]:
+    """Muon's hyper-parameters, checked (each bad value named), as param-group defaults."""
+    check_nonnegative("lr", lr)
+    check_unit_interval("momentum", momentum)
+    check_nonnegative("weight_decay", weight_decay)
+    check_positive("eps", eps)
+    coefficient_schedule(coefficients, ns_steps, name="ns_steps")
+    check_dtype_or_auto("ns_dtype", ns_dtype)
+    return dict(
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        ns_steps=ns_steps,
+        coefficients=coefficients,
+        lr_scale=lr_scale_name(lr_scale),
+        ns_dtype=ns_dtype,
+        eps=eps,
+        split=dict(split or {}),
+    )
+
+
+class Muon(MatrixOptimizer):
     """Muon for matrix parameters (2-D, 3-D experts [E, out, in], conv weights as (out, rest)).
 
     1-D parameters are rejected: route them to AdamW with `orthoptim.build_optimizer`.
@@ -211,13 +236,21 @@ class Muon(GuardedOptimizer):
         eps: float = 1e-7,
         split: dict[str, Split] | None = None,
     ) -> None:
-        check_nonnegative("lr", lr)
-        check_unit_interval("momentum", momentum)
-        check_nonnegative("weight_decay", weight_decay)
-        check_positive("eps", eps)
-        lr_scale = lr_scale_name(lr_scale)
-        coefficient_schedule(coefficients, ns_steps, name="ns_steps")
-        check_dtype_or_auto("ns_dtype", ns_dtype)
+        defaults = muon_defaults(
+            lr, momentum, nesterov, weight_decay, ns_steps, coefficients, lr_scale, ns_dtype,
+            eps, split,
+        )  # fmt: skip
+        self._start(params, defaults, orthogonalizer, nonfinite)
+
+    def _start(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        orthogonalizer: Orthogonalizer | None,
+        nonfinite: str,
+    ) -> None:
+        """Take the orthogonalizer and non-finite policy, then torch's constructor over
+        `params` with `defaults` (a variant adds its own hyper-parameters to Muon's)."""
         if orthogonalizer is not None and not callable(orthogonalizer):
             raise TypeError(
                 "orthogonalizer must be a callable (Tensor) -> Tensor or None, "
@@ -225,19 +258,10 @@ class Muon(GuardedOptimizer):
             )
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.orthogonalizer = orthogonalizer
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            coefficients=coefficients,
-            lr_scale=lr_scale,
-            ns_dtype=ns_dtype,
-            eps=eps,
-            split=dict(split or {}),
-        )
-        super().__init__(params, defaults)
+        MatrixOptimizer.__init__(self, params, defaults)
+
+    #: whether every parameter must be a matrix (Scion also takes vectors)
+    matrices_only: ClassVar[bool] = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, but rejects parameters that are not matrices, naming them."""
@@ -245,75 +269,85 @@ class Muon(GuardedOptimizer):
         group = self.param_groups[-1]
         group["lr_scale"] = lr_scale_name(group["lr_scale"])
         check_dtype_or_auto("ns_dtype", group["ns_dtype"])
-        check_params("Muon", self.param_groups)
+        me = type(self).__name__
+        check_params(me, self.param_groups)
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
-            if p.ndim < 2:
+            if p.ndim < 2 and self.matrices_only:
                 name = names[i] if names is not None else f"parameter {i} of the new group"
                 raise ValueError(
-                    f"Muon got {name} with shape {tuple(p.shape)}: Muon only optimizes matrices "
+                    f"{me} got {name} with shape {tuple(p.shape)}: {me} only optimizes matrices "
                     "(>= 2 dims). Route vectors, scalars and embeddings to AdamW with "
-                    "orthoptim.build_optimizer(model, optimizer='muon')."
+                    f"orthoptim.build_optimizer(model, optimizer='{me.lower()}')."
                 )
             if p.is_complex():
                 raise ValueError(
-                    f"Muon does not support complex parameters (shape {tuple(p.shape)})"
+                    f"{me} does not support complex parameters (shape {tuple(p.shape)})"
                 )
         if group["split"] and names is None:
             raise ValueError(
-                "Muon(split=...) names parameters: pass named parameters, e.g. "
-                "Muon(model.named_parameters(), split=...)"
+                f"{me}(split=...) names parameters: pass named parameters, e.g. "
+                f"{me}(model.named_parameters(), split=...)"
             )
-        for i, p in enumerate(group["params"]):
-            sizes = self._split_of(group, i)
+        for name, p in zip(names or [], group["params"]):
+            sizes = split_of(group, name) if group["split"] else None
             if sizes is not None:
-                check_split(names[i], sizes, matrix_view(p).shape[-2])
+                check_split(name, sizes, matrix_view(p).shape[-2])
 
-    @staticmethod
-    def _split_of(group: dict[str, Any], index: int) -> Split | None:
-        """The row blocks of parameter `index` of `group` (None: one block)."""
-        if not group["split"]:
-            return None
-        return split_of(group, group["param_names"][index])
+    state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}
 
-    def _update(self) -> None:
-        for group in self.param_groups:
-            self._step_group(group)
+    def prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
+        """Momentum (EMA form) on any shard; returns the Nesterov update, or the buffer."""
+        buf = state["momentum_buffer"]
+        grad = grad.to(buf.dtype)
+        buf.lerp_(grad, 1.0 - group["momentum"])
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def _step_group(self, group: dict[str, Any]) -> None:
-        momentum, nesterov = group["momentum"], group["nesterov"]
-        lr, wd = group["lr"], group["weight_decay"]
-        params: list[Tensor] = []
-        items: list[tuple[Tensor, Split | None]] = []
-        for i, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError(f"Muon does not support sparse gradients (shape {tuple(p.shape)})")
-            state = self.state[p]
-            grad = p.grad.to(state_dtype(p))
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(
-                    grad, memory_format=torch.preserve_format
-                )
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1.0 - momentum)
-            update = grad.lerp(buf, momentum) if nesterov else buf
-            if wd != 0.0:
-                p.mul_(1.0 - lr * wd)
-            params.append(p)
-            items.append((matrix_view(update), self._split_of(group, i)))
+    def directions(
+        self,
+        items: Sequence[tuple[Tensor, dict[str, Any]]],
+        group: dict[str, Any],
+        names: Sequence[str],
+    ) -> list[Tensor | None]:
+        """orthogonalize(U)·scale(rows, cols) per matrix (per row block of a split matrix),
+        same-shape blocks batched; a variant post-processes each with `finish`."""
+        ortho = self.orthogonalized([u for u, _ in items], group, names, self.block_scale(group))
+        return [self.finish(o, u, st, group) for o, (u, st) in zip(ortho, items)]
 
+    def block_scale(self, group: dict[str, Any]) -> str:
+        """The LR-scale convention applied to each orthogonalized block (Muon: `lr_scale`)."""
+        return group["lr_scale"]
+
+    def finish(
+        self, ortho: Tensor, update: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> Tensor | None:
+        """A variant's whole-matrix step from the orthogonalized `ortho` of the prepared
+        `update` (both shaped like the parameter); Muon's direction is `ortho` itself."""
+        return ortho
+
+    def orthogonalized(
+        self, updates: Sequence[Tensor], group: dict[str, Any], names: Sequence[str], scale: str
+    ) -> list[Tensor]:
+        """Each update orthogonalized as a stack of matrices (by row blocks where `split`
+        names it), every block times the LR-scale factor of convention `scale` for its shape;
+        same-shape blocks go through one `orthogonalize` call. Shaped like the updates."""
+        mats = [
+            (matrix_view(u), split_of(group, name) if group["split"] else None)
+            for u, name in zip(updates, names)
+        ]
+        out: list[Tensor | None] = [None] * len(updates)
         blocks = orthogonalize_blocks(
-            items, lambda mats: self._orthogonalize(mats, group), group["lr_scale"], self.stacks
+            mats, lambda m: self.orthogonalize(m, group), scale, self.stacks
         )
-        for i, row, o, scale in blocks:
-            p = params[i]
+        for i, row, o, factor in blocks:
+            o = o * factor if factor != 1.0 else o
             if row is None:
-                p.add_(o.reshape(p.shape).to(p.dtype), alpha=-lr * scale)
-            else:
-                rows = matrix_view(p)[:, row : row + o.shape[-2]]
-                rows.add_(o.to(p.dtype), alpha=-lr * scale)
+                out[i] = o
+                continue
+            if out[i] is None:
+                out[i] = torch.empty(mats[i][0].shape, dtype=o.dtype, device=o.device)
+            out[i][:, row : row + o.shape[-2]] = o
+        return [o.reshape(u.shape) for o, u in zip(out, updates)]  # type: ignore[union-attr]
 
     def stacks(self, device: torch.device) -> bool:
         """Whether same-shape blocks on `device` go to the orthogonalizer as one stack: always
@@ -321,7 +355,9 @@ class Muon(GuardedOptimizer):
         Newton-Schulz pays (`stacking_pays`)."""
         return self.orthogonalizer is not None or stacking_pays(device)
 
-    def _orthogonalize(self, mats: Tensor, group: dict[str, Any]) -> Tensor:
+    def orthogonalize(self, mats: Tensor, group: dict[str, Any]) -> Tensor:
+        """The orthogonalized stack `mats` [k, rows, cols]: the custom orthogonalizer's, else
+        Newton-Schulz with `group`'s steps, coefficients, eps and dtype."""
         if self.orthogonalizer is not None:
             return self.orthogonalizer(mats)
         return newton_schulz(

@@ -14,21 +14,20 @@ The protocol a model implements (the built-in GPT does):
     `attention_max_logits()`       {layer: tensor[n_head] or None}, then reset;
     `qk_clip_heads()`              {layer: QKHeads}: where each head's q and k rows live.
 
-Distributed: the max logits seen by each rank are max-all-reduced first, and the scaling is
-applied on every rank after the optimizer's parameter gather, so all replicas stay equal
-(the layer-wise optimizer's fp32 master copy of a weight, when it keeps one, is scaled too).
+Distributed: the max logits seen by each rank are max-reduced first by the reducer QK-clip is
+handed (`reduce_max`, by default the distributed optimizer's), and the scaling is applied on
+every rank after the optimizer's parameter gather, so all replicas stay equal (the layer-wise
+optimizer's fp32 master copy of a weight, when it keeps one, is scaled too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
-from orthoptim.parallel import collectives as C
 
 
 @dataclass(frozen=True)
@@ -65,8 +64,11 @@ class QKClip:
 
     `tau` (τ, default 100) is the logit bound; `alpha` the share of the scaling put on the
     queries (0.5: √γ each). `optimizer` (optional) is waited for before the weights are edited
-    (a layer-wise optimizer gathers asynchronously) and provides the process group, unless
-    `process_group` is given. Turns logit recording on in the model.
+    (a layer-wise optimizer gathers asynchronously) and provides the reducer (its
+    `reduce_max`) unless `reduce_max` is given: a function taking the per-head max logits of
+    this rank (a CPU float tensor) to their max over every replica. Under an initialised
+    process group of more than one rank one of the two is required (replicas that clip apart
+    would drift apart). Turns logit recording on in the model.
     """
 
     def __init__(
@@ -75,7 +77,7 @@ class QKClip:
         tau: float = 100.0,
         alpha: float = 0.5,
         optimizer: torch.optim.Optimizer | None = None,
-        process_group: Any = None,
+        reduce_max: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         if not tau > 0:
             raise ValueError(f"QKClip tau must be > 0, got {tau}")
@@ -88,9 +90,14 @@ class QKClip:
                     f"protocol); {type(model).__name__} has none"
                 )
         self.model, self.tau, self.alpha, self.optimizer = model, float(tau), alpha, optimizer
-        if process_group is None and optimizer is not None:
-            process_group = getattr(optimizer, "process_group", None)
-        self.process_group = process_group
+        reduce_max = reduce_max or getattr(optimizer, "reduce_max", None)
+        if reduce_max is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                "QKClip under a process group of several ranks needs optimizer= (a "
+                "LayerwiseDistributedOptimizer or FSDPOptimizer) or reduce_max= (the max of "
+                "each head's logit over the replicas), so that every replica clips alike"
+            )
+        self.reduce_max = reduce_max
         self.heads: dict[str, QKHeads] = dict(model.qk_clip_heads())
         self._check_heads()
         model.record_attention_logits(True)
@@ -127,11 +134,9 @@ class QKClip:
                 for layer in layers
             ]
         )
-        if C.world(self.process_group)[1] > 1:
-            flat = C.to_backend(flat, self.process_group)
-            with C.phase("QK-clip max-logit agreement (all-reduce)", self.process_group):
-                C.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
-        return dict(zip(layers, flat.cpu().split([self.heads[ly].n_head for ly in layers])))
+        if self.reduce_max is not None:
+            flat = self.reduce_max(flat).cpu()
+        return dict(zip(layers, flat.split([self.heads[ly].n_head for ly in layers])))
 
     @torch.no_grad()
     def step(self) -> dict[str, float]:

@@ -238,9 +238,9 @@ def explain_routing(
     Takes `build_optimizer`'s keyword arguments so a call can be copied; only `optimizer` and
     `route` change the routing. A tied parameter is listed once, under its first name.
     """
-    from orthoptim.optim.hybrid import _matrix_optimizers  # hybrid imports this module
+    from orthoptim.optim.registry import OPTIMIZER_NAMES
 
-    check_choice("optimizer", optimizer, sorted([*_matrix_optimizers(), "adamw"]))
+    check_choice("optimizer", optimizer, sorted(OPTIMIZER_NAMES))
     default = ModelRoute(model)
     rows = []
     for name, p in model.named_parameters():

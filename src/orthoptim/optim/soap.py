@@ -27,8 +27,9 @@ parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -40,14 +41,9 @@ from orthoptim._validate import (
     check_positive,
     check_unit_interval,
 )
-from orthoptim.optim.base import (
-    GuardedOptimizer,
-    check_nonfinite_policy,
-    check_params,
-    matrix_view,
-    param_names,
-    state_dtype,
-)
+from orthoptim.optim.base import check_nonfinite_policy, check_params, state_dtype
+from orthoptim.optim.contract import MatrixOptimizer, StateKind, descend
+from orthoptim.optim.shapes import matrix_view, stack_shape
 
 REFRESH_METHODS = ("qr", "eigh")
 
@@ -98,7 +94,7 @@ def rotate_back(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Ten
     return x
 
 
-class SOAP(GuardedOptimizer):
+class SOAP(MatrixOptimizer):
     """SOAP for matrix parameters; Adam(W) for vectors and for sides above `max_precond_dim`.
 
     Args:
@@ -170,26 +166,59 @@ class SOAP(GuardedOptimizer):
                 name = names[i] if names is not None else f"parameter {i} of the new group"
                 raise ValueError(f"SOAP does not support complex parameters ({name})")
 
-    def _update(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError(
-                        f"SOAP does not support sparse gradients (shape {tuple(p.shape)})"
-                    )
-                self._step_param(p, group)
+    state_kinds: ClassVar[dict[str, StateKind]] = {
+        "step": "scalar",
+        **dict.fromkeys(("exp_avg", "exp_avg_sq"), "matrix"),
+        **dict.fromkeys(("factor_left", "factor_right", "basis_left", "basis_right"), "matrix"),
+    }
 
-    def _step_param(
-        self, p: Tensor, group: dict[str, Any], state: dict[str, Any] | None = None
+    work = "eigenbasis"
+
+    @classmethod
+    def state_numel(cls, shape: Sequence[int]) -> int:
+        """Two moments plus, per matrix, a Kronecker factor and an eigenbasis of each side."""
+        numel = math.prod(shape)
+        if len(shape) < 2:
+            return 2 * numel
+        k, m, n = stack_shape(shape)
+        return 2 * numel + 2 * k * (m * m + n * n)
+
+    def prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
+        """The raw gradient, in the state dtype: all of SOAP's state is per matrix."""
+        return grad.to(state_dtype(grad))
+
+    def moves(self, state: dict[str, Any], shape: torch.Size, group: dict[str, Any]) -> bool:
+        """Every step but a rotated matrix's first, which only builds its eigenbases."""
+        return "step" in state or not _rotated(shape, group["max_precond_dim"])
+
+    def apply(
+        self, param: Tensor, direction: Tensor | None, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
-        """One SOAP step of `p` from `p.grad`; `state` (default `self.state[p]`) lets a caller
-        keep the state elsewhere (FSDPOptimizer steps a full-size stand-in for a shard)."""
-        state = self.state[p] if state is None else state
-        dtype = state_dtype(p)
-        grad = p.grad.to(dtype)
-        if p.ndim >= 2:
+        """Count the step (every rank holding part of the parameter); W ← (1 − lr·wd)·W −
+        (lr / c₁)·N, with c₁ Adam's first bias correction at this step."""
+        if direction is None:
+            state.setdefault("step", 0)
+            return
+        step = state["step"] = state.get("step", 0) + 1
+        beta1 = group["betas"][0]
+        correction = 1.0 - beta1**step if group["correct_bias"] else 1.0
+        descend(param, direction, group["lr"], group["weight_decay"], group["lr"] / correction)
+
+    def directions(
+        self,
+        items: Sequence[tuple[Tensor, dict[str, Any]]],
+        group: dict[str, Any],
+        names: Sequence[str],
+    ) -> list[Tensor | None]:
+        """Adam's step in the rotated basis, rotated back, per matrix (None on a rotated
+        matrix's first step); folds the gradient into the factors and refreshes the bases."""
+        return [self._direction(g, st, group, n) for (g, st), n in zip(items, names)]
+
+    def _direction(
+        self, grad: Tensor, state: dict[str, Any], group: dict[str, Any], name: str
+    ) -> Tensor | None:
+        shape = grad.shape
+        if grad.ndim >= 2:
             grad = matrix_view(grad)
         beta1, beta2 = group["betas"]
         shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else beta2
@@ -198,17 +227,16 @@ class SOAP(GuardedOptimizer):
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.contiguous_format)
-            if p.ndim >= 2:
+            if grad.ndim >= 2:
                 for side, size in (("left", grad.shape[-2]), ("right", grad.shape[-1])):
                     if size <= group["max_precond_dim"]:
-                        k = grad.shape[0]
-                        state[f"factor_{side}"] = grad.new_zeros(k, size, size)
+                        state[f"factor_{side}"] = grad.new_zeros(grad.shape[0], size, size)
             if _factors(state):
                 # First step: initialise the factors and their eigenbases, do not move.
                 _fold_gradient(state, grad, shampoo_beta)
                 for side, factor in _factors(state):
-                    state[f"basis_{side}"] = eigenbasis(self._finite_factor(p, side, factor))
-                return
+                    state[f"basis_{side}"] = eigenbasis(_finite_factor(name, side, factor))
+                return None
 
         q_left, q_right = state.get("basis_left"), state.get("basis_right")
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -216,40 +244,23 @@ class SOAP(GuardedOptimizer):
         g = rotate(grad, q_left, q_right)
         exp_avg.lerp_(g, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        if group["correct_bias"]:
-            bias_correction1 = 1.0 - beta1**step
-            bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
-        else:
-            bias_correction1 = bias_correction2_sqrt = 1.0
+        bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5 if group["correct_bias"] else 1.0
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
-        step_size = group["lr"] / bias_correction1
+        direction = rotate_back(exp_avg / denom, q_left, q_right)
 
-        w = p if p.dtype == dtype else p.to(dtype)
-        if group["weight_decay"] != 0.0:
-            w.mul_(1.0 - group["lr"] * group["weight_decay"])
-        if q_left is None and q_right is None:
-            w.addcdiv_(exp_avg.view(w.shape), denom.view(w.shape), value=-step_size)
-        else:
-            # The scaled update is formed first, then added: adding it to a slice of W (as
-            # FSDPOptimizer does on each shard) then gives the same bits as adding it to W.
-            update = rotate_back(exp_avg / denom, q_left, q_right).mul_(-step_size)
-            w.add_(update.view(w.shape))
-        if w is not p:
-            p.copy_(w)
-
-        state["step"] = step
         if _factors(state):
             _fold_gradient(state, grad, shampoo_beta)
             if step % group["precondition_frequency"] == 0:
-                self._refresh(p, state, group["refresh_method"])
+                self._refresh(name, state, group["refresh_method"])
+        return direction.view(shape)
 
-    def _refresh(self, p: Tensor, state: dict[str, Any], method: str) -> None:
+    def _refresh(self, name: str, state: dict[str, Any], method: str) -> None:
         """New eigenbases from the factors; M re-expressed in them, V permuted along."""
         old = (state.get("basis_left"), state.get("basis_right"))
         exp_avg = rotate_back(state["exp_avg"], *old)
         exp_avg_sq = state["exp_avg_sq"]
         for side, factor in _factors(state):
-            factor = self._finite_factor(p, side, factor)
+            factor = _finite_factor(name, side, factor)
             if method == "eigh":
                 state[f"basis_{side}"] = eigenbasis(factor)
                 continue
@@ -262,17 +273,6 @@ class SOAP(GuardedOptimizer):
         state["exp_avg_sq"] = exp_avg_sq
         state["exp_avg"] = rotate(exp_avg, state.get("basis_left"), state.get("basis_right"))
 
-    def _finite_factor(self, p: Tensor, side: str, factor: Tensor) -> Tensor:
-        if not torch.isfinite(factor).all():
-            name = param_names(self).get(id(p), f"shape {tuple(p.shape)}")
-            raise FloatingPointError(
-                f"SOAP: the {side} Kronecker factor of {name} is not finite (the gradient's "
-                "outer product overflowed); its eigenbasis is left as it was. Clip or rescale "
-                "the gradients, or reset this parameter's optimizer state."
-            )
-        return factor
-
-
 def _factors(state: dict[str, Any]) -> list[tuple[str, Tensor]]:
     return [(s, state[f"factor_{s}"]) for s in ("left", "right") if f"factor_{s}" in state]
 
@@ -282,3 +282,18 @@ def _fold_gradient(state: dict[str, Any], grad: Tensor, shampoo_beta: float) -> 
     for side, factor in _factors(state):
         outer = grad @ grad.mT if side == "left" else grad.mT @ grad
         factor.lerp_(outer, 1.0 - shampoo_beta)
+
+
+def _finite_factor(name: str, side: str, factor: Tensor) -> Tensor:
+    if not torch.isfinite(factor).all():
+        raise FloatingPointError(
+            f"SOAP: the {side} Kronecker factor of {name} is not finite (the gradient's "
+            "outer product overflowed); its eigenbasis is left as it was. Clip or rescale "
+            "the gradients, or reset this parameter's optimizer state."
+        )
+    return factor
+
+
+def _rotated(shape: torch.Size, max_precond_dim: int) -> bool:
+    """Whether a parameter of `shape` has a side rotated into an eigenbasis (a factor)."""
+    return len(shape) >= 2 and min(stack_shape(shape)[1:]) <= max_precond_dim

@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from orthoptim import collectives as C
 from orthoptim import kernels
 from orthoptim.newton_schulz import GRAM_FORM_RESTART
-from orthoptim.parallel import collectives as C
+from orthoptim.optim.registry import MATRIX_OPTIMIZERS, OPTIMIZER_NAMES
+from orthoptim.optim.shapes import stack_shape
 
 if TYPE_CHECKING:
     from orthoptim.optim.routing import RoutePredicate
 
-KINDS = ("muon", "soap", "adamw")
+KINDS = OPTIMIZER_NAMES
 BALANCES = ("cost", "round_robin", "capped")
 CAPPED_FACTOR = 1.3
 SPREAD = 2.0
@@ -72,15 +74,6 @@ class Unit:
     def cost(self) -> float:
         """The piece's optimizer cost under `unit_cost` (the GPU path)."""
         return unit_cost(self.shape, self.kind)
-
-
-def _matrices(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(count, rows, cols) of the matrices a parameter of `shape` stands for (cf. matrix_view)."""
-    if len(shape) == 2:
-        return 1, shape[0], shape[1]
-    if len(shape) == 3:
-        return shape[0], shape[1], shape[2]
-    return 1, shape[0], math.prod(shape[1:])
 
 
 _DTYPES = {
@@ -215,8 +208,8 @@ class MatrixCost:
             raise ValueError(f"unit kind must be one of {KINDS}, got {kind!r}")
         if kind == "adamw" or len(shape) < 2:
             return float(math.prod(shape))
-        k, m, n = _matrices(tuple(shape))
-        if kind == "muon":
+        k, m, n = stack_shape(shape)
+        if MATRIX_OPTIMIZERS[kind].work == "newton_schulz":
             return float(k) * self.flops(m, n)
         return float(k) * (float(m) ** 3 + float(n) ** 3)
 
@@ -1012,17 +1005,14 @@ STATE_SLACK = 0.01
 
 def state_numel(unit: Unit, masters: bool = False) -> int:
     """Optimizer-state elements of a unit owned whole (an estimate for levelling, in elements
-    of its dtype): Muon's momentum; SOAP's two moments plus, per matrix, a Kronecker factor
-    and an eigenbasis of each side (m² + n² twice); AdamW's two moments. `masters` adds the
-    master copy a `gather_dtype` run keeps of every owned element."""
+    of its dtype): the matrix optimizer's `state_numel` (Muon's momentum; SOAP's two moments
+    plus, per matrix, a Kronecker factor and an eigenbasis of each side), AdamW's two moments.
+    `masters` adds the master copy a `gather_dtype` run keeps of every owned element."""
     numel = unit.numel
     if unit.kind == "adamw" or len(unit.shape) < 2:
         state = 2 * numel
-    elif unit.kind == "muon":
-        state = numel
     else:
-        k, m, n = _matrices(tuple(unit.shape))
-        state = 2 * numel + 2 * k * (m * m + n * n)
+        state = MATRIX_OPTIMIZERS[unit.kind].state_numel(unit.shape)
     return state + (numel if masters else 0)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from orthoptim.parallel import collectives as C
+from orthoptim import collectives as C
 
 
 def check_norm_type(norm_type: float) -> float:

@@ -1,26 +1,26 @@
-"""Muon or SOAP over a model sharded by FSDP2 (`torch.distributed.fsdp.fully_shard`, HSDP).
+"""Any matrix optimizer (Muon, SOAP, NorMuon, ...) over a model sharded by FSDP2
+(`torch.distributed.fsdp.fully_shard`, HSDP), through the contract of
+`orthoptim.optim.contract.MatrixOptimizer` alone.
 
 Under FSDP2 every parameter is a DTensor sharded along dim 0 and, after backward, every rank
 holds its dim-0 shard of the averaged gradient; nobody holds a full matrix. One step::
 
     agree      one small all-reduce: which matrices have a gradient, which gradients are
                non-finite (so every rank skips or raises together)
-    momentum   on the local shards (Muon's momentum is elementwise, so the buffer stays a
-               DTensor sharded like its parameter: memory is spread and checkpoints reshard)
-    forward    per bucket, ONE all-to-all: each rank sends the Nesterov update shard of every
-               matrix to that matrix's owner (cost-balanced `assign`, as the layer-wise
-               optimizer); the owner concatenates the shards in rank order = the full matrix
-    orthogonalize  owners run Newton-Schulz on what they own, batched by shape
-    back       per bucket, ONE all-to-all: the owner sends each rank the rows of the
-               orthogonalized update matching that rank's shard
-    apply      decoupled weight decay and the lr-scaled update on the local shards
+    prepare    `prepare` on the local shards (Muon's momentum: elementwise state stays a DTensor
+               sharded like its parameter, so memory is spread and checkpoints reshard)
+    forward    per bucket, ONE all-to-all: each rank sends its shard of every prepared update
+               to that matrix's owner (cost-balanced `assign`, as the layer-wise optimizer);
+               the owner concatenates the shards in rank order = the full matrix
+    directions owners run `directions` on what they own, batched by group (Newton-Schulz of
+               same-shape matrices in one call; whole-matrix state such as SOAP's factors
+               lives on the owner only)
+    back       per bucket, ONE all-to-all: the owner sends each rank the rows of each
+               direction matching that rank's shard
+    apply      `apply` on the local shards: decoupled weight decay and the lr-scaled update
 
-SOAP (`optimizer="soap"`) has per-matrix state (Kronecker factors, eigenbases, moments in the
-rotated basis), so it cannot stay sharded: the forward all-to-all carries the raw gradient
-shards, the owner keeps the matrix's whole SOAP state and runs SOAP's own step on the full
-gradient, and the back all-to-all returns each rank its rows of the scaled update (same bytes
-as Muon). Every rank keeps the step count, so all agree when SOAP's first step leaves a
-matrix in place. `sharded_state_dict()` is Muon/AdamW only; SOAP saves with `state_dict()`.
+Every rank keeps a matrix's "scalar" state (a step count) and asks `moves` before the step, so
+all agree when a step leaves a matrix in place (SOAP's first step only builds its bases).
 
 AdamW parameters (embeddings, head, vectors) are stepped by torch's AdamW on the DTensors:
 elementwise, so exact on local shards, no communication. Bytes per step for the matrices:
@@ -39,27 +39,20 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import checkpoint
+from orthoptim import collectives as C
 from orthoptim._validate import check_choice, check_float_dtype, check_positive
 from orthoptim.optim.base import (
+    CompositeOptimizer,
     check_nonfinite_policy,
     enforce_nonfinite_policy,
-    local_shard,
     state_dtype,
 )
+from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
-from orthoptim.optim.muon import lr_scale_factor, orthogonalize_blocks, split_of
+from orthoptim.optim.registry import OPTIMIZER_NAMES
+from orthoptim.optim.state import StateView
 from orthoptim.parallel import clip
-from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
-
-_NOT_HYPER = ("params", "param_names", "optimizer")
-
-
-def shard_rows(rows: int, world_size: int) -> list[int]:
-    """Rows of dim 0 on each rank under DTensor's Shard(0) (torch.chunk semantics): chunks of
-    ceil(rows / N), so trailing ranks may hold fewer rows or none."""
-    chunk = -(-rows // world_size) if rows else 0
-    return [max(0, min(chunk, rows - r * chunk)) for r in range(world_size)]
 
 
 def shard_model(model: nn.Module, mesh: Any = None) -> nn.Module:
@@ -134,11 +127,11 @@ class _Matrix:
     ) -> None:
         self.name, self.param, self.unit, self.owner, self.group = name, param, unit, owner, group
         row = param[0].numel() if param.shape[0] else 0
-        self.numels = [r * row for r in shard_rows(param.shape[0], world_size)]
+        self.numels = [r * row for r in C.shard_sizes(param.shape[0], world_size)]
 
 
-class FSDPOptimizer(torch.optim.Optimizer):
-    """Muon (hybrid with AdamW) over parameters sharded by FSDP2's `fully_shard`.
+class FSDPOptimizer(CompositeOptimizer):
+    """A matrix optimizer (hybrid with AdamW) over parameters sharded by FSDP2's `fully_shard`.
 
     Build it after `fully_shard` (every trainable parameter a DTensor sharded on dim 0 of one
     mesh dimension, replicated on the others, as FSDP and HSDP lay them out)::
@@ -175,11 +168,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if optimizer not in ("muon", "soap", "adamw"):
-            raise ValueError(
-                f"optimizer must be one of ('muon', 'soap', 'adamw') for FSDPOptimizer, "
-                f"got {optimizer!r}"
-            )
+        check_choice("optimizer", optimizer, OPTIMIZER_NAMES)
         check_choice("balance", balance, BALANCES)
         check_positive("bucket_mb", bucket_mb)
         check_float_dtype("comm_dtype", comm_dtype)
@@ -199,8 +188,10 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self.device = named[0][1].device if named else torch.device("cpu")
 
         self.kind = optimizer
-        # The matrix optimizer (Muon or SOAP; None for plain AdamW): its maths run on owners.
-        self.matrix_opt: Any = self.template.inner.get(optimizer) if optimizer != "adamw" else None
+        # The matrix optimizer (None for plain AdamW): its contract runs on shards and owners.
+        self.matrix_opt: MatrixOptimizer | None = (
+            self.template.inner.get(optimizer) if optimizer != "adamw" else None
+        )
         self.adamw: torch.optim.Optimizer | None = self.template.inner.get("adamw")
         group_of = self._matrix_groups()
         units = [u for u in units_from_model(model, optimizer=optimizer, route=rule)]
@@ -214,7 +205,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for i, (u, owner) in enumerate(zip(self.units, self.assignment.owners))
         ]
         for m in self._matrices:
-            mine = local_shard(m.param).numel()
+            mine = C.local_shard(m.param).numel()
             if mine != m.numels[self.rank]:
                 raise ValueError(
                     f"{m.name}: local shard has {mine} elements but Shard(0) over "
@@ -224,9 +215,8 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self.owner_of = {m.name: m.owner for m in self._matrices}
         self._named = named
 
-        super().__init__([{"params": [p for _, p in named]}], {})
-        self.param_groups = self.template.param_groups
-        self.state = self.template.state
+        super().__init__(p for _, p in named)
+        self.adopt(self.template.param_groups, self.template.state)
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
         self._built = True
@@ -243,7 +233,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         a non-finite gradient shard somewhere (`collectives.agree`: one all-reduce)."""
         present = [m.param.grad is not None for m in self._matrices]
         bad = [
-            p.grad is not None and not bool(torch.isfinite(local_shard(p.grad)).all())
+            p.grad is not None and not bool(torch.isfinite(C.local_shard(p.grad)).all())
             for _, p in self._named
         ]
         present, bad = C.agree(
@@ -284,7 +274,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
         every rank). A non-finite total raises RuntimeError with `error_if_nonfinite`;
         otherwise the gradients are left unscaled and `step()` applies the `nonfinite` policy.
         Collective: call it on every rank."""
-        grads = [local_shard(q.grad) for _, q in self._named if q.grad is not None]
+        grads = [C.local_shard(q.grad) for _, q in self._named if q.grad is not None]
         return clip.clip_(
             grads,
             grads,
@@ -301,29 +291,36 @@ class FSDPOptimizer(torch.optim.Optimizer):
         self._last_stats = self._stats
         self._stats = C.CommStats()
 
-    def _momentum(self, m: _Matrix) -> Tensor:
-        """Update the local momentum shard; return the local update shard (fp32, flat)."""
-        g = m.group
-        grad = m.param.grad
-        if m.param.dtype in (torch.float16, torch.bfloat16):
-            grad = grad.to(torch.float32)
+    def _local(self, m: _Matrix) -> dict[str, Any]:
+        """The state of matrix `m` as its contract functions see it on this rank: DTensor
+        entries as their local shards (sharing storage), the rest as they are."""
+        return {k: C.local_shard(v) for k, v in self.state[m.param].items()}
+
+    def _keep(self, m: _Matrix, local: dict[str, Any]) -> None:
+        """Write back what the contract set in `local` (scalars, new entries)."""
         state = self.state[m.param]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad)
-        buf, gl = local_shard(state["momentum_buffer"]), local_shard(grad)
-        buf.lerp_(gl, 1.0 - g["momentum"])
-        update = gl.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-        return update.reshape(-1)
+        for k, v in local.items():
+            if not C.is_dtensor(state.get(k)):
+                state[k] = v
 
     def _step_matrices(self, present: list[bool]) -> None:
+        opt = self.matrix_opt
+        assert opt is not None
         n, rank, dev = self.world_size, self.rank, self.device
         wire = self.comm_dtype
         live = [m for m in self._matrices if present[m.unit]]
-        # What travels to the owner: Muon's Nesterov update (its momentum is elementwise, so
-        # it stays sharded); SOAP's raw gradient (its state is per matrix, held by the owner).
-        outgoing = self._momentum if self.kind == "muon" else _flat_grad
-        updates = {m.unit: outgoing(m) for m in live if m.param.grad is not None}
-        moved = self._soap_moves(live) if self.kind == "soap" else {}
+        moving: dict[int, bool] = {}
+        updates: dict[int, Tensor] = {}
+        for m in live:
+            state = self.state[m.param]
+            if not state:
+                state.update(opt.init_state(m.param, m.group))
+            moving[m.unit] = opt.moves(state, m.param.shape, m.group)
+            if m.param.grad is not None:
+                local = self._local(m)
+                u = opt.prepare(C.local_shard(m.param.grad), local, m.group)
+                self._keep(m, local)
+                updates[m.unit] = u.reshape(-1)
         buckets = []
         for unit_ids in self.assignment.buckets:
             ms = [self._matrices[i] for i in unit_ids if present[i]]
@@ -352,7 +349,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             )
             sent_layouts.append((ms, in_splits, out_splits, send, recv, work))
 
-        # Owners: rebuild full matrices, Newton-Schulz batched by (group, shape).
+        # Owners: rebuild full matrices, then the matrix optimizer's directions per group.
         full: dict[int, Tensor] = {}
         for ms, _, _, _, recv, work in sent_layouts:
             if work is not None:
@@ -369,8 +366,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
                     torch.cat(chunks[m.unit]).to(state_dtype(m.param)).view(m.param.shape)
                 )
         mine = [m for ms in buckets for m in ms if m.owner == rank]
-        compute = self._orthogonalize if self.kind == "muon" else self._soap_deltas
-        ortho = compute(mine, full)
+        found = self._directions(mine, full)
 
         # Back: the owner sends each rank its rows, laid out as the forward receive buffer.
         back = []
@@ -380,7 +376,11 @@ class FSDPOptimizer(torch.optim.Optimizer):
             for s in range(n):
                 for m in mine:
                     start = sum(m.numels[:s])
-                    parts.append(ortho[m.unit][start : start + m.numels[s]])
+                    d = found.get(m.unit)
+                    if d is None:  # this step leaves the matrix in place
+                        parts.append(recv.new_zeros(m.numels[s]))
+                    else:
+                        parts.append(d[start : start + m.numels[s]])
             ret = torch.cat(parts).to(recv.dtype) if parts else recv.new_zeros(0)
             got = torch.empty_like(send)
             work = C.all_to_all(
@@ -388,6 +388,7 @@ class FSDPOptimizer(torch.optim.Optimizer):
             )
             back.append((ms, got, work))
 
+        rows: dict[int, Tensor] = {}
         for ms, got, work in back:
             if work is not None:
                 work.wait()
@@ -396,86 +397,31 @@ class FSDPOptimizer(torch.optim.Optimizer):
                 for m in ms:
                     if m.owner != d or not m.numels[rank]:
                         continue
-                    o = got[offset : offset + m.numels[rank]]
+                    rows[m.unit] = got[offset : offset + m.numels[rank]]
                     offset += m.numels[rank]
-                    if m.param.grad is None:
-                        continue
-                    g, p = m.group, local_shard(m.param)
-                    if self.kind == "soap":
-                        if moved[m.unit]:  # SOAP's first step only builds its bases
-                            if g["weight_decay"] != 0.0:
-                                p.mul_(1.0 - g["lr"] * g["weight_decay"])
-                            p.add_(o.view(p.shape).to(p.dtype))
-                        continue
-                    rows, cols = _matrix_shape(m.param.shape)
-                    scale = g["lr"] * lr_scale_factor(g["lr_scale"], rows, cols)
-                    if g["weight_decay"] != 0.0:
-                        p.mul_(1.0 - g["lr"] * g["weight_decay"])
-                    p.add_(o.view(p.shape).to(p.dtype), alpha=-scale)
-
-    def _soap_moves(self, live: list[_Matrix]) -> dict[int, bool]:
-        """Per live matrix: does this SOAP step move it? Not on the first step of a matrix with
-        a Kronecker factor (SOAP only initialises its bases then). Every rank decides alike
-        from the replicated step count, which non-owners advance here as the owner's SOAP does.
-        """
-        out = {}
         for m in live:
-            st = self.state[m.param]
-            rows, cols = _matrix_shape(m.param.shape)
-            factored = min(rows, cols) <= m.group["max_precond_dim"]
-            out[m.unit] = "step" in st or not factored
-            if m.owner != self.rank:
-                st["step"] = st.get("step", 0) + int(out[m.unit])
-        return out
+            if m.param.grad is None:
+                continue
+            p = C.local_shard(m.param)
+            d = rows.get(m.unit, p.new_zeros(0)).view(p.shape).to(state_dtype(m.param))
+            local = self._local(m)
+            opt.apply(p, d if moving[m.unit] else None, local, m.group)
+            self._keep(m, local)
 
-    def _soap_deltas(self, mine: list[_Matrix], full: dict[int, Tensor]) -> dict[int, Tensor]:
-        """SOAP on the owned full gradients: each matrix's state is the owner's `state[param]`
-        (full size), stepped through a zero full-size stand-in without weight decay, so the
-        stand-in ends up holding the update; returns flat updates by unit (weight decay is
-        applied on the shards)."""
-        out: dict[int, Tensor] = {}
-        for m in mine:
-            stand_in = torch.zeros(m.param.shape, dtype=state_dtype(m.param), device=self.device)
-            stand_in.grad = full[m.unit].to(stand_in.dtype)
-            group = dict(m.group, weight_decay=0.0)
-            self.matrix_opt._step_param(stand_in, group, state=self.state[m.param])
-            out[m.unit] = stand_in.reshape(-1)
-        return out
-
-    def _orthogonalize(self, mine: list[_Matrix], full: dict[int, Tensor]) -> dict[int, Tensor]:
-        """Newton-Schulz on the owned full updates, batched by (param group, block shape);
-        returns flat orthogonalized updates by unit. A split (fused) matrix is orthogonalized
-        block by block, each block times its LR scale over the whole matrix's (the step
-        applies the whole matrix's scale)."""
+    def _directions(self, mine: list[_Matrix], full: dict[int, Tensor]) -> dict[int, Tensor]:
+        """The matrix optimizer's directions of the owned full updates, batched by param group;
+        flat, by unit (a None direction, a step that leaves the matrix in place, is left out)."""
         assert self.matrix_opt is not None
         by_group: dict[int, list[_Matrix]] = defaultdict(list)
         for m in mine:
             by_group[id(m.group)].append(m)
         out: dict[int, Tensor] = {}
         for ms in by_group.values():
-            g = ms[0].group
-            items = [
-                (full[m.unit].reshape(-1, *_matrix_shape(m.param.shape)), split_of(g, m.name))
-                for m in ms
-            ]
-            fused: dict[int, Tensor] = {}
-            blocks = orthogonalize_blocks(
-                items,
-                lambda mats, g=g: self.matrix_opt._orthogonalize(mats, g),
-                g["lr_scale"],
-                self.matrix_opt.stacks,
-            )
-            for i, row, o, scale in blocks:
-                if row is None:
-                    out[ms[i].unit] = o.reshape(-1)
-                    continue
-                whole = items[i][0]
-                if i not in fused:
-                    fused[i] = torch.empty_like(whole)
-                ratio = scale / lr_scale_factor(g["lr_scale"], *whole.shape[-2:])
-                fused[i][:, row : row + o.shape[-2]] = o * ratio
-            for i, t in fused.items():
-                out[ms[i].unit] = t.reshape(-1)
+            items = [(full[m.unit], self.state[m.param]) for m in ms]
+            found = self.matrix_opt.directions(items, ms[0].group, [m.name for m in ms])
+            for m, d in zip(ms, found):
+                if d is not None:
+                    out[m.unit] = d.reshape(-1)
         return out
 
     # -- accounting --------------------------------------------------------------------
@@ -528,94 +474,59 @@ class FSDPOptimizer(torch.optim.Optimizer):
         """The whole optimizer's state, unsharded, in the format of `build_optimizer(model,
         ...)`'s `state_dict()` on the unsharded model (a single-process optimizer loads it as
         is; so does this optimizer at any world size): to every rank, or with
-        `state_dict_to="rank0"` to global rank 0 only (the others get {}). Collective. For
-        resharding DCP checkpoints use `sharded_state_dict()`. Under SOAP (whole state on
-        each matrix's owner) it is torch's rank-local dict, loadable at the same world size."""
-        if "soap" in self.template.inner:
-            return self.template.state_dict()
+        `state_dict_to="rank0"` to rank 0 only (the others get {}). Collective. For
+        resharding DCP checkpoints use `orthoptim.checkpoint.save_sharded`."""
         return checkpoint.full_state_dict(self, to_rank0=self.state_dict_to == "rank0")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `state_dict()`: a full dict (Muon/AdamW; from any world size, or a
-        single-process optimizer's: every rank keeps its shard of each state tensor; every
-        mismatch listed in one `CheckpointMismatchError` before anything changes), or under
-        SOAP the rank-local dict saved at the same world size."""
-        if "soap" not in self.template.inner:
-            checkpoint.load_full_state_dict(self, state_dict)
-            return
-        self.template.load_state_dict(state_dict)
-        self.param_groups = self.template.param_groups
-        self.state = self.template.state
-        groups = self._matrix_groups()
-        for m in self._matrices:
-            m.group = groups[m.name]
+        """Load a full dict (`state_dict()` of this optimizer at any world size, or a
+        single-process optimizer's): every rank keeps its shard of each elementwise state
+        tensor, owners the whole-matrix state; every mismatch is listed in one
+        `CheckpointMismatchError` before anything changes."""
+        checkpoint.load_full_state_dict(self, state_dict)
+
+    def reduce_max(self, t: Tensor) -> Tensor:
+        """The elementwise max of `t` over the data-parallel replicas (QK-clip's agreement on
+        max logits). Collective."""
+        return C.all_reduce_max(t, self.process_group, "QK-clip max-logit agreement (all-reduce)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter."""
         self.template.zero_grad(set_to_none=set_to_none)
 
-    def _init_state(self) -> None:
-        """Create zero state for every parameter that has none yet (the layout DCP loads into)."""
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state[p]
-                if st:
-                    continue
-                if g["optimizer"] == "muon":
-                    dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else None
-                    st["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
-                else:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
-                    if g.get("amsgrad"):
-                        st["max_exp_avg_sq"] = torch.zeros_like(p)
+    def state_view(self) -> StateView:
+        """The state by name for checkpoints: elementwise state as DTensors sharded like the
+        parameters (every rank), whole-matrix state on the matrix's owner."""
+        return _FSDPView(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """State keyed by parameter name, every tensor a DTensor sharded like its parameter
-        (AdamW's `step` a plain scalar), plus every group's hyper-parameters: pass it to
-        `torch.distributed.checkpoint.save`/`load` (which reshards across world sizes), then
-        give the loaded dict to `load_sharded_state_dict`. Creates zero state where none
-        exists yet, so a fresh optimizer offers the layout to load into."""
-        if self.kind == "soap":
-            raise NotImplementedError(
-                "sharded_state_dict: SOAP's state lives whole on each matrix's owner, not as "
-                "shards; use state_dict() / load_state_dict() (per rank, same world size)"
-            )
-        self._init_state()
-        names = {}
-        for g in self.param_groups:
-            for name, p in zip(g["param_names"], g["params"]):
-                names[name] = p
-        state = {name: dict(self.state[p]) for name, p in names.items()}
-        groups = [{k: v for k, v in g.items() if k not in _NOT_HYPER} for g in self.param_groups]
-        return {"state": state, "param_groups": {str(i): g for i, g in enumerate(groups)}}
+        """This rank's share for torch.distributed.checkpoint, in `orthoptim.checkpoint`'s one
+        sharded format (`save_sharded` / `load_sharded` save it and reshard)."""
+        return checkpoint.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict of `sharded_state_dict()`'s layout (after DCP filled it in place)."""
-        names = {}
-        for g in self.param_groups:
-            for name, p in zip(g["param_names"], g["params"]):
-                names[name] = p
-        unknown = sorted(set(state_dict["state"]) - set(names))
-        if unknown:
-            raise ValueError(f"state_dict holds state for parameters this model lacks: {unknown}")
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved)} param groups, this optimizer {len(self.param_groups)}"
-            )
-        for i, g in enumerate(self.param_groups):
-            g.update({k: v for k, v in saved[str(i)].items() if k not in _NOT_HYPER})
-        self._init_state()
-        for name, st in state_dict["state"].items():
-            mine = self.state[names[name]]
-            for k, v in st.items():
-                if k in mine and isinstance(mine[k], Tensor):
-                    if mine[k] is not v:
-                        local_shard(mine[k]).copy_(local_shard(v))
-                else:
-                    mine[k] = v
+        """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
+        checkpoint.load_sharded_state_dict(self, state_dict)
+
+
+class _FSDPView(StateView):
+    """`StateView` of an FSDPOptimizer: every parameter's elementwise and scalar state on every
+    rank (DTensors, gathered by unsharding), whole-matrix state on its owner only."""
+
+    spread = True
+
+    def __init__(self, opt: FSDPOptimizer) -> None:
+        super().__init__(opt, opt.template.state_view().kinds)
+        self.gather_group = opt.process_group
+        self.owner_of = opt.owner_of
+        self.rank = opt.rank
+
+    def layout(self) -> dict[str, Any]:
+        return self.opt.template.state_view().layout()
+
+    def keeps(self, name: str, key: str) -> bool:
+        kind = self.kinds(name).get(key, "elementwise")
+        return kind != "matrix" or self.owner_of.get(name) == self.rank
 
 
 def _bucket_dtype(ms: list[_Matrix]) -> torch.dtype:
@@ -625,18 +536,6 @@ def _bucket_dtype(ms: list[_Matrix]) -> torch.dtype:
     for m in ms[1:]:
         dtype = torch.promote_types(dtype, state_dtype(m.param))
     return dtype
-
-
-def _flat_grad(m: _Matrix) -> Tensor:
-    """The local gradient shard of a matrix, flat, in float32 for bf16/fp16 parameters."""
-    return local_shard(m.param.grad).reshape(-1).to(state_dtype(m.param))
-
-
-def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
-    """(rows, cols) of the matrices a parameter of `shape` stands for (as `matrix_view`)."""
-    if len(shape) in (2, 3):
-        return shape[-2], shape[-1]
-    return shape[0], int(torch.Size(shape[1:]).numel())
 
 
 def _shard_group(named: list[tuple[str, Tensor]]) -> tuple[Any, Any]:

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import checkpoint
+from orthoptim import collectives as C
 from orthoptim._validate import (
     check_choice,
     check_float_dtype,
@@ -49,16 +50,16 @@ from orthoptim._validate import (
     check_positive,
 )
 from orthoptim.optim.base import (
+    CompositeOptimizer,
     check_nonfinite_policy,
     enforce_nonfinite_policy,
-    local_shard,
-    shard_like,
     step_checked,
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
+from orthoptim.optim.registry import MATRIX_OPTIMIZERS
 from orthoptim.optim.routing import ModelRoute
+from orthoptim.optim.state import FORMAT_VERSION, StateView, flat_label, hypers
 from orthoptim.parallel import clip
-from orthoptim.parallel import collectives as C
 from orthoptim.parallel.assignment import (
     BALANCES,
     NS_STEPS,
@@ -106,7 +107,7 @@ class _Slot:
                     f"{name}: a sharded AdamW parameter must be a contiguous plain tensor; "
                     "build the optimizer with shard_adamw=False"
                 )
-            self.name = checkpoint.flat_label(name, *flat)
+            self.name = flat_label(name, *flat)
             # A leaf view of the run: the inner optimizer updates the parameter in place.
             self.data: Tensor = param.detach().view(-1)[flat[0] : flat[1]].requires_grad_(True)
         elif part is None:
@@ -119,13 +120,13 @@ class _Slot:
         else:
             # A leaf view of the slice: the inner optimizer updates the parameter in place.
             self.data = param.detach()[part[0] : part[1]].requires_grad_(True)
-        self.numel = local_shard(self.data).numel()
+        self.numel = C.local_shard(self.data).numel()
         self.offset = 0
         self.mine = False  # owned by this rank (set by the optimizer)
 
     def local(self) -> Tensor:
         """The unit's local values (a DTensor's shard), sharing the parameter's storage."""
-        return local_shard(self.data.detach())
+        return C.local_shard(self.data.detach())
 
     def local_grad(self) -> Tensor | None:
         """This rank's (unreduced) gradient of the unit (of a run: the whole parameter's)."""
@@ -218,7 +219,7 @@ class _Bucket:
                 f"{s.param.placements}; LayerwiseDistributedOptimizer needs gradients sharded "
                 "like their tensor-parallel parameters"
             )
-        src = local_shard(g).reshape(-1)
+        src = C.local_shard(g).reshape(-1)
         dst.copy_(src if s.flat is None else src[s.flat[0] : s.flat[1]])
 
     def reduce_phase(self) -> str:
@@ -258,7 +259,7 @@ class _Bucket:
 
     def reduced_grad(self, s: _Slot) -> Tensor:
         """`shard_view` as the unit's gradient: a DTensor sharded like a DTensor parameter."""
-        return shard_like(self.shard_view(s), s.data)
+        return C.wrap_local(self.shard_view(s), s.data)
 
     def reset(self) -> None:
         self.ready.clear()
@@ -313,7 +314,7 @@ class _Bucket:
             s.local().view(-1).copy_(self.gather_flat[start : start + s.numel])
 
 
-class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
+class LayerwiseDistributedOptimizer(CompositeOptimizer):
     """Layer-wise distributed optimizer: each matrix (or expert slice) is owned whole by one
     rank; AdamW parameters are sharded element-wise over all ranks (`shard_adamw`).
 
@@ -389,9 +390,9 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             for n, p in named.items():
                 C.check_device(p, f"LayerwiseDistributedOptimizer: parameter {n!r}", group)
         self.expert_group = expert_group
-        self._tp_groups = _tensor_parallel_groups(named, process_group)
+        self.tp_groups = _tensor_parallel_groups(named, process_group)
         # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
-        self.shard_adamw = bool(shard_adamw) and not self._tp_groups
+        self.shard_adamw = bool(shard_adamw) and not self.tp_groups
         masters = gather_dtype is not None and any(p.dtype != gather_dtype for p in named.values())
         self.units = units_from_model(
             model, optimizer=optimizer, route=rule, split_experts=split_experts
@@ -487,9 +488,8 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             else:
                 g = {k: v for k, v in tg.items() if k not in ("params", "param_names")}
                 groups.append({**g, "params": [], "param_names": []})
-        super().__init__([{"params": list(named.values())}], {})
-        self.param_groups = groups
-        self.state = self.inner.state if self.inner is not None else self.state
+        super().__init__(named.values())
+        self.adopt(groups, self.inner.state if self.inner is not None else self.state)
 
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
@@ -653,7 +653,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
                     bad[s.unit] |= not bool(torch.isfinite(b.shard_view(s)).all())
         # Over the data-parallel group, then each tensor-parallel group: the ranks that run
         # a TP orthogonalizer together must agree on whether to step.
-        for group in (self.process_group, *self._tp_groups):
+        for group in (self.process_group, *self.tp_groups):
             present, bad = C.agree(
                 present, bad, group=group, stats=self._stats, device=self._slots[0].param.device
             )
@@ -694,7 +694,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             p,
             error_if_nonfinite,
             device=C.device_for(self.process_group, like),
-            groups=(self.process_group, *self._tp_groups),
+            groups=(self.process_group, *self.tp_groups),
             dtype=self._buckets[0].dtype if self._buckets else None,
             stats=self._stats,
         )
@@ -704,11 +704,11 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         tensor parallelism; under it, a DTensor's local shard unless the tensor is replicated
         over a mesh dimension where this rank's coordinate is not 0, a plain tensor on the
         first rank of every TP group only."""
-        if not self._tp_groups:
+        if not self.tp_groups:
             return True
         placements = getattr(s.param, "placements", None)
         if placements is None:
-            return all(C.world(g)[0] == 0 for g in self._tp_groups)
+            return all(C.world(g)[0] == 0 for g in self.tp_groups)
         coord = s.param.device_mesh.get_coordinate() or [0] * len(placements)
         return all(c == 0 for c, pl in zip(coord, placements) if pl.is_replicate())
 
@@ -762,12 +762,21 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         code that edits weights after a step (e.g. QK-clip); None when there is none here."""
         return self._master.get(name)
 
+    def masters(self) -> dict[str, Tensor]:
+        """Every master copy this rank keeps, by unit name (live tensors)."""
+        return dict(self._master)
+
     def wait_for_params(self) -> None:
         """Finish every parameter gather in flight (the model's first forward pre-hook does
         this; call it before reading parameters outside a forward pass)."""
         for b in self._buckets:
             b.finish_gather()
         self._gathering = False
+
+    def reduce_max(self, t: Tensor) -> Tensor:
+        """The elementwise max of `t` over the data-parallel replicas (QK-clip's agreement on
+        max logits). Collective."""
+        return C.all_reduce_max(t, self.process_group, "QK-clip max-logit agreement (all-reduce)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter of the model (owned or not)."""
@@ -823,7 +832,7 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
             else:
                 add("reduce_scatter", *C.ring_reduce_scatter_bytes([b.width * psize] * n)[rank])
                 add("all_gather", *C.ring_all_gather_bytes([b.width * gsize] * n)[rank])
-        for size in [self.world_size] + [C.world(g)[1] for g in self._tp_groups]:
+        for size in [self.world_size] + [C.world(g)[1] for g in self.tp_groups]:
             ar = C.ring_all_reduce_bytes(2 * len(self.units) * 4, size)
             add("all_reduce", ar, ar)
         return out
@@ -849,6 +858,11 @@ class LayerwiseDistributedOptimizer(torch.optim.Optimizer):
         is listed in one `CheckpointMismatchError` before anything changes."""
         self.wait_for_params()
         checkpoint.load_full_state_dict(self, state_dict)
+
+    def state_view(self) -> StateView:
+        """The state by name for checkpoints: the owners' states, gathered over
+        `process_group`; every group's parameter names from the whole model."""
+        return _LayerwiseView(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """What this rank owns, for torch.distributed.checkpoint, under world-size-free keys;
@@ -904,3 +918,64 @@ def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> li
                     )
             groups.append(g)
     return groups
+
+
+class _LayerwiseView(StateView):
+    """`StateView` of a layer-wise optimizer: what this rank owns (whole units, expert slices
+    `w[a:b]`, runs `w{a:b}` of sharded AdamW parameters) under the whole model's layout."""
+
+    spread = True
+
+    def __init__(self, opt: LayerwiseDistributedOptimizer) -> None:
+        kinds = {g["optimizer"]: _kinds(g["optimizer"]) for g in opt.param_groups}
+        of = {u.name: kinds.get(u.kind, {}) for u in opt.units}
+        super().__init__(opt, lambda name: of.get(name, {}))
+        self.lw = opt
+        self.gather_group = opt.process_group
+        # DCP over the data-parallel group; under tensor parallelism over the whole world
+        # (each tp rank writes and reads its own shards)
+        tp = any(C.world(g)[1] > 1 for g in opt.tp_groups)
+        self.dcp_group = None if tp else opt.process_group
+
+    def sync(self) -> None:
+        self.lw.wait_for_params()
+
+    def layout(self) -> dict[str, Any]:
+        opt = self.lw
+        if opt.expert_group is not None:
+            # Each expert group steps its own copy of the experts under the same names, so
+            # one name-keyed dict cannot hold them all.
+            raise NotImplementedError(
+                "full and sharded checkpoints (state_dict(), save_sharded) of a layer-wise "
+                "optimizer built with an expert_group are not supported yet: expert groups "
+                "hold different experts under the same parameter names; save "
+                "opt.inner.state_dict() on every rank and load it with "
+                "opt.inner.load_state_dict() at the same layout (opt.inner is None on a rank "
+                "that owns nothing)"
+            )
+        named = dict(opt.model.named_parameters())
+        # units are in backward order; expert slices of one parameter share its name
+        order = list(dict.fromkeys(u.name for u in reversed(opt.units)))
+        kinds = {u.name: u.kind for u in opt.units}
+        groups = [
+            {"hypers": hypers(g), "names": [n for n in order if kinds[n] == g["optimizer"]]}
+            for g in opt.param_groups
+        ]
+        shapes = {n: list(named[n].shape) for n in order}
+        return {"format": FORMAT_VERSION, "groups": groups, "shapes": shapes}
+
+    def owned_params(self) -> dict[str, Tensor]:
+        inner = self.lw.inner
+        return {} if inner is None else StateView(inner).owned_params()
+
+    def masters(self) -> dict[str, Tensor]:
+        return self.lw.masters()
+
+    def params(self) -> dict[str, Tensor]:
+        return dict(self.lw.model.named_parameters())
+
+
+def _kinds(optimizer: str) -> dict[str, str]:
+    """The `state_kinds` of a matrix optimizer by name ({} for AdamW: all elementwise)."""
+    cls = MATRIX_OPTIMIZERS.get(optimizer)
+    return dict(cls.state_kinds) if cls is not None else {}

@@ -36,7 +36,7 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of four
 Inputs are DTensors (as `parallelize_module` makes them: the group and shard dimension are
 read from the mesh and placements, uneven shards allowed) or plain local shards (the group
 and `shard_dim` given at construction; shards must be equal in size). Every collective goes
-through `orthoptim.parallel.collectives`, counted in `stats`.
+through `orthoptim.collectives`, counted in `stats`.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from orthoptim import kernels
+from orthoptim import collectives, kernels
 from orthoptim._validate import check_choice, check_dtype_or_auto, check_member, check_positive
+from orthoptim.collectives import CommStats
 from orthoptim.newton_schulz import (
     CoefficientsLike,
     NSDtype,
@@ -61,8 +62,6 @@ from orthoptim.newton_schulz import (
     newton_schulz,
     resolve_ns_dtype,
 )
-from orthoptim.parallel import collectives
-from orthoptim.parallel.collectives import CommStats
 
 MODES = ("auto", "duplicated", "distributed", "blockwise")
 FORMS = ("auto", "apply", "square", "split", "rows")
@@ -164,12 +163,6 @@ class TPCost:
     flops: float
 
 
-def shard_sizes(size: int, world_size: int) -> list[int]:
-    """Sizes of the `world_size` shards of a dimension of `size` (torch.chunk / DTensor rule)."""
-    full = -(-size // world_size)
-    return [max(0, min(full, size - r * full)) for r in range(world_size)]
-
-
 def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
     """Row blocks [(start, stop), ...] of a p×p symmetric product's upper triangle, per rank.
 
@@ -238,7 +231,7 @@ def tp_cost(
     T = world_size
     m, n = min(rows, cols), max(rows, cols)
     if mode == "duplicated":
-        widest = max(shard_sizes((rows, cols)[shard_dim], T))
+        widest = max(collectives.shard_sizes((rows, cols)[shard_dim], T))
         other = (cols, rows)[shard_dim]
         sent = (T - 1) * k * widest * other * element_size
         flops = steps * k * (4 * m * m * n + 2 * m**3)
@@ -246,7 +239,7 @@ def tp_cost(
     if mode == "distributed":
         q = (rows, cols)[shard_dim]
         p = (cols, rows)[shard_dim]
-        q_local = max(shard_sizes(q, T))
+        q_local = max(collectives.shard_sizes(q, T))
         if form == "auto":
             raise ValueError("tp_cost needs a concrete form (apply, square or split)")
         per_step, gathered = _distributed_flops(p, q, q_local, T, form)
@@ -259,7 +252,7 @@ def tp_cost(
         return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
     if mode == "blockwise":
         local = [rows, cols]
-        local[shard_dim] = max(shard_sizes(local[shard_dim], T))
+        local[shard_dim] = max(collectives.shard_sizes(local[shard_dim], T))
         ml, nl = min(local), max(local)
         return TPCost(0.0, 0, steps * k * (4 * ml * ml * nl + 2 * ml**3))
     raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
@@ -341,7 +334,7 @@ class TensorParallelOrthogonalizer:
                 f"TensorParallelOrthogonalizer needs a batch of matrices, got shape "
                 f"{tuple(mats.shape)}"
             )
-        dtensor = _is_dtensor(mats)
+        dtensor = collectives.is_dtensor(mats)
         local, layout = self._local_and_layout(mats)
         flat = local.reshape(-1, *local.shape[-2:])
         global_rows, global_cols = flat.shape[-2], flat.shape[-1]
@@ -416,7 +409,7 @@ class TensorParallelOrthogonalizer:
     # -- layouts -----------------------------------------------------------------------------
 
     def _local_and_layout(self, mats: Tensor) -> tuple[Tensor, _Layout]:
-        if _is_dtensor(mats):
+        if collectives.is_dtensor(mats):
             return mats.to_local(), _dtensor_layout(mats)
         if self.shard_dim is None:
             raise ValueError(
@@ -555,10 +548,6 @@ class TensorParallelOrthogonalizer:
         return collectives.unpack_upper(packed, p)
 
 
-def _is_dtensor(t: Tensor) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
-
-
 def _dtensor_layout(mats: Any) -> _Layout:
     """Read the TP group and shard dim of a stacked DTensor batch from its mesh/placements."""
     from torch.distributed.tensor import Partial, Shard
@@ -585,4 +574,4 @@ def _dtensor_layout(mats: Any) -> _Layout:
         # Split along the stack (experts): every rank holds whole matrices.
         return _Layout(group, n, rank, None, ())
     size = mats.shape[dim]
-    return _Layout(group, n, rank, dim - mats.ndim, tuple(shard_sizes(size, n)))
+    return _Layout(group, n, rank, dim - mats.ndim, tuple(collectives.shard_sizes(size, n)))

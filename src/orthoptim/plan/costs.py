@@ -1,6 +1,6 @@
 """Flop and byte formulas of one optimizer step, per rank.
 
-Bytes follow the accounting of `orthoptim.parallel.collectives` (its module docstring; the
+Bytes follow the accounting of `orthoptim.collectives` (its module docstring; the
 formulas are its `ring_*_bytes`, `reduce_bytes` and `broadcast_bytes`): per rank, what the
 ring / pipelined-chain algorithm sends and receives, so that summed over the ranks sent =
 received for every collective. With S = a collective's bytes over N ranks:
@@ -40,7 +40,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
-from orthoptim.parallel import collectives as C
+from orthoptim import collectives as C
 from orthoptim.parallel.tensor_parallel import (
     CostModel,
     TensorParallelOrthogonalizer,

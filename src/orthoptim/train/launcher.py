@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from orthoptim.parallel import collectives
+from orthoptim import collectives
 from orthoptim.train import devices
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import load_corpus

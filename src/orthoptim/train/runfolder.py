@@ -34,8 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from orthoptim import checkpoint
-from orthoptim.parallel import collectives
+from orthoptim import checkpoint, collectives
 from orthoptim.train.args import TrainArgs
 
 
@@ -190,7 +189,7 @@ def _first_nonfinite(model: nn.Module) -> str | None:
     """The name of a parameter or buffer of `model` holding NaN or infinity (this rank's
     shard of it), or None."""
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        local = t.to_local() if collectives.is_dtensor(t) else t
+        local = collectives.local_shard(t)
         if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
             return name
     return None
@@ -208,9 +207,9 @@ class Checkpointer:
     `clean_leftovers` before a run starts.
 
     Formats: `model.pt` and `optim.pt` (the optimizer's full state dict, gathered to rank 0,
-    which every rank loads on resume); `sharded`: FSDP2 shards of model and optimizer saved
-    together with torch.distributed.checkpoint under `dcp/` (each rank its shards); `tp` > 1:
-    `orthoptim.checkpoint.save_sharded` under `dcp/` (keys free of world and tp size)."""
+    which every rank loads on resume); `sharded` (FSDP2) or `tp` > 1: model and optimizer by
+    `orthoptim.checkpoint.save_sharded` under `dcp/` (each rank writes its shards and what it
+    owns; keys free of world and tp size)."""
 
     def __init__(
         self,
@@ -294,12 +293,8 @@ class Checkpointer:
 
     def _write(self, folder: Path, model: nn.Module, opt: Any) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        if self.tp > 1:
+        if self.tp > 1 or self.sharded:
             checkpoint.save_sharded(folder / "dcp", opt, model)
-        elif self.sharded:
-            import torch.distributed.checkpoint as dcp
-
-            dcp.save(_sharded_state(model, opt), checkpoint_id=folder / "dcp")
         else:
             optim = opt.state_dict()  # collective: the full dict, on rank 0 only
             if self.rank == 0:
@@ -345,13 +340,8 @@ class Checkpointer:
         )
 
     def _read(self, folder: Path, model: nn.Module, opt: Any) -> None:
-        if self.tp > 1:
+        if self.tp > 1 or self.sharded:
             checkpoint.load_sharded(folder / "dcp", opt, model)
-        elif self.sharded:
-            state = _sharded_state(model, opt)
-            checkpoint.dcp_load(state, folder / "dcp")
-            model.load_state_dict(state["model"])
-            opt.load_sharded_state_dict(state["optim"])
         else:
             model.load_state_dict(checkpoint.load_file(folder / "model.pt"))
             # every rank reads the full dict and keeps the state of what it owns
@@ -374,11 +364,6 @@ def clean_leftovers(out: Path) -> list[str]:
             path.unlink()
             removed.append(str(path))
     return removed
-
-
-def _sharded_state(model: nn.Module, opt: Any) -> dict[str, Any]:
-    """The DCP layout of a sharded run: the model's and the optimizer's DTensor shards."""
-    return {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
 
 
 # What a run writes under --out (--overwrite removes these, and their ".tmp" leftovers); the

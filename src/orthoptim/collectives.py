@@ -219,6 +219,17 @@ def to_backend(t: Tensor, group: Any = None) -> Tensor:
     return t.to(device_for(group, t))
 
 
+def all_reduce_max(t: Tensor, group: Any = None, what: str = "max all-reduce") -> Tensor:
+    """The elementwise max of `t` over `group` (a new CPU tensor; `t` itself alone), one
+    all-reduce on the backend's device, named `what` in errors."""
+    if world(group)[1] == 1:
+        return t
+    out = to_backend(t.clone(), group)
+    with phase(what, group):
+        all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out.cpu()
+
+
 def all_reduce(
     t: Tensor,
     op: Any = None,
@@ -406,8 +417,44 @@ def all_to_all(
 
 
 def is_dtensor(t: Any) -> bool:
-    """True for a torch.distributed.tensor.DTensor (sharded or replicated over a mesh)."""
+    """True for a torch.distributed.tensor.DTensor (sharded or replicated over a mesh): the one
+    DTensor test of the package."""
     return isinstance(t, Tensor) and hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a plain tensor is its own shard); shares storage."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def shard_sizes(size: int, world_size: int) -> list[int]:
+    """Sizes of the `world_size` shards of a dimension of `size` under DTensor's Shard (the
+    torch.chunk rule): chunks of ceil(size / N), so trailing ranks may hold less or nothing."""
+    full = -(-size // world_size) if size else 0
+    return [max(0, min(full, size - r * full)) for r in range(world_size)]
+
+
+def wrap_local(local: Tensor, like: Tensor) -> Tensor:
+    """`local` as THIS rank's shard of a DTensor laid out as `like` (mesh, placements, global
+    shape); `local` itself when `like` is a plain tensor. No communication, no copy."""
+    if not is_dtensor(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+        stride=like.stride(),
+    )  # fmt: skip
+
+
+def cut_like(full: Tensor, like: Tensor) -> Tensor:
+    """The full tensor `full`, which every rank holds, cut into a DTensor laid out as `like`
+    (each rank keeps its shard): no communication. A plain `like` gives `full` back."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def unshard(t: Tensor, stats: CommStats | None = None) -> Tensor:
@@ -422,16 +469,6 @@ def unshard(t: Tensor, stats: CommStats | None = None) -> Tensor:
     if stats is not None and n > 1:
         stats.record("all_gather", *ring_all_gather_bytes([_nbytes(t) / n] * n)[0])
     return t.full_tensor()
-
-
-def shard_like(full: Tensor, like: Tensor) -> Tensor:
-    """`full` laid out as the DTensor `like` (same mesh and placements), cut locally from the
-    full tensor every rank holds: no communication. A plain `like` gives `full` back."""
-    if not is_dtensor(like):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def packed_triangle_size(m: int) -> int:

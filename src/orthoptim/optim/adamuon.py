@@ -1,0 +1,97 @@
+"""AdaMuon: Muon with an elementwise second moment of the orthogonal update (Si, Zhang,
+Shen 2025, arXiv:2507.11005, Algorithm 1; the official code Chongjie-Si/AdaMuon
+`adamuon.py`). NVIDIA Emerging-Optimizers ships it as `AdaptiveMuon`.
+
+Per matrix parameter W (m×n) with gradient G, one step::
+
+    M ← β·M + (1−β)·G;   U = (1−β)·G + β·M if nesterov else M     (Muon's momentum)
+    O = orthogonalize(sign(U))                                      (sign-stabilised)
+    V ← β₂·V + (1−β₂)·O⊙O                                           (elementwise, m×n)
+    Ô = O / (√V + ε)
+    W ← (1 − lr·wd)·W − lr·γ·Ô,   γ = rms·√(mn) / (‖Ô‖_F + ε)     (update RMS = rms)
+
+Defaults are the official code's: lr 0.02, momentum 0.95, β₂ = momentum (the paper's one β
+for both moments), ε 1e-8, weight decay 0.01, Nesterov on (the paper's Algorithm 1 has none),
+rms 0.2 (Algorithm 1's 0.2·√(mn)). No bias correction. The sign is elementwise, so under FSDP
+only signs travel to the owner; V is whole-matrix state held by the owner. Emerging-
+Optimizers' "adamuon" mode (no sign, no 0.2 rescale) is a different algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from orthoptim._validate import check_positive, check_unit_interval
+from orthoptim.newton_schulz import CoefficientsLike, NSDtype
+from orthoptim.optim.contract import StateKind
+from orthoptim.optim.muon import Muon, Orthogonalizer, Split, muon_defaults
+from orthoptim.optim.shapes import matrix_view
+
+
+class AdaMuon(Muon):
+    """AdaMuon for matrix parameters (as Muon: 2-D, 3-D experts, conv weights; `split`).
+
+    `beta2` (None: equal to `momentum`) is the EMA coefficient of V; `eps` is added to √V and
+    to ‖Ô‖_F; `rms` is the RMS of every update before the learning rate. Other arguments as
+    `Muon` (`lr_scale` is not used: the RMS rescale sets the size).
+    """
+
+    state_kinds: ClassVar[dict[str, StateKind]] = {
+        "momentum_buffer": "elementwise",
+        "update_moment": "matrix",
+    }
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        beta2: float | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        nesterov: bool = True,
+        rms: float = 0.2,
+        ns_steps: int = 5,
+        coefficients: CoefficientsLike = "quintic",
+        ns_dtype: NSDtype = "auto",
+        orthogonalizer: Orthogonalizer | None = None,
+        nonfinite: str = "raise",
+        split: dict[str, Split] | None = None,
+    ) -> None:
+        if beta2 is not None:
+            check_unit_interval("beta2", beta2)
+        check_positive("eps", eps)
+        check_positive("rms", rms)
+        defaults = muon_defaults(
+            lr, momentum, nesterov, weight_decay, ns_steps, coefficients, "none", ns_dtype,
+            1e-7, split,
+        )  # fmt: skip
+        extra = dict(beta2=beta2, moment_eps=eps, rms=rms)
+        self._start(params, dict(defaults, **extra), orthogonalizer, nonfinite)
+
+    def prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
+        """Muon's momentum, then the sign of the update (elementwise)."""
+        return torch.sign(super().prepare(grad, state, group))
+
+    def block_scale(self, group: dict[str, Any]) -> str:
+        return "none"
+
+    def finish(
+        self, ortho: Tensor, update: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> Tensor:
+        o = matrix_view(ortho)
+        eps = group["moment_eps"]
+        beta2 = group["beta2"] if group["beta2"] is not None else group["momentum"]
+        moment = state.get("update_moment")
+        if moment is None:
+            moment = state["update_moment"] = torch.zeros_like(o)
+        moment.mul_(beta2).addcmul_(o, o, value=1.0 - beta2)
+        normed = o / (moment.sqrt() + eps)
+        size = group["rms"] * math.sqrt(o.shape[-2] * o.shape[-1])
+        normed *= size / (torch.linalg.vector_norm(normed, dim=(-2, -1), keepdim=True) + eps)
+        return normed.reshape(ortho.shape)

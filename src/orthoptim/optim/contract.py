@@ -1,0 +1,144 @@
+"""The contract every matrix optimizer keeps, so that one code path runs it in a single
+process, layer-wise (each matrix owned whole by one rank) and under FSDP2 (every rank holds a
+dim-0 shard of every matrix), and so that checkpoints read its state without knowing it.
+
+One step of a parameter W with gradient G splits in three::
+
+    u = prepare(G, state, group)         elementwise: runs on any shard of G (under FSDP each
+                                         rank on its rows); reads and writes the "elementwise"
+                                         state, e.g. momentum
+    d = directions([(u, state), ...], group, names)
+                                         whole matrices, on the owner only, batched (Newton-
+                                         Schulz of same-shape matrices in one call); reads and
+                                         writes the "matrix" state; d is u's shape, any
+                                         per-shape LR scale included; None leaves W in place
+    apply(W, d, state, group)            elementwise: W ← (1 − lr·wd)·W − lr·d by default
+
+`state_kinds` declares each state entry, `StateKind`:
+
+    "elementwise"   shaped like W; under FSDP it stays sharded like W (a DTensor), so memory is
+                    spread and checkpoints reshard it as they reshard W
+    "matrix"        whole-matrix state (SOAP's factors, NorMuon's per-neuron moment), held by
+                    the owner only, created in `directions`
+    "scalar"        a small value every rank holding part of W keeps alike (a step count),
+                    advanced in `apply`, so that `moves` agrees on every rank
+
+`init_state` makes the elementwise and scalar entries (zeros like the parameter: a DTensor
+parameter gives DTensor state). `moves(state, shape, group)` says, before a step and from the
+scalar state alone, whether that step will move a parameter of global `shape`; a rank holding
+a shard passes None to `apply` when it does not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from orthoptim.optim.base import GuardedOptimizer, param_names, state_dtype
+
+StateKind = Literal["elementwise", "matrix", "scalar"]
+
+
+class MatrixOptimizer(GuardedOptimizer):
+    """Base of the per-matrix optimizers (Muon, SOAP, NorMuon, AdaMuon, PolarGrad, Scion).
+
+    A subclass declares `state_kinds` and implements `prepare` and `directions`; `init_state`,
+    `moves` and `apply` have defaults (zero elementwise state, always moves, decoupled weight
+    decay then W −= lr·d). The single-process step is fixed here and is what the layer-wise
+    optimizer's owners run; `FSDPOptimizer` runs the same three functions on shards and owners.
+    """
+
+    state_kinds: ClassVar[dict[str, StateKind]] = {}
+    #: the whole-matrix work, for cost-balanced ownership (`orthoptim.parallel.assignment`):
+    #: "newton_schulz" (Muon and its variants) or "eigenbasis" (SOAP)
+    work: ClassVar[str] = "newton_schulz"
+
+    @classmethod
+    def state_numel(cls, shape: Sequence[int]) -> int:
+        """Optimizer-state elements of a parameter of `shape` held whole (for levelling state
+        per rank): one per element for each non-scalar entry, the default."""
+        return math.prod(shape) * sum(kind != "scalar" for kind in cls.state_kinds.values())
+
+    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Fresh elementwise and scalar state of `param`: zeros like it, in the state dtype
+        (float32 for bf16/fp16 parameters, `state_dtype`)."""
+        return {
+            key: torch.zeros_like(param, dtype=state_dtype(param))
+            for key, kind in self.state_kinds.items()
+            if kind == "elementwise"
+        }
+
+    def prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
+        """The elementwise part of a step: what travels to the matrix's owner (any shard)."""
+        raise NotImplementedError
+
+    def directions(
+        self,
+        items: Sequence[tuple[Tensor, dict[str, Any]]],
+        group: dict[str, Any],
+        names: Sequence[str],
+    ) -> list[Tensor | None]:
+        """The whole-matrix part of a step, for every (prepared update, state) of one group:
+        each parameter's update direction (its shape, LR scale included), or None to leave it
+        in place this step. `names` label the parameters in errors and fused-matrix splits."""
+        raise NotImplementedError
+
+    def moves(self, state: dict[str, Any], shape: torch.Size, group: dict[str, Any]) -> bool:
+        """Whether the coming step moves a parameter of global `shape` with this state."""
+        return True
+
+    def apply(
+        self, param: Tensor, direction: Tensor | None, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """W ← (1 − lr·wd)·W − lr·d on `param` (any shard, with its rows of d); nothing for None."""
+        if direction is not None:
+            descend(param, direction, group["lr"], group["weight_decay"])
+
+    def _update(self) -> None:
+        names = param_names(self)
+        for group in self.param_groups:
+            live = [p for p in group["params"] if p.grad is not None]
+            for p in live:
+                if p.grad.is_sparse:
+                    raise ValueError(
+                        f"{type(self).__name__} does not support sparse gradients "
+                        f"({names[id(p)]})"
+                    )
+            self.step_params(live, group, [names[id(p)] for p in live])
+
+    @torch.no_grad()
+    def step_params(self, params: list[Tensor], group: dict[str, Any], names: list[str]) -> None:
+        """One step of `params` (of `group`, each with a gradient, each held whole here)."""
+        items = []
+        moving = []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state.update(self.init_state(p, group))
+            moving.append(self.moves(state, p.shape, group))
+            items.append((self.prepare(p.grad, state, group), state))
+        found = self.directions(items, group, names)
+        for p, (_, state), d, moves in zip(params, items, found, moving):
+            self.apply(p, d if moves else None, state, group)
+
+
+def descend(
+    param: Tensor,
+    direction: Tensor,
+    lr: float,
+    weight_decay: float,
+    step_size: float | None = None,
+) -> None:
+    """W ← (1 − lr·wd)·W − step_size·d (step_size defaults to lr), in place on `param` (any
+    shard, with its rows of d). A bf16/fp16 parameter is updated in the direction's (state)
+    dtype and rounded once."""
+    w = param if param.dtype == direction.dtype else param.to(direction.dtype)
+    if weight_decay != 0.0:
+        w.mul_(1.0 - lr * weight_decay)
+    w.add_(direction.view(w.shape), alpha=-(lr if step_size is None else step_size))
+    if w is not param:
+        param.copy_(w)

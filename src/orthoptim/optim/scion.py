@@ -1,0 +1,126 @@
+"""Scion: norm-constrained updates by linear minimisation oracles, one norm per layer type
+(Pethick et al. 2025, "Training deep learning models with norm-constrained LMOs",
+arXiv:2502.07529; the official code LIONS-EPFL/scion `scion.py`).
+
+Per parameter W with gradient G, one step (Scion's momentum form, written with β = 1 − α)::
+
+    M ← β·M + (1−β)·G
+    W ← (1 − lr)·W − lr·ρ·lmo(M)        (constrained; unconstrained: W ← W − lr·ρ·lmo(M))
+
+`lmo` by the parameter's norm (`norms` maps parameter names to one; matrices default to
+"spectral", vectors to "bias_rms"), each as the official code's `Norm` classes:
+
+    spectral    √(d_out/d_in)·orthogonalize(M)       hidden matrices (Newton-Schulz, batched)
+    sign        sign(M) / d_in                        output heads
+    colnorm     each column of M to RMS 1             input layers
+    embedding   each row of M to RMS 1                nn.Embedding weights [vocab, dim]
+                                                      (the official ColNorm with transpose)
+    bias_rms    M / RMS(M)                            biases, norms' gains
+
+Defaults: lr 1e-3 and radius ρ 1 (`Scion.__init__` of the official code), momentum 0.9 (its
+README's α = 0.1, "a good default"; the class default α = 1 keeps no average), constrained.
+The constrained form is decoupled weight decay with wd = 1 (`weight_decay` None, the
+default: 1 when constrained, else 0; a number replaces it). Every LMO runs on the whole
+matrix on its owner; the momentum is elementwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from orthoptim._validate import check_choice, check_positive
+from orthoptim.newton_schulz import CoefficientsLike, NSDtype
+from orthoptim.optim.contract import StateKind
+from orthoptim.optim.muon import Muon, Orthogonalizer, Split, muon_defaults
+from orthoptim.optim.state import base_name
+
+NORMS = ("spectral", "sign", "colnorm", "embedding", "bias_rms")
+
+
+def lmo(m: Tensor, norm: str, eps: float) -> Tensor:
+    """The non-spectral linear minimisation oracles of Scion, on a whole tensor `m`."""
+    if norm == "bias_rms":
+        return m / (m.square().mean().sqrt() + eps)
+    if norm == "sign":
+        return torch.sign(m) / m.shape[-1]
+    if norm == "colnorm":
+        rms = torch.linalg.vector_norm(m, dim=-2, keepdim=True) / m.shape[-2] ** 0.5
+        return m / (rms + eps)
+    if norm == "embedding":
+        rms = torch.linalg.vector_norm(m, dim=-1, keepdim=True) / m.shape[-1] ** 0.5
+        return m / (rms + eps)
+    raise ValueError(f"Scion norm must be one of {NORMS}, got {norm!r}")
+
+
+class Scion(Muon):
+    """Scion for matrices (spectral LMO, as Muon: 2-D, 3-D experts, conv weights; `split`)
+    and, through `norms`, for heads, embeddings and vectors.
+
+    `radius`: ρ, the norm ball's radius; `constrained`: W ← (1 − lr)·W − lr·ρ·lmo(M), else
+    W ← W − lr·ρ·lmo(M) (`weight_decay`, when given, replaces the 1 or 0); `norms`:
+    {parameter name: one of `NORMS`}; `eps`: the guard of the non-spectral LMOs' divisions
+    (the official 1e-8). Other arguments as `Muon`.
+    """
+
+    state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}
+    matrices_only = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        radius: float = 1.0,
+        constrained: bool = True,
+        weight_decay: float | None = None,
+        norms: dict[str, str] | None = None,
+        nesterov: bool = False,
+        eps: float = 1e-8,
+        ns_steps: int = 5,
+        coefficients: CoefficientsLike = "quintic",
+        ns_dtype: NSDtype = "auto",
+        orthogonalizer: Orthogonalizer | None = None,
+        nonfinite: str = "raise",
+        split: dict[str, Split] | None = None,
+    ) -> None:
+        check_positive("radius", radius)
+        check_positive("eps", eps)
+        for name, norm in (norms or {}).items():
+            check_choice(f"norms[{name!r}]", norm, NORMS)
+        if weight_decay is None:
+            weight_decay = 1.0 if constrained else 0.0
+        defaults = muon_defaults(
+            lr, momentum, nesterov, weight_decay, ns_steps, coefficients, "unit_rms_norm",
+            ns_dtype, 1e-7, split,
+        )  # fmt: skip
+        extra = dict(radius=radius, norms=dict(norms or {}), moment_eps=eps)
+        self._start(params, dict(defaults, **extra), orthogonalizer, nonfinite)
+
+    def norm_of(self, group: dict[str, Any], name: str, ndim: int) -> str:
+        """The norm of parameter `name`: as `norms` says, else by its number of dims."""
+        return group["norms"].get(base_name(name), "spectral" if ndim >= 2 else "bias_rms")
+
+    def directions(
+        self,
+        items: Sequence[tuple[Tensor, dict[str, Any]]],
+        group: dict[str, Any],
+        names: Sequence[str],
+    ) -> list[Tensor | None]:
+        """ρ·lmo(M) per parameter; the spectral ones orthogonalized in shape batches."""
+        norms = [self.norm_of(group, n, u.ndim) for (u, _), n in zip(items, names)]
+        spectral = [i for i, norm in enumerate(norms) if norm == "spectral"]
+        ortho = self.orthogonalized(
+            [items[i][0] for i in spectral], group, [names[i] for i in spectral], "unit_rms_norm"
+        )
+        out: list[Tensor | None] = [None] * len(items)
+        for i, o in zip(spectral, ortho):
+            out[i] = o
+        for i, norm in enumerate(norms):
+            if norm != "spectral":
+                out[i] = lmo(items[i][0], norm, group["moment_eps"])
+        radius = group["radius"]
+        return [d if radius == 1.0 else d * radius for d in out]  # type: ignore[operator]

@@ -1,0 +1,111 @@
+"""The package's shape (`issues` 21's must-show): no import circle, module- or function-level;
+the distributed optimizers and checkpoints use the optimizers' public contract only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import orthoptim
+
+ROOT = Path(orthoptim.__file__).parent
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package modules `name` imports anywhere in its text (a package's `__init__` it
+    lives in is left out: importing a submodule runs it, it is not a dependency)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in known and t != name}
+    return {t for t in found if not (known[t].name == "__init__.py" and name.startswith(t + "."))}
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (module → the modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return [*path[path.index(d) :], d]
+            if d not in state and (circle := visit(d, [*path, d])):
+                return circle
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (circle := visit(m, [m])):
+            return circle
+    return None
+
+
+def test_no_import_circle():
+    known = modules()
+    circle = find_circle({m: imports(m, p, known) for m, p in known.items()})
+    assert circle is None, "import circle: " + " → ".join(circle or [])
+
+
+def test_a_circle_would_be_found(tmp_path):
+    """The check above can fail: two modules importing each other, one of them inside a
+    function, are reported."""
+    (tmp_path / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from pkg import a\n")
+    known = {"pkg.a": tmp_path / "a.py", "pkg.b": tmp_path / "b.py"}
+    graph = {m: imports(m, p, known) for m, p in known.items()}
+    assert find_circle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def private_reaches(path: Path) -> list[str]:
+    """`x._name` in `path` where x is not self/cls, torch, or an object of a class defined
+    in this very file (its own private attributes)."""
+    tree = ast.parse(path.read_text())
+    own = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        base = ast.unparse(node.value)
+        if node.attr.startswith("__") or base in ("self", "cls") or node.attr in own:
+            continue
+        if base.split(".")[0] in ("torch", "Tensor"):
+            continue
+        found.append(f"{path.name}:{node.lineno}: {base}.{node.attr}")
+    return found
+
+
+def test_distributed_code_and_checkpoints_use_the_public_contract_only():
+    files = [*sorted((ROOT / "parallel").glob("*.py")), ROOT / "checkpoint.py"]
+    assert [r for f in files for r in private_reaches(f)] == []
+
+
+def test_a_private_reach_would_be_found(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def g(opt):\n    return opt.inner._update()\n")
+    assert private_reaches(f) == ["m.py:2: opt.inner._update"]
