@@ -261,8 +261,6 @@ def test_train_rejects_bad_flags(tmp_path, capsys):
     argv = ["train", "--tp", "2", "--nproc", "2", "--optimizer", "soap", "--out", str(tmp_path)]
     assert main(argv) == 2
     assert "--tp 2 runs with --optimizer muon" in capsys.readouterr().err
-    assert main(["train", "--fsdp", "--optimizer", "soap", "--out", str(tmp_path)]) == 2
-    assert "--fsdp" in capsys.readouterr().err
     assert main(["train", "--fsdp", "--tp", "2", "--nproc", "2", "--out", str(tmp_path)]) == 2
     assert "--fsdp with --tp 2" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"
@@ -303,6 +301,46 @@ def test_compare_writes_summary_and_plot(tmp_path):
     for name, run in summary["runs"].items():
         assert [v for *_, v in run["val_curve"]] == [v for *_, v in once["runs"][name]["val_curve"]]
     assert main([*argv, "--segments", "0"]) == 2
+
+
+def test_compare_several_optimizers_reports_each_against_the_baseline(tmp_path, capsys):
+    """`--optimizers`: one run per optimizer, the first the baseline when AdamW is not among
+    them; the report says, for each other one, whether and when it reached the baseline's
+    final validation loss and at what throughput."""
+    out = tmp_path / "many"
+    argv = ["compare", "--optimizers", "muon,normuon,adamuon", "--lr", "adamuon=0.03",
+            "--nproc", "1", "--steps", "2", "--batch", "2", "--eval-every", "1",
+            "--segments", "1", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["optimizers"] == ["muon", "normuon", "adamuon"]
+    assert summary["baseline"] == "muon" and set(summary["runs"]) == set(summary["optimizers"])
+    assert summary["runs"]["adamuon"]["lr"] == 0.03
+    assert summary["runs"]["normuon"]["optimizer_class"] == "HybridOptimizer"
+    report = (out / "report.md").read_text()
+    assert "# orthoptim compare: Muon vs NorMuon vs AdaMuon" in report
+    target = summary["baseline_final_val_loss"]
+    for name in ("normuon", "adamuon"):
+        v = summary["versus_baseline"][name]
+        curve = {s: loss for s, _, loss in summary["runs"][name]["val_curve"]}
+        line = next(x for x in report.splitlines() if x.startswith(f"- **{name[:3].title()}"))
+        if v["steps_to_baseline_final_val_loss"] is None:
+            assert min(curve.values()) > target and "did not reach Muon's" in line
+        else:
+            assert curve[v["steps_to_baseline_final_val_loss"]] <= target
+            assert f"at step {v['steps_to_baseline_final_val_loss']}" in line
+        ratio = summary["runs"][name]["tokens_per_s"] / summary["runs"]["muon"]["tokens_per_s"]
+        assert v["tokens_per_s_ratio"] == pytest.approx(ratio)
+        assert f"{ratio:.3f}× its tokens/s" in line
+    assert "| | Muon | NorMuon | AdaMuon |" in capsys.readouterr().out
+    for bad, said in (
+        (["--optimizers", "muon,sgd"], "'sgd' not among"),
+        (["--optimizers", "muon,muon"], "at least two different optimizers"),
+        (["--lr", "soap=0.1"], "'soap' is not among --optimizers"),
+        (["--lr", "muon"], "--lr takes NAME=LR"),
+    ):
+        assert main(["compare", *bad, "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+        assert said in capsys.readouterr().err, bad
 
 
 def test_compare_sweep_keeps_each_optimizers_best_lr(tmp_path):

@@ -7,17 +7,27 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from orthoptim.optim.registry import OPTIMIZER_NAMES
 from orthoptim.train.devices import PRECISIONS
 from orthoptim.train.model import check_tensor_parallel, get_config
 
-OPTIMIZERS = ("muon", "adamw", "soap")
+OPTIMIZERS = OPTIMIZER_NAMES
 
 
 # Learning rates tuned on the tiny config at compare's defaults (100 steps of 32 x 128 tokens;
 # AdamW over {1.5e-3, 3e-3, 6e-3}, Muon over {0.02, 0.05, 0.1}, best final validation loss):
 # the matrix optimizer's LR, and the AdamW LR used for everything under "adamw" and for
 # embeddings / head / gains otherwise. SOAP's is AdamW's (it runs Adam in a rotated basis).
-DEFAULT_LR = {"muon": 0.05, "adamw": 3e-3, "soap": 3e-3}
+# NorMuon keeps Muon's update size and LR; AdaMuon, PolarGrad and Scion: see `SWEEP_NOTE`.
+DEFAULT_LR = {
+    "muon": 0.05,
+    "adamw": 3e-3,
+    "soap": 3e-3,
+    "normuon": 0.05,
+    "adamuon": 0.02,
+    "polargrad": 0.02,
+    "scion": 0.01,
+}
 
 
 DEFAULT_ADAMW_LR = 3e-3
@@ -110,12 +120,6 @@ class TrainArgs:
             raise ValueError(
                 f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
             )
-        if self.fsdp and self.optimizer == "soap":
-            raise ValueError(
-                "--fsdp runs --optimizer muon or adamw: FSDPOptimizer steps SOAP, but its "
-                "owner-held SOAP state has no sharded (DCP) checkpoint yet; drop --fsdp to train "
-                "SOAP with the layer-wise optimizer"
-            )
         if self.compile and (self.fsdp or self.tp > 1):
             flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
             raise ValueError(
@@ -184,7 +188,8 @@ class TrainArgs:
 
     @property
     def decay(self) -> float:
-        """The weight decay of this run (matrices and AdamW parameters alike)."""
+        """The weight decay of this run's AdamW parameters (and of the matrices when
+        --weight-decay is given; else the matrix optimizer's own default)."""
         return self.weight_decay if self.weight_decay is not None else DEFAULT_WEIGHT_DECAY
 
     @property

@@ -170,10 +170,28 @@ def _train_cmd(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _named_lrs(items: list[str]) -> dict[str, float]:
+    """`--lr NAME=LR` flags as {name: lr}, refusing a malformed one by name."""
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--lr takes NAME=LR (e.g. --lr normuon=0.03), got {item!r}") from None
+    return out
+
+
 def _compare_cmd(ns: argparse.Namespace) -> int:
     from orthoptim.train.compare import CompareArgs, run_compare, table
 
+    try:
+        lrs = _named_lrs(ns.lr)
+    except ValueError as e:
+        return _fail(str(e))
     opts = CompareArgs(
+        optimizers=tuple(n.strip() for n in ns.optimizers.split(",") if n.strip()),
+        lrs=lrs,
         nproc=ns.nproc,
         steps=ns.steps,
         batch=ns.batch,
@@ -216,7 +234,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     def machine_default(name: str) -> str:
         return f"default {cpu[name]} on CPU, {gpu[name]} on CUDA"
 
-    c = subparsers.add_parser("compare", help="train with Muon and AdamW, report and plot")
+    c = subparsers.add_parser(
+        "compare", help="train with several optimizers (AdamW and Muon by default), report, plot"
+    )
+    c.add_argument(
+        "--optimizers",
+        default=",".join(d.optimizers),
+        help=f"comma-separated, of {', '.join(OPTIMIZERS)} (default %(default)s); the baseline "
+        "is adamw when compared, else the first",
+    )
     c.add_argument("--nproc", type=int, default=None, help=NPROC_HELP)
     c.add_argument("--steps", type=int, default=None, help=machine_default("steps"))
     c.add_argument(
@@ -238,10 +264,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--adamw-lr", type=float, default=None, help="AdamW's LR (default 3e-3)")
     c.add_argument("--muon-lr", type=float, default=None, help="Muon's LR (default 0.05)")
     c.add_argument(
+        "--lr",
+        action="append",
+        default=[],
+        metavar="NAME=LR",
+        help="the LR of one compared optimizer (repeatable), e.g. --lr normuon=0.03",
+    )
+    c.add_argument(
         "--segments",
         type=int,
         default=d.segments,
-        help="the runs take turns in this many segments (resuming), so load drifts hit both",
+        help="the runs take turns in this many segments (resuming), so load drifts hit all",
     )
     add_device_arguments(c)
     c.add_argument("--no-progress", dest="progress", action="store_false")

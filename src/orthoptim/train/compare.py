@@ -1,6 +1,8 @@
-"""`orthoptim compare`: train the same model on the same batches with AdamW and with Muon,
-then report what Muon buys (steps to AdamW's final validation loss) and what it costs
-(throughput, optimizer share of step time, memory, communication).
+"""`orthoptim compare`: train the same model on the same batches with several optimizers
+(default AdamW and Muon; `--optimizers adamw,muon,normuon,adamuon` any of `train`'s), then
+report what each buys against the baseline (AdamW when compared, else the first): steps to
+the baseline's final validation loss, and what it costs (throughput, optimizer share of step
+time, memory, communication).
 
 Writes `report.md`, `loss.png` and `summary.json` under the output folder; each run's own
 files (metrics.jsonl, logs, checkpoints) are in a subfolder named after it.
@@ -18,14 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from orthoptim.train import devices
-from orthoptim.train.args import DEFAULT_LR, TrainArgs
+from orthoptim.train.args import DEFAULT_LR, OPTIMIZERS, TrainArgs
 from orthoptim.train.devices import plan_ranks
 from orthoptim.train.launcher import check_out, launch
 from orthoptim.train.runfolder import read_metrics
 
 COMPARED = ("adamw", "muon")
-# --sweep: the matrix optimizer's LR grid (AdamW: every parameter; Muon: hidden matrices).
+# --sweep: the matrix optimizer's LR grid (AdamW: every parameter; the others: hidden
+# matrices); an optimizer without one here sweeps its default LR × (0.4, 1, 2.5).
 SWEEP_GRID = {"adamw": (1.5e-3, 3e-3, 6e-3), "muon": (0.02, 0.05, 0.1)}
+
+
+def sweep_grid(name: str) -> tuple[float, ...]:
+    """The LRs `--sweep` tries for optimizer `name`."""
+    lr = DEFAULT_LR[name]
+    return SWEEP_GRID.get(name, (0.4 * lr, lr, 2.5 * lr))
 TARGET_STEPS_FRACTION = 0.70
 TARGET_THROUGHPUT_RATIO = 0.98
 
@@ -54,6 +63,7 @@ class CompareArgs:
     None (nproc, steps, batch, config, eval_every): the machine's default, filled in by
     `resolve` (`plan_ranks` and `device_defaults`)."""
 
+    optimizers: tuple[str, ...] = COMPARED
     nproc: int | None = None
     steps: int | None = None
     batch: int | None = None
@@ -65,6 +75,7 @@ class CompareArgs:
     eval_every: int | None = None
     adamw_lr: float | None = None
     muon_lr: float | None = None
+    lrs: dict[str, float] | None = None  # --lr NAME=LR: any compared optimizer's LR
     precision: str = "auto"
     compile: bool = False
     shared_gpu: bool = False
@@ -86,11 +97,36 @@ class CompareArgs:
         """Refuse option values the comparison cannot honour, naming the flag."""
         if self.segments < 1:
             raise ValueError(f"--segments must be at least 1, got {self.segments}")
-        for flag, lr in (("--adamw-lr", self.adamw_lr), ("--muon-lr", self.muon_lr)):
+        unknown = [n for n in self.optimizers if n not in OPTIMIZERS]
+        if unknown:
+            raise ValueError(
+                f"--optimizers: {', '.join(map(repr, unknown))} not among {', '.join(OPTIMIZERS)}"
+            )
+        if len(set(self.optimizers)) != len(self.optimizers) or len(self.optimizers) < 2:
+            raise ValueError(
+                "--optimizers must name at least two different optimizers, got "
+                f"{','.join(self.optimizers)}"
+            )
+        for name in self.lrs or {}:
+            if name not in self.optimizers:
+                raise ValueError(f"--lr {name}=...: {name!r} is not among --optimizers")
+        given = [("--adamw-lr", self.adamw_lr), ("--muon-lr", self.muon_lr)]
+        given += [(f"--lr {n}=", lr) for n, lr in (self.lrs or {}).items()]
+        for flag, lr in given:
             if lr is not None and not (math.isfinite(lr) and lr > 0):
                 raise ValueError(f"{flag} must be a finite number > 0, got {lr}")
-        for name in ("adamw", "muon"):
+        for name in self.optimizers:
             self.train_args(name, DEFAULT_LR[name], Path(self.out)).validate()
+
+    @property
+    def baseline(self) -> str:
+        """The optimizer every other is measured against: AdamW when compared, else the first."""
+        return "adamw" if "adamw" in self.optimizers else self.optimizers[0]
+
+    def chosen_lr(self, name: str) -> float | None:
+        """The LR given for optimizer `name` (None: its default, or its sweep)."""
+        given = {"adamw": self.adamw_lr, "muon": self.muon_lr, **(self.lrs or {})}
+        return given.get(name)
 
     def train_args(self, optimizer: str, lr: float, out: Path) -> TrainArgs:
         """The run of `optimizer` at `lr` writing to `out` (call `resolve` first)."""
@@ -172,43 +208,67 @@ def _record(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(opts: CompareArgs, results: dict[str, dict[str, Any]], sweep: dict) -> dict[str, Any]:
-    """summary.json: both runs, Muon's steps to AdamW's final loss, the throughput ratio."""
-    adamw, muon = results["adamw"], results["muon"]
-    target = adamw["final_val_loss"]
-    reach = steps_to_reach(muon["metrics"], target)
-    ratio = (
-        muon["tokens_per_s"] / adamw["tokens_per_s"]
-        if muon.get("tokens_per_s") and adamw.get("tokens_per_s")
-        else None
-    )
-    fraction = reach / opts.steps if reach is not None else None
-    return dict(
+    """summary.json: every run, and each optimizer against the baseline (steps to its final
+    validation loss, throughput ratio); Muon against AdamW under the earlier key names."""
+    base_name = opts.baseline
+    base = results[base_name]
+    target = base["final_val_loss"]
+    versus = {}
+    for name, r in results.items():
+        if name == base_name:
+            continue
+        reach = steps_to_reach(r["metrics"], target)
+        ratio = (
+            r["tokens_per_s"] / base["tokens_per_s"]
+            if r.get("tokens_per_s") and base.get("tokens_per_s")
+            else None
+        )
+        fraction = reach / opts.steps if reach is not None else None
+        versus[name] = dict(
+            steps_to_baseline_final_val_loss=reach,
+            steps_fraction=fraction,
+            tokens_per_s_ratio=ratio,
+            steps_fraction_met=fraction is not None and fraction <= TARGET_STEPS_FRACTION,
+            throughput_ratio_met=ratio is not None and ratio >= TARGET_THROUGHPUT_RATIO,
+        )
+    summary = dict(
         config=opts.config,
         nproc=opts.nproc,
         steps=opts.steps,
         batch_per_rank=opts.batch,
-        tokens_per_step=adamw["tokens_per_step"],
+        tokens_per_step=base["tokens_per_step"],
         eval_every=opts.eval_every,
         segments=len(segment_ends(opts.steps, opts.segments)),
-        device=adamw["device"],
-        precision=adamw.get("precision"),
-        compiled=adamw.get("compiled", False),
-        threads_per_rank=adamw["threads_per_rank"],
+        device=base["device"],
+        precision=base.get("precision"),
+        compiled=base.get("compiled", False),
+        threads_per_rank=base["threads_per_rank"],
         data=opts.data or "python stdlib",
+        optimizers=list(opts.optimizers),
+        baseline=base_name,
+        baseline_final_val_loss=target,
         runs={name: _record(r) for name, r in results.items()},
-        adamw_final_val_loss=target,
-        muon_final_val_loss=muon["final_val_loss"],
-        muon_steps_to_adamw_final_val_loss=reach,
-        muon_steps_fraction=fraction,
-        tokens_per_s_ratio_muon_over_adamw=ratio,
+        versus_baseline=versus,
         targets=dict(
             steps_fraction_at_most=TARGET_STEPS_FRACTION,
-            steps_fraction_met=fraction is not None and fraction <= TARGET_STEPS_FRACTION,
             throughput_ratio_at_least=TARGET_THROUGHPUT_RATIO,
-            throughput_ratio_met=ratio is not None and ratio >= TARGET_THROUGHPUT_RATIO,
         ),
         sweep=sweep,
     )
+    if base_name == "adamw" and "muon" in versus:
+        muon = versus["muon"]
+        summary.update(
+            adamw_final_val_loss=target,
+            muon_final_val_loss=results["muon"]["final_val_loss"],
+            muon_steps_to_adamw_final_val_loss=muon["steps_to_baseline_final_val_loss"],
+            muon_steps_fraction=muon["steps_fraction"],
+            tokens_per_s_ratio_muon_over_adamw=muon["tokens_per_s_ratio"],
+        )
+        summary["targets"].update(
+            steps_fraction_met=muon["steps_fraction_met"],
+            throughput_ratio_met=muon["throughput_ratio_met"],
+        )
+    return summary
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -224,8 +284,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         label = f"{name} (lr {run['lr']:g})"
         ax_step.plot(steps, losses, marker=".", label=label)
         ax_time.plot(times, losses, marker=".", label=label)
-    ax_step.axhline(summary["adamw_final_val_loss"], color="gray", lw=0.8, ls="--")
-    ax_time.axhline(summary["adamw_final_val_loss"], color="gray", lw=0.8, ls="--")
+    ax_step.axhline(summary["baseline_final_val_loss"], color="gray", lw=0.8, ls="--")
+    ax_time.axhline(summary["baseline_final_val_loss"], color="gray", lw=0.8, ls="--")
     ax_step.set_xlabel("step")
     ax_time.set_xlabel("training wall-clock (s, evaluation excluded)")
     for ax in (ax_step, ax_time):
@@ -248,92 +308,148 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.1f} GiB"
 
 
+NAMES = {
+    "adamw": "AdamW",
+    "muon": "Muon",
+    "soap": "SOAP",
+    "normuon": "NorMuon",
+    "adamuon": "AdaMuon",
+    "polargrad": "PolarGrad",
+    "scion": "Scion",
+}
+
+
 def table(summary: dict[str, Any]) -> str:
-    """The headline table (markdown)."""
+    """The headline table (markdown): one column per optimizer, the baseline first."""
+    base = summary["baseline"]
+    names = [base, *(n for n in summary["runs"] if n != base)]
+    runs = [summary["runs"][n] for n in names]
+    versus = summary["versus_baseline"]
     lines = [
-        "| | AdamW | Muon |",
-        "| --- | --- | --- |",
+        "| | " + " | ".join(NAMES.get(n, n) for n in names) + " |",
+        "| --- |" + " --- |" * len(names),
     ]
-    a, m = summary["runs"]["adamw"], summary["runs"]["muon"]
 
-    def row(label: str, fn: Any) -> None:
-        lines.append(f"| {label} | {fn(a)} | {fn(m)} |")
+    def row(label: str, cells: list[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
-    row("learning rate", lambda r: f"{r['lr']:g}")
-    row("final validation loss", lambda r: f"{r['final_val_loss']:.4f}")
-    reach = summary["muon_steps_to_adamw_final_val_loss"]
-    frac = summary["muon_steps_fraction"]
-    lines.append(
-        f"| steps to AdamW's final val loss | {summary['steps']} | "
-        + (f"{reach} ({frac:.0%})" if reach is not None else "not reached")
-        + " |"
+    def each(fn: Any) -> list[str]:
+        return [fn(r) for r in runs]
+
+    def reached(n: str) -> str:
+        v = versus[n]
+        reach, frac = v["steps_to_baseline_final_val_loss"], v["steps_fraction"]
+        return f"{reach} ({frac:.0%})" if reach is not None else "not reached"
+
+    row("learning rate", each(lambda r: f"{r['lr']:g}"))
+    row("final validation loss", each(lambda r: f"{r['final_val_loss']:.4f}"))
+    row(
+        f"steps to {NAMES.get(base, base)}'s final val loss",
+        [str(summary["steps"]), *(reached(n) for n in names[1:])],
     )
-    row("tokens/s (median step)", lambda r: f"{r['tokens_per_s']:,.0f}")
-    row("optimizer share of step time", lambda r: f"{r['optimizer_share_of_step_time']:.1%}")
+    row("tokens/s (median step)", each(lambda r: f"{r['tokens_per_s']:,.0f}"))
+    row("optimizer share of step time", each(lambda r: f"{r['optimizer_share_of_step_time']:.1%}"))
     row(
         "peak memory per rank",
-        lambda r: " / ".join(_fmt_bytes(b) for b in r["peak_memory_bytes_per_rank"]),
+        each(lambda r: " / ".join(_fmt_bytes(b) for b in r["peak_memory_bytes_per_rank"])),
     )
+    sent = "comm_bytes_per_step_per_rank"
     row(
         "bytes sent per step per rank",
-        lambda r: " / ".join(_fmt_bytes(c["sent"]) for c in r["comm_bytes_per_step_per_rank"]),
+        each(lambda r: " / ".join(_fmt_bytes(c["sent"]) for c in r[sent])),
     )
-    ratio = summary["tokens_per_s_ratio_muon_over_adamw"]
-    lines.append(f"| tokens/s ratio Muon / AdamW | | {ratio:.3f} |")
+    row(
+        f"tokens/s ratio to {NAMES.get(base, base)}",
+        ["1", *(_ratio(versus[n]["tokens_per_s_ratio"]) for n in names[1:])],
+    )
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "n/a"
+
+
+def verdicts(summary: dict[str, Any]) -> str:
+    """One line per optimizer: how it did against the baseline and the targets."""
+    t = summary["targets"]
+    base = NAMES.get(summary["baseline"], summary["baseline"])
+    lines = []
+    for name, v in summary["versus_baseline"].items():
+        run = summary["runs"][name]
+        label = NAMES.get(name, name)
+        if v["steps_to_baseline_final_val_loss"] is None:
+            speed = f"did not reach {base}'s final validation loss in {summary['steps']} steps"
+        else:
+            speed = (
+                f"reached {base}'s final validation loss at step "
+                f"{v['steps_to_baseline_final_val_loss']} ({v['steps_fraction']:.0%} of the steps; "
+                f"target ≤ {t['steps_fraction_at_most']:.0%}: "
+                f"{'met' if v['steps_fraction_met'] else 'not met'})"
+            )
+        ratio = v["tokens_per_s_ratio"]
+        cost = (
+            f"at {ratio:.3f}× its tokens/s (target ≥ {t['throughput_ratio_at_least']}: "
+            f"{'met' if v['throughput_ratio_met'] else 'not met'})"
+            if ratio is not None
+            else "throughput not measured"
+        )
+        lines.append(
+            f"- **{label}** (lr {run['lr']:g}, final validation loss "
+            f"{run['final_val_loss']:.4f}) {speed}, {cost}."
+        )
     return "\n".join(lines)
 
 
 def report(summary: dict[str, Any]) -> str:
-    """report.md: the table, the targets and what exactly was measured."""
-    t = summary["targets"]
-    ok = {True: "met", False: "not met"}
+    """report.md: the table, how each optimizer did, and what exactly was measured."""
     precision = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(summary["precision"], "fp32")
     precision += ", blocks compiled" if summary["compiled"] else ""
-    return f"""# orthoptim compare: Muon vs AdamW
+    names = [NAMES.get(n, n) for n in summary["optimizers"]]
+    base = NAMES.get(summary["baseline"], summary["baseline"])
+    return f"""# orthoptim compare: {" vs ".join(names)}
 
 {summary["config"]} GPT on {summary["data"]}, {summary["nproc"]} ranks ({summary["device"]},
 {summary["threads_per_rank"]} thread(s) per rank, {precision}), {summary["steps"]} steps of
 {summary["tokens_per_step"]} tokens (batch {summary["batch_per_rank"]} per rank), the same
-batches for both optimizers; validation every {summary["eval_every"]} steps on a fixed set.
+batches for every optimizer; validation every {summary["eval_every"]} steps on a fixed set.
 
 {table(summary)}
 
 ![validation loss](loss.png)
 
-Targets: Muon reaches AdamW's final validation loss in ≤ {t["steps_fraction_at_most"]:.0%} of
-the steps — **{ok[t["steps_fraction_met"]]}**; Muon's tokens/s ≥ {t["throughput_ratio_at_least"]}×
-AdamW's — **{ok[t["throughput_ratio_met"]]}**.
+How each did against {base} (its final validation loss {summary["baseline_final_val_loss"]:.4f}):
 
-What was measured: "steps to AdamW's final val loss" is the first evaluation step (a
-multiple of {summary["eval_every"]}) at which Muon's validation loss is at or below AdamW's
-final one. Tokens/s is tokens per step over the median step time on rank 0 (forward,
-backward and optimizer step, evaluation and checkpoints excluded);
+{verdicts(summary)}
+
+What was measured: "steps to {base}'s final val loss" is the first evaluation step (a
+multiple of {summary["eval_every"]}) at which an optimizer's validation loss is at or below
+{base}'s final one. Tokens/s is tokens per step over the median step time on rank 0
+(forward, backward and optimizer step, evaluation and checkpoints excluded);
 the optimizer share is the summed `optimizer.step()` time (gradient reduction, the update
 and the parameter gather) over the summed step time. Peak memory is each rank's maximum
 resident set (CPU) or CUDA allocator peak (GPU). Bytes are those counted by
-`orthoptim.parallel.collectives` in the last step. The runs took turns in
+`orthoptim.collectives` in the last step. The runs took turns in
 {summary["segments"]} segment(s), each resumed from its checkpoint, so changes in other load
-on the machine over time hit both alike; the first two steps after each start are left out
-of the throughput.
+on the machine over time hit every run alike; the first two steps after each start are left
+out of the throughput.
 """
 
 
 def run_compare(opts: CompareArgs) -> dict[str, Any]:
-    """Train both optimizers (with --sweep: each over its LR grid, keeping the best final
-    validation loss) and write report.md, loss.png and summary.json."""
+    """Train every compared optimizer (with --sweep: each over its LR grid, keeping the best
+    final validation loss) and write report.md, loss.png and summary.json."""
     opts = opts.resolve(devices.visible_gpus())
     opts.validate()
     out = Path(opts.out)
     check_out(out)
-    chosen = {"adamw": opts.adamw_lr, "muon": opts.muon_lr}
-    swept = {name for name in COMPARED if opts.sweep and chosen[name] is None}
+    swept = {n for n in opts.optimizers if opts.sweep and opts.chosen_lr(n) is None}
     runs: list[tuple[str, float, Path]] = []
-    for name in COMPARED:
+    for name in opts.optimizers:
         if name in swept:
-            runs += [(name, lr, out / "sweep" / f"{name}_lr{lr:g}") for lr in SWEEP_GRID[name]]
+            runs += [(name, lr, out / "sweep" / f"{name}_lr{lr:g}") for lr in sweep_grid(name)]
         else:
-            lr = chosen[name] if chosen[name] is not None else DEFAULT_LR[name]
-            runs.append((name, lr, out / name))
+            lr = opts.chosen_lr(name)
+            runs.append((name, lr if lr is not None else DEFAULT_LR[name], out / name))
     results: dict[str, dict[str, Any]] = {}
     sweep: dict[str, dict[str, float]] = {}
     for (name, lr, _), r in zip(runs, _run_interleaved(opts, runs)):

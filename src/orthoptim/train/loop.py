@@ -12,7 +12,7 @@ NCCL, or with `--shared-gpu` every rank on cuda:0 over "cuda:gloo". Forward and 
 bf16 autocast with `--precision bf16` (the default on CUDA); parameters, gradients and
 optimizer state stay fp32. `--compile` compiles each transformer block (`compile_blocks`).
 Every collective the loop itself issues (metric sums and gathers, barriers) goes through
-`orthoptim.parallel.collectives` with tensors on `collectives.device_for()`.
+`orthoptim.collectives` with tensors on `collectives.device_for()`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from orthoptim import collectives
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
-from orthoptim.parallel import collectives
 from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
@@ -61,14 +61,12 @@ def lr_multiplier(step: int, args: TrainArgs) -> float:
 
 
 def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
+    """`build_optimizer`'s arguments for this run; the matrix optimizer keeps its own weight
+    decay (its paper's: AdaMuon 0.01, Scion's constraint) unless --weight-decay is given."""
     if args.optimizer == "adamw":
         return dict(lr=args.matrix_lr, adamw_weight_decay=args.decay)
-    return dict(
-        lr=args.matrix_lr,
-        adamw_lr=args.embed_lr,
-        weight_decay=args.decay,
-        adamw_weight_decay=args.decay,
-    )
+    given = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
+    return dict(lr=args.matrix_lr, adamw_lr=args.embed_lr, adamw_weight_decay=args.decay, **given)
 
 
 def make_optimizer(
