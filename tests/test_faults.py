@@ -43,7 +43,7 @@ PHASES = ("reduce-scatter of bucket", "reduce of bucket", "agreement", "all-gath
 
 
 class Degenerate(nn.Module):
-    """One parameter per degenerate case of the README's table."""
+    """One parameter per degenerate case of the table in docs/checkpoints.md."""
 
     def __init__(self):
         super().__init__()
@@ -204,7 +204,7 @@ def test_dead_rank_names_phase_and_checkpoint_resumes(tmp_path):
 
 
 def check_degenerate(params, before):
-    """The documented behaviour of each case (README, "Degenerate parameters")."""
+    """The documented behaviour of each case (docs/checkpoints.md, "Degenerate parameters")."""
     for n, p in params.items():
         assert torch.isfinite(p).all(), n
         assert p.dtype == before[n].dtype, n
@@ -242,9 +242,10 @@ def test_degenerate_newton_schulz_and_state_dtypes():
 
 
 def test_degenerate_under_layerwise_optimizer():
-    """The README's table under the layer-wise optimizer (one process; 3 ranks above): the
-    same parameters as the single-process optimizer, frozen and gradient-less parameters
-    without state and, frozen, outside the checkpoint; fp16/bf16 matrices with fp32 state."""
+    """The table of docs/checkpoints.md under the layer-wise optimizer (one process; 3 ranks
+    above): the same parameters as the single-process optimizer, frozen and gradient-less
+    parameters without state and, frozen, outside the checkpoint; fp16/bf16 matrices with fp32
+    state."""
     single, model = Degenerate(), Degenerate()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     want = step_degenerate(build_optimizer(single, **DEGEN_KW), single)

@@ -59,8 +59,9 @@ BF16_GATHER_RTOL = 2e-2
 F32_CAST_RTOL = 1e-6
 # Default Newton-Schulz dtype on CUDA (bf16) against fp32 Newton-Schulz, on what the
 # optimizer moved the Muon matrices (P_3 − P_0): bf16 keeps 8 bits (2⁻⁹ relative rounding of
-# every product's output, fp32 accumulation); README measures the bf16 polar factor within
-# 0.6–3 % (Frobenius) of the fp32 one at condition 10–100 and 6–20 % at 1e3, the loss being
+# every product's output, fp32 accumulation); docs/optimizers.md measures the bf16 polar
+# factor within 0.6–3 % (Frobenius) of the fp32 one at condition 10–100 and 6–20 % at 1e3,
+# the loss being
 # the directions of tiny singular values. A bound of 0.25 holds those; a floor of 1e-4 shows
 # the iteration really ran in bf16 (fp32 agrees to ~1e-6). Measured on CPU (explicit bf16):
 # 1.5–2.2 %.

@@ -208,7 +208,8 @@ class Muon(MatrixOptimizer):
     its own (for a 3-D parameter: the rows of every expert); it needs named parameters. The
     LR-scale convention is applied per block shape (a q block of a fused QKV gets the scale
     a separate q matrix would get). `lr_scale` takes the published names or the
-    Emerging-Optimizers / torch.optim.Muon spellings (`lr_scale_factor`; README, "LR scales").
+    Emerging-Optimizers / torch.optim.Muon spellings (`lr_scale_factor`; docs/optimizers.md,
+    "LR scales").
     `coefficients`: "quintic" (default) repeats its last tuple past 5 steps, where
     Emerging-Optimizers cycles; "polar_express" normalises by ‖X‖_F without the paper's 1.01
     (`orthoptim.newton_schulz.COEFFICIENT_SETS`).
