@@ -47,10 +47,13 @@ KW = {
     "adamw": dict(lr=3e-3),
 }
 COMMON = dict(adamw_lr=3e-3, adamw_weight_decay=0.01)
+# Lion, the elementwise option for the non-matrix part, next to Muon
+LION = dict(optimizer="muon", lr=0.02, elementwise="lion", adamw_lr=3e-4, adamw_weight_decay=0.1)
+NAMES = (*OPTIMIZER_NAMES, "muon+lion")
 
 
 def kwargs(name):
-    return dict(optimizer=name, **KW[name], **COMMON)
+    return LION if name == "muon+lion" else dict(optimizer=name, **KW[name], **COMMON)
 
 
 def steps(model, opt, which):
@@ -71,7 +74,7 @@ def params(model):
 
 def _two_ranks(rank, world_size, folder):
     out = {}
-    for name in OPTIMIZER_NAMES:
+    for name in NAMES:
         model = make_model(F64)
         opt = LayerwiseDistributedOptimizer(model, bucket_mb=0.002, **kwargs(name))
         steps(model, opt, range(STEPS))
@@ -110,7 +113,7 @@ def _same_state(a, b):
 
 def _four_ranks(rank, world_size, folder):
     out = {}
-    for name in OPTIMIZER_NAMES:
+    for name in NAMES:
         model = make_model(F64)
         opt = LayerwiseDistributedOptimizer(model, bucket_mb=0.002, **kwargs(name))
         steps(model, opt, range(STEPS))
@@ -158,7 +161,7 @@ def runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     ref = {}
-    for name in OPTIMIZER_NAMES:
+    for name in NAMES:
         model = make_model(F64)
         opt = build_optimizer(model, **kwargs(name))
         steps(model, opt, range(STEPS))
@@ -179,7 +182,7 @@ def assert_close(got, want, what):
         assert err <= tol * max(1.0, w.abs().max().item()), f"{what}: {n} off by {err:.3e}"
 
 
-@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_distributed_paths_equal_single_process(runs, name):
     want = runs["ref"][(name, STEPS)]
     moved = runs["ref"][(name, STEPS)]["blocks.0.fc.weight"] - make_model(F64).blocks[0].fc.weight
@@ -192,7 +195,7 @@ def test_distributed_paths_equal_single_process(runs, name):
         assert_close(r[(name, "layerwise")], want, f"{name} layer-wise, rank {rank} of 4")
 
 
-@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_checkpoints_reshard_2_to_4(runs, name):
     want = runs["ref"][(name, STEPS + EXTRA)]
     for rank, r in enumerate(runs["four"]):
@@ -200,7 +203,7 @@ def test_checkpoints_reshard_2_to_4(runs, name):
             assert_close(r[(name, path)], want, f"{name} 2 → 4 via {path}, rank {rank}")
 
 
-@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_checkpoints_reshard_2_to_1(runs, name):
     """The 2-rank full dict and both DCP checkpoints load into the single-process optimizer."""
     folder, want = runs["folder"], runs["ref"][(name, STEPS + EXTRA)]

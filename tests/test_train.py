@@ -212,6 +212,26 @@ def test_train_tensor_parallel_and_resume(tmp_path):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6), (a, b)
 
 
+def test_train_a_muon_variant_with_lion_under_fsdp_resumes_as_one_stretch(tmp_path, capsys):
+    """`--optimizer normuon --elementwise lion --fsdp`: both through the one contract, stopped
+    after step 3 and resumed from its DCP checkpoint, the same losses as one stretch (rtol
+    1e-6: the same ranks and sums); the non-matrix part's optimizer must match on resume."""
+    flags = ("--optimizer", "normuon", "--elementwise", "lion", "--fsdp")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert _train(whole, *flags) == 0
+    assert _train(part, *flags, "--stop-after", "3") == 0
+    assert _train(part, *flags, "--resume") == 0
+    a, b = _metrics(whole), _metrics(part)
+    assert [r["step"] for r in b] == list(range(7))
+    for x, y in zip(a, b):
+        for key in ("train_loss", "val_loss"):
+            assert x.get(key) == pytest.approx(y.get(key), rel=1e-6), (key, x, y)
+    result = json.loads((whole / "result.json").read_text())
+    assert (result["args"]["optimizer"], result["args"]["elementwise"]) == ("normuon", "lion")
+    assert _train(part, "--optimizer", "normuon", "--fsdp", "--resume") == 2
+    assert "--elementwise: checkpoint 'lion', now 'adamw'" in capsys.readouterr().err
+
+
 def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run):
     """`--fsdp`: the model sharded by FSDP2 and stepped by FSDPOptimizer, interrupted after
     step 3 and resumed from its DCP checkpoint, follows the layer-wise run (same model, data

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import reference_optimizers as ref
-from orthoptim import AdaMuon, NorMuon, PolarGrad, Scion, build_optimizer
+from orthoptim import AdaMuon, Lion, NorMuon, PolarGrad, Scion, build_optimizer
 from orthoptim.optim.scion import NORMS
 
 TOL = 1e-11
@@ -159,3 +159,21 @@ def test_build_optimizer_routes_matrices_to_each_variant(name):
     opt = build_optimizer(model, optimizer=name)
     assert [g["optimizer"] for g in opt.param_groups] == [name, "adamw"]
     assert opt.param_groups[0]["param_names"] == ["1.weight"]
+
+
+@pytest.mark.parametrize("shape", [(5,), (6, 4)])
+def test_lion_matches_reference(shape):
+    kw = dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.3)
+    got, w0, grads = trajectory(lambda p: Lion(p, **kw), shape)
+    assert_same(got, ref.lion_ref(w0, grads, **kw))
+    got, w0, grads = trajectory(Lion, shape, seed=1)
+    assert_same(got, ref.lion_ref(w0, grads))
+
+
+def test_lion_is_the_elementwise_part_of_build_optimizer():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = build_optimizer(model, optimizer="normuon", elementwise="lion", adamw_lr=1e-4)
+    assert [g["optimizer"] for g in opt.param_groups] == ["normuon", "lion"]
+    assert isinstance(opt.inner["lion"], Lion) and opt.param_groups[1]["lr"] == 1e-4
+    with pytest.raises(ValueError, match="elementwise.*'adamw', 'lion'"):
+        build_optimizer(model, elementwise="sgd")

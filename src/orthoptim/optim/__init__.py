@@ -3,6 +3,7 @@
 from orthoptim.optim.adamuon import AdaMuon
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import HybridOptimizer, build_optimizer, default_route, routing_table
+from orthoptim.optim.lion import Lion
 from orthoptim.optim.muon import Muon, lr_scale_factor
 from orthoptim.optim.normuon import NorMuon
 from orthoptim.optim.polargrad import PolarGrad
@@ -13,6 +14,7 @@ __all__ = [
     "SOAP",
     "AdaMuon",
     "HybridOptimizer",
+    "Lion",
     "MatrixOptimizer",
     "Muon",
     "NorMuon",

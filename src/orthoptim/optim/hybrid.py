@@ -21,8 +21,9 @@ from orthoptim.optim.base import (
     check_params,
     step_checked,
 )
+from orthoptim.optim.lion import Lion
 from orthoptim.optim.muon import Muon
-from orthoptim.optim.registry import MATRIX_OPTIMIZERS, OPTIMIZER_NAMES
+from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, MATRIX_OPTIMIZERS, OPTIMIZER_NAMES
 from orthoptim.optim.routing import ModelRoute, RoutePredicate
 from orthoptim.optim.state import StateView
 
@@ -127,6 +128,7 @@ def build_optimizer(
     route: RoutePredicate | None = None,
     nonfinite: str = "raise",
     params: Iterable[tuple[str, nn.Parameter]] | None = None,
+    elementwise: str = "adamw",
     **kw: Any,
 ) -> HybridOptimizer:
     """Build the optimizer for `model`: hidden matrices → `optimizer`, the rest → AdamW.
@@ -139,13 +141,21 @@ def build_optimizer(
     `explain_routing(model)` prints its reasons). `params`
     restricts the build to a subset of the model's named parameters (the layer-wise
     distributed optimizer passes the ones a rank owns). Extra keyword arguments go to the
-    matrix optimizer. Frozen parameters are left out.
+    matrix optimizer. Frozen parameters are left out. `elementwise` is the optimizer of the
+    non-matrix part: "adamw", or "lion" (`orthoptim.optim.lion.Lion`, with `adamw_lr` and
+    `adamw_weight_decay` as its LR and decay; its betas are its own).
 
     Fused matrices: Muon's `split` ({name: row sizes}) defaults to `model.split_spec()` when
     the model has one (the built-in GPT does: fused QKV and gate/up); pass `split={}` to
     orthogonalize fused matrices whole. Every name in it must be a matrix routed to Muon.
     """
     check_choice("optimizer", optimizer, sorted(OPTIMIZER_NAMES))
+    check_choice("elementwise", elementwise, tuple(ELEMENTWISE_OPTIMIZERS))
+    if optimizer == "adamw" and elementwise != "adamw":
+        raise ValueError(
+            f"optimizer='adamw' is AdamW for every parameter; elementwise={elementwise!r} "
+            "chooses the optimizer of the non-matrix part next to a matrix optimizer"
+        )
     check_nonfinite_policy(nonfinite)
     if lr is not None:
         check_nonnegative("lr", lr)
@@ -181,7 +191,9 @@ def build_optimizer(
             if lr is not None:
                 kw["lr"] = lr
             inner[optimizer] = MATRIX_OPTIMIZERS[optimizer](matrix, **kw)
-        if rest:
+        if rest and elementwise == "lion":
+            inner["lion"] = Lion(rest, lr=adamw_lr, weight_decay=adamw_weight_decay)
+        elif rest:
             inner["adamw"] = torch.optim.AdamW(rest, lr=adamw_lr, **adamw_kw)
     if not inner:
         raise ValueError("build_optimizer found no trainable parameters")

@@ -1,11 +1,15 @@
-"""The matrix optimizers by name: what `build_optimizer(optimizer=...)`, `orthoptim train
---optimizer` and the distributed optimizers accept. Each keeps the contract of
-`orthoptim.optim.contract.MatrixOptimizer`, so nothing else needs to know it by name."""
+"""The optimizers by name: the matrix optimizers `build_optimizer(optimizer=...)`, `orthoptim
+train --optimizer` and the distributed optimizers accept (each keeps the contract of
+`orthoptim.optim.contract.MatrixOptimizer`, so nothing else needs to know it by name), and the
+elementwise optimizers of the non-matrix part (`build_optimizer(elementwise=...)`)."""
 
 from __future__ import annotations
 
+import torch
+
 from orthoptim.optim.adamuon import AdaMuon
 from orthoptim.optim.contract import MatrixOptimizer
+from orthoptim.optim.lion import Lion
 from orthoptim.optim.muon import Muon
 from orthoptim.optim.normuon import NorMuon
 from orthoptim.optim.polargrad import PolarGrad
@@ -23,3 +27,16 @@ MATRIX_OPTIMIZERS: dict[str, type[MatrixOptimizer]] = {
 
 # every name `build_optimizer(optimizer=...)` takes: a matrix optimizer, or AdamW for all
 OPTIMIZER_NAMES = (*MATRIX_OPTIMIZERS, "adamw")
+
+# the optimizers of the non-matrix part (embeddings, heads, vectors), with their state
+# elements per parameter element (AdamW: two moments; Lion: one)
+ELEMENTWISE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "lion": Lion,
+}
+ELEMENTWISE_STATE = {"adamw": 2, "lion": 1}
+
+
+def is_elementwise(kind: str) -> bool:
+    """Whether units of `kind` are stepped elementwise (no owner needed: sharded over ranks)."""
+    return kind in ELEMENTWISE_OPTIMIZERS

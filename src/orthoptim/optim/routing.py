@@ -40,6 +40,7 @@ from typing import Any, TextIO
 from torch import nn
 
 from orthoptim._validate import check_choice
+from orthoptim.optim.registry import OPTIMIZER_NAMES
 
 HEAD_NAMES = frozenset(
     {"lm_head", "head", "output", "output_layer", "classifier", "unembed", "score", "qa_outputs"}
@@ -235,12 +236,12 @@ def explain_routing(
     """Each parameter of `model`, its shape, where `build_optimizer(model, optimizer, route=...)`
     sends it, and why; printed as a table to `file` (default stdout) unless `quiet`.
 
-    Takes `build_optimizer`'s keyword arguments so a call can be copied; only `optimizer` and
-    `route` change the routing. A tied parameter is listed once, under its first name.
+    Takes `build_optimizer`'s keyword arguments so a call can be copied; only `optimizer`,
+    `route` and `elementwise` (the non-matrix part's optimizer, "adamw" or "lion") change the
+    table. A tied parameter is listed once, under its first name.
     """
-    from orthoptim.optim.registry import OPTIMIZER_NAMES
-
     check_choice("optimizer", optimizer, sorted(OPTIMIZER_NAMES))
+    rest = build_kwargs.get("elementwise", "adamw")
     default = ModelRoute(model)
     rows = []
     for name, p in model.named_parameters():
@@ -250,11 +251,11 @@ def explain_routing(
         elif optimizer == "adamw":
             rows.append(RoutingRow(name, shape, "adamw", "optimizer='adamw': AdamW for all"))
         elif route is not None:
-            to = optimizer if route(name, p) else "adamw"
+            to = optimizer if route(name, p) else rest
             rows.append(RoutingRow(name, shape, to, "route= override"))
         else:
             d = default.decision(name, p)
-            rows.append(RoutingRow(name, shape, optimizer if d.matrix else "adamw", d.reason))
+            rows.append(RoutingRow(name, shape, optimizer if d.matrix else rest, d.reason))
     if not quiet:
         print(format_routing(rows), file=file if file is not None else sys.stdout)
     return rows

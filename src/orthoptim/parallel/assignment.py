@@ -24,13 +24,18 @@ from torch import Tensor, nn
 from orthoptim import collectives as C
 from orthoptim import kernels
 from orthoptim.newton_schulz import GRAM_FORM_RESTART
-from orthoptim.optim.registry import MATRIX_OPTIMIZERS, OPTIMIZER_NAMES
+from orthoptim.optim.registry import (
+    ELEMENTWISE_OPTIMIZERS,
+    ELEMENTWISE_STATE,
+    MATRIX_OPTIMIZERS,
+    is_elementwise,
+)
 from orthoptim.optim.shapes import stack_shape
 
 if TYPE_CHECKING:
     from orthoptim.optim.routing import RoutePredicate
 
-KINDS = OPTIMIZER_NAMES
+KINDS = (*MATRIX_OPTIMIZERS, *ELEMENTWISE_OPTIMIZERS)
 BALANCES = ("cost", "round_robin", "capped")
 CAPPED_FACTOR = 1.3
 SPREAD = 2.0
@@ -206,7 +211,7 @@ class MatrixCost:
         """The cost of a piece of `shape` updated by `kind`."""
         if kind not in KINDS:
             raise ValueError(f"unit kind must be one of {KINDS}, got {kind!r}")
-        if kind == "adamw" or len(shape) < 2:
+        if is_elementwise(kind) or len(shape) < 2:
             return float(math.prod(shape))
         k, m, n = stack_shape(shape)
         if MATRIX_OPTIMIZERS[kind].work == "newton_schulz":
@@ -903,8 +908,8 @@ def assign(
     nbytes = [int(u.nbytes) for u in units]
     buckets = make_buckets(nbytes, bucket_bytes, world_size)
     if shard_adamw:  # dealt element-wise afterwards (`deal_adamw`): no weight in the balancing
-        costs = [0.0 if u.kind == "adamw" else c for u, c in zip(units, costs)]
-        nbytes = [0 if u.kind == "adamw" else b for u, b in zip(units, nbytes)]
+        costs = [0.0 if is_elementwise(u.kind) else c for u, c in zip(units, costs)]
+        nbytes = [0 if is_elementwise(u.kind) else b for u, b in zip(units, nbytes)]
     if balance == "cost":
         owners = _balance_cost(costs, nbytes, buckets, world_size, base_load)
         owners, buckets = _release(
@@ -921,10 +926,10 @@ def assign(
         rank_bytes[r] += nbytes[i]
     bound = _lower_bound(costs, world_size, base_load, buckets, nbytes, owners)
     a = Assignment(owners, rank_cost, rank_bytes, buckets, nbytes, balance, base_load, bound)
-    matrix = [u.kind != "adamw" and c > 0 for u, c in zip(units, costs)]
+    matrix = [not is_elementwise(u.kind) and c > 0 for u, c in zip(units, costs)]
     a.movable = _movable(matrix, nbytes, buckets, owners, world_size)
     if shard_adamw:
-        a.owners = [-1 if u.kind == "adamw" else o for u, o in zip(units, owners)]
+        a.owners = [-1 if is_elementwise(u.kind) else o for u, o in zip(units, owners)]
         return deal_adamw(units, a, masters)
     return a
 
@@ -934,13 +939,15 @@ def units_from_model(
     optimizer: str = "muon",
     route: RoutePredicate | None = None,
     split_experts: bool | int = False,
+    elementwise: str = "adamw",
 ) -> list[Unit]:
     """The units of `model` in backward order (reverse of registration), as the layer-wise
     optimizer owns them.
 
     Trainable parameters only; a tied parameter appears once, under its first name. `route`
     (default: `default_route(model)`) decides matrix optimizer (`optimizer`) vs AdamW, exactly
-    as `build_optimizer` does. `split_experts` (True, or k experts per unit) turns each
+    as `build_optimizer` does; the rest are units of `elementwise` ("adamw" or "lion", as
+    `build_optimizer(elementwise=...)`). `split_experts` (True, or k experts per unit) turns each
     matrix-optimizer parameter the model declares an expert stack [E, out, in] (see
     `orthoptim.optim.routing`; being 3-D is not enough) into expert slices with `part` set.
     """
@@ -957,9 +964,9 @@ def units_from_model(
     for name, p in reversed(list(model.named_parameters())):
         if not p.requires_grad:
             continue
-        kind = optimizer if optimizer != "adamw" and rule(name, p) else "adamw"
+        kind = optimizer if optimizer != "adamw" and rule(name, p) else elementwise
         shape = tuple(p.shape)
-        if per and kind != "adamw" and default.is_expert(name, p):
+        if per and not is_elementwise(kind) and default.is_expert(name, p):
             row_bytes = p[0].numel() * p.element_size()
             for start in range(0, shape[0], per):
                 stop = min(start + per, shape[0])
@@ -1009,7 +1016,9 @@ def state_numel(unit: Unit, masters: bool = False) -> int:
     plus, per matrix, a Kronecker factor and an eigenbasis of each side), AdamW's two moments.
     `masters` adds the master copy a `gather_dtype` run keeps of every owned element."""
     numel = unit.numel
-    if unit.kind == "adamw" or len(unit.shape) < 2:
+    if is_elementwise(unit.kind):
+        state = ELEMENTWISE_STATE[unit.kind] * numel
+    elif len(unit.shape) < 2:
         state = 2 * numel
     else:
         state = MATRIX_OPTIMIZERS[unit.kind].state_numel(unit.shape)
@@ -1061,7 +1070,7 @@ def deal_adamw(units: Sequence[Unit], a: Assignment, masters: bool = False) -> A
     ones) this is ZeRO-1: ⌈S/N⌉ or ⌊S/N⌋ elements of every bucket per rank.
     """
     n = a.world_size
-    sharded = [u.kind == "adamw" for u in units]
+    sharded = [is_elementwise(u.kind) for u in units]
     owners = [-1 if s else o for s, o in zip(sharded, a.owners)]
     unit_bytes = [int(u.nbytes) for u in units]
     per_elem = 2 + int(masters)
@@ -1100,7 +1109,7 @@ def deal_adamw(units: Sequence[Unit], a: Assignment, masters: bool = False) -> A
     whole_cost = list(a.rank_cost)
     for i, o in enumerate(a.owners):
         if sharded[i] and o >= 0:
-            whole_cost[o] -= unit_cost(units[i].shape, "adamw")
+            whole_cost[o] -= unit_cost(units[i].shape, units[i].kind)
     rank_cost = [c - hb + h for c, hb, h in zip(whole_cost, held_before, held)]
     rank_bytes = [0] * n
     for i, o in enumerate(owners):

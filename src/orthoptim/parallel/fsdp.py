@@ -46,10 +46,11 @@ from orthoptim.optim.base import (
     check_nonfinite_policy,
     enforce_nonfinite_policy,
     state_dtype,
+    step_checked,
 )
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
-from orthoptim.optim.registry import OPTIMIZER_NAMES
+from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES
 from orthoptim.optim.state import StateView
 from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
@@ -141,15 +142,16 @@ class FSDPOptimizer(CompositeOptimizer):
         loss.backward(); opt.step(); opt.zero_grad()
 
     `param_groups` and `state` are those of `build_optimizer(model, optimizer, ...)` over the
-    DTensor parameters (so LR schedulers and `state_dict()` act as usual; every state tensor
-    is a DTensor sharded like its parameter). Arguments: `balance` ("cost", "round_robin",
-    "capped") and `bucket_mb` as the layer-wise optimizer (one all-to-all pair per bucket),
-    `comm_dtype` (e.g. torch.bfloat16: updates travel in it; by default they travel in the
-    state dtype, float32 or float64; state and parameters stay in their dtype), `route`,
+    DTensor parameters (so LR schedulers and `state_dict()` act as usual; elementwise state is
+    a DTensor sharded like its parameter, whole-matrix state lives on the matrix's owner).
+    Arguments: `balance` ("cost", "round_robin", "capped") and `bucket_mb` as the layer-wise
+    optimizer (one all-to-all pair per bucket), `comm_dtype` (e.g. torch.bfloat16: updates
+    travel in it; by default they travel in the state dtype, float32 or float64; state and
+    parameters stay in their dtype), `route`,
     `nonfinite` ("raise" or "skip", agreed by all ranks),
     `state_dict_to` ("all" or "rank0": where `state_dict()` delivers the full, unsharded
-    dict of a Muon/AdamW run); other keyword arguments go to `build_optimizer`. Matrix
-    optimizer: "muon", "soap" (whole per-matrix state on the owner), or "adamw" (the
+    dict); other keyword arguments go to `build_optimizer` (`elementwise="lion"` included).
+    `optimizer`: any of `orthoptim.optim.registry.MATRIX_OPTIMIZERS`, or "adamw" (the
     baseline).
     """
 
@@ -192,9 +194,14 @@ class FSDPOptimizer(CompositeOptimizer):
         self.matrix_opt: MatrixOptimizer | None = (
             self.template.inner.get(optimizer) if optimizer != "adamw" else None
         )
-        self.adamw: torch.optim.Optimizer | None = self.template.inner.get("adamw")
+        # The optimizer of the non-matrix part (AdamW or Lion): elementwise, on the local shards.
+        self.elementwise: torch.optim.Optimizer | None = next(
+            (self.template.inner[k] for k in ELEMENTWISE_OPTIMIZERS if k in self.template.inner),
+            None,
+        )
         group_of = self._matrix_groups()
-        units = [u for u in units_from_model(model, optimizer=optimizer, route=rule)]
+        elementwise = inner_kwargs.get("elementwise", "adamw")
+        units = units_from_model(model, optimizer=optimizer, route=rule, elementwise=elementwise)
         self.units = [u for u in units if u.name in group_of]
         self.assignment: Assignment = assign(
             self.units, self.world_size, balance=balance, bucket_bytes=int(bucket_mb * 2**20)
@@ -254,8 +261,8 @@ class FSDPOptimizer(CompositeOptimizer):
             return loss
         if self._matrices:
             self._step_matrices(present)
-        if self.adamw is not None:
-            self.adamw.step()
+        if self.elementwise is not None:
+            step_checked(self.elementwise)  # the gradients were checked by _agree
         self._finish_stats()
         return loss
 

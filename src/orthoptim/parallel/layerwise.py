@@ -56,7 +56,7 @@ from orthoptim.optim.base import (
     step_checked,
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
-from orthoptim.optim.registry import MATRIX_OPTIMIZERS
+from orthoptim.optim.registry import MATRIX_OPTIMIZERS, is_elementwise
 from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import FORMAT_VERSION, StateView, flat_label, hypers
 from orthoptim.parallel import clip
@@ -395,7 +395,11 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self.shard_adamw = bool(shard_adamw) and not self.tp_groups
         masters = gather_dtype is not None and any(p.dtype != gather_dtype for p in named.values())
         self.units = units_from_model(
-            model, optimizer=optimizer, route=rule, split_experts=split_experts
+            model,
+            optimizer=optimizer,
+            route=rule,
+            split_experts=split_experts,
+            elementwise=inner_kwargs.get("elementwise", "adamw"),
         )
         # Units by the group they are data-parallel over: experts (the stacks the model
         # declares, `ModelRoute.is_expert`) over `expert_group` when one is given, everything
@@ -403,7 +407,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         declared = ModelRoute(model)
         expert = [
             expert_group is not None
-            and u.kind != "adamw"
+            and not is_elementwise(u.kind)
             and declared.is_expert(u.name, named[u.name])
             for u in self.units
         ]

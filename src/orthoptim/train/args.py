@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from orthoptim.optim.registry import OPTIMIZER_NAMES
+from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES
 from orthoptim.train.devices import PRECISIONS
 from orthoptim.train.model import check_tensor_parallel, get_config
 
@@ -40,6 +40,7 @@ class TrainArgs:
     """Everything one training run needs; the CLI flags map one to one onto these fields."""
 
     optimizer: str = "muon"
+    elementwise: str = "adamw"  # the non-matrix part's optimizer: "adamw" or "lion"
     config: str = "tiny"
     hf_config: str | None = None  # a transformers model (preset or config.json) to train
     steps: int = 200
@@ -74,6 +75,16 @@ class TrainArgs:
         """Reject bad values up front, naming the flag."""
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.elementwise not in ELEMENTWISE_OPTIMIZERS:
+            raise ValueError(
+                f"--elementwise must be one of {tuple(ELEMENTWISE_OPTIMIZERS)}, "
+                f"got {self.elementwise!r}"
+            )
+        if self.optimizer == "adamw" and self.elementwise != "adamw":
+            raise ValueError(
+                f"--elementwise {self.elementwise} chooses the optimizer of the non-matrix part "
+                "next to a matrix optimizer; --optimizer adamw is AdamW for every parameter"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         get_config(self.config)

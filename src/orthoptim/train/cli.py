@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS
 from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_GRAD_CLIP, OPTIMIZERS, TrainArgs
 from orthoptim.train.devices import PRECISIONS
@@ -44,6 +45,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of one training run (everything but --nproc)."""
     d = TrainArgs()
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    p.add_argument(
+        "--elementwise",
+        choices=tuple(ELEMENTWISE_OPTIMIZERS),
+        default=d.elementwise,
+        help="the optimizer of embeddings, head and vectors next to a matrix optimizer "
+        "(default %(default)s; lion takes --adamw-lr and the AdamW decay as its own)",
+    )
     p.add_argument(
         "--config",
         choices=sorted(CONFIGS),

@@ -66,7 +66,13 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
     if args.optimizer == "adamw":
         return dict(lr=args.matrix_lr, adamw_weight_decay=args.decay)
     given = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
-    return dict(lr=args.matrix_lr, adamw_lr=args.embed_lr, adamw_weight_decay=args.decay, **given)
+    return dict(
+        lr=args.matrix_lr,
+        adamw_lr=args.embed_lr,
+        adamw_weight_decay=args.decay,
+        elementwise=args.elementwise,
+        **given,
+    )
 
 
 def make_optimizer(

@@ -69,8 +69,8 @@ def read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
 
 
 RESUME_MUST_MATCH = (
-    "optimizer", "config", "hf_config", "batch", "seed", "data", "steps", "warmup",
-    "min_lr_ratio", "tp", "fsdp",
+    "optimizer", "elementwise", "config", "hf_config", "batch", "seed", "data", "steps",
+    "warmup", "min_lr_ratio", "tp", "fsdp",
 )  # fmt: skip
 # Flags a resumed run may change (applied with a notice); left off, the checkpoint's value.
 RESUME_MAY_CHANGE = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
