@@ -72,13 +72,19 @@ def params(model):
     return out
 
 
+def layerwise(name, which=range(STEPS)):
+    """A fresh float64 model and its layer-wise optimizer, after the steps `which`."""
+    model = make_model(F64)
+    opt = LayerwiseDistributedOptimizer(model, bucket_mb=0.002, **kwargs(name))
+    steps(model, opt, which)
+    opt.wait_for_params()
+    return model, opt
+
+
 def _two_ranks(rank, world_size, folder):
     out = {}
     for name in NAMES:
-        model = make_model(F64)
-        opt = LayerwiseDistributedOptimizer(model, bucket_mb=0.002, **kwargs(name))
-        steps(model, opt, range(STEPS))
-        opt.wait_for_params()
+        model, opt = layerwise(name)
         out[(name, "layerwise")] = params(model)
         full = opt.state_dict()
         if rank == 0:
@@ -114,10 +120,7 @@ def _same_state(a, b):
 def _four_ranks(rank, world_size, folder):
     out = {}
     for name in NAMES:
-        model = make_model(F64)
-        opt = LayerwiseDistributedOptimizer(model, bucket_mb=0.002, **kwargs(name))
-        steps(model, opt, range(STEPS))
-        opt.wait_for_params()
+        model, _ = layerwise(name)
         out[(name, "layerwise")] = params(model)
 
         # the 2-rank full dict, each rank keeping what it owns at 4

@@ -177,3 +177,14 @@ def test_lion_is_the_elementwise_part_of_build_optimizer():
     assert isinstance(opt.inner["lion"], Lion) and opt.param_groups[1]["lr"] == 1e-4
     with pytest.raises(ValueError, match="elementwise.*'adamw', 'lion'"):
         build_optimizer(model, elementwise="sgd")
+
+
+@pytest.mark.parametrize("build", [NorMuon, AdaMuon, PolarGrad, Scion])
+def test_variants_take_muons_options_and_refuse_unknown_ones(build):
+    p = [("w", nn.Parameter(torch.zeros(4, 3)))]
+    g = build(p, ns_steps=3, coefficients="simple", nonfinite="skip").param_groups[0]
+    assert (g["ns_steps"], g["coefficients"]) == (3, "simple")
+    with pytest.raises(TypeError, match="ns_step"):
+        build(p, ns_step=3)
+    with pytest.raises(ValueError, match="ns_dtype"):
+        build(p, ns_dtype="fp8")

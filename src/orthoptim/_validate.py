@@ -55,6 +55,15 @@ def check_unit_interval(name: str, value: T) -> T:
     return value
 
 
+def check_betas(name: str, value: T) -> T:
+    """Two EMA coefficients, each in [0, 1) (Adam's, Lion's and SOAP's betas)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name} must be two numbers in [0, 1), got {value!r}")
+    check_unit_interval(f"{name}[0]", value[0])
+    check_unit_interval(f"{name}[1]", value[1])
+    return value
+
+
 def check_int(name: str, value: T, minimum: int) -> T:
     """An int (not a bool, not 2.0) >= `minimum` (step counts, frequencies)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

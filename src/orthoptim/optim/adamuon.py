@@ -27,18 +27,18 @@ import torch
 from torch import Tensor
 
 from orthoptim._validate import check_positive, check_unit_interval
-from orthoptim.newton_schulz import CoefficientsLike, NSDtype
 from orthoptim.optim.contract import StateKind
-from orthoptim.optim.muon import Muon, Orthogonalizer, Split, muon_defaults
+from orthoptim.optim.muon import Muon
 from orthoptim.optim.shapes import matrix_view
 
 
 class AdaMuon(Muon):
     """AdaMuon for matrix parameters (as Muon: 2-D, 3-D experts, conv weights; `split`).
 
-    `beta2` (None: equal to `momentum`) is the EMA coefficient of V; `eps` is added to √V and
-    to ‖Ô‖_F; `rms` is the RMS of every update before the learning rate. Other arguments as
-    `Muon` (`lr_scale` is not used: the RMS rescale sets the size).
+    `beta2` (None: equal to `momentum`) is the EMA coefficient of V; `eps` is added to √V and to
+    ‖Ô‖_F; `rms` is the RMS of every update before the learning rate (no `lr_scale`: the RMS rescale
+    sets the size). `options` are Muon's (`ns_steps`, `coefficients`, `ns_dtype`, `orthogonalizer`,
+    `nonfinite`, `split`), with Muon's defaults; Newton-Schulz's own `eps` stays Muon's.
     """
 
     state_kinds: ClassVar[dict[str, StateKind]] = {
@@ -56,23 +56,17 @@ class AdaMuon(Muon):
         weight_decay: float = 0.01,
         nesterov: bool = True,
         rms: float = 0.2,
-        ns_steps: int = 5,
-        coefficients: CoefficientsLike = "quintic",
-        ns_dtype: NSDtype = "auto",
-        orthogonalizer: Orthogonalizer | None = None,
-        nonfinite: str = "raise",
-        split: dict[str, Split] | None = None,
+        **options: Any,
     ) -> None:
         if beta2 is not None:
             check_unit_interval("beta2", beta2)
         check_positive("eps", eps)
         check_positive("rms", rms)
-        defaults = muon_defaults(
-            lr, momentum, nesterov, weight_decay, ns_steps, coefficients, "none", ns_dtype,
-            1e-7, split,
+        super().__init__(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            lr_scale="none", **options,
         )  # fmt: skip
-        extra = dict(beta2=beta2, moment_eps=eps, rms=rms)
-        self._start(params, dict(defaults, **extra), orthogonalizer, nonfinite)
+        self.add_defaults(beta2=beta2, moment_eps=eps, rms=rms)
 
     def prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
         """Muon's momentum, then the sign of the update (elementwise)."""

@@ -41,6 +41,10 @@ from torch import Tensor
 from orthoptim.optim.base import GuardedOptimizer, param_names, state_dtype
 
 StateKind = Literal["elementwise", "matrix", "scalar"]
+Group = dict[str, Any]  # a param group: its hyper-parameters and "params"
+State = dict[str, Any]  # one parameter's optimizer state
+Prepared = Sequence[tuple[Tensor, State]]  # what `directions` takes: (prepared update, state)
+Directions = list[Tensor | None]
 
 
 class MatrixOptimizer(GuardedOptimizer):
@@ -63,6 +67,14 @@ class MatrixOptimizer(GuardedOptimizer):
         per rank): one per element for each non-scalar entry, the default."""
         return math.prod(shape) * sum(kind != "scalar" for kind in cls.state_kinds.values())
 
+    def add_defaults(self, **hypers: Any) -> None:
+        """Add a subclass's own hyper-parameters to the defaults and to every group that does
+        not set them (a variant built on its parent's constructor)."""
+        self.defaults.update(hypers)
+        for group in self.param_groups:
+            for key, value in hypers.items():
+                group.setdefault(key, value)
+
     def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """Fresh elementwise and scalar state of `param`: zeros like it, in the state dtype
         (float32 for bf16/fp16 parameters, `state_dtype`)."""
@@ -76,12 +88,7 @@ class MatrixOptimizer(GuardedOptimizer):
         """The elementwise part of a step: what travels to the matrix's owner (any shard)."""
         raise NotImplementedError
 
-    def directions(
-        self,
-        items: Sequence[tuple[Tensor, dict[str, Any]]],
-        group: dict[str, Any],
-        names: Sequence[str],
-    ) -> list[Tensor | None]:
+    def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
         """The whole-matrix part of a step, for every (prepared update, state) of one group:
         each parameter's update direction (its shape, LR scale included), or None to leave it
         in place this step. `names` label the parameters in errors and fused-matrix splits."""

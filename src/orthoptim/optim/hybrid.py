@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from orthoptim._validate import check_choice, check_nonnegative, check_unit_interval
+from orthoptim._validate import check_betas, check_choice, check_nonnegative
 from orthoptim.optim.base import (
     CompositeOptimizer,
     GuardedOptimizer,
@@ -160,10 +160,7 @@ def build_optimizer(
     if lr is not None:
         check_nonnegative("lr", lr)
     check_nonnegative("adamw_lr", adamw_lr)
-    if not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2:
-        raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}")
-    check_unit_interval("adamw_betas[0]", adamw_betas[0])
-    check_unit_interval("adamw_betas[1]", adamw_betas[1])
+    check_betas("adamw_betas", adamw_betas)
     check_nonnegative("adamw_eps", adamw_eps)
     check_nonnegative("adamw_weight_decay", adamw_weight_decay)
     if route is not None and not callable(route):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from orthoptim._validate import check_nonnegative, check_unit_interval
+from orthoptim._validate import check_betas, check_nonnegative
 from orthoptim.optim.base import GuardedOptimizer, check_nonfinite_policy, check_params, state_dtype
 
 
@@ -38,10 +38,7 @@ class Lion(GuardedOptimizer):
         nonfinite: str = "raise",
     ) -> None:
         check_nonnegative("lr", lr)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        check_unit_interval("betas[0]", betas[0])
-        check_unit_interval("betas[1]", betas[1])
+        check_betas("betas", betas)
         check_nonnegative("weight_decay", weight_decay)
         self.nonfinite = check_nonfinite_policy(nonfinite)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))

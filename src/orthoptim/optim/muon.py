@@ -42,7 +42,7 @@ from orthoptim.newton_schulz import (
     stacking_pays,
 )
 from orthoptim.optim.base import check_nonfinite_policy, check_params
-from orthoptim.optim.contract import MatrixOptimizer, StateKind
+from orthoptim.optim.contract import Directions, Group, MatrixOptimizer, Prepared, StateKind
 from orthoptim.optim.shapes import matrix_view
 from orthoptim.optim.state import base_name
 
@@ -167,39 +167,6 @@ def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
     return 1.0
 
 
-def muon_defaults(
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    weight_decay: float,
-    ns_steps: int,
-    coefficients: CoefficientsLike,
-    lr_scale: str,
-    ns_dtype: NSDtype,
-    eps: float,
-    split: dict[str, Split] | None,
-) -> dict[str, Any]:
-    """Muon's hyper-parameters, checked (each bad value named), as param-group defaults."""
-    check_nonnegative("lr", lr)
-    check_unit_interval("momentum", momentum)
-    check_nonnegative("weight_decay", weight_decay)
-    check_positive("eps", eps)
-    coefficient_schedule(coefficients, ns_steps, name="ns_steps")
-    check_dtype_or_auto("ns_dtype", ns_dtype)
-    return dict(
-        lr=lr,
-        momentum=momentum,
-        nesterov=nesterov,
-        weight_decay=weight_decay,
-        ns_steps=ns_steps,
-        coefficients=coefficients,
-        lr_scale=lr_scale_name(lr_scale),
-        ns_dtype=ns_dtype,
-        eps=eps,
-        split=dict(split or {}),
-    )
-
-
 class Muon(MatrixOptimizer):
     """Muon for matrix parameters (2-D, 3-D experts [E, out, in], conv weights as (out, rest)).
 
@@ -237,21 +204,12 @@ class Muon(MatrixOptimizer):
         eps: float = 1e-7,
         split: dict[str, Split] | None = None,
     ) -> None:
-        defaults = muon_defaults(
-            lr, momentum, nesterov, weight_decay, ns_steps, coefficients, lr_scale, ns_dtype,
-            eps, split,
-        )  # fmt: skip
-        self._start(params, defaults, orthogonalizer, nonfinite)
-
-    def _start(
-        self,
-        params: Iterable[Any],
-        defaults: dict[str, Any],
-        orthogonalizer: Orthogonalizer | None,
-        nonfinite: str,
-    ) -> None:
-        """Take the orthogonalizer and non-finite policy, then torch's constructor over
-        `params` with `defaults` (a variant adds its own hyper-parameters to Muon's)."""
+        check_nonnegative("lr", lr)
+        check_unit_interval("momentum", momentum)
+        check_nonnegative("weight_decay", weight_decay)
+        check_positive("eps", eps)
+        coefficient_schedule(coefficients, ns_steps, name="ns_steps")
+        check_dtype_or_auto("ns_dtype", ns_dtype)
         if orthogonalizer is not None and not callable(orthogonalizer):
             raise TypeError(
                 "orthogonalizer must be a callable (Tensor) -> Tensor or None, "
@@ -259,7 +217,19 @@ class Muon(MatrixOptimizer):
             )
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.orthogonalizer = orthogonalizer
-        MatrixOptimizer.__init__(self, params, defaults)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            coefficients=coefficients,
+            lr_scale=lr_scale_name(lr_scale),
+            ns_dtype=ns_dtype,
+            eps=eps,
+            split=dict(split or {}),
+        )
+        super().__init__(params, defaults)
 
     #: whether every parameter must be a matrix (Scion also takes vectors)
     matrices_only: ClassVar[bool] = True
@@ -304,12 +274,7 @@ class Muon(MatrixOptimizer):
         buf.lerp_(grad, 1.0 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def directions(
-        self,
-        items: Sequence[tuple[Tensor, dict[str, Any]]],
-        group: dict[str, Any],
-        names: Sequence[str],
-    ) -> list[Tensor | None]:
+    def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
         """orthogonalize(U)·scale(rows, cols) per matrix (per row block of a split matrix),
         same-shape blocks batched; a variant post-processes each with `finish`."""
         ortho = self.orthogonalized([u for u, _ in items], group, names, self.block_scale(group))

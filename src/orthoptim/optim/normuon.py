@@ -26,18 +26,19 @@ import torch
 from torch import Tensor
 
 from orthoptim._validate import check_positive, check_unit_interval
-from orthoptim.newton_schulz import CoefficientsLike, NSDtype
 from orthoptim.optim.contract import StateKind
-from orthoptim.optim.muon import Muon, Orthogonalizer, Split, lr_scale_factor, muon_defaults
+from orthoptim.optim.muon import Muon, lr_scale_factor
 from orthoptim.optim.shapes import matrix_view, stack_shape
 
 
 class NorMuon(Muon):
     """NorMuon for matrix parameters (as Muon: 2-D, 3-D experts, conv weights; `split`).
 
-    `beta2`: EMA coefficient of the per-neuron second moment; `eps`: added to its root (and
-    to the norm ratio). Other arguments as `Muon`; `lr_scale` is applied after the
-    normalisation (default "keller", the official code's max(1, m/n)^½).
+    `beta2`: EMA coefficient of the per-neuron second moment; `eps`: added to its root (and to the
+    norm ratio). `lr_scale` is applied after the normalisation (default "keller", the official
+    code's max(1, m/n)^½). `options` are Muon's (`ns_steps`, `coefficients`, `ns_dtype`,
+    `orthogonalizer`, `nonfinite`, `split`), with Muon's defaults; Newton-Schulz's own `eps` stays
+    Muon's.
     """
 
     state_kinds: ClassVar[dict[str, StateKind]] = {
@@ -55,20 +56,15 @@ class NorMuon(Muon):
         nesterov: bool = True,
         weight_decay: float = 0.0,
         lr_scale: str = "keller",
-        ns_steps: int = 5,
-        coefficients: CoefficientsLike = "quintic",
-        ns_dtype: NSDtype = "auto",
-        orthogonalizer: Orthogonalizer | None = None,
-        nonfinite: str = "raise",
-        split: dict[str, Split] | None = None,
+        **options: Any,
     ) -> None:
         check_unit_interval("beta2", beta2)
         check_positive("eps", eps)
-        defaults = muon_defaults(
-            lr, momentum, nesterov, weight_decay, ns_steps, coefficients, lr_scale, ns_dtype,
-            1e-7, split,
+        super().__init__(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            lr_scale=lr_scale, **options,
         )  # fmt: skip
-        self._start(params, dict(defaults, beta2=beta2, moment_eps=eps), orthogonalizer, nonfinite)
+        self.add_defaults(beta2=beta2, moment_eps=eps)
 
     @classmethod
     def state_numel(cls, shape: Sequence[int]) -> int:

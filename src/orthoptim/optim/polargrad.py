@@ -21,16 +21,17 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from orthoptim.newton_schulz import CoefficientsLike, NSDtype
 from orthoptim.optim.contract import StateKind
-from orthoptim.optim.muon import Muon, Orthogonalizer, Split, lr_scale_factor, muon_defaults
+from orthoptim.optim.muon import Muon, lr_scale_factor
 from orthoptim.optim.shapes import matrix_view
 
 
 class PolarGrad(Muon):
     """PolarGrad for matrix parameters (as Muon: 2-D, 3-D experts, conv weights; `split`).
 
-    Arguments as `Muon`; `lr_scale` (default "none") multiplies the scaled polar factor.
+    `lr_scale` (default "none") multiplies the scaled polar factor. `options` are Muon's
+    (`ns_steps`, `coefficients`, `ns_dtype`, `orthogonalizer`, `nonfinite`, `eps`, `split`), with
+    Muon's defaults.
     """
 
     state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}
@@ -43,19 +44,12 @@ class PolarGrad(Muon):
         nesterov: bool = False,
         weight_decay: float = 0.0,
         lr_scale: str = "none",
-        ns_steps: int = 5,
-        coefficients: CoefficientsLike = "quintic",
-        ns_dtype: NSDtype = "auto",
-        orthogonalizer: Orthogonalizer | None = None,
-        nonfinite: str = "raise",
-        eps: float = 1e-7,
-        split: dict[str, Split] | None = None,
+        **options: Any,
     ) -> None:
-        defaults = muon_defaults(
-            lr, momentum, nesterov, weight_decay, ns_steps, coefficients, lr_scale, ns_dtype,
-            eps, split,
+        super().__init__(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            lr_scale=lr_scale, **options,
         )  # fmt: skip
-        self._start(params, defaults, orthogonalizer, nonfinite)
 
     def block_scale(self, group: dict[str, Any]) -> str:
         return "none"  # the LR scale multiplies the scaled polar factor, not U

@@ -33,9 +33,8 @@ import torch
 from torch import Tensor
 
 from orthoptim._validate import check_choice, check_positive
-from orthoptim.newton_schulz import CoefficientsLike, NSDtype
-from orthoptim.optim.contract import StateKind
-from orthoptim.optim.muon import Muon, Orthogonalizer, Split, muon_defaults
+from orthoptim.optim.contract import Directions, Group, Prepared, StateKind
+from orthoptim.optim.muon import Muon
 from orthoptim.optim.state import base_name
 
 NORMS = ("spectral", "sign", "colnorm", "embedding", "bias_rms")
@@ -60,10 +59,11 @@ class Scion(Muon):
     """Scion for matrices (spectral LMO, as Muon: 2-D, 3-D experts, conv weights; `split`)
     and, through `norms`, for heads, embeddings and vectors.
 
-    `radius`: ρ, the norm ball's radius; `constrained`: W ← (1 − lr)·W − lr·ρ·lmo(M), else
-    W ← W − lr·ρ·lmo(M) (`weight_decay`, when given, replaces the 1 or 0); `norms`:
-    {parameter name: one of `NORMS`}; `eps`: the guard of the non-spectral LMOs' divisions
-    (the official 1e-8). Other arguments as `Muon`.
+    `radius`: ρ, the norm ball's radius; `constrained`: W ← (1 − lr)·W − lr·ρ·lmo(M), else W ← W −
+    lr·ρ·lmo(M) (`weight_decay`, when given, replaces the 1 or 0); `norms`: {parameter name: one of
+    `NORMS`}; `eps`: the guard of the non-spectral LMOs' divisions (the official 1e-8). `options`
+    are Muon's (`ns_steps`, `coefficients`, `ns_dtype`, `orthogonalizer`, `nonfinite`, `split`),
+    with Muon's defaults; Newton-Schulz's own `eps` stays Muon's.
     """
 
     state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}
@@ -80,12 +80,7 @@ class Scion(Muon):
         norms: dict[str, str] | None = None,
         nesterov: bool = False,
         eps: float = 1e-8,
-        ns_steps: int = 5,
-        coefficients: CoefficientsLike = "quintic",
-        ns_dtype: NSDtype = "auto",
-        orthogonalizer: Orthogonalizer | None = None,
-        nonfinite: str = "raise",
-        split: dict[str, Split] | None = None,
+        **options: Any,
     ) -> None:
         check_positive("radius", radius)
         check_positive("eps", eps)
@@ -93,23 +88,17 @@ class Scion(Muon):
             check_choice(f"norms[{name!r}]", norm, NORMS)
         if weight_decay is None:
             weight_decay = 1.0 if constrained else 0.0
-        defaults = muon_defaults(
-            lr, momentum, nesterov, weight_decay, ns_steps, coefficients, "unit_rms_norm",
-            ns_dtype, 1e-7, split,
+        super().__init__(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            lr_scale="unit_rms_norm", **options,  # the spectral LMO's √(d_out/d_in)
         )  # fmt: skip
-        extra = dict(radius=radius, norms=dict(norms or {}), moment_eps=eps)
-        self._start(params, dict(defaults, **extra), orthogonalizer, nonfinite)
+        self.add_defaults(radius=radius, norms=dict(norms or {}), moment_eps=eps)
 
     def norm_of(self, group: dict[str, Any], name: str, ndim: int) -> str:
         """The norm of parameter `name`: as `norms` says, else by its number of dims."""
         return group["norms"].get(base_name(name), "spectral" if ndim >= 2 else "bias_rms")
 
-    def directions(
-        self,
-        items: Sequence[tuple[Tensor, dict[str, Any]]],
-        group: dict[str, Any],
-        names: Sequence[str],
-    ) -> list[Tensor | None]:
+    def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
         """ρ·lmo(M) per parameter; the spectral ones orthogonalized in shape batches."""
         norms = [self.norm_of(group, n, u.ndim) for (u, _), n in zip(items, names)]
         spectral = [i for i, norm in enumerate(norms) if norm == "spectral"]

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from orthoptim._validate import (
+    check_betas,
     check_choice,
     check_int,
     check_nonnegative,
@@ -42,7 +43,14 @@ from orthoptim._validate import (
     check_unit_interval,
 )
 from orthoptim.optim.base import check_nonfinite_policy, check_params, state_dtype
-from orthoptim.optim.contract import MatrixOptimizer, StateKind, descend
+from orthoptim.optim.contract import (
+    Directions,
+    Group,
+    MatrixOptimizer,
+    Prepared,
+    StateKind,
+    descend,
+)
 from orthoptim.optim.shapes import matrix_view, stack_shape
 
 REFRESH_METHODS = ("qr", "eigh")
@@ -128,10 +136,7 @@ class SOAP(MatrixOptimizer):
         nonfinite: str = "raise",
     ) -> None:
         check_nonnegative("lr", lr)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        check_unit_interval("betas[0]", betas[0])
-        check_unit_interval("betas[1]", betas[1])
+        check_betas("betas", betas)
         if shampoo_beta is not None:
             check_unit_interval("shampoo_beta", shampoo_beta)
         check_positive("eps", eps)
@@ -204,12 +209,7 @@ class SOAP(MatrixOptimizer):
         correction = 1.0 - beta1**step if group["correct_bias"] else 1.0
         descend(param, direction, group["lr"], group["weight_decay"], group["lr"] / correction)
 
-    def directions(
-        self,
-        items: Sequence[tuple[Tensor, dict[str, Any]]],
-        group: dict[str, Any],
-        names: Sequence[str],
-    ) -> list[Tensor | None]:
+    def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
         """Adam's step in the rotated basis, rotated back, per matrix (None on a rotated
         matrix's first step); folds the gradient into the factors and refreshes the bases."""
         return [self._direction(g, st, group, n) for (g, st), n in zip(items, names)]

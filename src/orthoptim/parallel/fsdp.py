@@ -131,6 +131,22 @@ class _Matrix:
         self.numels = [r * row for r in C.shard_sizes(param.shape[0], world_size)]
 
 
+class _Exchange:
+    """One bucket's pair of all-to-alls: its live matrices, the split sizes each way, and
+    the buffers and work in flight."""
+
+    def __init__(self, ms: list[_Matrix], rank: int, world_size: int) -> None:
+        self.ms = ms
+        self.mine = [m for m in ms if m.owner == rank]
+        # forward: what this rank sends each owner, and receives from each rank
+        self.in_splits = [
+            sum(m.numels[rank] for m in ms if m.owner == d) for d in range(world_size)
+        ]
+        self.out_splits = [sum(m.numels[s] for m in self.mine) for s in range(world_size)]
+        self.send = self.recv = self.back = torch.empty(0)
+        self.work: Any = None
+
+
 class FSDPOptimizer(CompositeOptimizer):
     """A matrix optimizer (hybrid with AdamW) over parameters sharded by FSDP2's `fully_shard`.
 
@@ -311,10 +327,10 @@ class FSDPOptimizer(CompositeOptimizer):
                 state[k] = v
 
     def _step_matrices(self, present: list[bool]) -> None:
+        """prepare on the shards → forward all-to-alls → directions on the owners → back
+        all-to-alls → apply on the shards (the module docstring's step)."""
         opt = self.matrix_opt
         assert opt is not None
-        n, rank, dev = self.world_size, self.rank, self.device
-        wire = self.comm_dtype
         live = [m for m in self._matrices if present[m.unit]]
         moving: dict[int, bool] = {}
         updates: dict[int, Tensor] = {}
@@ -332,80 +348,18 @@ class FSDPOptimizer(CompositeOptimizer):
         for unit_ids in self.assignment.buckets:
             ms = [self._matrices[i] for i in unit_ids if present[i]]
             if ms:
-                buckets.append(ms)
-
-        # Forward: per bucket, shards grouped by destination (owner) rank.
-        sent_layouts = []
-        for ms in buckets:
-            in_splits = [sum(m.numels[rank] for m in ms if m.owner == d) for d in range(n)]
-            out_splits = [sum(m.numels[s] for m in ms if m.owner == rank) for s in range(n)]
-            dtype = wire or _bucket_dtype(ms)
-            parts = []
-            for d in range(n):
-                for m in ms:
-                    if m.owner == d and m.numels[rank]:
-                        u = updates.get(m.unit)
-                        # A matrix with no gradient here (but somewhere) contributes zeros.
-                        if u is None:
-                            u = torch.zeros(m.numels[rank], dtype=dtype, device=dev)
-                        parts.append(u)
-            send = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=dev)
-            recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
-            work = C.all_to_all(
-                recv, send, out_splits, in_splits, self.process_group, self._stats, async_op=True
-            )
-            sent_layouts.append((ms, in_splits, out_splits, send, recv, work))
-
-        # Owners: rebuild full matrices, then the matrix optimizer's directions per group.
-        full: dict[int, Tensor] = {}
-        for ms, _, _, _, recv, work in sent_layouts:
-            if work is not None:
-                work.wait()
-            mine = [m for m in ms if m.owner == rank]
-            chunks: dict[int, list[Tensor]] = {m.unit: [] for m in mine}
-            offset = 0
-            for s in range(n):
-                for m in mine:
-                    chunks[m.unit].append(recv[offset : offset + m.numels[s]])
-                    offset += m.numels[s]
-            for m in mine:
-                full[m.unit] = (
-                    torch.cat(chunks[m.unit]).to(state_dtype(m.param)).view(m.param.shape)
-                )
-        mine = [m for ms in buckets for m in ms if m.owner == rank]
-        found = self._directions(mine, full)
-
-        # Back: the owner sends each rank its rows, laid out as the forward receive buffer.
-        back = []
-        for ms, in_splits, out_splits, send, recv, _ in sent_layouts:
-            mine = [m for m in ms if m.owner == rank]
-            parts = []
-            for s in range(n):
-                for m in mine:
-                    start = sum(m.numels[:s])
-                    d = found.get(m.unit)
-                    if d is None:  # this step leaves the matrix in place
-                        parts.append(recv.new_zeros(m.numels[s]))
-                    else:
-                        parts.append(d[start : start + m.numels[s]])
-            ret = torch.cat(parts).to(recv.dtype) if parts else recv.new_zeros(0)
-            got = torch.empty_like(send)
-            work = C.all_to_all(
-                got, ret, in_splits, out_splits, self.process_group, self._stats, async_op=True
-            )
-            back.append((ms, got, work))
-
+                buckets.append(_Exchange(ms, self.rank, self.world_size))
+        for x in buckets:
+            self._send(x, updates)
+        full = {}
+        for x in buckets:
+            full.update(self._receive(x))
+        found = self._directions([m for x in buckets for m in x.mine], full)
+        for x in buckets:
+            self._send_back(x, found)
         rows: dict[int, Tensor] = {}
-        for ms, got, work in back:
-            if work is not None:
-                work.wait()
-            offset = 0
-            for d in range(n):
-                for m in ms:
-                    if m.owner != d or not m.numels[rank]:
-                        continue
-                    rows[m.unit] = got[offset : offset + m.numels[rank]]
-                    offset += m.numels[rank]
+        for x in buckets:
+            rows.update(self._receive_back(x))
         for m in live:
             if m.param.grad is None:
                 continue
@@ -414,6 +368,72 @@ class FSDPOptimizer(CompositeOptimizer):
             local = self._local(m)
             opt.apply(p, d if moving[m.unit] else None, local, m.group)
             self._keep(m, local)
+
+    def _send(self, x: _Exchange, updates: dict[int, Tensor]) -> None:
+        """Launch the bucket's forward all-to-all: this rank's shard of each prepared update
+        to its matrix's owner, grouped by owner rank (zeros where this rank has no gradient)."""
+        n, rank, dev = self.world_size, self.rank, self.device
+        dtype = self.comm_dtype or _bucket_dtype(x.ms)
+        parts = []
+        for d in range(n):
+            for m in x.ms:
+                if m.owner == d and m.numels[rank]:
+                    u = updates.get(m.unit)
+                    if u is None:  # no gradient here (but somewhere): zeros
+                        u = torch.zeros(m.numels[rank], dtype=dtype, device=dev)
+                    parts.append(u)
+        x.send = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=dev)
+        x.recv = torch.empty(sum(x.out_splits), dtype=dtype, device=dev)
+        x.work = C.all_to_all(
+            x.recv, x.send, x.out_splits, x.in_splits, self.process_group, self._stats,
+            async_op=True,
+        )  # fmt: skip
+
+    def _receive(self, x: _Exchange) -> dict[int, Tensor]:
+        """Wait for the forward all-to-all; the full update of each matrix this rank owns
+        (the shards of every rank concatenated in rank order), by unit."""
+        if x.work is not None:
+            x.work.wait()
+        chunks: dict[int, list[Tensor]] = {m.unit: [] for m in x.mine}
+        offset = 0
+        for s in range(self.world_size):
+            for m in x.mine:
+                chunks[m.unit].append(x.recv[offset : offset + m.numels[s]])
+                offset += m.numels[s]
+        return {
+            m.unit: torch.cat(chunks[m.unit]).to(state_dtype(m.param)).view(m.param.shape)
+            for m in x.mine
+        }
+
+    def _send_back(self, x: _Exchange, found: dict[int, Tensor]) -> None:
+        """Launch the bucket's back all-to-all: each rank its rows of every direction this
+        rank owns (zeros for a matrix the step leaves in place), laid out as it sent them."""
+        parts = []
+        for s in range(self.world_size):
+            for m in x.mine:
+                start = sum(m.numels[:s])
+                d = found.get(m.unit)
+                parts.append(
+                    x.recv.new_zeros(m.numels[s]) if d is None else d[start : start + m.numels[s]]
+                )
+        ret = torch.cat(parts).to(x.recv.dtype) if parts else x.recv.new_zeros(0)
+        x.back = torch.empty_like(x.send)
+        x.work = C.all_to_all(
+            x.back, ret, x.in_splits, x.out_splits, self.process_group, self._stats,
+            async_op=True,
+        )  # fmt: skip
+
+    def _receive_back(self, x: _Exchange) -> dict[int, Tensor]:
+        """Wait for the back all-to-all; this rank's rows of each direction, by unit."""
+        if x.work is not None:
+            x.work.wait()
+        rows, offset, rank = {}, 0, self.rank
+        for d in range(self.world_size):
+            for m in x.ms:
+                if m.owner == d and m.numels[rank]:
+                    rows[m.unit] = x.back[offset : offset + m.numels[rank]]
+                    offset += m.numels[rank]
+        return rows
 
     def _directions(self, mine: list[_Matrix], full: dict[int, Tensor]) -> dict[int, Tensor]:
         """The matrix optimizer's directions of the owned full updates, batched by param group;

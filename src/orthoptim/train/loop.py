@@ -23,11 +23,12 @@ import math
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from orthoptim import collectives
 from orthoptim.optim.base import NonFiniteGradientError
@@ -201,25 +202,34 @@ def setup_logging(out: Path, rank: int) -> logging.Logger:
     return log
 
 
-def train(
-    args: TrainArgs,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    out: Path,
-    log: logging.Logger,
-) -> dict[str, Any]:
-    ckpt = Checkpointer(
-        out,
-        rank,
-        world_size,
-        sharded=args.fsdp and world_size > 1,
-        tp=args.tp,
-        keep=args.keep_checkpoints,
-    )
-    changes: list[str] = []
-    if args.resume:
-        args, changes = resumed_args(args, ckpt.latest())
+@dataclass
+class Run:
+    """What one rank trains, built once by `build_run`: the model and its optimizer, the
+    corpus and validation batches, and how the ranks split the data."""
+
+    model: nn.Module
+    opt: Any
+    clip: QKClip | None
+    corpus: Any
+    seq_len: int
+    batch: int  # sequences per data-parallel rank per step
+    model_info: dict[str, Any]
+    val: list[tuple[Tensor, Tensor]]
+    precision: str
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one step trains on over every rank (tp ranks share their dp rank's batch)."""
+        return self.batch * self.seq_len * self.dp_size
+
+
+def build_run(
+    args: TrainArgs, rank: int, world_size: int, device: torch.device, log: logging.Logger
+) -> Run:
+    """The model (same seed on every rank; sharded by FSDP2 or parallelized over a (dp, tp)
+    mesh as the flags say), its optimizer, QK-clip, the corpus and the validation batches."""
     cfg = get_config(args.config)
     corpus = load_corpus(args.data, min_bytes=cfg.seq_len + 1)
     log.info("corpus %s", corpus.describe())
@@ -264,36 +274,137 @@ def train(
         precision,
         ", blocks compiled" if args.compile else "",
     )
+    info = dict(hf_config=args.hf_config) if args.hf_config else cfg.as_dict()
+    return Run(
+        model, opt, clip, corpus, cfg.seq_len, args.batch, info, val, precision, dp_rank, dp_size
+    )
 
+
+def resume(
+    run: Run,
+    ckpt: Checkpointer,
+    args: TrainArgs,
+    changes: list[str],
+    rank: int,
+    log: logging.Logger,
+    metrics_path: Path,
+) -> tuple[int, float]:
+    """Load the newest intact checkpoint into the run (this run's LRs and decay, which the
+    checkpoint's must not replace, kept), say so, and cut the metrics back to its step.
+    Returns (step, training time so far)."""
+    wanted = [(g["initial_lr"], g.get("weight_decay")) for g in run.opt.param_groups]
+    info = ckpt.load(run.model, run.opt, args)
+    start = info["step"]
+    for g, (lr, decay) in zip(run.opt.param_groups, wanted):
+        g["initial_lr"] = lr
+        if decay is not None:
+            g["weight_decay"] = decay
+    for message in (
+        *(f"--resume: passed over {why}" for why in info["passed_over"]),
+        f"resuming from {info['folder']} (step {start})",
+        *(f"{change} from step {start}" for change in changes),
+    ):
+        _notice(log, rank, message)
+    # Allowed: the checkpoint holds fp32 parameters and optimizer state in either precision.
+    if info.get("precision", "fp32") != run.precision:
+        log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), run.precision)
+    if rank == 0:
+        kept = read_metrics(metrics_path, upto=start)
+        atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
+    return start, info["train_time_s"]
+
+
+def train_step(
+    run: Run, args: TrainArgs, step: int, device: torch.device, world_size: int
+) -> dict[str, Any]:
+    """One step (LR schedule, forward, backward, clipping, optimizer step, QK-clip): its
+    metrics row, with the seconds it took (`step_time_s`, `opt_time_s`)."""
+    opt = run.opt
+    mult = lr_multiplier(step, args)
+    for g in opt.param_groups:
+        g["lr"] = g["initial_lr"] * mult
+    x, y = get_batch(run.corpus.train, args.batch, run.seq_len, args.seed, step, run.dp_rank)
+    x, y = x.to(device), y.to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    if args.compile:
+        # Compiled blocks trace the optimizer's forward pre-hooks: finish the parameter
+        # gathers here, so the hooks find nothing to do and no graph recompiles. (Under
+        # NCCL the last step's loss all-reduce, queued behind the gathers, has waited
+        # for them already: only their copy into the parameters moves out of forward.)
+        _params_ready(opt)
+    with autocast(device, run.precision):
+        loss = run.model(x, y)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t1 = time.perf_counter()
+    norm = clip_gradients(run.model, opt, args.clip_norm) if args.clip_norm > 0 else None
+    try:
+        opt.step()
+    except NonFiniteGradientError as exc:
+        raise FloatingPointError(
+            f"non-finite gradient at step {step}; the last checkpoint is intact: "
+            f"--resume it with a lower --lr or --grad-clip (in {', '.join(exc.names)})"
+        ) from exc
+    opt.zero_grad(set_to_none=True)
+    clipped = run.clip.step() if run.clip is not None else {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t2 = time.perf_counter()
+    sent, received = _comm_totals(opt)
+    (train_loss,) = collectives.sum_floats([loss.item() / world_size])
+    if not math.isfinite(train_loss):
+        raise FloatingPointError(f"training loss is {train_loss} at step {step}; lower --lr")
+    row: dict[str, Any] = dict(
+        step=step,
+        train_loss=train_loss,
+        lr=opt.param_groups[0]["lr"],
+        step_time_s=t2 - t0,
+        opt_time_s=t2 - t1,
+        comm_sent_bytes=sent,
+        comm_received_bytes=received,
+        precision=run.precision,
+        **clipped,
+    )
+    if norm is not None:
+        row["grad_norm"] = norm
+    return row
+
+
+def train(
+    args: TrainArgs,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    out: Path,
+    log: logging.Logger,
+) -> dict[str, Any]:
+    """One rank's whole run: build it, resume it if asked, train and evaluate step by step
+    writing metrics, checkpoints and (rank 0) `result.json`; returns the result."""
+    ckpt = Checkpointer(
+        out,
+        rank,
+        world_size,
+        sharded=args.fsdp and world_size > 1,
+        tp=args.tp,
+        keep=args.keep_checkpoints,
+    )
+    changes: list[str] = []
+    if args.resume:
+        args, changes = resumed_args(args, ckpt.latest())
+    run = build_run(args, rank, world_size, device, log)
+    opt = run.opt
     metrics_path = out / "metrics.jsonl"
     start, train_time = 0, 0.0
     if args.resume:
-        # The hyper-parameters of this run's flags, which the checkpoint's must not replace.
-        wanted = [(g["initial_lr"], g.get("weight_decay")) for g in opt.param_groups]
-        info = ckpt.load(model, opt, args)
-        start, train_time = info["step"], info["train_time_s"]
-        for g, (lr, decay) in zip(opt.param_groups, wanted):
-            g["initial_lr"] = lr
-            if decay is not None:
-                g["weight_decay"] = decay
-        for message in (
-            *(f"--resume: passed over {why}" for why in info["passed_over"]),
-            f"resuming from {info['folder']} (step {start})",
-            *(f"{change} from step {start}" for change in changes),
-        ):
-            _notice(log, rank, message)
-        # Allowed: the checkpoint holds fp32 parameters and optimizer state in either precision.
-        if info.get("precision", "fp32") != precision:
-            log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), precision)
-        if rank == 0:
-            kept = read_metrics(metrics_path, upto=start)
-            atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
+        start, train_time = resume(run, ckpt, args, changes, rank, log, metrics_path)
     elif rank == 0:
         metrics_path.write_text("")
     collectives.barrier()
 
-    # The tp ranks of a data-parallel rank share its batch.
-    tokens_per_step = args.batch * cfg.seq_len * dp_size
+    tokens_per_step = run.tokens_per_step
     last = args.stop_after or args.steps
     bar = None
     if rank == 0 and args.progress:
@@ -308,93 +419,43 @@ def train(
             mininterval=0.5,
         )
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
+
+    def validate() -> float:
+        _params_ready(opt)
+        return evaluate(run.model, run.val, run.dp_rank, run.dp_size, args.fsdp, run.precision)
+
     val_loss = None
     if start == 0:
-        _params_ready(opt)
-        val_loss = evaluate(model, val, dp_rank, dp_size, args.fsdp, precision)
+        val_loss = validate()
         if metrics_file:
-            row0 = dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0, precision=precision)
-            metrics_file.write(json.dumps(row0) + "\n")
+            row0 = dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)
+            metrics_file.write(json.dumps(dict(row0, precision=run.precision)) + "\n")
             metrics_file.flush()
-    comm = (0.0, 0.0)
+    row: dict[str, Any] = {}
     try:
         for step in range(start + 1, last + 1):
-            mult = lr_multiplier(step, args)
-            for g in opt.param_groups:
-                g["lr"] = g["initial_lr"] * mult
-            x, y = get_batch(corpus.train, args.batch, cfg.seq_len, args.seed, step, dp_rank)
-            x, y = x.to(device), y.to(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            if args.compile:
-                # Compiled blocks trace the optimizer's forward pre-hooks: finish the parameter
-                # gathers here, so the hooks find nothing to do and no graph recompiles. (Under
-                # NCCL the last step's loss all-reduce, queued behind the gathers, has waited
-                # for them already: only their copy into the parameters moves out of forward.)
-                _params_ready(opt)
-            with autocast(device, precision):
-                loss = model(x, y)
-            loss.backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t1 = time.perf_counter()
-            norm = clip_gradients(model, opt, args.clip_norm) if args.clip_norm > 0 else None
-            try:
-                opt.step()
-            except NonFiniteGradientError as exc:
-                raise FloatingPointError(
-                    f"non-finite gradient at step {step}; the last checkpoint is intact: "
-                    f"--resume it with a lower --lr or --grad-clip (in {', '.join(exc.names)})"
-                ) from exc
-            opt.zero_grad(set_to_none=True)
-            clipped = clip.step() if clip is not None else {}
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t2 = time.perf_counter()
-            train_time += t2 - t0
-            comm = _comm_totals(opt)
-            (train_loss,) = collectives.sum_floats([loss.item() / world_size])
-            if not math.isfinite(train_loss):
-                raise FloatingPointError(
-                    f"training loss is {train_loss} at step {step}; lower --lr"
-                )
-            row: dict[str, Any] = dict(
-                step=step,
-                train_loss=train_loss,
-                lr=opt.param_groups[0]["lr"],
-                step_time_s=t2 - t0,
-                opt_time_s=t2 - t1,
-                train_time_s=train_time,
-                tokens=step * tokens_per_step,
-                comm_sent_bytes=comm[0],
-                comm_received_bytes=comm[1],
-                precision=precision,
-                **clipped,
-            )
-            if norm is not None:
-                row["grad_norm"] = norm
+            row = train_step(run, args, step, device, world_size)
+            train_time += row["step_time_s"]
+            row.update(train_time_s=train_time, tokens=step * tokens_per_step)
             if step - start <= COLD_STEPS:
                 row["cold"] = True
             if step % args.eval_every == 0 or step == args.steps:
-                _params_ready(opt)
-                val_loss = evaluate(model, val, dp_rank, dp_size, args.fsdp, precision)
-                row["val_loss"] = val_loss
-                log.info("step %d train %.4f val %.4f", step, train_loss, val_loss)
+                val_loss = row["val_loss"] = validate()
+                log.info("step %d train %.4f val %.4f", step, row["train_loss"], val_loss)
             if metrics_file:
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
             if bar is not None:
                 bar.set_postfix(
-                    loss=f"{train_loss:.3f}",
+                    loss=f"{row['train_loss']:.3f}",
                     val=f"{val_loss:.3f}" if val_loss is not None else "-",
-                    tok_s=f"{tokens_per_step / (t2 - t0):,.0f}",
+                    tok_s=f"{tokens_per_step / row['step_time_s']:,.0f}",
                 )
                 bar.update(1)
             if step % args.ckpt_every == 0 or step == last:
-                meta = dict(args=args.to_dict(), train_time_s=train_time, precision=precision)
+                meta = dict(args=args.to_dict(), train_time_s=train_time, precision=run.precision)
                 _params_ready(opt)
-                ckpt.save(step, model, opt, meta)
+                ckpt.save(step, run.model, opt, meta)
                 log.info("checkpoint at step %d", step)
     finally:
         if bar is not None:
@@ -402,32 +463,47 @@ def train(
         if metrics_file:
             metrics_file.close()
 
-    peaks = collectives.gather_floats([float(peak_memory_bytes(device))])
-    comms = collectives.gather_floats(list(comm))
-    result = dict(
-        args=args.to_dict(),
-        model=dict(hf_config=args.hf_config) if args.hf_config else cfg.as_dict(),
-        parameters=sum(p.numel() for p in model.parameters()),
-        world_size=world_size,
-        device=str(device),
-        backend=collectives.backend_config() or None,
-        precision=precision,
-        compiled=args.compile,
-        threads_per_rank=torch.get_num_threads(),
-        tokens_per_step=tokens_per_step,
-        last_step=last,
-        final_val_loss=val_loss,
-        peak_memory_bytes_per_rank=[p[0] for p in peaks],
-        comm_sent_bytes_per_step_per_rank=[c[0] for c in comms],
-        comm_received_bytes_per_step_per_rank=[c[1] for c in comms],
-        optimizer_class=type(opt).__name__,
-    )
+    comm = (row.get("comm_sent_bytes", 0.0), row.get("comm_received_bytes", 0.0))
+    result = _result(run, args, world_size, device, last, val_loss, comm)
     result.update(throughput(read_metrics(metrics_path) if rank == 0 else [], tokens_per_step))
     if rank == 0:
         atomic_write_text(json.dumps(result, indent=1), out / "result.json")
     log.info("done: %s", json.dumps({k: result[k] for k in ("last_step", "final_val_loss")}))
     collectives.barrier()
     return result
+
+
+def _result(
+    run: Run,
+    args: TrainArgs,
+    world_size: int,
+    device: torch.device,
+    last: int,
+    val_loss: float | None,
+    comm: tuple[float, float],
+) -> dict[str, Any]:
+    """`result.json` but for the throughput: the run, its final loss, every rank's peak
+    memory and last step's bytes (collective: gathered from every rank)."""
+    peaks = collectives.gather_floats([float(peak_memory_bytes(device))])
+    comms = collectives.gather_floats(list(comm))
+    return dict(
+        args=args.to_dict(),
+        model=run.model_info,
+        parameters=sum(p.numel() for p in run.model.parameters()),
+        world_size=world_size,
+        device=str(device),
+        backend=collectives.backend_config() or None,
+        precision=run.precision,
+        compiled=args.compile,
+        threads_per_rank=torch.get_num_threads(),
+        tokens_per_step=run.tokens_per_step,
+        last_step=last,
+        final_val_loss=val_loss,
+        peak_memory_bytes_per_rank=[p[0] for p in peaks],
+        comm_sent_bytes_per_step_per_rank=[c[0] for c in comms],
+        comm_received_bytes_per_step_per_rank=[c[1] for c in comms],
+        optimizer_class=type(run.opt).__name__,
+    )
 
 
 # The first steps a process runs pay one-off costs (allocations, first collectives): their
