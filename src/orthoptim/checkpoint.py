@@ -731,7 +731,7 @@ def _template(md: Any, like: Tensor | None) -> Tensor:
     `like` (the parameter it belongs to) when that is a DTensor of the same shape, so each
     rank reads only its shard; else the whole tensor."""
     shape = tuple(md.size)
-    if like is not None and hasattr(like, "placements") and tuple(like.shape) == shape:
+    if like is not None and C.is_dtensor(like) and tuple(like.shape) == shape:
         local = torch.empty(like.to_local().shape, dtype=md.properties.dtype)
         return C.wrap_local(local, like)
     return torch.empty(shape, dtype=md.properties.dtype)

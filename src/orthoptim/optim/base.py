@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from orthoptim._validate import check_choice
+from orthoptim.collectives import is_dtensor
 from orthoptim.optim.state import StateView, check_state_dict
 
 logger = logging.getLogger("orthoptim")
@@ -67,7 +68,7 @@ def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
     else:
         checks = [torch.isfinite(g).all() for g in grads]
         # A sharded (DTensor) gradient's check is reduced over its mesh, so every rank agrees.
-        checks = [c.full_tensor() if hasattr(c, "full_tensor") else c for c in checks]
+        checks = [c.full_tensor() if is_dtensor(c) else c for c in checks]
         flags = torch.stack(checks).cpu()
     return [p for p, ok in zip(with_grad, flags.tolist()) if not ok]
 

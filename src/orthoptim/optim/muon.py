@@ -34,6 +34,7 @@ from orthoptim._validate import (
     check_positive,
     check_unit_interval,
 )
+from orthoptim.collectives import is_dtensor
 from orthoptim.newton_schulz import (
     CoefficientsLike,
     NSDtype,
@@ -101,7 +102,7 @@ def orthogonalize_blocks(
     # placements) is part of the key so a batch never mixes shardings.
     batches: dict[tuple[Any, ...], list[tuple[int, int | None, Tensor]]] = defaultdict(list)
     for i, (mats, sizes) in enumerate(items):
-        layout = (getattr(mats, "device_mesh", None), tuple(getattr(mats, "placements", ())))
+        layout = (mats.device_mesh, tuple(mats.placements)) if is_dtensor(mats) else (None, ())
         if sizes is None:
             batches[(mats.shape[-2], mats.shape[-1], mats.device, layout)].append((i, None, mats))
             continue

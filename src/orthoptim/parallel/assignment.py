@@ -990,11 +990,11 @@ def shard_shape(p: Tensor) -> tuple[int, ...]:
     torch.chunk rule). Computed from the global shape, so every rank gets the same answer.
     """
     shape = list(p.shape)
-    mesh = getattr(p, "device_mesh", None)
-    for mesh_dim, placement in enumerate(getattr(p, "placements", ())):
-        dim = getattr(placement, "dim", None)
-        if mesh is not None and dim is not None and placement.is_shard():
-            shape[dim] = -(-shape[dim] // mesh.size(mesh_dim))
+    if not C.is_dtensor(p):
+        return tuple(shape)
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            shape[placement.dim] = -(-shape[placement.dim] // p.device_mesh.size(mesh_dim))
     return tuple(shape)
 
 

@@ -568,11 +568,11 @@ def _bucket_dtype(ms: list[_Matrix]) -> torch.dtype:
 def _shard_group(named: list[tuple[str, Tensor]]) -> tuple[Any, Any]:
     """The process group of the mesh dimension every parameter is Shard(0) on (None without
     an initialised process group), checking the FSDP2 layout and naming what breaks it."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     mesh, dim = None, None
     for name, p in named:
-        if not isinstance(p, DTensor):
+        if not C.is_dtensor(p):
             if C.world()[1] == 1:
                 continue
             raise ValueError(

@@ -102,7 +102,7 @@ class _Slot:
         self.part = part
         self.flat = flat
         if flat is not None:
-            if hasattr(param, "placements") or not param.is_contiguous():
+            if C.is_dtensor(param) or not param.is_contiguous():
                 raise ValueError(
                     f"{name}: a sharded AdamW parameter must be a contiguous plain tensor; "
                     "build the optimizer with shard_adamw=False"
@@ -112,7 +112,7 @@ class _Slot:
             self.data: Tensor = param.detach().view(-1)[flat[0] : flat[1]].requires_grad_(True)
         elif part is None:
             self.data = param
-        elif hasattr(param, "placements"):
+        elif C.is_dtensor(param):
             raise NotImplementedError(
                 f"{self.name}: expert slices of a tensor-parallel (DTensor) parameter are not "
                 "owned separately; build the optimizer with split_experts=False"
@@ -710,9 +710,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         first rank of every TP group only."""
         if not self.tp_groups:
             return True
-        placements = getattr(s.param, "placements", None)
-        if placements is None:
+        if not C.is_dtensor(s.param):
             return all(C.world(g)[0] == 0 for g in self.tp_groups)
+        placements = s.param.placements
         coord = s.param.device_mesh.get_coordinate() or [0] * len(placements)
         return all(c == 0 for c, pl in zip(coord, placements) if pl.is_replicate())
 
@@ -902,9 +902,9 @@ def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> li
 
     groups: list[Any] = []
     for name, p in params.items():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is None:
+        if not C.is_dtensor(p):
             continue
+        mesh = p.device_mesh
         for d in range(mesh.ndim):
             g = mesh.get_group(d)
             if any(g is h for h in groups):
