@@ -51,14 +51,11 @@ from torch import Tensor, nn
 
 from orthoptim import collectives as C
 from orthoptim.optim.state import (
-    _NOT_HYPER,
     IMPLEMENTATION_HYPERS,
+    NOT_HYPERS,
     SCHEDULED_HYPERS,
     CheckpointMismatchError,
     StateView,
-    _meta_from_full,
-    _require_full,
-    _shapes_from_state,
     base_name,
     check_optimizer,
     check_state_dict,
@@ -66,7 +63,10 @@ from orthoptim.optim.state import (
     describe,
     flat_label,
     is_full_state_dict,
+    meta_from_full,
     ranged,
+    require_full,
+    shapes_from_state,
     state_view,
     validate,
 )
@@ -138,7 +138,7 @@ def _install(
             {
                 k: v
                 for k, v in sg["hypers"].items()
-                if k not in _NOT_HYPER and k not in IMPLEMENTATION_HYPERS
+                if k not in NOT_HYPERS and k not in IMPLEMENTATION_HYPERS
             }
         )
     view = state_view(opt)
@@ -375,11 +375,11 @@ def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None
     momentum to bf16).
     """
     check_optimizer(opt)
-    _require_full(sd)
-    saved_meta = _meta_from_full(sd)
+    require_full(sd)
+    saved_meta = meta_from_full(sd)
     here = describe(opt)
     if not saved_meta["shapes"]:
-        saved_meta = {**saved_meta, "shapes": _shapes_from_state(sd, saved_meta, here)}
+        saved_meta = {**saved_meta, "shapes": shapes_from_state(sd, saved_meta, here)}
     names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
     state = {names[i]: st for i, st in sd["state"].items()}
     validate(opt, saved_meta)

@@ -153,7 +153,8 @@ SCHEDULED_HYPERS = frozenset(
 IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable", "ns_dtype"})
 
 
-_NOT_HYPER = ("params", "param_names", "optimizer")
+# group keys a loader never copies from a checkpoint into a group
+NOT_HYPERS = ("params", "param_names", "optimizer")
 
 
 class CheckpointMismatchError(ValueError):
@@ -179,6 +180,7 @@ def check_optimizer(opt: Any) -> torch.optim.Optimizer:
 
 
 def hypers(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters: everything but its parameters and their names."""
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
@@ -255,7 +257,9 @@ def is_full_state_dict(sd: dict[str, Any]) -> bool:
     return "param_groups" in sd and all("params" in g for g in sd["param_groups"])
 
 
-def _meta_from_full(sd: dict[str, Any]) -> dict[str, Any]:
+def meta_from_full(sd: dict[str, Any]) -> dict[str, Any]:
+    """The layout a full (torch-format) state dict was written for: its own record, or, for a
+    plain torch dict, its groups' hyper-parameters and names (shapes unknown)."""
     extra = sd.get("orthoptim")
     if extra is not None:
         return extra["meta"]
@@ -275,7 +279,7 @@ def _meta_from_full(sd: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT_VERSION, "groups": groups, "shapes": shapes}
 
 
-def _require_full(sd: Any) -> None:
+def require_full(sd: Any) -> None:
     """Raise a ValueError naming what `sd` is when it is not a torch-format optimizer dict."""
     if not isinstance(sd, dict) or not is_full_state_dict(sd):
         if not isinstance(sd, dict):
@@ -291,7 +295,7 @@ def _require_full(sd: Any) -> None:
         )
 
 
-def _shapes_from_state(
+def shapes_from_state(
     sd: dict[str, Any], meta: dict[str, Any], here: dict[str, Any]
 ) -> dict[str, list[int]]:
     """Shapes of a plain torch dict's parameters, read off state tensors shaped like them
@@ -364,13 +368,13 @@ def check_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
     built from unnamed parameters) is checked by position: group count and sizes, state
     shapes, hyper-parameters; the error says names could not be checked.
     """
-    _require_full(sd)
+    require_full(sd)
     saved_groups = sd["param_groups"]
     named = all("param_names" in g for g in saved_groups) and all(
         g.get("param_names") is not None for g in opt.param_groups
     )
     if named:
-        saved_meta = _meta_from_full(sd)
+        saved_meta = meta_from_full(sd)
         here = describe(opt)
     else:
         saved_meta = _positional_meta(
@@ -383,7 +387,7 @@ def check_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
             zip(ns, g["params"])
         }  # fmt: skip
     if not saved_meta["shapes"]:
-        saved_meta = {**saved_meta, "shapes": _shapes_from_state(sd, saved_meta, here)}
+        saved_meta = {**saved_meta, "shapes": shapes_from_state(sd, saved_meta, here)}
     saved_meta, here = _with_kinds(saved_meta, here, opt)
     mismatches = compare(saved_meta, here)
     if named and not mismatches:
