@@ -23,10 +23,11 @@ One step of a parameter W with gradient G splits in three::
     "scalar"        a small value every rank holding part of W keeps alike (a step count),
                     advanced in `apply`, so that `moves` agrees on every rank
 
-`init_state` makes the elementwise and scalar entries (zeros like the parameter: a DTensor
-parameter gives DTensor state). `moves(state, shape, group)` says, before a step and from the
-scalar state alone, whether that step will move a parameter of global `shape`; a rank holding
-a shard passes None to `apply` when it does not.
+`init_state` makes the elementwise entries (zeros like the parameter: a DTensor parameter
+gives DTensor state); scalar and matrix entries appear as the step first sets them.
+`moves(state, shape, group)` says, before a step and from the scalar state alone, whether
+that step will move a parameter of global `shape`; a rank holding a shard passes None to
+`apply` when it does not.
 """
 
 from __future__ import annotations
