@@ -334,3 +334,18 @@ def test_state_stays_float32_whatever_ns_dtype(param_dtype):
         opt.step()
     assert W.dtype == param_dtype
     assert opt.state[W]["momentum_buffer"].dtype == torch.float32
+
+
+def test_scaling_never_touches_what_a_custom_orthogonalizer_hands_back():
+    """Newton-Schulz's output is scaled by the LR-scale factor in place; a custom
+    orthogonalizer's output may be its input (here the momentum buffer itself, without
+    Nesterov), which must come through unscaled."""
+    p = nn.Parameter(torch.zeros(6, 3))
+    opt = Muon([p], lr=0.1, momentum=0.5, nesterov=False, lr_scale="spectral",
+               orthogonalizer=lambda x: x)  # fmt: skip
+    g = torch.randn(6, 3)
+    p.grad = g.clone()
+    opt.step()
+    buf = opt.state[p]["momentum_buffer"]
+    torch.testing.assert_close(buf, 0.5 * g)  # √max(6, 3) = √6 ≠ 1 was not applied to it
+    torch.testing.assert_close(p.detach(), -0.1 * 6**0.5 * 0.5 * g)

@@ -307,7 +307,10 @@ class Muon(MatrixOptimizer):
             mats, lambda m: self.orthogonalize(m, group), scale, self.stacks
         )
         for i, row, o, factor in blocks:
-            o = o * factor if factor != 1.0 else o
+            if factor != 1.0:
+                # Newton-Schulz's output is a fresh tensor: scaled in place; a custom
+                # orthogonalizer's might be its input (the momentum buffer): scaled apart
+                o = o.mul_(factor) if self.orthogonalizer is None else o * factor
             if row is None:
                 out[i] = o
                 continue
