@@ -303,12 +303,18 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     view.sync()
     meta = view.layout()
     # DTensor state (FSDP, tensor-parallel parameters) is all-gathered into full tensors, in
-    # the same (parameter, key) order on every rank.
+    # the same (parameter, key) order on every rank; only what this rank `sends` is kept.
+    state: dict[str, dict[str, Any]] = {}
+    for n, st in view.owned_state().items():
+        entry = {}
+        for k, v in st.items():
+            whole = C.unshard(v)
+            if view.sends(n, k, v):
+                entry[k] = _cpu(whole)
+        if entry:
+            state[n] = entry
     local = {
-        "state": {
-            n: {k: _cpu(C.unshard(v)) for k, v in st.items()}
-            for n, st in view.owned_state().items()
-        },
+        "state": state,
         "master": {n: _cpu(C.unshard(m)) for n, m in view.masters().items()},
     }
     if view.spread:

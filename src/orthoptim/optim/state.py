@@ -87,6 +87,11 @@ class StateView:
         """Name → the whole parameter (its global shape and, as a DTensor, its layout)."""
         return self.owned_params()
 
+    def sends(self, name: str, key: str, value: Any) -> bool:
+        """Whether this rank's `value` of state entry `key` of parameter `name` goes into a
+        gathered full state dict: all it owns here (the default)."""
+        return True
+
     def keeps(self, name: str, key: str) -> bool:
         """Whether this rank keeps state entry `key` of parameter `name` (all it owns here)."""
         return True

@@ -205,7 +205,6 @@ class FSDPOptimizer(CompositeOptimizer):
             C.check_device(p, f"FSDPOptimizer: parameter {n!r}", self.process_group)
         self.device = named[0][1].device if named else torch.device("cpu")
 
-        self.kind = optimizer
         # The matrix optimizer (None for plain AdamW): its contract runs on shards and owners.
         self.matrix_opt: MatrixOptimizer | None = (
             self.template.inner.get(optimizer) if optimizer != "adamw" else None
@@ -543,13 +542,18 @@ class _FSDPView(StateView):
     spread = True
 
     def __init__(self, opt: FSDPOptimizer) -> None:
-        super().__init__(opt, opt.template.state_view().kinds)
+        self.whole = opt.template.state_view()  # the same optimizer over the unsharded names
+        super().__init__(opt, self.whole.kinds)
         self.gather_group = opt.process_group
         self.owner_of = opt.owner_of
         self.rank = opt.rank
 
     def layout(self) -> dict[str, Any]:
-        return self.opt.template.state_view().layout()
+        return self.whole.layout()
+
+    def sends(self, name: str, key: str, value: Any) -> bool:
+        # an unsharded DTensor entry is the same on every rank of the group: rank 0 sends it
+        return self.rank == 0 or not C.is_dtensor(value)
 
     def keeps(self, name: str, key: str) -> bool:
         kind = self.kinds(name).get(key, "elementwise")
