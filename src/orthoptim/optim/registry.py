@@ -37,6 +37,13 @@ ELEMENTWISE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 ELEMENTWISE_STATE = {"adamw": 2, "lion": 1}
 
 
+def state_kinds_of(optimizer: str) -> dict[str, str]:
+    """The `state_kinds` of the optimizer named `optimizer` ({} for an elementwise one: all of
+    its state is elementwise)."""
+    cls = MATRIX_OPTIMIZERS.get(optimizer)
+    return dict(cls.state_kinds) if cls is not None else {}
+
+
 def is_elementwise(kind: str) -> bool:
     """Whether units of `kind` are stepped elementwise (no owner needed: sharded over ranks)."""
     return kind in ELEMENTWISE_OPTIMIZERS

@@ -56,7 +56,7 @@ from orthoptim.optim.base import (
     step_checked,
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
-from orthoptim.optim.registry import MATRIX_OPTIMIZERS, is_elementwise
+from orthoptim.optim.registry import is_elementwise, state_kinds_of
 from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import FORMAT_VERSION, StateView, flat_label, hypers
 from orthoptim.parallel import clip
@@ -931,7 +931,7 @@ class _LayerwiseView(StateView):
     spread = True
 
     def __init__(self, opt: LayerwiseDistributedOptimizer) -> None:
-        kinds = {g["optimizer"]: _kinds(g["optimizer"]) for g in opt.param_groups}
+        kinds = {g["optimizer"]: state_kinds_of(g["optimizer"]) for g in opt.param_groups}
         of = {u.name: kinds.get(u.kind, {}) for u in opt.units}
         super().__init__(opt, lambda name: of.get(name, {}))
         self.lw = opt
@@ -977,9 +977,3 @@ class _LayerwiseView(StateView):
 
     def params(self) -> dict[str, Tensor]:
         return dict(self.lw.model.named_parameters())
-
-
-def _kinds(optimizer: str) -> dict[str, str]:
-    """The `state_kinds` of a matrix optimizer by name ({} for AdamW: all elementwise)."""
-    cls = MATRIX_OPTIMIZERS.get(optimizer)
-    return dict(cls.state_kinds) if cls is not None else {}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from orthoptim.optim.registry import MATRIX_OPTIMIZERS
 from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_LR, OPTIMIZERS, TrainArgs
 from orthoptim.train.devices import plan_ranks
@@ -308,15 +309,8 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.1f} GiB"
 
 
-NAMES = {
-    "adamw": "AdamW",
-    "muon": "Muon",
-    "soap": "SOAP",
-    "normuon": "NorMuon",
-    "adamuon": "AdaMuon",
-    "polargrad": "PolarGrad",
-    "scion": "Scion",
-}
+# each optimizer as the report writes it: its class's name (a newly registered one too)
+NAMES = {"adamw": "AdamW", **{n: cls.__name__ for n, cls in MATRIX_OPTIMIZERS.items()}}
 
 
 def table(summary: dict[str, Any]) -> str:
