@@ -7,8 +7,11 @@ lives; every caller goes through them:
 
 - CPU, float32/float64, at least `CPU_SYRK_MIN_ROWS` rows: a recursive blocked SYRK over
   torch matmuls (`orthoptim.kernels.syrk_cpu`); below that size plain matmul is faster.
-- CUDA, float16/bfloat16/float32, when `triton` imports: a Triton kernel that launches only
-  the tiles on one side of the diagonal and mirrors them (`orthoptim.kernels.triton_syrk`).
+- CUDA, float16/bfloat16/float32, when `triton` imports: per shape, whichever of a Triton
+  kernel that computes only the tiles on one side of the diagonal
+  (`orthoptim.kernels.triton_syrk`) and torch's general product was measured faster on this
+  GPU model (`orthoptim.kernels.tuning`: a table of measurements, tuning on first sight, or
+  the measured row threshold `tuning.FALLBACK_MIN_ROWS`).
 - anything else (and whenever autograd needs to flow through): plain matmul.
 
 `ORTHOPTIM_KERNELS=matmul` in the environment, or the `force_matmul()` context manager,
@@ -25,7 +28,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from orthoptim.kernels import syrk_cpu
+from orthoptim.kernels import syrk_cpu, tuning
 
 ENV_VAR = "ORTHOPTIM_KERNELS"
 MODES = ("auto", "matmul")
@@ -102,7 +105,8 @@ def triton_available() -> bool:
 
 def backend_for(X: Tensor) -> str:
     """Which implementation a symmetric product of the rows of `X` ([..., m, n]) uses:
-    "triton", "cpu_syrk" or "matmul"."""
+    "triton", "cpu_syrk" or "matmul". "triton" is the CUDA dispatch: per shape the Triton
+    SYRK or torch's product, whichever `tuning.choose` says was measured faster."""
     if kernel_mode() == "matmul" or (X.requires_grad and torch.is_grad_enabled()):
         return "matmul"
     if X.device.type == "cuda" and X.dtype in _CUDA_DTYPES and triton_available():
@@ -149,10 +153,18 @@ def syrk_for(X: Tensor) -> Syrk:
     if backend == "cpu_syrk":
         return syrk_cpu.syrk
     if backend == "triton":
-        from orthoptim.kernels import triton_syrk
-
-        return triton_syrk.syrk
+        return _cuda_syrk
     return syrk_cpu.syrk_matmul
+
+
+def _cuda_syrk(X: Tensor, C: Tensor | None, beta: float, alpha: float) -> Tensor:
+    """beta·C + alpha·X·Xᵀ on CUDA through the implementation measured fastest for the shape."""
+    from orthoptim.kernels import triton_syrk
+
+    choice = tuning.choose(X, C is not None, tuner=triton_syrk.tune)
+    if choice == tuning.MATMUL:
+        return syrk_cpu.syrk_matmul(X, C, beta, alpha)
+    return triton_syrk.syrk(X, C, beta, alpha, config=choice)
 
 
 SymMatmul = Callable[[Tensor, Tensor], Tensor]
