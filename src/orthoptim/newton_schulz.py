@@ -194,7 +194,10 @@ def newton_schulz(
     else:
         pieces = zip(Ys.unbind(), norms.unbind(), outs.unbind())
     for Yp, normp, target in pieces:
-        Z = (Yp / normp).to(compute)
+        if compute == torch.promote_types(Yp.dtype, normp.dtype):
+            Z = Yp / normp
+        else:  # divide in float32 and round once, in one pass, into a contiguous buffer
+            Z = torch.div(Yp, normp, out=torch.empty(Yp.shape, dtype=compute, device=Yp.device))
         into = target if target.dtype == compute else None  # else written with a cast below
         syrk = kernels.syrk_for(Z)
         if kernels.gram_form_pays(Z):
