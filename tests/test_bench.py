@@ -11,8 +11,24 @@ from torch.optim import _muon
 
 from orthoptim import cli
 from orthoptim.bench import cli as bench_cli
-from orthoptim.bench import torch_muon_fp32, torch_zeropower_fp32
+from orthoptim.bench import (
+    measure_matmul_peak,
+    rate_against_peak,
+    torch_muon_fp32,
+    torch_zeropower_fp32,
+)
+from orthoptim.bench import ns as bench_ns
+from orthoptim.bench import step as bench_step
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz
+
+NS_PEERS = (
+    "emerging_optimizers",
+    "emerging_optimizers_syrk",
+    "heavyball",
+    "dion_ns_triton",
+    "dion_polar_express_triton",
+    "dion_ns_compiled",
+)
 
 
 def _run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
@@ -62,9 +78,7 @@ def test_bench_ns_json(capsys: pytest.CaptureFixture[str]) -> None:
         if res["dtype"] == "bfloat16":  # scaled down by 4 on cpu, and said so
             assert res["shape"][1:] == [r // 4 for r in res["requested_shape"][1:]]
         names = {c["name"]: c for c in res["cases"]}
-        assert {"orthoptim", "matmul_ns", "torch_muon", "emerging_optimizers", "heavyball"} <= set(
-            names
-        )
+        assert {"orthoptim", "matmul_ns", "torch_muon", *NS_PEERS} <= set(names)
         for name in ("orthoptim", "matmul_ns", "torch_muon"):
             case = names[name]
             assert _positive_finite(case["speedup_vs_baseline"])
@@ -72,13 +86,20 @@ def test_bench_ns_json(capsys: pytest.CaptureFixture[str]) -> None:
             assert _positive_finite(case["fraction_of_matmul"])
             assert len(case["times_s"]) == res["repeats"]
         assert names["matmul_ns"]["speedup_vs_baseline"] == 1.0
-        for peer in ("emerging_optimizers", "heavyball"):
+        for peer in NS_PEERS:
             assert "skipped" in names[peer] or _positive_finite(names[peer]["speedup_vs_baseline"])
+        # CUDA-only peers say so on CPU, whether or not they are installed
+        for peer in ("emerging_optimizers_syrk", "dion_ns_triton", "dion_polar_express_triton"):
+            assert "CUDA-only" in names[peer]["skipped"], peer
+        if res["dtype"] == "float32":  # dion casts to bfloat16 whatever it is given
+            assert "bfloat16 rows only" in names["dion_ns_compiled"]["skipped"]
+        assert "effective_tflops" not in names["orthoptim"]  # no peak measured on cpu by default
         for gemm in ("gemm_gram", "gemm_square", "gemm_apply", "kernel_gram"):
             assert _positive_finite(names[gemm]["gflops"])
         # the matmul rate is the best plain GEMM, never the SYRK's effective rate
         plain = [names[g]["gflops"] for g in ("gemm_gram", "gemm_square", "gemm_apply")]
         assert res["matmul_gflops"] == max(plain)
+    assert report["matmul_peak"] is None
 
 
 def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,6 +128,10 @@ def test_bench_step_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert _positive_finite(names[name]["speedup_vs_baseline"]), name
     for name, case in names.items():
         assert "skipped" in case or _positive_finite(case["median_s"]), name
+    for name in ("emerging_optimizers_muon_syrk", "dion_muon_triton"):
+        assert "CUDA-only" in names[name]["skipped"], name
+    assert "skipped" in names["dion_muon"]  # bfloat16 by design: only with --bf16-peers on cpu
+    assert report["matmul_peak"] is None and "effective_tflops" not in names["orthoptim_muon"]
     headline = report["headline"]
     assert headline["ours"] == "orthoptim_muon"
     assert _positive_finite(headline["speedup_vs_fastest_peer"])
@@ -133,6 +158,120 @@ def test_bench_step_muon_suite_on_cuda_times_peers_as_shipped() -> None:
     assert cpu["torch_muon"].wrap is not None
     p = torch.nn.Parameter(torch.randn(8, 8))
     assert cuda["orthoptim_muon_bfloat16"].build([p]).param_groups[0]["ns_dtype"] == torch.bfloat16
+
+
+def test_rate_against_peak_arithmetic() -> None:
+    peak = {"tflops": 4.0}
+    rate = rate_against_peak(flops=6e12, seconds=0.5, peak=peak)
+    assert rate == pytest.approx({"effective_tflops": 12.0, "fraction_of_peak": 3.0})
+    measured = measure_matmul_peak(torch.device("cpu"), 16, repeats=2, dtype=torch.float32)
+    assert measured["flops"] == 2 * 16**3 and measured["dtype"] == "float32"
+    assert measured["tflops"] == pytest.approx(measured["flops"] / measured["best_s"] / 1e12)
+
+
+def test_bench_ns_rates_against_measured_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """--peak-size on CPU: one peak per run; every timed row's effective TFLOP/s is its flops
+    (plain Newton-Schulz, or the GEMM's own) over its median time, and its fraction of it."""
+    argv = ["bench", "ns", "--shapes", "16x24,2x8x12", "--dtypes", "float32", "--repeats", "2",
+            "--warmup", "0", "--threads", "1", "--peak-size", "32", "--json"]  # fmt: skip
+    report = _run_json(capsys, argv)
+    peak = report["matmul_peak"]
+    assert peak["size"] == 32 and peak["dtype"] == "bfloat16" and peak["flops"] == 2 * 32**3
+    assert peak["tflops"] == pytest.approx(peak["flops"] / peak["best_s"] / 1e12)
+    for res in report["results"]:
+        b, m, n = res["shape"]
+        assert res["plain_flops"] == bench_ns.ns_flops(b, m, n, 5)
+        timed = [row for row in res["cases"] if "median_s" in row]
+        assert {"orthoptim", "matmul_ns", "gemm_gram"} <= {row["name"] for row in timed}
+        for row in timed:
+            flops = row.get("flops", res["plain_flops"])
+            tflops = flops / row["median_s"] / 1e12
+            assert row["effective_tflops"] == pytest.approx(tflops), row["name"]
+            assert row["fraction_of_peak"] == pytest.approx(tflops / peak["tflops"]), row["name"]
+        for row in res["cases"]:
+            assert ("effective_tflops" in row) == ("median_s" in row), row["name"]
+    assert bench_ns.render(report).count("matmul peak:") == 1
+
+
+def test_bench_step_rates_against_measured_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """Muon candidates get the plain Newton-Schulz flops of every matrix over their step time;
+    AdamW's step does other work and gets none."""
+    argv = ["bench", "step", "--layers", "1", "--width", "8", "--repeats", "1", "--warmup", "0",
+            "--threads", "1", "--peak-size", "32", "--json"]  # fmt: skip
+    report = _run_json(capsys, argv)
+    shapes = bench_step.gpt_matrix_shapes(1, 8)
+    assert report["step_flops"] == sum(bench_ns.ns_flops(1, r, c, 5) for r, c in shapes)
+    peak = report["matmul_peak"]["tflops"]
+    names = {c["name"]: c for c in report["cases"]}
+    for name in ("orthoptim_muon", "orthoptim_muon_matmul", "torch_muon"):
+        tflops = report["step_flops"] / names[name]["median_s"] / 1e12
+        assert names[name]["effective_tflops"] == pytest.approx(tflops)
+        assert names[name]["fraction_of_peak"] == pytest.approx(tflops / peak)
+    assert "effective_tflops" not in names["torch_adamw_fused"]
+    assert "matmul peak:" in bench_step.render(report)
+
+
+class _FakeEmerging:
+    """Stands in for Emerging-Optimizers' muon_utils and orthogonalized_optimizers modules."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], bool, str]] = []
+
+    def newton_schulz(
+        self, x: torch.Tensor, steps: int, coefficient_type: str = "quintic", use_syrk: bool = False
+    ) -> torch.Tensor:
+        self.calls.append((tuple(x.shape), use_syrk, torch.get_float32_matmul_precision()))
+        return x
+
+    class Muon(torch.optim.SGD):
+        def __init__(self, params, lr, fp32_matmul_prec="medium", use_syrk=False) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(params, lr=lr)
+            self.use_syrk, self.fp32_matmul_prec = use_syrk, fp32_matmul_prec
+
+
+def test_bench_ns_emerging_syrk_loops_over_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where use_syrk applies (CUDA, faked here), a batch is timed as a loop over its 2-D
+    matrices under matmul precision 'medium', and the note says so; float32 rows skip it."""
+    fake = _FakeEmerging()
+    monkeypatch.setattr(bench_ns, "import_optional", lambda module: (fake, None))
+    monkeypatch.setattr(bench_ns, "emerging_syrk_skip", lambda device: None)
+    X = torch.randn(3, 8, 12)
+    cases = {c.name: c for c in bench_ns._emerging_cases(X, torch.bfloat16, 5, "quintic")}
+    syrk = cases["emerging_optimizers_syrk"]
+    assert syrk.skip is None and syrk.extra["peer"] and "loop over its 3 matrices" in syrk.note
+    before = torch.get_float32_matmul_precision()
+    syrk.run()
+    assert fake.calls == [((8, 12), True, "medium")] * 3
+    assert torch.get_float32_matmul_precision() == before
+    fp32 = {c.name: c for c in bench_ns._emerging_cases(X, torch.float32, 5, "quintic")}
+    assert "bfloat16 rows only" in fp32["emerging_optimizers_syrk"].skip
+
+
+def test_bench_step_emerging_syrk_and_dion_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (faked here) the suite adds Emerging-Optimizers' Muon with use_syrk=True; dion's
+    Muon, absent here, is listed as skipped with the way to get it."""
+    import argparse
+
+    from orthoptim.bench import DION_HINT
+
+    fake = _FakeEmerging()
+    real_import = bench_step.import_optional
+    monkeypatch.setattr(
+        bench_step,
+        "import_optional",
+        lambda module: (fake, None) if module.startswith("emerging") else real_import(module),
+    )
+    monkeypatch.setattr(bench_step, "emerging_syrk_skip", lambda device: None)
+    args = argparse.Namespace(device="cuda", bf16_peers=False)
+    cands = {c.name: c for c in bench_step.muon_candidates(args)}
+    syrk = cands["emerging_optimizers_muon_syrk"]
+    assert syrk.skip is None and syrk.peer
+    opt = syrk.build([torch.nn.Parameter(torch.randn(4, 4))])
+    assert opt.use_syrk and opt.fp32_matmul_prec == "medium"
+    if real_import("dion")[0] is None:
+        for name in ("dion_muon", "dion_muon_triton"):
+            assert DION_HINT in cands[name].skip
+    assert not cands["torch_adamw_fused"].counts_flops and cands["torch_muon"].counts_flops
 
 
 def test_bench_step_rejects_unknown_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,3 +321,30 @@ def test_bench_dist_fsdp_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert 0.5 <= rows["fsdp_muon_bf16"]["optimizer_bytes_over_sharded_grad"] < 0.51
     with pytest.raises(SystemExit, match="under --fsdp"):
         cli.main(["bench", "dist", "--fsdp", "--methods", "ddp_adamw"])
+
+
+def test_bench_syrk_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    from orthoptim.kernels import tuning
+
+    table = tmp_path / "table.json"
+    argv = ["bench", "syrk", "--dtype", "float32", "--shapes", "64x96,2x32x48", "--repeats", "1"]
+    report = _run_json(capsys, [*argv, "--tune", "--write", str(table), "--json"])
+    products = [(r["product"], r["shape"]) for r in report["results"]]
+    assert products == [
+        ("gram", [1, 64, 96]),
+        ("poly", [1, 64, 64]),
+        ("gram", [2, 32, 48]),
+        ("poly", [2, 32, 32]),
+    ]
+    for res in report["results"]:
+        rows = {c["name"]: c for c in res["cases"]}
+        assert rows["torch"]["correct"] and rows["orthoptim"]["correct"]
+        assert _positive_finite(rows["orthoptim"]["effective_tflops"])
+        assert "CUDA" in rows["triton configs"]["skipped"]  # no Triton launch on CPU
+        assert res["winner"] == "torch"  # the only candidate raced here
+    name, entries = tuning.read_table(table)
+    assert name == "cpu" and len(entries) == 4
+    assert all(e.choice == tuning.MATMUL for e in entries)
+    assert [e.has_c for e in entries] == [False, True, False, True]
+    with pytest.raises(SystemExit, match="--write needs --tune"):
+        cli.main([*argv, "--write", str(table)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import json
 import math
 import statistics
@@ -151,12 +152,105 @@ def summarize(
     return rows
 
 
+def add_peak_argument(parser: argparse.ArgumentParser) -> None:
+    """--peak-size: the bf16 matmul whose measured rate effective TFLOP/s are set against."""
+    parser.add_argument(
+        "--peak-size",
+        type=int,
+        default=None,
+        help="measure the bfloat16 matmul peak once on an NxNxN product and report each "
+        "candidate's effective TFLOP/s and fraction of it (default 8192 on cuda, off on cpu; "
+        "0 turns it off)",
+    )
+
+
+def measure_matmul_peak(
+    device: torch.device, size: int, repeats: int = 10, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
+    """Best rate of a size×size×size matmul on `device`, in TFLOP/s.
+
+    Measured, not taken from a data sheet, so that a fraction of it says how much of what
+    this device, driver and torch deliver a candidate reaches.
+    """
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty_like(a)
+    for _ in range(3):  # library selection and clocks settle before timing
+        torch.matmul(a, b, out=out)
+    best = math.inf
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    flops = 2.0 * size**3
+    return {
+        "size": size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "repeats": repeats,
+        "flops": flops,
+        "best_s": best,
+        "tflops": flops / best / 1e12,
+    }
+
+
+def matmul_peak(args: argparse.Namespace, device: torch.device) -> dict[str, Any] | None:
+    """The run's peak from --peak-size (default 8192 on CUDA, none on CPU), measured once."""
+    size = args.peak_size if args.peak_size is not None else (8192 if device.type == "cuda" else 0)
+    if size < 0:
+        raise SystemExit(f"--peak-size must be >= 0, got {size}")
+    return measure_matmul_peak(device, size) if size else None
+
+
+def describe_peak(peak: dict[str, Any]) -> str:
+    """One line naming the measured peak, for the text tables."""
+    n = peak["size"]
+    return (
+        f"matmul peak: {peak['tflops']:.1f} TFLOP/s, {peak['dtype']} {n}x{n}x{n} "
+        f"(best of {peak['repeats']})"
+    )
+
+
+def rate_against_peak(flops: float, seconds: float, peak: dict[str, Any]) -> dict[str, float]:
+    """Effective TFLOP/s of `flops` done in `seconds`, and its fraction of the measured peak."""
+    tflops = flops / seconds / 1e12
+    return {"effective_tflops": tflops, "fraction_of_peak": tflops / peak["tflops"]}
+
+
 def import_optional(module: str) -> tuple[ModuleType | None, str | None]:
     """Import a peer that is not a dependency; return (module, None) or (None, reason)."""
     try:
         return importlib.import_module(module), None
     except Exception as exc:  # a peer may fail on import for many reasons; report which
         return None, f"{module} does not import here ({type(exc).__name__}: {exc})"[:300]
+
+
+# GPUs on which Emerging-Optimizers' Muon keeps use_syrk=True (elsewhere it turns it off).
+EMERGING_SYRK_SM = ((8, 0), (9, 0), (10, 0), (10, 3))
+DION_HINT = "dion is not on PyPI: install it (github.com/microsoft/dion) to time it"
+
+
+def emerging_syrk_skip(device: torch.device) -> str | None:
+    """Why Emerging-Optimizers' use_syrk path cannot run on `device`; None when it can."""
+    if device.type != "cuda":
+        return "use_syrk is CUDA-only: it runs Emerging-Optimizers' Triton tsyrk_ex kernel"
+    if not torch.cuda.is_available():
+        return "use_syrk needs a CUDA device, and torch sees none here"
+    kernels, reason = import_optional("emerging_optimizers.triton_kernels")
+    if kernels is None:
+        return reason
+    if not getattr(kernels, "HAS_TRITON_340", False):
+        return "use_syrk needs Triton >= 3.4 (tensor descriptors)"
+    sm = torch.cuda.get_device_capability(device)
+    if sm not in EMERGING_SYRK_SM:
+        return f"Emerging-Optimizers turns use_syrk off on SM {sm[0]}.{sm[1]} (not validated there)"
+    return None
+
+
+def takes_argument(function: Callable[..., Any], name: str) -> bool:
+    """Whether `function` (or a class's constructor) has a parameter `name`."""
+    return name in inspect.signature(function).parameters
 
 
 def torch_zeropower_fp32(

@@ -3,9 +3,11 @@
 Per shape and dtype, timed side by side: `orthoptim` (kernels dispatch), `matmul_ns` (the
 same function with the matmul path forced: the baseline), torch.optim.Muon's
 orthogonalization (made float32 for float32 rows: it hard-codes bfloat16), and the peers
-emerging-optimizers and heavyball where they import. The three GEMMs of a plain step are
-timed alone too: their best GFLOP/s is the machine's matmul rate at that size, against
-which each candidate's effective GFLOP/s (plain-matmul flops / time) is set.
+where they import: emerging-optimizers (plain and use_syrk), heavyball and dion. The three
+GEMMs of a plain step are timed alone too: their best GFLOP/s is the machine's matmul rate
+at that size, against which each candidate's effective GFLOP/s (plain-matmul flops / time)
+is set. On CUDA (or with --peak-size) a large bf16 matmul is timed once per run as well,
+and every rate is also given in TFLOP/s and as a fraction of that measured peak.
 """
 
 from __future__ import annotations
@@ -13,21 +15,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from orthoptim import kernels
 from orthoptim.bench import (
+    DION_HINT,
     Case,
     add_common_arguments,
+    add_peak_argument,
+    describe_peak,
+    emerging_syrk_skip,
     emit,
     environment,
     import_optional,
+    matmul_peak,
     parse_dtypes,
+    rate_against_peak,
     setup_device,
     summarize,
+    takes_argument,
     thread_count,
     time_side_by_side,
     torch_zeropower_fp32,
@@ -36,6 +45,7 @@ from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz
 
 DEFAULT_SHAPES = "1024x1024,1024x4096,4096x1024,8x768x3072"
 BASELINE = "matmul_ns"
+EO_SYRK = "emerging_optimizers_syrk"
 HEAVYBALL_BF16 = (
     "heavyball's Newton-Schulz rounds its input to bfloat16 (float64 excepted): "
     "timed in the bfloat16 rows only"
@@ -75,49 +85,147 @@ def float32_matmul_precision(precision: str) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
-def _peer_cases(X: Tensor, dtype: torch.dtype, steps: int, coefficients: str) -> list[Case]:
-    cases = []
+class _DionFunction(NamedTuple):
+    name: str
+    module: str
+    function: str
+    cuda_only: bool
+    note: str
+
+
+# dion's orthogonalizers: 5 fixed steps in bfloat16 whatever the input dtype.
+DION_FUNCTIONS = (
+    _DionFunction(
+        "dion_ns_triton",
+        "dion.newton_schulz_triton",
+        "newton_schulz_triton",
+        True,
+        "newton_schulz_triton: Triton kernels for X·Xᵀ and b·A + c·A·A, quintic coefficients",
+    ),
+    _DionFunction(
+        "dion_polar_express_triton",
+        "dion.polar_express",
+        "polar_express_triton",
+        True,
+        "polar_express_triton: the same Triton kernels, Polar Express coefficients "
+        "(dion.Muon(use_triton=True)'s orthogonalizer)",
+    ),
+    _DionFunction(
+        "dion_ns_compiled",
+        "dion.newton_schulz_triton",
+        "zeropower_via_newtonschulz5",
+        False,
+        "zeropower_via_newtonschulz5: torch.compile'd matmuls, quintic coefficients",
+    ),
+)
+DION_STEPS = 5
+DION_BF16 = "dion's Newton-Schulz casts its input to bfloat16: timed in the bfloat16 rows only"
+
+
+def _emerging_cases(X: Tensor, dtype: torch.dtype, steps: int, coefficients: str) -> list[Case]:
+    """Emerging-Optimizers' newton_schulz: its plain path, and its use_syrk (Triton) path."""
     eo, reason = import_optional("emerging_optimizers.orthogonalized_optimizers.muon_utils")
     if eo is not None and not hasattr(eo, "newton_schulz"):
         eo, reason = None, "emerging_optimizers has no muon_utils.newton_schulz here"
-    if eo is None:
-        cases.append(Case("emerging_optimizers", skip=reason))
-    else:
-        Xf = X.float()  # it takes float32 only; bfloat16 comes from torch's matmul precision
-        precision = "highest" if dtype == torch.float32 else "medium"
-
-        def emerging() -> Tensor:
-            with float32_matmul_precision(precision):
-                return eo.newton_schulz(Xf, steps=steps, coefficient_type=coefficients)
-
-        cases.append(
-            Case(
-                "emerging_optimizers",
-                emerging,
-                note=f"muon_utils.newton_schulz, float32 input, matmul precision {precision!r}",
-                extra={"peer": True},
-            )
+    Xf = X.float()  # it takes float32 only; bfloat16 comes from torch's matmul precision
+    syrk_skip = emerging_syrk_skip(X.device) or reason
+    if syrk_skip is None and dtype != torch.bfloat16:
+        syrk_skip = (
+            "use_syrk takes effect only under matmul precision 'medium' (bfloat16 compute): "
+            "timed in the bfloat16 rows only"
         )
+    if syrk_skip is None and not takes_argument(eo.newton_schulz, "use_syrk"):
+        syrk_skip = "this emerging_optimizers' newton_schulz has no use_syrk (0.3.0 has)"
+    if eo is None:
+        return [Case("emerging_optimizers", skip=reason), Case(EO_SYRK, skip=syrk_skip)]
+    precision = "highest" if dtype == torch.float32 else "medium"
+
+    def emerging() -> Tensor:
+        with float32_matmul_precision(precision):
+            return eo.newton_schulz(Xf, steps=steps, coefficient_type=coefficients)
+
+    cases = [
+        Case(
+            "emerging_optimizers",
+            emerging,
+            note=f"muon_utils.newton_schulz, float32 input, matmul precision {precision!r}",
+            extra={"peer": True},
+        )
+    ]
+    if syrk_skip is not None:
+        return [*cases, Case(EO_SYRK, skip=syrk_skip)]
+    matrices = list(Xf)
+
+    def emerging_syrk() -> list[Tensor]:
+        with float32_matmul_precision("medium"):
+            return [
+                eo.newton_schulz(x, steps=steps, coefficient_type=coefficients, use_syrk=True)
+                for x in matrices
+            ]
+
+    note = "muon_utils.newton_schulz(use_syrk=True), float32 input, matmul precision 'medium'"
+    if len(matrices) > 1:
+        note += (
+            f"; use_syrk is 2-D only, so the batch is a loop over its {len(matrices)} matrices "
+            "(as its Muon does)"
+        )
+    return [*cases, Case(EO_SYRK, emerging_syrk, note=note, extra={"peer": True})]
+
+
+def _heavyball_case(X: Tensor, dtype: torch.dtype) -> Case:
     hb, reason = import_optional("heavyball.utils")
     if hb is not None and not hasattr(hb, "zeropower_via_newtonschulz5"):
         hb, reason = None, "heavyball has no utils.zeropower_via_newtonschulz5 here"
     if hb is not None and dtype != torch.bfloat16:
         hb, reason = None, HEAVYBALL_BF16
     if hb is None:
-        cases.append(Case("heavyball", skip=reason))
-    else:
-        if hasattr(hb, "compile_mode"):
-            hb.compile_mode = None  # its first compiled call takes ~25 s on CPU
-        Xb = X.to(dtype)
+        return Case("heavyball", skip=reason)
+    if hasattr(hb, "compile_mode"):
+        hb.compile_mode = None  # its first compiled call takes ~25 s on CPU
+    Xb = X.to(dtype)
+    return Case(
+        "heavyball",
+        lambda: hb.zeropower_via_newtonschulz5(Xb),
+        note="utils.zeropower_via_newtonschulz5 in bfloat16",
+        extra={"peer": True},
+    )
+
+
+def _dion_cases(X: Tensor, dtype: torch.dtype, steps: int) -> list[Case]:
+    """dion's Newton-Schulz functions, as shipped; a batch goes in as one 3-D tensor."""
+    Xb = (X[0] if X.shape[0] == 1 else X).to(torch.bfloat16)
+    cases = []
+    for f in DION_FUNCTIONS:
+        reason = None
+        if f.cuda_only and X.device.type != "cuda":
+            reason = "CUDA-only: dion's Triton kernels"
+        elif steps != DION_STEPS:
+            reason = f"dion's functions run a fixed {DION_STEPS} steps; --steps is {steps}"
+        elif dtype != torch.bfloat16:
+            reason = DION_BF16
+        module = None
+        if reason is None:
+            module, reason = import_optional(f.module)
+            if module is None:
+                reason = f"{reason}; {DION_HINT}"
+            elif not hasattr(module, f.function):
+                module, reason = None, f"dion has no {f.module}.{f.function} here"
+        if module is None:
+            cases.append(Case(f.name, skip=reason))
+            continue
+        fn = getattr(module, f.function)
         cases.append(
-            Case(
-                "heavyball",
-                lambda: hb.zeropower_via_newtonschulz5(Xb),
-                note="utils.zeropower_via_newtonschulz5 in bfloat16",
-                extra={"peer": True},
-            )
+            Case(f.name, lambda fn=fn: fn(Xb), note=f"{f.note}, bfloat16", extra={"peer": True})
         )
     return cases
+
+
+def _peer_cases(X: Tensor, dtype: torch.dtype, steps: int, coefficients: str) -> list[Case]:
+    return [
+        *_emerging_cases(X, dtype, steps, coefficients),
+        _heavyball_case(X, dtype),
+        *_dion_cases(X, dtype, steps),
+    ]
 
 
 def _gemm_cases(X: Tensor, dtype: torch.dtype) -> list[Case]:
@@ -185,8 +293,13 @@ def run(
     coefficients: str = "quintic",
     bf16_shrink: int = 1,
     bf16_repeats: int | None = None,
+    peak: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Benchmark every (shape, dtype); return the report (see `orthoptim bench ns --json`)."""
+    """Benchmark every (shape, dtype); return the report (see `orthoptim bench ns --json`).
+
+    With `peak` (`measure_matmul_peak`'s result) each timed row also gets its effective
+    TFLOP/s and fraction of that peak; without, the per-shape GEMM rate is the only reference.
+    """
     results = []
     gen = torch.Generator().manual_seed(0)
     for dtype in dtypes:
@@ -205,13 +318,17 @@ def run(
                 for row in rows_out
                 if "flops" in row and not row.get("kernel")
             ]
-            peak = max(gemm_rates)
+            matmul = max(gemm_rates)
             for row in rows_out:
-                if "median_s" in row and "flops" not in row:
-                    row["effective_gflops"] = flops / row["median_s"] / 1e9
-                    row["fraction_of_matmul"] = row["effective_gflops"] / peak
-                elif "flops" in row:
+                if "median_s" not in row:
+                    continue
+                if "flops" in row:
                     row["gflops"] = row["flops"] / row["median_s"] / 1e9
+                else:
+                    row["effective_gflops"] = flops / row["median_s"] / 1e9
+                    row["fraction_of_matmul"] = row["effective_gflops"] / matmul
+                if peak is not None:
+                    row.update(rate_against_peak(row.get("flops", flops), row["median_s"], peak))
             results.append(
                 {
                     "shape": [batch, r, c],
@@ -219,7 +336,7 @@ def run(
                     "dtype": str(dtype).removeprefix("torch."),
                     "repeats": reps,
                     "plain_flops": flops,
-                    "matmul_gflops": peak,
+                    "matmul_gflops": matmul,
                     "cases": rows_out,
                 }
             )
@@ -231,6 +348,7 @@ def run(
         "device": str(device),
         "kernel_mode": kernels.kernel_mode(),
         "environment": environment(),
+        "matmul_peak": peak,
         "results": results,
     }
 
@@ -242,6 +360,11 @@ def render(report: dict[str, Any]) -> str:
         f"{report['device']}, {report['environment']['threads']} threads; "
         f"speedup = {report['baseline']} time / case time (median)"
     ]
+    peak = report.get("matmul_peak")
+    if peak:
+        lines.append(
+            f"{describe_peak(peak)}; effective TFLOP/s = plain-matmul Newton-Schulz flops / time"
+        )
     for res in report["results"]:
         shape = "x".join(map(str, res["shape"]))
         asked = "x".join(map(str, res["requested_shape"]))
@@ -252,17 +375,28 @@ def render(report: dict[str, Any]) -> str:
         )
         for row in res["cases"]:
             if "skipped" in row:
-                lines.append(f"  {row['name']:<20} skipped: {row['skipped']}")
+                lines.append(f"  {row['name']:<25} skipped: {row['skipped']}")
             elif "flops" in row:
+                rate = (
+                    f"{row['effective_tflops']:7.1f} TFLOP/s "
+                    f"({100 * row['fraction_of_peak']:.0f}% of peak)"
+                    if peak
+                    else f"{row['gflops']:7.1f} GFLOP/s"
+                )
                 lines.append(
-                    f"  {row['name']:<20} {row['median_s'] * 1e3:9.2f} ms  "
-                    f"{row['gflops']:7.1f} GFLOP/s  {row['note']}"
+                    f"  {row['name']:<25} {row['median_s'] * 1e3:9.2f} ms  {rate}  {row['note']}"
                 )
             else:
+                rate = (
+                    f"{row['effective_tflops']:7.1f} TFLOP/s ({100 * row['fraction_of_peak']:.0f}% "
+                    f"of peak, {100 * row['fraction_of_matmul']:.0f}% of matmul)"
+                    if peak
+                    else f"{row['effective_gflops']:7.1f} GFLOP/s "
+                    f"({100 * row['fraction_of_matmul']:.0f}% of matmul)"
+                )
                 lines.append(
-                    f"  {row['name']:<20} {row['median_s'] * 1e3:9.2f} ms  "
-                    f"x{row['speedup_vs_baseline']:.2f}  {row['effective_gflops']:7.1f} GFLOP/s "
-                    f"({100 * row['fraction_of_matmul']:.0f}% of matmul)  {row['note']}"
+                    f"  {row['name']:<25} {row['median_s'] * 1e3:9.2f} ms  "
+                    f"x{row['speedup_vs_baseline']:.2f}  {rate}  {row['note']}"
                 )
     return "\n".join(lines)
 
@@ -283,6 +417,7 @@ def _cmd(args: argparse.Namespace) -> int:
         raise SystemExit(f"--bf16-shrink must be >= 1, got {shrink}")
     shapes, dtypes = parse_shapes(args.shapes), parse_dtypes(args.dtypes)
     with thread_count(args.threads):
+        peak = matmul_peak(args, device)
         report = run(
             shapes,
             dtypes,
@@ -293,6 +428,7 @@ def _cmd(args: argparse.Namespace) -> int:
             coefficients=args.coefficients,
             bf16_shrink=shrink,
             bf16_repeats=args.bf16_repeats if device.type == "cpu" else None,
+            peak=peak,
         )
     emit(report, args.json, render)
     return 0
@@ -304,6 +440,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "ns", help="Newton-Schulz: ours vs plain matmul vs torch.optim.Muon vs peers"
     )
     add_common_arguments(p, repeats=5)
+    add_peak_argument(p)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"default {DEFAULT_SHAPES}")
     p.add_argument("--dtypes", default="float32,bfloat16", help="default float32,bfloat16")
     p.add_argument("--steps", type=int, default=5)

@@ -8,6 +8,10 @@ random gradients. Each candidate owns a copy of the parameters and its optimizer
 `--optimizer` picks a suite of candidates from SUITES (muon by default). A suite is a
 function (args) → list[StepCandidate] plus the name of its baseline; add one with
 `register_suite` from the module that implements the optimizer.
+
+On CUDA (or with --peak-size) a large bf16 matmul is timed once per run, and each candidate
+of a suite that counts its flops (muon: plain-matmul Newton-Schulz of every matrix) gets its
+effective TFLOP/s and the fraction of that measured peak.
 """
 
 from __future__ import annotations
@@ -22,17 +26,25 @@ import torch
 from torch import Tensor
 
 from orthoptim.bench import (
+    DION_HINT,
     Case,
     add_common_arguments,
+    add_peak_argument,
+    describe_peak,
+    emerging_syrk_skip,
     emit,
     environment,
     import_optional,
+    matmul_peak,
+    rate_against_peak,
     setup_device,
     summarize,
+    takes_argument,
     thread_count,
     time_side_by_side,
     torch_muon_fp32,
 )
+from orthoptim.bench.ns import ns_flops
 
 Params = list[torch.nn.Parameter]
 Builder = Callable[[Params], torch.optim.Optimizer]
@@ -53,24 +65,30 @@ class StepCandidate:
     peer: bool = False
     ours: bool = False
     wrap: Callable[[Callable[[], object]], Callable[[], object]] | None = None
+    counts_flops: bool = True  # the suite's flop count is this candidate's work (not AdamW's)
 
 
 @dataclass
 class Suite:
-    """The candidates of one `--optimizer` choice and the name of its baseline."""
+    """The candidates of one `--optimizer` choice, the name of its baseline, and optionally
+    `flops(shapes)`: the work of one step, against which effective TFLOP/s are reported."""
 
     candidates: Callable[[argparse.Namespace], list[StepCandidate]]
     baseline: str
+    flops: Callable[[Sequence[tuple[int, int]]], float] | None = None
 
 
 SUITES: dict[str, Suite] = {}
 
 
 def register_suite(
-    name: str, candidates: Callable[[argparse.Namespace], list[StepCandidate]], baseline: str
+    name: str,
+    candidates: Callable[[argparse.Namespace], list[StepCandidate]],
+    baseline: str,
+    flops: Callable[[Sequence[tuple[int, int]]], float] | None = None,
 ) -> None:
     """Make `orthoptim bench step --optimizer NAME` time `candidates(args)`."""
-    SUITES[name] = Suite(candidates, baseline)
+    SUITES[name] = Suite(candidates, baseline, flops)
 
 
 def gpt_matrix_shapes(layers: int, width: int) -> list[tuple[int, int]]:
@@ -96,6 +114,7 @@ def adamw_candidates() -> list[StepCandidate]:
                 f"torch_adamw_{impl}",
                 lambda ps, impl=impl: torch.optim.AdamW(ps, lr=1e-3, **{impl: True}),
                 note=f"torch.optim.AdamW({impl}=True)",
+                counts_flops=False,
             )
         )
     return out
@@ -149,50 +168,127 @@ def muon_candidates(args: argparse.Namespace) -> list[StepCandidate]:
             wrap=None if cuda else _torch_muon_fp32_step,
         )
     )
+    return [
+        *cands,
+        *_emerging_candidates(cuda),
+        _heavyball_candidate(args),
+        *_dion_candidates(args),
+        *adamw_candidates(),
+    ]
+
+
+def _bf16_on_cpu(what: str) -> str:
+    return (
+        f"{what}'s Newton-Schulz is bfloat16 by design, ~50x slower than float32 matmul on CPUs "
+        "without bf16 units (minutes per step); --bf16-peers times it anyway"
+    )
+
+
+def _emerging_candidates(cuda: bool) -> list[StepCandidate]:
+    """Emerging-Optimizers' Muon: bf16 Newton-Schulz on CUDA, float32 on CPU; and on CUDA its
+    use_syrk option (Triton tsyrk_ex for both symmetric products)."""
     eo, reason = import_optional("emerging_optimizers.orthogonalized_optimizers")
-    if eo is None or not hasattr(eo, "Muon"):
-        cands.append(StepCandidate("emerging_optimizers_muon", skip=reason or "no Muon class"))
-    else:
-        precision = "medium" if cuda else "highest"
-        cands.append(
-            StepCandidate(
-                "emerging_optimizers_muon",
-                lambda ps: eo.Muon(ps, lr=0.02, fp32_matmul_prec=precision),
-                note=f"Muon(fp32_matmul_prec={precision!r}): "
-                + ("bfloat16" if cuda else "float32")
-                + " Newton-Schulz",
-                peer=True,
-            )
+    if eo is not None and not hasattr(eo, "Muon"):
+        eo, reason = None, "emerging_optimizers has no orthogonalized_optimizers.Muon here"
+    syrk_skip = emerging_syrk_skip(torch.device("cuda" if cuda else "cpu")) or reason
+    if syrk_skip is None and not takes_argument(eo.Muon, "use_syrk"):
+        syrk_skip = "this emerging_optimizers' Muon has no use_syrk option (0.3.0 has)"
+    if eo is None:
+        return [
+            StepCandidate("emerging_optimizers_muon", skip=reason),
+            StepCandidate("emerging_optimizers_muon_syrk", skip=syrk_skip),
+        ]
+    precision = "medium" if cuda else "highest"
+    out = [
+        StepCandidate(
+            "emerging_optimizers_muon",
+            lambda ps: eo.Muon(ps, lr=0.02, fp32_matmul_prec=precision),
+            note=f"Muon(fp32_matmul_prec={precision!r}): "
+            + ("bfloat16" if cuda else "float32")
+            + " Newton-Schulz",
+            peer=True,
         )
+    ]
+    if syrk_skip is not None:
+        return [*out, StepCandidate("emerging_optimizers_muon_syrk", skip=syrk_skip)]
+    return [
+        *out,
+        StepCandidate(
+            "emerging_optimizers_muon_syrk",
+            lambda ps: eo.Muon(ps, lr=0.02, fp32_matmul_prec="medium", use_syrk=True),
+            note="Muon(fp32_matmul_prec='medium', use_syrk=True): bfloat16 Newton-Schulz, "
+            "Triton tsyrk_ex for X·Xᵀ and b·A + c·A·A",
+            peer=True,
+        ),
+    ]
+
+
+def _heavyball_candidate(args: argparse.Namespace) -> StepCandidate:
     hb, reason = import_optional("heavyball")
     if hb is not None and not hasattr(hb, "Muon"):
         hb, reason = None, "heavyball has no Muon here"
-    if hb is not None and not cuda and not args.bf16_peers:
-        hb, reason = (
-            None,
-            (
-                "heavyball.Muon's Newton-Schulz is bfloat16 by design, ~50x slower than float32 "
-                "matmul on CPUs without bf16 units (minutes per step); --bf16-peers times it anyway"
-            ),
-        )
+    if hb is not None and args.device == "cpu" and not args.bf16_peers:
+        hb, reason = None, _bf16_on_cpu("heavyball.Muon")
     if hb is None:
-        cands.append(StepCandidate("heavyball_muon", skip=reason))
-    else:
-        hb_utils, _ = import_optional("heavyball.utils")
-        if hb_utils is not None and hasattr(hb_utils, "compile_mode"):
-            hb_utils.compile_mode = None  # compiling takes ~25 s on the first CPU step
-        cands.append(
+        return StepCandidate("heavyball_muon", skip=reason)
+    hb_utils, _ = import_optional("heavyball.utils")
+    if hb_utils is not None and hasattr(hb_utils, "compile_mode"):
+        hb_utils.compile_mode = None  # compiling takes ~25 s on the first CPU step
+    return StepCandidate(
+        "heavyball_muon",
+        lambda ps: hb.Muon(ps, lr=0.02),
+        note="heavyball.Muon, compile off (Newton-Schulz in bfloat16 by design)",
+        peer=True,
+    )
+
+
+# dion.Muon's settings timed: (name, keyword arguments, CUDA only, note).
+DION_MUONS = (
+    ("dion_muon", {}, False, "dion.Muon as shipped: Polar Express, torch.compile'd"),
+    (
+        "dion_muon_triton",
+        {"use_triton": True},
+        True,
+        "dion.Muon(use_triton=True): Polar Express, Triton kernels for the symmetric products",
+    ),
+)
+
+
+def _dion_candidates(args: argparse.Namespace) -> list[StepCandidate]:
+    """dion's Muon in one process (distributed_mesh=None: no device mesh or process group)."""
+    dion, reason = import_optional("dion")
+    if dion is None:
+        reason = f"{reason}; {DION_HINT}"
+    elif not hasattr(dion, "Muon"):
+        dion, reason = None, "dion has no Muon here"
+    cpu = args.device == "cpu"
+    out = []
+    for name, kwargs, cuda_only, note in DION_MUONS:
+        skip = reason
+        if cuda_only and cpu:
+            skip = "CUDA-only: dion's Triton kernels"
+        elif cpu and not args.bf16_peers:
+            skip = _bf16_on_cpu("dion.Muon")
+        if skip is not None:
+            out.append(StepCandidate(name, skip=skip))
+            continue
+        out.append(
             StepCandidate(
-                "heavyball_muon",
-                lambda ps: hb.Muon(ps, lr=0.02),
-                note="heavyball.Muon, compile off (Newton-Schulz in bfloat16 by design)",
+                name,
+                lambda ps, kwargs=kwargs: dion.Muon(ps, lr=0.02, **kwargs),
+                note=f"{note}; bfloat16 Newton-Schulz, distributed_mesh=None",
                 peer=True,
             )
         )
-    return cands + adamw_candidates()
+    return out
 
 
-register_suite("muon", muon_candidates, baseline="torch_muon")
+def muon_step_flops(shapes: Sequence[tuple[int, int]]) -> float:
+    """Plain-matmul flops of 5 Newton-Schulz steps on every matrix: one Muon step's work."""
+    return sum(ns_flops(1, rows, cols, steps=5) for rows, cols in shapes)
+
+
+register_suite("muon", muon_candidates, baseline="torch_muon", flops=muon_step_flops)
 
 
 def soap_candidates(args: argparse.Namespace) -> list[StepCandidate]:
@@ -241,9 +337,11 @@ def run(
         )
     suite = SUITES[optimizer]
     shapes = gpt_matrix_shapes(args.layers, args.width)
+    peak = matmul_peak(args, device)
     weights, grads = _make_params(shapes, device, args.seed)
     cases = []
-    for cand in suite.candidates(args):
+    candidates = suite.candidates(args)
+    for cand in candidates:
         if cand.skip is not None or cand.build is None:
             cases.append(Case(cand.name, note=cand.note, skip=cand.skip or "not available"))
             continue
@@ -263,6 +361,12 @@ def run(
         )
     times = time_side_by_side(cases, device, args.repeats, args.warmup)
     rows = summarize(cases, times, suite.baseline)
+    step_flops = suite.flops(shapes) if suite.flops is not None else None
+    if peak is not None and step_flops is not None:
+        counted = {c.name for c in candidates if c.counts_flops}
+        for row in rows:
+            if "median_s" in row and row["name"] in counted:
+                row.update(rate_against_peak(step_flops, row["median_s"], peak))
     medians = {r["name"]: r["median_s"] for r in rows if "median_s" in r}
     ours = [r["name"] for r in rows if r.get("ours") and r["name"] in medians]
     peers = [r["name"] for r in rows if r.get("peer") and r["name"] in medians]
@@ -291,6 +395,8 @@ def run(
         "device": str(device),
         "repeats": args.repeats,
         "environment": environment(),
+        "step_flops": step_flops,
+        "matmul_peak": peak,
         "cases": rows,
         "headline": headline,
         "median_of_all_s": statistics.median(medians.values()) if medians else None,
@@ -305,14 +411,26 @@ def render(report: dict[str, Any]) -> str:
         f"{report['width']}), {report['device']}, {report['environment']['threads']} threads, "
         f"median of {report['repeats']}; speedup = {report['baseline']} time / case time"
     ]
+    peak = report.get("matmul_peak")
+    if peak and report.get("step_flops"):
+        lines.append(
+            f"{describe_peak(peak)}; effective TFLOP/s = {report['step_flops'] / 1e12:.3g} TFLOP "
+            "(plain-matmul Newton-Schulz of every matrix) / step time"
+        )
     for row in report["cases"]:
         if "skipped" in row:
-            lines.append(f"  {row['name']:<24} skipped: {row['skipped']}")
-        else:
-            lines.append(
-                f"  {row['name']:<24} {row['median_s'] * 1e3:10.1f} ms  "
-                f"x{row['speedup_vs_baseline']:.2f}  {row['note']}"
-            )
+            lines.append(f"  {row['name']:<29} skipped: {row['skipped']}")
+            continue
+        rate = (
+            f"  {row['effective_tflops']:6.1f} TFLOP/s ({100 * row['fraction_of_peak']:.0f}% of "
+            "peak)"
+            if "effective_tflops" in row
+            else ""
+        )
+        lines.append(
+            f"  {row['name']:<29} {row['median_s'] * 1e3:10.1f} ms  "
+            f"x{row['speedup_vs_baseline']:.2f}{rate}  {row['note']}"
+        )
     h = report["headline"]
     if h:
         rounds = h["per_round_speedups"]
@@ -345,6 +463,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "step", help="one optimizer step over a GPT's matrices: ours vs peers vs AdamW"
     )
     add_common_arguments(p, repeats=3)
+    add_peak_argument(p)
     p.add_argument(
         "--optimizer",
         default="muon",
