@@ -82,10 +82,15 @@ def _place(tile, T, SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _syrk_ptr_kernel(
+def _syrk_kernel(
     X,
     C,
     OUT,
+    xa_desc,
+    xb_desc,
+    c_desc,
+    o_desc,
+    ot_desc,
     B,
     M,
     K,
@@ -101,12 +106,15 @@ def _syrk_ptr_kernel(
     alpha,
     beta,
     HAS_C: tl.constexpr,
+    USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
 ):
+    """With USE_TMA the *_desc descriptors load and store (X, C, OUT unused), else masked
+    pointers do (the descriptors are None)."""
     SPLIT: tl.constexpr = BLOCK_N // BLOCK_M
     T = tl.cdiv(M, BLOCK_N)
     per_matrix = T * (T + 1) // 2 * SPLIT
@@ -116,81 +124,56 @@ def _syrk_ptr_kernel(
         if row0 < M:
             rows = row0 + tl.arange(0, BLOCK_M)
             cols = col0 + tl.arange(0, BLOCK_N)
-            ks = tl.arange(0, BLOCK_K)
             x_base = X + batch * stride_xb
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                kk = k0 + ks
-                a = tl.load(
-                    x_base + rows[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=(rows[:, None] < M) & (kk[None, :] < K),
-                    other=0.0,
-                )
-                b = tl.load(
-                    x_base + cols[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=(cols[:, None] < M) & (kk[None, :] < K),
-                    other=0.0,
-                )
+                if USE_TMA:
+                    a = xa_desc.load([batch, row0, k0]).reshape(BLOCK_M, BLOCK_K)
+                    b = xb_desc.load([batch, col0, k0]).reshape(BLOCK_N, BLOCK_K)
+                else:
+                    kk = k0 + tl.arange(0, BLOCK_K)
+                    a = tl.load(
+                        x_base + rows[:, None] * stride_xm + kk[None, :] * stride_xk,
+                        mask=(rows[:, None] < M) & (kk[None, :] < K),
+                        other=0.0,
+                    )
+                    b = tl.load(
+                        x_base + cols[:, None] * stride_xm + kk[None, :] * stride_xk,
+                        mask=(cols[:, None] < M) & (kk[None, :] < K),
+                        other=0.0,
+                    )
                 acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
             acc = acc * alpha
             mask = (rows[:, None] < M) & (cols[None, :] < M)
             if HAS_C:
-                c = tl.load(
-                    C + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
-                    mask=mask,
-                    other=0.0,
-                )
+                if USE_TMA:
+                    c = c_desc.load([batch, row0, col0]).reshape(BLOCK_M, BLOCK_N)
+                else:
+                    c = tl.load(
+                        C
+                        + batch * stride_cb
+                        + rows[:, None] * stride_cm
+                        + cols[None, :] * stride_cn,
+                        mask=mask,
+                        other=0.0,
+                    )
                 acc = acc + beta * c.to(tl.float32)
             out = acc.to(OUT.dtype.element_ty)
-            o_base = OUT + batch * stride_ob
-            tl.store(o_base + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=mask)
-            if not diagonal:
+            if USE_TMA:
+                o_desc.store([batch, row0, col0], out.reshape(1, BLOCK_M, BLOCK_N))
+                if not diagonal:
+                    ot_desc.store([batch, col0, row0], tl.trans(out).reshape(1, BLOCK_N, BLOCK_M))
+            else:
+                o_base = OUT + batch * stride_ob
                 tl.store(
-                    o_base + cols[:, None] * stride_om + rows[None, :] * stride_on,
-                    tl.trans(out),
-                    mask=(cols[:, None] < M) & (rows[None, :] < M),
+                    o_base + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=mask
                 )
-
-
-@triton.jit
-def _syrk_tma_kernel(
-    xa_desc,
-    xb_desc,
-    c_desc,
-    o_desc,
-    ot_desc,
-    B,
-    M,
-    K,
-    alpha,
-    beta,
-    HAS_C: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    SPLIT: tl.constexpr = BLOCK_N // BLOCK_M
-    T = tl.cdiv(M, BLOCK_N)
-    per_matrix = T * (T + 1) // 2 * SPLIT
-    for t in tl.range(tl.program_id(0), B * per_matrix, tl.num_programs(0)):
-        batch = t // per_matrix
-        row0, col0, diagonal = _place(t % per_matrix, T, SPLIT, GROUP, BLOCK_M)
-        if row0 < M:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = xa_desc.load([batch, row0, k0]).reshape(BLOCK_M, BLOCK_K)
-                b = xb_desc.load([batch, col0, k0]).reshape(BLOCK_N, BLOCK_K)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-            acc = acc * alpha
-            if HAS_C:
-                c = c_desc.load([batch, row0, col0]).reshape(BLOCK_M, BLOCK_N)
-                acc = acc + beta * c.to(tl.float32)
-            out = acc.to(o_desc.dtype)
-            o_desc.store([batch, row0, col0], out.reshape(1, BLOCK_M, BLOCK_N))
-            if not diagonal:
-                ot_desc.store([batch, col0, row0], tl.trans(out).reshape(1, BLOCK_N, BLOCK_M))
+                if not diagonal:
+                    tl.store(
+                        o_base + cols[:, None] * stride_om + rows[None, :] * stride_on,
+                        tl.trans(out),
+                        mask=(cols[:, None] < M) & (rows[None, :] < M),
+                    )
 
 
 @functools.cache
@@ -259,8 +242,35 @@ def syrk(
         sms = _sm_count(X.device.index or 0) if X.is_cuda else 1
         programs = min(tiles, sms * cfg.programs_per_sm)
     use_tma = tma_usable(X3, C3 if C is not None else None) if tma is None else tma
-    meta = dict(
+    descs: list[object] = [None] * 5
+    if use_tma:
+        if TensorDescriptor is None:
+            raise RuntimeError(
+                "the TMA kernel needs triton >= 3.4 (triton.tools.tensor_descriptor)"
+            )
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        descs = [
+            TensorDescriptor.from_tensor(X3, [1, bm, bk]),
+            TensorDescriptor.from_tensor(X3, [1, bn, bk]),
+            TensorDescriptor.from_tensor(C3, [1, bm, bn]),
+            TensorDescriptor.from_tensor(out, [1, bm, bn]),
+            TensorDescriptor.from_tensor(out, [1, bn, bm]),
+        ]
+    _syrk_kernel[(programs,)](
+        X3,
+        C3,
+        out,
+        *descs,
+        X3.shape[0],
+        m,
+        n,
+        *X3.stride(),
+        *C3.stride(),
+        *out.stride(),
+        float(alpha),
+        float(beta),
         HAS_C=C is not None,
+        USE_TMA=use_tma,
         PRECISION=_precision(X),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -269,40 +279,6 @@ def syrk(
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
-    if use_tma:
-        if TensorDescriptor is None:
-            raise RuntimeError(
-                "the TMA kernel needs triton >= 3.4 (triton.tools.tensor_descriptor)"
-            )
-        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        _syrk_tma_kernel[(programs,)](
-            TensorDescriptor.from_tensor(X3, [1, bm, bk]),
-            TensorDescriptor.from_tensor(X3, [1, bn, bk]),
-            TensorDescriptor.from_tensor(C3, [1, bm, bn]),
-            TensorDescriptor.from_tensor(out, [1, bm, bn]),
-            TensorDescriptor.from_tensor(out, [1, bn, bm]),
-            X3.shape[0],
-            m,
-            n,
-            float(alpha),
-            float(beta),
-            **meta,
-        )
-    else:
-        _syrk_ptr_kernel[(programs,)](
-            X3,
-            C3,
-            out,
-            X3.shape[0],
-            m,
-            n,
-            *X3.stride(),
-            *C3.stride(),
-            *out.stride(),
-            float(alpha),
-            float(beta),
-            **meta,
-        )
     return out.reshape(*lead, m, m)
 
 
