@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,33 @@ def test_cpu_dispatch_is_untouched_by_the_cuda_choice() -> None:
     X = torch.randn(600, 700)
     assert kernels.backend_for(X) == "cpu_syrk"
     assert kernels.syrk_for(X) is not kernels._cuda_syrk
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (optional extra: pip install .[triton])",
+)
+def test_a_config_that_fails_falls_back_to_the_plain_product_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table naming a config that cannot run here (the kernel launch fails on CPU tensors
+    without the interpreter) must not stop training: torch's product serves the shape, with
+    one warning naming the config."""
+    cfg = SyrkConfig(64, 64, 32, 4, 3)
+    row = dict(dtype="float32", batch=1, m=96, n=128, has_c=False, choice=cfg)
+    path = tmp_path / "table.json"
+    tuning.write_table(path, "cpu", [row])
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    tuning.forget()
+    X = torch.randn(96, 128)
+    try:
+        with pytest.warns(RuntimeWarning, match=f"{cfg.name} failed on \\(96, 128\\)"):
+            got = kernels._cuda_syrk(X, None, 0.0, 1.0)
+        torch.testing.assert_close(got, X @ X.T)
+        assert tuning.choose(X, has_c=False) == MATMUL
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            kernels._cuda_syrk(X, None, 0.0, 1.0)  # decided: no second warning
+    finally:
+        monkeypatch.delenv(tuning.TABLE_ENV)
+        tuning.forget()

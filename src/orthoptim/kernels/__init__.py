@@ -162,9 +162,14 @@ def _cuda_syrk(X: Tensor, C: Tensor | None, beta: float, alpha: float) -> Tensor
     from orthoptim.kernels import triton_syrk
 
     choice = tuning.choose(X, C is not None, tuner=triton_syrk.tune)
-    if choice == tuning.MATMUL:
-        return syrk_cpu.syrk_matmul(X, C, beta, alpha)
-    return triton_syrk.syrk(X, C, beta, alpha, config=choice)
+    if choice != tuning.MATMUL:
+        try:
+            return triton_syrk.syrk(X, C, beta, alpha, config=choice)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # e.g. a config this triton or GPU cannot compile
+            tuning.refuse(X, C is not None, choice, exc)
+    return syrk_cpu.syrk_matmul(X, C, beta, alpha)
 
 
 SymMatmul = Callable[[Tensor, Tensor], Tensor]

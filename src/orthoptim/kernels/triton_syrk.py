@@ -250,11 +250,14 @@ def syrk(
             )
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         descs = [
-            TensorDescriptor.from_tensor(X3, [1, bm, bk]),
-            TensorDescriptor.from_tensor(X3, [1, bn, bk]),
-            TensorDescriptor.from_tensor(C3, [1, bm, bn]),
-            TensorDescriptor.from_tensor(out, [1, bm, bn]),
-            TensorDescriptor.from_tensor(out, [1, bn, bm]),
+            TensorDescriptor(T, list(T.shape), list(T.stride()), block)
+            for T, block in (
+                (X3, [1, bm, bk]),
+                (X3, [1, bn, bk]),
+                (C3, [1, bm, bn]),
+                (out, [1, bm, bn]),
+                (out, [1, bn, bm]),
+            )
         ]
     _syrk_kernel[(programs,)](
         X3,

@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -278,7 +279,7 @@ def choose(X: Tensor, has_c: bool, tuner: Tuner | None = None) -> Choice:
     ORTHOPTIM_SYRK_TUNE is set."""
     m, n = X.shape[-2], X.shape[-1]
     batch = math.prod(X.shape[:-2])
-    key = (X.device, X.dtype, batch, m, n, has_c)
+    key = _key(X, has_c)
     found = _decided.get(key)
     if found is not None:
         return found
@@ -292,6 +293,24 @@ def choose(X: Tensor, has_c: bool, tuner: Tuner | None = None) -> Choice:
         choice = default_config(X.dtype) if m >= FALLBACK_MIN_ROWS else MATMUL
     _decided[key] = choice
     return choice
+
+
+def _key(X: Tensor, has_c: bool) -> tuple[Any, ...]:
+    return (X.device, X.dtype, math.prod(X.shape[:-2]), X.shape[-2], X.shape[-1], has_c)
+
+
+def refuse(X: Tensor, has_c: bool, config: SyrkConfig, error: Exception) -> None:
+    """Serve this shape with torch's product from now on, saying once why: `config` failed
+    on it (a config this triton or GPU cannot build), so results go on, slower."""
+    _decided[_key(X, has_c)] = MATMUL
+    warnings.warn(
+        f"orthoptim: the Triton SYRK {config.name} failed on {tuple(X.shape)} "
+        f"{str(X.dtype).removeprefix('torch.')} ({type(error).__name__}: {error}); torch's "
+        f"product serves this shape instead. Re-measure with `orthoptim bench syrk --tune`, "
+        f"or set ORTHOPTIM_KERNELS=matmul.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def forget() -> None:
