@@ -44,6 +44,8 @@ VARIANTS = (
     ("distributed", "rows"),
     ("blockwise", "apply"),
 )
+# The Muon variants checked under dp2 × tp2 (their own maths runs on DTensor matrices).
+TP_VARIANTS = ("normuon", "adamuon", "polargrad", "scion")
 # (k, rows, cols): tall and wide, divisible by 2 and 4.
 SHAPES = [(2, 24, 40), (3, 48, 16)]
 
@@ -151,6 +153,9 @@ def _all_checks(rank, world_size, ckpt_dir):
         for mode in ("duplicated", "distributed")
     }
     out["gpt_bad_group"] = _gpt_2d_whole_world_as_dp(mesh2d)
+    out["variants"] = {
+        name: _gpt_2d(mesh2d, "distributed", optimizer=name) for name in TP_VARIANTS
+    }
     return out
 
 
@@ -382,13 +387,13 @@ def _train(model, opt, batches):
     return losses
 
 
-def _build(orthogonalizer=None):
+def _build(orthogonalizer=None, optimizer="muon"):
     from orthoptim import build_optimizer
 
     torch.manual_seed(0)
     model = TinyGPT()
     return model, lambda: build_optimizer(
-        model, optimizer="muon", lr=0.02, adamw_lr=3e-3, orthogonalizer=orthogonalizer
+        model, optimizer=optimizer, lr=0.02, adamw_lr=3e-3, orthogonalizer=orthogonalizer
     )
 
 
@@ -425,13 +430,13 @@ def _gpt_2d_whole_world_as_dp(mesh):
     return None
 
 
-def _layerwise(model, mesh, orth, **kw):
-    """Layer-wise Muon over mesh['dp'] with the reference's hyper-parameters."""
+def _layerwise(model, mesh, orth, optimizer="muon", **kw):
+    """Layer-wise Muon (or a variant) over mesh['dp'] with the reference's hyper-parameters."""
     from orthoptim import LayerwiseDistributedOptimizer
 
     return LayerwiseDistributedOptimizer(
         model,
-        optimizer="muon",
+        optimizer=optimizer,
         lr=0.02,
         adamw_lr=3e-3,
         orthogonalizer=orth,
@@ -440,14 +445,14 @@ def _layerwise(model, mesh, orth, **kw):
     )
 
 
-def _gpt_2d(mesh, mode, ckpt_dir=None):
+def _gpt_2d(mesh, mode, ckpt_dir=None, optimizer="muon"):
     """The GPT tensor-parallel over mesh['tp'], data-parallel over mesh['dp'] through the
     layer-wise optimizer (each matrix owned by one dp rank, whose tp ranks orthogonalize it
     together with the TP orthogonalizer)."""
     dp_rank = mesh["dp"].get_local_rank()
     orth = TensorParallelOrthogonalizer(mode=mode, steps=STEPS)
     model = _parallel_gpt(mesh)
-    opt = _layerwise(model, mesh, orth, bucket_mb=GPT_BUCKET_MB[mode])
+    opt = _layerwise(model, mesh, orth, optimizer, bucket_mb=GPT_BUCKET_MB[mode])
     halves = [t.chunk(2)[dp_rank] for t in _batches()]
     losses = _train(model, opt, halves)
     opt.wait_for_params()
@@ -512,6 +517,28 @@ def test_gpt_dp2_tp2_follows_single_process(four_ranks, reference, mode):
     for r in res:
         for n, p in r["params"].items():
             torch.testing.assert_close(p, ref[n].detach(), rtol=1e-5, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("name", TP_VARIANTS)
+def test_variants_dp2_tp2_follow_single_process(four_ranks, name):
+    """Each variant's own step on the orthogonalized matrix (NorMuon's row moments, AdaMuon's
+    second moment, Scion's norms) sees the tensor-parallel matrices as DTensors: the result
+    must still be the single-process one, to the same summation-order tolerance as Muon's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, make_opt = _build(optimizer=name)
+        ref_losses = torch.stack(_train(model, make_opt(), _batches()))
+    finally:
+        torch.set_num_threads(threads)
+    assert ref_losses[-1] < ref_losses[0] - 0.1  # it trains
+    res = [r["variants"][name] for r in four_ranks]
+    torch.testing.assert_close(
+        (res[0]["losses"] + res[2]["losses"]) / 2, ref_losses, rtol=1e-5, atol=1e-5
+    )
+    for r in res:
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(r["params"][n], p.detach(), rtol=1e-5, atol=1e-5, msg=n)
 
 
 def test_tp_parameters_need_the_data_parallel_group(four_ranks):
