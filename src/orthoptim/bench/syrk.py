@@ -81,7 +81,7 @@ def _eo_cases(X: Tensor, A: Tensor | None) -> tuple[dict[str, Callable[[], Tenso
 
 
 def _candidates(
-    X: Tensor, A: Tensor | None, tune: bool
+    X: Tensor, A: Tensor | None, tune: bool, peers: bool = True
 ) -> tuple[dict[str, Callable[[], Tensor]], dict[str, tuning.Choice], dict[str, str]]:
     """(name → call, name → table choice, name → why skipped) for the Gram of X (A None) or
     the epilogue on A."""
@@ -115,7 +115,7 @@ def _candidates(
                     calls[name] = lambda cfg=cfg: triton_syrk.syrk(A, A, POLY_B, POLY_C, cfg)
         else:
             skipped["triton configs"] = "the Triton SYRK runs on CUDA with triton installed"
-    peer, reason = _eo_cases(X, A)
+    peer, reason = _eo_cases(X, A) if peers else ({}, "--no-peers")
     calls.update(peer)
     if reason:
         skipped["emerging_optimizers"] = reason
@@ -157,9 +157,10 @@ def _measure(
     device: torch.device,
     rounds: int,
     peak: dict[str, Any] | None,
+    peers: bool = True,
 ) -> dict[str, Any]:
     """One product of one shape: every candidate's time, rate, error and the winner."""
-    calls, choices, skipped = _candidates(X, A, tune)
+    calls, choices, skipped = _candidates(X, A, tune, peers)
     T = X if A is None else A
     if A is None:
         reference = torch.matmul(X.float(), X.float().mT)
@@ -204,6 +205,7 @@ def run(
     tune: bool,
     rounds: int,
     peak: dict[str, Any] | None,
+    peers: bool = True,
 ) -> dict[str, Any]:
     """Benchmark the Gram and the epilogue of every shape; return the report."""
     gen = torch.Generator().manual_seed(0)
@@ -213,12 +215,12 @@ def run(
         m, n = min(rows, cols), max(rows, cols)
         X = torch.randn(batch, m, n, generator=gen).to(device=device, dtype=dtype)
         X = X[0] if batch == 1 else X
-        results.append(_measure(X, None, tune, device, rounds, peak))
+        results.append(_measure(X, None, tune, device, rounds, peak, peers))
         if (batch, m) not in seen_poly:
             seen_poly.add((batch, m))
             G = torch.matmul(X.float(), X.float().mT)
             A = (G / G.abs().amax(dim=(-2, -1), keepdim=True)).to(dtype)
-            results.append(_measure(X, A, tune, device, rounds, peak))
+            results.append(_measure(X, A, tune, device, rounds, peak, peers))
     return {
         "benchmark": "syrk",
         "device": str(device),
@@ -288,7 +290,8 @@ def _cmd(args: argparse.Namespace) -> int:
         raise SystemExit("--write needs --tune: a table records the fastest of every candidate")
     shapes = parse_shapes(args.shapes or DEFAULT_SHAPES[device.type])
     with thread_count(args.threads):
-        report = run(shapes, dtypes[0], device, args.tune, args.repeats, matmul_peak(args, device))
+        peak = matmul_peak(args, device)
+        report = run(shapes, dtypes[0], device, args.tune, args.repeats, peak, args.peers)
     if args.write:
         tuning.write_table(
             args.write,
@@ -312,6 +315,12 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shapes", default=None, help="default: a sweep for the device")
     p.add_argument("--dtype", default="bfloat16", help="one dtype (default bfloat16)")
     p.add_argument("--tune", action="store_true", help="time every Triton config too (CUDA)")
+    p.add_argument(
+        "--no-peers",
+        dest="peers",
+        action="store_false",
+        help="leave Emerging-Optimizers out (its autotuning compiles ~180 configs per shape)",
+    )
     p.add_argument("--write", default=None, metavar="FILE", help="write the table (with --tune)")
     add_peak_argument(p)
     p.set_defaults(func=_cmd)
