@@ -45,11 +45,13 @@ from orthoptim.bench import (
 from orthoptim.bench.ns import parse_shapes
 from orthoptim.kernels import tuning
 
+# On CUDA: square and wide from 256 to 16384 rows, stacks, and the stacks of `bench step`'s
+# 12-layer width-2048 GPT (48 square matrices, 12 + 12 of 2048×8192 once the tall transposed).
 DEFAULT_SHAPES = {
     "cuda": (
         "256x256,512x512,1024x1024,2048x2048,3072x3072,4096x4096,6144x6144,8192x8192,"
         "12288x12288,16384x16384,1024x4096,2048x8192,4096x14336,8192x28672,"
-        "8x1024x1024,8x4096x4096"
+        "8x1024x1024,8x4096x4096,48x2048x2048,12x2048x8192"
     ),
     "cpu": "256x1024,512x2048,1024x1024",
 }
