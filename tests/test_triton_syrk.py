@@ -95,6 +95,27 @@ def test_a_bad_table_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="missing.json.*not a file"):
         tuning.table_paths()
+    path.write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "device": "cpu",
+                "entries": [
+                    {
+                        "dtype": "float32",
+                        "batch": 1,
+                        "m": 0,
+                        "n": 4,
+                        "has_c": False,
+                        "choice": MATMUL,
+                    }
+                ],
+            }
+        )
+    )
+    with pytest.raises(ValueError, match="broken.json.*size below 1"):
+        tuning.read_table(path)
+    assert tuning.choose(torch.zeros(0, 5), has_c=False) == MATMUL
     with pytest.raises(ValueError, match="fields.*block"):
         tuning.choice_from_json({"block": 64})
 

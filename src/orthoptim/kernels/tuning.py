@@ -113,6 +113,7 @@ def candidates(m: int, dtype: torch.dtype) -> list[SyrkConfig]:
 
 
 def choice_to_json(choice: Choice) -> Any:
+    """A choice as a table stores it: "matmul" or the config's fields."""
     return choice if isinstance(choice, str) else asdict(choice)
 
 
@@ -140,6 +141,7 @@ class Entry:
     choice: Choice
 
     def distance(self, batch: int, m: int, n: int) -> float:
+        """How far a shape is from this one: the sum of the log ratios of its sizes."""
         return (
             abs(math.log(self.m / m))
             + abs(math.log(self.n / n))
@@ -164,6 +166,9 @@ def read_table(path: str | os.PathLike[str]) -> tuple[str, list[Entry]]:
             )
             for e in data["entries"]
         ]
+        for e in entries:
+            if min(e.batch, e.m, e.n) < 1:
+                raise ValueError(f"entry {e} has a size below 1")
         return str(data["device"]), entries
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(
@@ -283,6 +288,8 @@ def choose(X: Tensor, has_c: bool, tuner: Tuner | None = None) -> Choice:
     found = _decided.get(key)
     if found is not None:
         return found
+    if min(batch, m, n) == 0:
+        return MATMUL  # nothing to compute
     entries = _entries_for(device_name(X.device), tuple(table_paths()))
     choice = lookup(entries, X.dtype, batch, m, n, has_c)
     if choice is None and tuner is not None and tuning_requested():
