@@ -11,7 +11,7 @@ lives; every caller goes through them:
   kernel that computes only the tiles on one side of the diagonal
   (`orthoptim.kernels.triton_syrk`) and torch's general product was measured faster on this
   GPU model (`orthoptim.kernels.tuning`: a table of measurements, tuning on first sight, or
-  the measured row threshold `tuning.FALLBACK_MIN_ROWS`).
+  the row threshold `tuning.FALLBACK_MIN_ROWS` measured in bf16).
 - anything else (and whenever autograd needs to flow through): plain matmul.
 
 `ORTHOPTIM_KERNELS=matmul` in the environment, or the `force_matmul()` context manager,

@@ -13,7 +13,8 @@ stages and launch order of the Triton SYRK). Choices come from, in order:
 2. with `ORTHOPTIM_SYRK_TUNE=1`, timing the candidates on first sight of a shape in this
    process (`triton_syrk.tune`). Each rank times for itself, so ranks may decide
    differently: use it to explore, and a table to train;
-3. otherwise `FALLBACK_MIN_ROWS`: the plain product below it, `default_config` above.
+3. otherwise, for bfloat16 (the dtype it was measured in), `FALLBACK_MIN_ROWS`: the plain
+   product below it, `default_config` above; for other dtypes the plain product.
 
 This module does not import triton: tables and choices are plain data.
 """
@@ -40,10 +41,11 @@ TUNE_ENV = "ORTHOPTIM_SYRK_TUNE"
 TABLE_DIR = Path(__file__).with_name("tables")
 TABLE_FORMAT = 1
 MATMUL = "matmul"
-# Without a table: the Triton SYRK only from this many rows. Measured on one H200 (bf16,
-# triton 3.6, the 128×128×64 tile of `default_config`): Gram of 2048² 0.033 ms against torch
-# X@Xᵀ 0.027 (slower), 4096² 0.124 against 0.177 (faster); see docs/benchmarks.md.
+# Without a table: the Triton SYRK only in FALLBACK_DTYPE and from this many rows. Measured on
+# one H200 (bf16, triton 3.6, the 128×128×64 tile of `default_config`): Gram of 2048² 0.033 ms
+# against torch X@Xᵀ 0.027 (slower), 4096² 0.124 against 0.177 (faster); see docs/benchmarks.md.
 FALLBACK_MIN_ROWS = 4096
+FALLBACK_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,8 @@ def choose(X: Tensor, has_c: bool, tuner: Tuner | None = None) -> Choice:
         C3 = torch.zeros(X3.shape[0], m, m, dtype=X.dtype, device=X.device) if has_c else None
         choice, _ = tuner(X3, C3)
     if choice is None:
-        choice = default_config(X.dtype) if m >= FALLBACK_MIN_ROWS else MATMUL
+        measured = X.dtype == FALLBACK_DTYPE and m >= FALLBACK_MIN_ROWS
+        choice = default_config(X.dtype) if measured else MATMUL
     _decided[key] = choice
     return choice
 
