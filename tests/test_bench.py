@@ -348,3 +348,13 @@ def test_bench_syrk_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path)
     assert [e.has_c for e in entries] == [False, True, False, True]
     with pytest.raises(SystemExit, match="--write needs --tune"):
         cli.main([*argv, "--write", str(table)])
+
+
+def test_bench_skip_leaves_named_candidates_out(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "ns", "--shapes", "16x24", "--dtypes", "float32", "--repeats", "1"]
+    report = _run_json(capsys, [*argv, "--skip", "torch_muon", "--json"])
+    rows = {c["name"]: c for c in report["results"][0]["cases"]}
+    assert rows["torch_muon"]["skipped"] == "left out with --skip"
+    assert "median_s" in rows["orthoptim"]
+    with pytest.raises(SystemExit, match="--skip: no candidate named nope; candidates: orthoptim"):
+        cli.main([*argv, "--skip", "nope"])

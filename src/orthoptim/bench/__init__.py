@@ -98,14 +98,40 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def add_skip_argument(parser: argparse.ArgumentParser) -> None:
+    """--skip NAME[,NAME]: candidates to leave out of the run."""
+    parser.add_argument(
+        "--skip",
+        default="",
+        metavar="NAMES",
+        help="comma-separated candidates to leave out (e.g. a peer whose first-call "
+        "autotuning would not fit a time limit)",
+    )
+
+
 def time_side_by_side(
-    cases: Sequence[Case], device: torch.device, repeats: int, warmup: int
+    cases: Sequence[Case],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    skip: str = "",
 ) -> dict[str, list[float]]:
     """Seconds per run of each available case, timed round-robin (case order rotates).
 
     Peers (extra["peer"]) run once untimed even without warm-up; one that raises is marked
-    skipped with the error instead of ending the benchmark.
+    skipped with the error instead of ending the benchmark. `skip` (--skip) names cases to
+    leave out, comma-separated; a name that is no case is refused with the case names.
     """
+    left_out = {n.strip() for n in skip.split(",") if n.strip()}
+    unknown = left_out - {c.name for c in cases}
+    if unknown:
+        raise SystemExit(
+            f"--skip: no candidate named {', '.join(sorted(unknown))}; candidates: "
+            f"{', '.join(c.name for c in cases)}"
+        )
+    for c in cases:
+        if c.name in left_out and c.skip is None:
+            c.skip = "left out with --skip"
     live = [c for c in cases if c.skip is None and c.run is not None]
     for c in list(live):
         for _ in range(max(warmup, 1 if c.extra.get("peer") else 0)):

@@ -26,6 +26,7 @@ from orthoptim.bench import (
     Case,
     add_common_arguments,
     add_peak_argument,
+    add_skip_argument,
     describe_peak,
     emerging_syrk_skip,
     emit,
@@ -294,6 +295,7 @@ def run(
     bf16_shrink: int = 1,
     bf16_repeats: int | None = None,
     peak: dict[str, Any] | None = None,
+    skip: str = "",
 ) -> dict[str, Any]:
     """Benchmark every (shape, dtype); return the report (see `orthoptim bench ns --json`).
 
@@ -310,7 +312,8 @@ def run(
             X = torch.randn(batch, r, c, generator=gen).to(device)
             cases = _candidates(X, dtype, steps, coefficients) + _gemm_cases(X, dtype)
             reps = min(repeats, bf16_repeats) if low and bf16_repeats else repeats
-            times = time_side_by_side(cases, device, reps, 0 if low and bf16_repeats else warmup)
+            warm = 0 if low and bf16_repeats else warmup
+            times = time_side_by_side(cases, device, reps, warm, skip)
             rows_out = summarize(cases, times, BASELINE)
             flops = ns_flops(batch, r, c, steps)
             gemm_rates = [
@@ -429,6 +432,7 @@ def _cmd(args: argparse.Namespace) -> int:
             bf16_shrink=shrink,
             bf16_repeats=args.bf16_repeats if device.type == "cpu" else None,
             peak=peak,
+            skip=args.skip,
         )
     emit(report, args.json, render)
     return 0
@@ -441,6 +445,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     add_common_arguments(p, repeats=5)
     add_peak_argument(p)
+    add_skip_argument(p)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"default {DEFAULT_SHAPES}")
     p.add_argument("--dtypes", default="float32,bfloat16", help="default float32,bfloat16")
     p.add_argument("--steps", type=int, default=5)

@@ -30,6 +30,7 @@ from orthoptim.bench import (
     Case,
     add_common_arguments,
     add_peak_argument,
+    add_skip_argument,
     describe_peak,
     emerging_syrk_skip,
     emit,
@@ -359,7 +360,7 @@ def run(
         cases.append(
             Case(cand.name, step, note=cand.note, extra={"peer": cand.peer, "ours": cand.ours})
         )
-    times = time_side_by_side(cases, device, args.repeats, args.warmup)
+    times = time_side_by_side(cases, device, args.repeats, args.warmup, args.skip)
     rows = summarize(cases, times, suite.baseline)
     step_flops = suite.flops(shapes) if suite.flops is not None else None
     if peak is not None and step_flops is not None:
@@ -464,6 +465,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     add_common_arguments(p, repeats=3)
     add_peak_argument(p)
+    add_skip_argument(p)
     p.add_argument(
         "--optimizer",
         default="muon",
