@@ -115,12 +115,15 @@ def time_side_by_side(
     repeats: int,
     warmup: int,
     skip: str = "",
+    timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per run of each available case, timed round-robin (case order rotates).
 
-    Peers (extra["peer"]) run once untimed even without warm-up; one that raises is marked
-    skipped with the error instead of ending the benchmark. `skip` (--skip) names cases to
-    leave out, comma-separated; a name that is no case is refused with the case names.
+    Peers (extra["peer"]) and cases marked extra["may_fail"] run once untimed even without
+    warm-up; one that raises is marked skipped with the error instead of ending the
+    benchmark. `skip` (--skip) names cases to leave out, comma-separated; a name that is no
+    case is refused with the case names. `timer(run)` gives one sample in seconds (e.g. CUDA
+    events over many calls); by default one call between device synchronizations.
     """
     left_out = {n.strip() for n in skip.split(",") if n.strip()}
     unknown = left_out - {c.name for c in cases}
@@ -134,15 +137,17 @@ def time_side_by_side(
             c.skip = "left out with --skip"
     live = [c for c in cases if c.skip is None and c.run is not None]
     for c in list(live):
-        for _ in range(max(warmup, 1 if c.extra.get("peer") else 0)):
+        may_fail = c.extra.get("peer") or c.extra.get("may_fail")
+        for _ in range(max(warmup, 1 if may_fail else 0)):
             if c.setup is not None:
                 c.setup()
             try:
                 c.run()
             except Exception as exc:
-                if not c.extra.get("peer"):
+                if not may_fail:
                     raise
-                # an outside implementation failing here is a result to report, not a crash
+                # an outside implementation (or a kernel config) failing here is a result to
+                # report, not a crash
                 c.skip = f"failed here: {type(exc).__name__}: {exc}"[:300]
                 live.remove(c)
                 break
@@ -153,6 +158,9 @@ def time_side_by_side(
         for c in order:
             if c.setup is not None:
                 c.setup()
+            if timer is not None:
+                times[c.name].append(timer(c.run))
+                continue
             synchronize(device)
             start = time.perf_counter()
             c.run()

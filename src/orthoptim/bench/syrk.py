@@ -30,6 +30,7 @@ from torch import Tensor
 
 from orthoptim import kernels
 from orthoptim.bench import (
+    Case,
     add_common_arguments,
     add_peak_argument,
     describe_peak,
@@ -41,6 +42,7 @@ from orthoptim.bench import (
     rate_against_peak,
     setup_device,
     thread_count,
+    time_side_by_side,
 )
 from orthoptim.bench.ns import parse_shapes
 from orthoptim.kernels import tuning
@@ -127,25 +129,23 @@ def _candidates(
 def _time(
     calls: dict[str, Callable[[], Tensor]], device: torch.device, rounds: int
 ) -> tuple[dict[str, float], dict[str, str]]:
-    """Median ms per call, candidates taken round-robin (`rounds` rounds); a candidate that
-    raises is reported instead of timed."""
-    failed: dict[str, str] = {}
-    live = dict(calls)
-    for name, fn in list(live.items()):
-        try:
-            fn()
-        except Exception as exc:  # a config or peer this GPU/triton cannot run is a result
-            failed[name] = f"failed: {type(exc).__name__}: {exc}"[:300]
-            del live[name]
-    timer = tuning.cuda_timer if device.type == "cuda" else tuning.wall_timer
-    samples: dict[str, list[float]] = {name: [] for name in live}
-    names = list(live)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            samples[name].append(
-                timer(live[name], 5) if device.type == "cuda" else timer(live[name], 1)
-            )
-    return {name: statistics.median(v) for name, v in samples.items()}, failed
+    """Median ms per call, candidates taken round-robin (`rounds` rounds), each sample timed
+    by `tuning`'s timers; a candidate that raises is reported instead of timed."""
+    cases = [Case(name, fn, extra={"may_fail": True}) for name, fn in calls.items()]
+    if device.type == "cuda":
+        times = time_side_by_side(cases, device, rounds, 0, timer=_cuda_sample)
+    else:
+        times = time_side_by_side(cases, device, rounds, 0, timer=_wall_sample)
+    failed = {c.name: c.skip for c in cases if c.skip is not None}
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}, failed
+
+
+def _cuda_sample(run: Callable[[], object]) -> float:
+    return tuning.cuda_timer(run, 5) * 1e-3
+
+
+def _wall_sample(run: Callable[[], object]) -> float:
+    return tuning.wall_timer(run, 1) * 1e-3
 
 
 def _rel_err(got: Tensor, want: Tensor) -> float:
@@ -180,8 +180,11 @@ def _measure(
             {
                 "name": name,
                 "ms": ms,
-                "effective_tflops": flops / (ms * 1e-3) / 1e12,
-                **(rate_against_peak(flops, ms * 1e-3, peak) if peak else {}),
+                **(
+                    rate_against_peak(flops, ms * 1e-3, peak)
+                    if peak
+                    else {"effective_tflops": flops / (ms * 1e-3) / 1e12}
+                ),
                 "speedup_vs_torch": times[BASELINE] / ms if BASELINE in times else None,
                 "rel_err": err,
                 "correct": err <= limit,
