@@ -153,9 +153,7 @@ def _all_checks(rank, world_size, ckpt_dir):
         for mode in ("duplicated", "distributed")
     }
     out["gpt_bad_group"] = _gpt_2d_whole_world_as_dp(mesh2d)
-    out["variants"] = {
-        name: _gpt_2d(mesh2d, "distributed", optimizer=name) for name in TP_VARIANTS
-    }
+    out["variants"] = {name: _gpt_2d(mesh2d, "distributed", optimizer=name) for name in TP_VARIANTS}
     return out
 
 

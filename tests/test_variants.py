@@ -113,7 +113,12 @@ def test_scion_spectral_matches_reference(constrained, shape):
         shape,
     )
     want = ref.scion_ref(
-        w0, grads, lr=0.05, momentum=0.3, radius=3.0, unconstrained=not constrained,
+        w0,
+        grads,
+        lr=0.05,
+        momentum=0.3,
+        radius=3.0,
+        unconstrained=not constrained,
         orthogonalize=ortho,
     )
     assert_same(got, want)

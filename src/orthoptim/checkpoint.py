@@ -96,8 +96,6 @@ STATE_DICT_TO = ("all", "rank0")
 _META_KEY = "optim/meta"
 
 
-
-
 class CheckpointLoadError(Exception):
     """A checkpoint could not be read (missing or damaged files), or was refused because
     loading it would run code it pickled (`load_file`). Raised in place of
@@ -280,11 +278,7 @@ def _placed(v: Any, p: Tensor, elementwise: bool) -> Any:
     return v.detach().to(p.device, copy=True)
 
 
-
-
 # -- full state dicts (torch format) ------------------------------------------------------------
-
-
 
 
 def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[str, Any]:
@@ -368,10 +362,6 @@ def _cpu(v: Any) -> Any:
     return v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v
 
 
-
-
-
-
 def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Load a `full_state_dict` (or a single-process optimizer's `state_dict()`) into a
     layer-wise or single-process optimizer: each rank takes the state of what it owns.
@@ -390,20 +380,6 @@ def load_full_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None
     state = {names[i]: st for i, st in sd["state"].items()}
     validate(opt, saved_meta)
     _install(opt, saved_meta, state, sd.get("orthoptim", {}).get("master", {}))
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # -- sharded state dicts (DCP) --------------------------------------------------------------------

@@ -113,8 +113,7 @@ class MatrixOptimizer(GuardedOptimizer):
             for p in live:
                 if p.grad.is_sparse:
                     raise ValueError(
-                        f"{type(self).__name__} does not support sparse gradients "
-                        f"({names[id(p)]})"
+                        f"{type(self).__name__} does not support sparse gradients ({names[id(p)]})"
                     )
             self.step_params(live, group, [names[id(p)] for p in live])
 

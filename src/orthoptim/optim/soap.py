@@ -273,6 +273,7 @@ class SOAP(MatrixOptimizer):
         state["exp_avg_sq"] = exp_avg_sq
         state["exp_avg"] = rotate(exp_avg, state.get("basis_left"), state.get("basis_right"))
 
+
 def _factors(state: dict[str, Any]) -> list[tuple[str, Tensor]]:
     return [(s, state[f"factor_{s}"]) for s in ("left", "right") if f"factor_{s}" in state]
 

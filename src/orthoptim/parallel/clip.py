@@ -42,9 +42,7 @@ def power_sum(tensors: Iterable[Tensor], norm_type: float, device: torch.device)
     `accumulator_dtype` on `device` (0 when there are none)."""
     acc = accumulator_dtype(device)
     parts = [
-        torch.linalg.vector_norm(t, norm_type, dtype=acc).to(device)
-        for t in tensors
-        if t.numel()
+        torch.linalg.vector_norm(t, norm_type, dtype=acc).to(device) for t in tensors if t.numel()
     ]
     if not parts:
         return torch.zeros(1, dtype=acc, device=device)

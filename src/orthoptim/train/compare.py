@@ -36,6 +36,8 @@ def sweep_grid(name: str) -> tuple[float, ...]:
     """The LRs `--sweep` tries for optimizer `name`."""
     lr = DEFAULT_LR[name]
     return SWEEP_GRID.get(name, (0.4 * lr, lr, 2.5 * lr))
+
+
 TARGET_STEPS_FRACTION = 0.70
 TARGET_THROUGHPUT_RATIO = 0.98
 
