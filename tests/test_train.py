@@ -314,7 +314,15 @@ def test_compare_writes_summary_and_plot(tmp_path):
     ratio = summary["runs"]["muon"]["tokens_per_s"] / summary["runs"]["adamw"]["tokens_per_s"]
     assert summary["tokens_per_s_ratio_muon_over_adamw"] == pytest.approx(ratio)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| final validation loss |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| final validation loss (nats/byte) |" in report and "target" not in report
+    # The report's figures are taken over the rows the loop's throughput uses.
+    from orthoptim.train.compare import _median, timed_rows
+    from orthoptim.train.runfolder import read_metrics
+
+    for name, run in summary["runs"].items():
+        timed = timed_rows(read_metrics(out / name / "metrics.jsonl"))
+        assert run["median_step_time_s"] == _median([r["step_time_s"] for r in timed])
     # The runs took turns in 4 segments, each resumed: the same losses as one stretch each.
     assert summary["segments"] == 4
     whole = tmp_path / "whole"
@@ -345,7 +353,8 @@ def test_compare_several_optimizers_reports_each_against_the_baseline(tmp_path, 
     for name in ("normuon", "adamuon"):
         v = summary["versus_baseline"][name]
         curve = {s: loss for s, _, loss in summary["runs"][name]["val_curve"]}
-        line = next(x for x in report.splitlines() if x.startswith(f"- **{name[:3].title()}"))
+        label = {"normuon": "NorMuon", "adamuon": "AdaMuon"}[name]
+        line = next(x for x in report.splitlines() if x.startswith(f"- **{label}** (lr"))
         if v["steps_to_baseline_final_val_loss"] is None:
             assert min(curve.values()) > target and "did not reach Muon's" in line
         else:
@@ -353,7 +362,7 @@ def test_compare_several_optimizers_reports_each_against_the_baseline(tmp_path, 
             assert f"at step {v['steps_to_baseline_final_val_loss']}" in line
         ratio = summary["runs"][name]["tokens_per_s"] / summary["runs"]["muon"]["tokens_per_s"]
         assert v["tokens_per_s_ratio"] == pytest.approx(ratio)
-        assert f"{ratio:.3f}× its tokens/s" in line
+        assert f"{ratio:.3f}× Muon's tokens/s" in line
     assert "| | Muon | NorMuon | AdaMuon |" in capsys.readouterr().out
     for bad, said in (
         (["--optimizers", "muon,sgd"], "'sgd' not among"),
@@ -383,6 +392,13 @@ def test_compare_sweep_keeps_each_optimizers_best_lr(tmp_path):
     assert summary["runs"]["adamw"]["final_val_loss"] == tried[best]
     assert summary["runs"]["muon"]["lr"] == 0.05
     assert (out / "muon" / "metrics.jsonl").exists()
+    report = (out / "report.md").read_text()
+    assert (
+        f"the best of a sweep over 3 LRs (final validation loss: {SWEEP_GRID['adamw'][0]:g} → "
+        in report
+    )
+    assert "- **Muon**: lr 0.05 for the hidden matrices" in report
+    assert "as given on the command line, one run, not swept" in report
 
 
 def test_hf_config_without_transformers_says_how_to_install(monkeypatch):
