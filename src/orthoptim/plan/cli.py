@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from orthoptim._extras import require_extra
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.model import load_model, shipped_models
 from orthoptim.plan.planner import BALANCES, DTYPE_BYTES, Layout, make_plan
@@ -174,6 +175,8 @@ def plot_plan(p: dict[str, Any], path: str | Path) -> None:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.plot:
+        require_extra("matplotlib", "orthoptim plan --plot")
     try:
         desc = load_model(args.model)
         hw = load_hardware(args.hardware)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from orthoptim._extras import require_extra
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS
 from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_GRAD_CLIP, OPTIMIZERS, TrainArgs
@@ -193,6 +194,7 @@ def _named_lrs(items: list[str]) -> dict[str, float]:
 def _compare_cmd(ns: argparse.Namespace) -> int:
     from orthoptim.train.compare import CompareArgs, run_compare, table
 
+    require_extra("matplotlib", "orthoptim compare")  # its plot, before the runs
     try:
         lrs = _named_lrs(ns.lr)
     except ValueError as e:
