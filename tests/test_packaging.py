@@ -20,6 +20,7 @@ import orthoptim
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
+IMPORTED = Path(orthoptim.__file__).resolve().parents[1]  # the code under test, for subprocesses
 
 # Makes tqdm and matplotlib unimportable in every Python process started with its folder on
 # PYTHONPATH (the ranks `orthoptim train` starts too), as if they were not installed. The spec
@@ -87,7 +88,8 @@ def test_wheel_carries_the_licence_and_its_metadata(tmp_path):
 def _without_cli_extra(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "blocker").mkdir(exist_ok=True)
     (tmp_path / "blocker" / "sitecustomize.py").write_text(BLOCKER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "blocker"), str(SRC)]))
+    path = os.pathsep.join([str(tmp_path / "blocker"), str(IMPORTED)])
+    env = dict(os.environ, PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=300
     )
