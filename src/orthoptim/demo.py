@@ -54,7 +54,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo", help="optimize a small model with Muon and AdamW, print the loss"
     )
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--steps", type=int, default=200, help="steps per optimizer (default %(default)s)"
+    )
+    p.add_argument(
+        "--width", type=int, default=128, help="hidden width of the MLP (default %(default)s)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the data and the weights (default 0)"
+    )
     p.set_defaults(func=_cmd)

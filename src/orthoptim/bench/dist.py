@@ -448,18 +448,20 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "(--fsdp: FSDPOptimizer vs FSDP2 + AdamW)",
     )
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (default 2)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT")
+    p.add_argument("--width", type=int, default=256, help="model width of the GPT")
+    p.add_argument("--heads", type=int, default=4, help="attention heads of the GPT")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per method")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)"
+    )
     p.add_argument("--lr", type=float, default=0.02, help="Muon learning rate")
-    p.add_argument("--adamw-lr", type=float, default=3e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adamw-lr", type=float, default=3e-4, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
     p.add_argument(
         "--methods",
         type=lambda s: [m.strip() for m in s.split(",") if m.strip()],

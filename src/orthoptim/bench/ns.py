@@ -448,8 +448,12 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     add_skip_argument(p)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"default {DEFAULT_SHAPES}")
     p.add_argument("--dtypes", default="float32,bfloat16", help="default float32,bfloat16")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--coefficients", default="quintic")
+    p.add_argument("--steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument(
+        "--coefficients",
+        default="quintic",
+        help="orthoptim's coefficient set (simple, quintic, polar_express, cubic; default quintic)",
+    )
     p.add_argument(
         "--bf16-shrink",
         type=int,

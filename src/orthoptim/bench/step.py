@@ -471,9 +471,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         default="muon",
         help=f"which suite to time (registered: {', '.join(sorted(SUITES))}; default muon)",
     )
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--width", type=int, default=768)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=12, help="transformer blocks of the GPT")
+    p.add_argument("--width", type=int, default=768, help="model width of the GPT")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and gradients")
     p.add_argument(
         "--bf16-peers",
         action="store_true",

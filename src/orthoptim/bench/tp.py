@@ -222,12 +222,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "tp", help="tensor-parallel Newton-Schulz: duplicated / distributed / blockwise / auto"
     )
     p.add_argument("--nproc", type=int, default=2, help="tensor-parallel ranks (gloo)")
-    p.add_argument("--shapes", type=_parse_shapes, default=_parse_shapes(DEFAULT_SHAPES))
+    p.add_argument(
+        "--shapes",
+        type=_parse_shapes,
+        default=_parse_shapes(DEFAULT_SHAPES),
+        help=f"matrix shapes ROWSxCOLS, comma-separated (default {DEFAULT_SHAPES})",
+    )
     p.add_argument("--k", type=int, default=1, help="matrices per batch")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats; the median is reported (default 3)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float64"),
+        help="dtype of the matrices (default float32)",
+    )
     p.set_defaults(func=_cmd)
 
 

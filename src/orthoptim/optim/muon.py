@@ -20,6 +20,7 @@ shapes, and so LR scales, are global, and the orthogonalizer gets the stacked DT
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -49,9 +50,10 @@ from orthoptim.optim.state import base_name
 
 # LR-scale conventions by their published names; LR_SCALE_ALIASES maps other libraries' spellings
 # (NVIDIA Emerging-Optimizers' `scale_mode`, torch.optim.Muon's `adjust_lr_fn`) onto them.
-LR_SCALES = ("keller", "unit_rms_norm", "spectral", "match_adamw_rms", "none")
+LR_SCALES = ("keller", "unit_rms_norm", "sqrt_max_dim", "match_adamw_rms", "none")
 LR_SCALE_ALIASES = {
     "shape_scaling": "keller",  # Emerging-Optimizers
+    "spectral": "sqrt_max_dim",  # Emerging-Optimizers (warns until 0.2.0: LR_SCALE_CHANGED)
     "original": "keller",  # torch.optim.Muon
     "match_rms_adamw": "match_adamw_rms",  # torch.optim.Muon
 }
@@ -139,11 +141,32 @@ def check_split(name: str, sizes: Any, rows: int) -> Split:
     return tuple(sizes)
 
 
+# Spellings whose meaning changed: {spelling: (the release it changed in, the name of what it
+# meant before)}. Each warns once per process for one minor release (CHANGELOG.md), then stays
+# a plain alias. The names they resolve to never warn, so code that says what it means is quiet.
+LR_SCALE_CHANGED = {"spectral": ("0.1.0", "unit_rms_norm")}
+_WARNED: set[str] = set()
+
+
 def lr_scale_name(convention: str) -> str:
-    """The published name of an LR-scale convention given by its name or an alias
-    (`LR_SCALE_ALIASES`); raises ValueError naming `lr_scale` and every accepted spelling."""
+    """The name of an LR-scale convention given by its name or an alias (`LR_SCALE_ALIASES`);
+    raises ValueError naming `lr_scale` and every accepted spelling. A spelling whose meaning
+    changed (`LR_SCALE_CHANGED`) gives a FutureWarning, once per process."""
     check_choice("lr_scale", convention, (*LR_SCALES, *LR_SCALE_ALIASES))
-    return LR_SCALE_ALIASES.get(convention, convention)
+    name = LR_SCALE_ALIASES.get(convention, convention)
+    if convention in LR_SCALE_CHANGED and convention not in _WARNED:
+        _WARNED.add(convention)
+        release, before = LR_SCALE_CHANGED[convention]
+        warnings.warn(
+            f"lr_scale={convention!r} changed meaning in orthoptim {release}: it is now "
+            f"{name!r}, √max(rows, cols) (Emerging-Optimizers' {convention!r}); what it meant "
+            f"before, √(rows/cols), is lr_scale={before!r}. Pass lr_scale={name!r} (or "
+            f"{before!r} for the old scale) to say which without this warning, or silence it "
+            f"with warnings.filterwarnings('ignore', message=\"lr_scale={convention!r}\")",
+            FutureWarning,
+            stacklevel=3,  # the caller of Muon(...) or of lr_scale_factor
+        )
+    return name
 
 
 def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
@@ -151,17 +174,18 @@ def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
 
     keller (Jordan's Muon; EO `shape_scaling`, torch `original`): √max(1, rows/cols);
     unit_rms_norm (Bernstein's RMS→RMS norm; EO the same): √(rows/cols);
-    spectral (Scion, EO the same): √max(rows, cols);
+    sqrt_max_dim (EO `spectral`): √max(rows, cols);
     match_adamw_rms (Moonlight; torch `match_rms_adamw`): 0.2·√max(rows, cols), update RMS
     ≈ AdamW's, so AdamW learning rates and decay carry over; none: 1.
-    Earlier orthoptim versions called √(rows/cols) `spectral`; that is now `unit_rms_norm`.
+    Before 0.1.0 orthoptim called √(rows/cols) `spectral`; that is now `unit_rms_norm`, and
+    `spectral` is EO's √max(rows, cols) (with a FutureWarning until 0.2.0).
     """
     convention = lr_scale_name(convention)
     if convention == "keller":
         return math.sqrt(max(1.0, rows / cols))
     if convention == "unit_rms_norm":
         return math.sqrt(rows / cols)
-    if convention == "spectral":
+    if convention == "sqrt_max_dim":
         return math.sqrt(max(rows, cols))
     if convention == "match_adamw_rms":
         return 0.2 * math.sqrt(max(rows, cols))

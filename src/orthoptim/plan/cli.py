@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from orthoptim._extras import require_extra
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.model import load_model, shipped_models
 from orthoptim.plan.planner import BALANCES, DTYPE_BYTES, Layout, make_plan
@@ -174,6 +175,8 @@ def plot_plan(p: dict[str, Any], path: str | Path) -> None:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.plot:
+        require_extra("matplotlib", "orthoptim plan --plot")
     try:
         desc = load_model(args.model)
         hw = load_hardware(args.hardware)
@@ -246,8 +249,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="h200",
         help=f"one of {', '.join(shipped_hardware())}, or a .json file (default h200)",
     )
-    p.add_argument("--ns-steps", type=int, default=5)
-    p.add_argument("--ns-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument(
+        "--ns-dtype",
+        default="bf16",
+        choices=sorted(DTYPE_BYTES),
+        help="dtype Newton-Schulz iterates in (default bf16)",
+    )
     p.add_argument(
         "--device",
         default="cuda",
@@ -261,7 +269,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=sorted(DTYPE_BYTES),
         help="dtype gradients are reduced in (default fp32)",
     )
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="gradient bucket size in MiB, which the assignment balances (default 25)",
+    )
     p.add_argument(
         "--no-master-weights",
         action="store_true",

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from orthoptim._extras import require_extra
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS
 from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_GRAD_CLIP, OPTIMIZERS, TrainArgs
@@ -44,7 +45,13 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of one training run (everything but --nproc)."""
     d = TrainArgs()
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=d.optimizer,
+        help="the optimizer of the hidden matrices (adamw: AdamW for every parameter; "
+        "default %(default)s)",
+    )
     p.add_argument(
         "--elementwise",
         choices=tuple(ELEMENTWISE_OPTIMIZERS),
@@ -72,7 +79,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="shard the model with FSDP2 (fully_shard per block) and step it with FSDPOptimizer",
     )
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument(
+        "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
+    )
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
     p.add_argument(
         "--lr",
@@ -108,8 +117,18 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         f"grad_norm in metrics.jsonl (default {DEFAULT_GRAD_CLIP}; 0: off)",
     )
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear LR warmup steps")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="steps between validation-loss evaluations (default %(default)s)",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=d.eval_batches,
+        help="validation batches per evaluation (default %(default)s)",
+    )
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="checkpoint interval")
     p.add_argument(
         "--keep-checkpoints",
@@ -138,7 +157,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="leave after this step (the LR schedule still spans --steps)",
     )
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed of the weights and the batch order (default %(default)s)",
+    )
     p.add_argument(
         "--data", default=None, help="a text file or folder (default: Python's stdlib source)"
     )
@@ -151,7 +175,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="how long a rank waits for the others in a collective, and how long a rank may go "
         "without a heartbeat before the run is stopped naming it (default %(default)g)",
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def train_args_from(ns: argparse.Namespace) -> TrainArgs:
@@ -193,6 +217,7 @@ def _named_lrs(items: list[str]) -> dict[str, float]:
 def _compare_cmd(ns: argparse.Namespace) -> int:
     from orthoptim.train.compare import CompareArgs, run_compare, table
 
+    require_extra("matplotlib", "orthoptim compare")  # its plot, before the runs
     try:
         lrs = _named_lrs(ns.lr)
     except ValueError as e:
@@ -262,12 +287,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--config", choices=sorted(CONFIGS), default=None, help=machine_default("config")
     )
-    c.add_argument("--out", default=d.out)
+    c.add_argument(
+        "--out",
+        default=d.out,
+        help="output folder: report.md, loss.png, summary.json and one run folder per "
+        "optimizer (default %(default)s)",
+    )
     c.add_argument("--sweep", action="store_true", help="try a small LR grid for each optimizer")
     c.add_argument(
         "--data", default=None, help="a text file or folder (default: Python's stdlib source)"
     )
-    c.add_argument("--seed", type=int, default=d.seed)
+    c.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of every run (default %(default)s)"
+    )
     c.add_argument("--eval-every", type=int, default=None, help=machine_default("eval_every"))
     c.add_argument("--adamw-lr", type=float, default=None, help="AdamW's LR (default 3e-3)")
     c.add_argument("--muon-lr", type=float, default=None, help="Muon's LR (default 0.05)")
@@ -285,5 +317,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the runs take turns in this many segments (resuming), so load drifts hit all",
     )
     add_device_arguments(c)
-    c.add_argument("--no-progress", dest="progress", action="store_false")
+    c.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     c.set_defaults(func=_compare_cmd)

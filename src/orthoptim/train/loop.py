@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import collectives
+from orthoptim._extras import optional_extra
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
@@ -407,10 +408,10 @@ def train(
     tokens_per_step = run.tokens_per_step
     last = args.stop_after or args.steps
     bar = None
-    if rank == 0 and args.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(
+    wants_bar = rank == 0 and args.progress
+    tqdm = optional_extra("tqdm", "orthoptim train: no progress bar") if wants_bar else None
+    if tqdm is not None:
+        bar = tqdm.tqdm(
             total=args.steps,
             initial=start,
             desc=f"{args.optimizer}",

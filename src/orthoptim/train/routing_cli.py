@@ -83,5 +83,10 @@ def add_parser(subparsers: Any) -> None:
         "--hf-config", choices=sorted(HF_MODELS), help="a small Hugging Face model of this family"
     )
     which.add_argument("--model", metavar="MODULE:FACTORY", help="a model built by factory()")
-    p.add_argument("--optimizer", default="muon", choices=["muon", "soap", "adamw"])
+    p.add_argument(
+        "--optimizer",
+        default="muon",
+        choices=["muon", "soap", "adamw"],
+        help="the matrix optimizer build_optimizer routes to (default muon)",
+    )
     p.set_defaults(func=run)
