@@ -46,11 +46,11 @@ def _blocks(t, sizes):
 def test_batched_experts_equal_a_loop_over_experts():
     W = torch.randn(5, 12, 8)
     grads = _grads(W.shape, 3)
-    out = _run({"w": nn.Parameter(W.clone())}, [{"w": g} for g in grads], lr_scale="spectral")
+    out = _run({"w": nn.Parameter(W.clone())}, [{"w": g} for g in grads], lr_scale="sqrt_max_dim")
     loop = _run(
         {f"w{e}": nn.Parameter(W[e].clone()) for e in range(5)},
         [{f"w{e}": g[e] for e in range(5)} for g in grads],
-        lr_scale="spectral",
+        lr_scale="sqrt_max_dim",
     )
     for e in range(5):
         torch.testing.assert_close(out["w"][e], loop[f"w{e}"], atol=1e-6, rtol=1e-6)
@@ -67,14 +67,14 @@ def test_split_qkv_equals_separate_matrices(per_head):
         {"qkv": nn.Parameter(W.clone())},
         [{"qkv": g} for g in grads],
         split={"qkv": sizes},
-        lr_scale="spectral",  # depends on each block's shape: checks the per-block scale
+        lr_scale="sqrt_max_dim",  # depends on each block's shape: checks the per-block scale
         weight_decay=0.1,
     )
     parts = {f"b{i}": nn.Parameter(b.clone()) for i, b in enumerate(_blocks(W, sizes))}
     separate = _run(
         parts,
         [{f"b{i}": b for i, b in enumerate(_blocks(g, sizes))} for g in grads],
-        lr_scale="spectral",
+        lr_scale="sqrt_max_dim",
         weight_decay=0.1,
     )
     for i, block in enumerate(_blocks(fused["qkv"], sizes)):
@@ -453,7 +453,7 @@ def test_fsdp_optimizer_orthogonalizes_split_blocks_like_muon():
     models = [GPT(cfg) for _ in range(3)]
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
-    kw = dict(lr=0.02, lr_scale="spectral", weight_decay=0.01)
+    kw = dict(lr=0.02, lr_scale="sqrt_max_dim", weight_decay=0.01)
     opts = [
         FSDPOptimizer(models[0], **kw),  # world size 1, plain model: split from split_spec()
         build_optimizer(models[1], **kw),

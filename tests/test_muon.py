@@ -341,7 +341,7 @@ def test_scaling_never_touches_what_a_custom_orthogonalizer_hands_back():
     orthogonalizer's output may be its input (here the momentum buffer itself, without
     Nesterov), which must come through unscaled."""
     p = nn.Parameter(torch.zeros(6, 3))
-    opt = Muon([p], lr=0.1, momentum=0.5, nesterov=False, lr_scale="spectral",
+    opt = Muon([p], lr=0.1, momentum=0.5, nesterov=False, lr_scale="sqrt_max_dim",
                orthogonalizer=lambda x: x)  # fmt: skip
     g = torch.randn(6, 3)
     p.grad = g.clone()

@@ -293,7 +293,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="output folder: report.md, loss.png, summary.json and one run folder per "
         "optimizer (default %(default)s)",
     )
-    c.add_argument("--sweep", action="store_true", help="try a small LR grid for each optimizer")
+    c.add_argument(
+        "--sweep",
+        action="store_true",
+        help="first try a small grid of matrix LRs for each optimizer given no --lr of its own, "
+        "and keep the best (embeddings, head and gains stay at their LR)",
+    )
     c.add_argument(
         "--data", default=None, help="a text file or folder (default: Python's stdlib source)"
     )
@@ -301,7 +306,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=d.seed, help="seed of every run (default %(default)s)"
     )
     c.add_argument("--eval-every", type=int, default=None, help=machine_default("eval_every"))
-    c.add_argument("--adamw-lr", type=float, default=None, help="AdamW's LR (default 3e-3)")
+    c.add_argument(
+        "--adamw-lr",
+        type=float,
+        default=None,
+        help="the LR of the AdamW run (the baseline optimizer; default 3e-3), not of the "
+        "AdamW part beside Muon and the other matrix optimizers",
+    )
     c.add_argument("--muon-lr", type=float, default=None, help="Muon's LR (default 0.05)")
     c.add_argument(
         "--lr",
