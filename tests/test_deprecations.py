@@ -77,3 +77,19 @@ def _spectral_message() -> str:
     with pytest.warns(FutureWarning) as record:
         lr_scale_factor("spectral", 2, 2)
     return str(record[0].message)
+
+
+def test_a_checkpoint_that_stored_spectral_loads_into_sqrt_max_dim():
+    """0.1.0 stored √max(rows, cols) as lr_scale "spectral": such a checkpoint loads into an
+    optimizer built with the quiet spelling, and steps with the same scale."""
+    p = nn.Parameter(torch.randn(4, 8, dtype=torch.float64))
+    p.grad = torch.randn(4, 8, dtype=torch.float64)
+    saved = Muon([p], lr_scale="sqrt_max_dim")
+    saved.step()
+    sd = saved.state_dict()
+    sd["param_groups"][0]["lr_scale"] = "spectral"  # as 0.1.0 wrote it
+    loaded = Muon([nn.Parameter(p.detach().clone())], lr_scale="sqrt_max_dim")
+    loaded.load_state_dict(sd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert lr_scale_factor(loaded.param_groups[0]["lr_scale"], 4, 8) == math.sqrt(8)

@@ -157,6 +157,10 @@ SCHEDULED_HYPERS = frozenset(
 # per device, so a checkpoint resumes across devices and from before "auto" (None).
 IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable", "ns_dtype"})
 
+# hyper-parameter values an earlier release stored under another name, by what they are now:
+# 0.1.0 stored √max(rows, cols) as lr_scale "spectral" (CHANGELOG.md)
+RENAMED_HYPER_VALUES: dict[tuple[str, str], str] = {("lr_scale", "spectral"): "sqrt_max_dim"}
+
 
 # group keys a loader never copies from a checkpoint into a group
 NOT_HYPERS = ("params", "param_names", "optimizer")
@@ -236,7 +240,10 @@ def compare(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
             for k in sorted(set(hb) - set(ha)):
                 out.append(f"{label}: hyper-parameter {k!r} here, missing from the checkpoint")
             for k in sorted(set(ha) & set(hb)):
-                if not _equal(ha[k], hb[k]):
+                saved_value = ha[k]
+                if isinstance(saved_value, str):
+                    saved_value = RENAMED_HYPER_VALUES.get((k, saved_value), saved_value)
+                if not _equal(saved_value, hb[k]):
                     out.append(f"{label}: {k} = {ha[k]!r} in the checkpoint, {hb[k]!r} here")
     return out
 
