@@ -43,7 +43,7 @@ import pickle
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from typing import IO, Any
+from typing import IO, Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -92,7 +92,8 @@ __all__ = [
 
 # Where a distributed optimizer's `state_dict()` delivers the full dict (its `state_dict_to`):
 # every rank, or rank 0 only (the others get {}).
-STATE_DICT_TO = ("all", "rank0")
+StateDictTo = Literal["all", "rank0"]
+STATE_DICT_TO: tuple[StateDictTo, ...] = get_args(StateDictTo)
 _META_KEY = "optim/meta"
 
 

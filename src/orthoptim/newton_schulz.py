@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -23,7 +24,9 @@ from orthoptim._validate import check_dtype_or_auto, check_int, check_positive
 from orthoptim.kernels import syrk_cpu
 
 Coefficients = tuple[float, float, float]
-CoefficientsLike = str | Sequence[Sequence[float]]
+#: the names of `COEFFICIENT_SETS` (below; tested equal)
+CoefficientSetName = Literal["simple", "quintic", "polar_express", "cubic"]
+CoefficientsLike = CoefficientSetName | Sequence[Sequence[float]]
 
 # The tuned Polar Express schedule (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932,
 # Algorithm 1, degree 5). The paper divides every tuple but the last by a safety factor
@@ -127,7 +130,7 @@ def coefficient_schedule(
     return [resolved[min(i, len(resolved) - 1)] for i in range(steps)]
 
 
-NSDtype = torch.dtype | str | None  # a floating torch dtype, "auto" or None
+NSDtype = torch.dtype | Literal["auto"] | None  # a floating torch dtype, "auto" or None
 
 
 def resolve_ns_dtype(

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from orthoptim._validate import check_positive, check_unit_interval
 from orthoptim.optim.contract import StateKind
-from orthoptim.optim.muon import Muon
+from orthoptim.optim.muon import LRScale, Muon
 from orthoptim.optim.shapes import matrix_view
 
 
@@ -72,7 +72,7 @@ class AdaMuon(Muon):
         """Muon's momentum, then the sign of the update (elementwise)."""
         return torch.sign(super().prepare(grad, state, group))
 
-    def block_scale(self, group: dict[str, Any]) -> str:
+    def block_scale(self, group: dict[str, Any]) -> LRScale:
         return "none"
 
     def finish(

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -19,7 +19,9 @@ from orthoptim.optim.state import StateView, check_state_dict
 
 logger = logging.getLogger("orthoptim")
 
-NONFINITE_POLICIES = ("raise", "skip")
+#: what a step does with a NaN/Inf gradient: raise `NonFiniteGradientError`, or skip the step
+NonfinitePolicy = Literal["raise", "skip"]
+NONFINITE_POLICIES: tuple[NonfinitePolicy, ...] = get_args(NonfinitePolicy)
 
 
 class NonFiniteGradientError(ValueError):
@@ -31,9 +33,14 @@ class NonFiniteGradientError(ValueError):
         self.names = names or []
 
 
-def check_nonfinite_policy(policy: str) -> str:
+def check_nonfinite_policy(policy: NonfinitePolicy) -> NonfinitePolicy:
     """Validate a `nonfinite` argument."""
     return check_choice("nonfinite", policy, NONFINITE_POLICIES)
+
+
+def position_name(group: int, index: int) -> str:
+    """The name of an unnamed parameter: its place in `param_groups`."""
+    return f"param_groups[{group}]['params'][{index}]"
 
 
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -45,7 +52,7 @@ def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
             if given is not None:
                 names[id(p)] = given[pi]
             else:
-                names[id(p)] = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+                names[id(p)] = f"{position_name(gi, pi)} (shape {tuple(p.shape)})"
     return names
 
 
@@ -73,7 +80,9 @@ def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
     return [p for p, ok in zip(with_grad, flags.tolist()) if not ok]
 
 
-def enforce_nonfinite_policy(policy: str, names: list[str], world_size: int = 1) -> bool:
+def enforce_nonfinite_policy(
+    policy: NonfinitePolicy, names: list[str], world_size: int = 1
+) -> bool:
     """Raise or warn for the parameters `names` whose gradients are non-finite.
 
     Returns True when the step must be skipped, False when `names` is empty. `world_size` > 1
@@ -97,7 +106,7 @@ def enforce_nonfinite_policy(policy: str, names: list[str], world_size: int = 1)
 
 
 def apply_nonfinite_policy(
-    optimizer: torch.optim.Optimizer, policy: str, bad: list[Tensor]
+    optimizer: torch.optim.Optimizer, policy: NonfinitePolicy, bad: list[Tensor]
 ) -> bool:
     """`enforce_nonfinite_policy` for the parameters `bad` of `optimizer`, named."""
     names = param_names(optimizer)
@@ -114,7 +123,7 @@ def check_params(owner: str, groups: list[dict[str, Any]]) -> None:
     for gi, group in enumerate(groups):
         names = group.get("param_names")
         for pi, p in enumerate(group["params"]):
-            name = names[pi] if names is not None else f"param_groups[{gi}]['params'][{pi}]"
+            name = names[pi] if names is not None else position_name(gi, pi)
             if p.numel() == 0:
                 raise ValueError(
                     f"{owner} got {name} with shape {tuple(p.shape)}, which has no elements: "
@@ -151,22 +160,84 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str,
                 optimizer.state[p][key] = value.to(device=p.device)
 
 
-class CompositeOptimizer(torch.optim.Optimizer):
+def _torch_hooks(attribute: str) -> bool:
+    """Whether `attribute` is one of torch's per-instance hook dicts (`_optimizer_*_hooks`)."""
+    return attribute.startswith("_optimizer_") and attribute.endswith("_hooks")
+
+
+class CopyableOptimizer(torch.optim.Optimizer):
+    """An optimizer whose copies (`copy.deepcopy`, `pickle`, `torch.save`) step like it.
+
+    torch's `Optimizer.__getstate__` keeps only `defaults`, `state` and `param_groups`, which
+    would drop every attribute of ours (an orthogonalizer, the `nonfinite` policy, a hybrid's
+    inner optimizers). Here every attribute is kept, but torch's per-instance hooks and an
+    LR scheduler's patch of `step`: they are not copied, as torch does not copy them either
+    (they close over the original). An optimizer that cannot be copied meaningfully (one
+    over a process group) says why in `copy_refusal`, and copying it raises TypeError."""
+
+    def copy_refusal(self) -> str | None:
+        """Why a copy of this optimizer could not step like it (None: it can)."""
+        return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        why = self.copy_refusal()
+        if why is not None:
+            raise TypeError(
+                f"{type(self).__name__} cannot be copied or pickled: {why}. Save its "
+                "state_dict() (or orthoptim.checkpoint.save_sharded) and load it into an "
+                "optimizer built for the copy instead"
+            )
+        # instance attributes that shadow a method are patches by others, bound to this
+        # object: an LR scheduler's wrapper of `step` would step the original
+        cls = type(self)
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if not _torch_hooks(k) and not callable(getattr(cls, k, None))
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's load_state_dict passes only "state" and "param_groups"
+        had_flag = "differentiable" in state.get("defaults", getattr(self, "defaults", {}))
+        super().__setstate__(state)  # fresh hook dicts, `step` patched
+        if not had_flag:  # torch adds it; the original's defaults did not have it
+            self.defaults.pop("differentiable", None)
+
+
+def merged_defaults(optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The defaults of several optimizers seen as one: each key from the first optimizer that
+    has it (the hybrid lists its matrix optimizer first, so `lr` is its learning rate).
+
+    `betas` only when every group has it: momentum-cycling schedulers (`OneCycleLR`,
+    `CyclicLR`) read `group["betas"]` of every group when the defaults have `betas`, and
+    otherwise set `group["momentum"]` of every group (which AdamW's groups ignore)."""
+    merged: dict[str, Any] = {}
+    for opt in optimizers:
+        for key, value in opt.defaults.items():
+            merged.setdefault(key, value)
+    if not all("betas" in g for opt in optimizers for g in opt.param_groups):
+        merged.pop("betas", None)
+    return merged
+
+
+class CompositeOptimizer(CopyableOptimizer):
     """An optimizer whose `param_groups` and `state` are those of optimizers it holds (the
     hybrid's inner Muon and AdamW, a distributed optimizer's per-rank optimizer): the very
     dicts, so LR schedulers and `zero_grad` act on them. torch's constructor runs over `params`
-    only for its hooks and bookkeeping; `adopt` then installs the groups and state."""
+    only for its hooks and bookkeeping; `adopt` then installs the groups, state and defaults."""
 
     def __init__(self, params: Iterable[Tensor]) -> None:
         torch.optim.Optimizer.__init__(self, [{"params": list(params)}], {})
 
-    def adopt(self, groups: list[dict[str, Any]], state: Any) -> None:
-        """Expose `groups` as `param_groups` and `state` as `state` (shared, not copied)."""
+    def adopt(self, groups: list[dict[str, Any]], state: Any, defaults: dict[str, Any]) -> None:
+        """Expose `groups` as `param_groups` and `state` as `state` (shared, not copied), and
+        `defaults` as the defaults schedulers and user code read (`merged_defaults`)."""
         self.param_groups = groups
         self.state = state
+        self.defaults = defaults
 
 
-class GuardedOptimizer(torch.optim.Optimizer):
+class GuardedOptimizer(CopyableOptimizer):
     """The step skeleton every orthoptim optimizer shares: closure, then the non-finite
     policy over all gradients (state untouched when it raises or skips), then `_update()`.
 
@@ -174,7 +245,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     `load_state_dict` keeps the saved dtype of fp32 master state for bf16/fp16 parameters.
     """
 
-    nonfinite: str = "raise"
+    nonfinite: NonfinitePolicy = "raise"
 
     def _update(self) -> None:
         raise NotImplementedError
@@ -208,9 +279,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
 
 def step_checked(optimizer: torch.optim.Optimizer) -> None:
-    """Step `optimizer` whose gradients the caller has already checked for NaN/Inf:
-    an orthoptim optimizer skips its own check, any other optimizer steps as usual."""
+    """Step `optimizer` whose gradients the caller has already checked for NaN/Inf, as part
+    of the caller's step: an orthoptim optimizer skips its own check, any other optimizer
+    steps without torch's step hooks (global and its own), which fired for the caller's
+    step (`Optimizer.profile_hook_step` wraps `step` and keeps it as `__wrapped__`)."""
     if isinstance(optimizer, GuardedOptimizer):
         optimizer._update()
-    else:
-        optimizer.step()
+        return
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__  # type: ignore[attr-defined]
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        step(optimizer)

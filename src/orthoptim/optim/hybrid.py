@@ -17,14 +17,23 @@ from orthoptim._validate import check_betas, check_choice, check_nonnegative
 from orthoptim.optim.base import (
     CompositeOptimizer,
     GuardedOptimizer,
+    NonfinitePolicy,
     check_nonfinite_policy,
     check_params,
+    merged_defaults,
+    position_name,
     step_checked,
 )
 from orthoptim.optim.lion import Lion
 from orthoptim.optim.muon import Muon
-from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, MATRIX_OPTIMIZERS, OPTIMIZER_NAMES
-from orthoptim.optim.routing import ModelRoute, RoutePredicate
+from orthoptim.optim.registry import (
+    ELEMENTWISE_OPTIMIZERS,
+    MATRIX_OPTIMIZERS,
+    OPTIMIZER_NAMES,
+    ElementwiseOptimizerName,
+    OptimizerName,
+)
+from orthoptim.optim.routing import ModelRoute, RoutePredicate, stored_in_out
 from orthoptim.optim.state import StateView
 
 
@@ -47,7 +56,7 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
     def __init__(
         self,
         inner: dict[str, torch.optim.Optimizer],
-        nonfinite: str = "raise",
+        nonfinite: NonfinitePolicy = "raise",
     ) -> None:
         if not isinstance(inner, dict) or not inner:
             raise ValueError(
@@ -67,7 +76,7 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
                 groups.append(g)
         CompositeOptimizer.__init__(self, [p for g in groups for p in g["params"]])
         self.inner = inner
-        self.adopt(groups, self.state)
+        self.adopt(groups, self.state, merged_defaults(list(inner.values())))
         self._share_state()
 
     def _share_state(self) -> None:
@@ -77,7 +86,11 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
             opt.state = self.state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the inner optimizer named by its `"optimizer"` key."""
+        """Add a group to the inner optimizer named by its `"optimizer"` key.
+
+        When the other groups name their parameters (those of `build_optimizer` do), the new
+        group's `"param_names"` default to their places, `param_groups[g]['params'][i]`
+        (names are what checkpoints match parameters by)."""
         if not hasattr(self, "inner"):
             super().add_param_group(param_group)
             return
@@ -85,10 +98,28 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
         if key not in self.inner:
             raise ValueError(
                 f"a new param group needs an 'optimizer' key naming one of {sorted(self.inner)}, "
-                f"got {key!r}"
+                f"got {key!r} (and, optionally, 'param_names': one name per parameter)"
             )
         opt = self.inner[key]
-        opt.add_param_group({k: v for k, v in param_group.items() if k != "optimizer"})
+        group = {k: v for k, v in param_group.items() if k != "optimizer"}
+        params = group["params"]
+        group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
+        named = any(g.get("param_names") is not None for g in opt.param_groups)  # all or none
+        if named and "param_names" not in group:
+            gi = len(self.param_groups)
+            group["param_names"] = [position_name(gi, i) for i in range(len(params))]
+        names = group.get("param_names")
+        if names is not None and not named:
+            raise ValueError(
+                f"the {key!r} param groups do not name their parameters: leave 'param_names' "
+                "out of the new group"
+            )
+        if names is not None and len(names) != len(params):
+            raise ValueError(
+                f"the new group's 'param_names' must list one name per parameter "
+                f"({len(params)}), got {len(names)}: {list(names)!r}"
+            )
+        opt.add_param_group(group)
         group = opt.param_groups[-1]
         group["optimizer"] = key
         self.param_groups.append(group)
@@ -119,16 +150,16 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
 
 def build_optimizer(
     model: nn.Module,
-    optimizer: str = "muon",
+    optimizer: OptimizerName = "muon",
     lr: float | None = None,
     adamw_lr: float = 3e-4,
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: float = 0.0,
     route: RoutePredicate | None = None,
-    nonfinite: str = "raise",
+    nonfinite: NonfinitePolicy = "raise",
     params: Iterable[tuple[str, nn.Parameter]] | None = None,
-    elementwise: str = "adamw",
+    elementwise: ElementwiseOptimizerName = "adamw",
     **kw: Any,
 ) -> HybridOptimizer:
     """Build the optimizer for `model`: hidden matrices → `optimizer`, the rest → AdamW.
@@ -148,6 +179,9 @@ def build_optimizer(
     Fused matrices: Muon's `split` ({name: row sizes}) defaults to `model.split_spec()` when
     the model has one (the built-in GPT does: fused QKV and gate/up); pass `split={}` to
     orthogonalize fused matrices whole. Every name in it must be a matrix routed to Muon.
+    Weights stored [in, out] (Hugging Face's `Conv1D`, GPT-2) are found in the model and
+    passed as Muon's `transposed` (their LR scales are those of the [out, in] map; a `split`
+    of one counts output features); `transposed=()` steps them as stored.
     """
     check_choice("optimizer", optimizer, sorted(OPTIMIZER_NAMES))
     check_choice("elementwise", elementwise, tuple(ELEMENTWISE_OPTIMIZERS))
@@ -171,6 +205,7 @@ def build_optimizer(
 
     if issubclass(MATRIX_OPTIMIZERS.get(optimizer, object), Muon):  # Muon and its variants
         kw["split"] = _split_for(model, rule, kw.get("split"))
+        kw["transposed"] = _transposed_for(model, rule, kw.get("transposed"))
 
     adamw_kw = dict(betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     inner: dict[str, torch.optim.Optimizer] = {}
@@ -212,6 +247,25 @@ def _split_for(
             why = "is not a parameter of the model" if p is None else "is not routed to Muon"
             raise ValueError(f"split names {name!r}, which {why}")
     return dict(split)
+
+
+def _transposed_for(
+    model: nn.Module, rule: RoutePredicate, transposed: Iterable[str] | None
+) -> tuple[str, ...]:
+    """Muon's `transposed` for `model`: the given names, else the weights the model stores
+    [in, out] (`stored_in_out`) that go to Muon; given names must be 2-D matrices routed to
+    Muon."""
+    named = dict(model.named_parameters())
+    if transposed is None:
+        return tuple(sorted(n for n in stored_in_out(model) if rule(n, named[n])))
+    if isinstance(transposed, str):
+        raise TypeError(f"transposed must be a collection of names, got {transposed!r}")
+    for name in transposed:
+        p = named.get(name)
+        if p is None or not rule(name, p):
+            why = "is not a parameter of the model" if p is None else "is not routed to Muon"
+            raise ValueError(f"transposed names {name!r}, which {why}")
+    return tuple(sorted(transposed))
 
 
 def routing_table(optimizer: HybridOptimizer) -> dict[str, str]:

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from orthoptim._validate import check_betas, check_nonnegative
-from orthoptim.optim.base import GuardedOptimizer, check_nonfinite_policy, check_params, state_dtype
+from orthoptim.optim.base import (
+    GuardedOptimizer,
+    NonfinitePolicy,
+    check_nonfinite_policy,
+    check_params,
+    state_dtype,
+)
 
 
 class Lion(GuardedOptimizer):
@@ -35,7 +41,7 @@ class Lion(GuardedOptimizer):
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
-        nonfinite: str = "raise",
+        nonfinite: NonfinitePolicy = "raise",
     ) -> None:
         check_nonnegative("lr", lr)
         check_betas("betas", betas)

@@ -23,7 +23,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -43,20 +43,23 @@ from orthoptim.newton_schulz import (
     newton_schulz,
     stacking_pays,
 )
-from orthoptim.optim.base import check_nonfinite_policy, check_params
+from orthoptim.optim.base import NonfinitePolicy, check_nonfinite_policy, check_params
 from orthoptim.optim.contract import Directions, Group, MatrixOptimizer, Prepared, StateKind
 from orthoptim.optim.shapes import matrix_view
 from orthoptim.optim.state import base_name
 
 # LR-scale conventions by their published names; LR_SCALE_ALIASES maps other libraries' spellings
 # (NVIDIA Emerging-Optimizers' `scale_mode`, torch.optim.Muon's `adjust_lr_fn`) onto them.
-LR_SCALES = ("keller", "unit_rms_norm", "sqrt_max_dim", "match_adamw_rms", "none")
-LR_SCALE_ALIASES = {
+LRScaleName = Literal["keller", "unit_rms_norm", "sqrt_max_dim", "match_adamw_rms", "none"]
+LR_SCALES: tuple[LRScaleName, ...] = get_args(LRScaleName)
+LR_SCALE_ALIASES: dict[str, LRScaleName] = {
     "shape_scaling": "keller",  # Emerging-Optimizers
     "spectral": "sqrt_max_dim",  # Emerging-Optimizers (warns until 0.2.0: LR_SCALE_CHANGED)
     "original": "keller",  # torch.optim.Muon
     "match_rms_adamw": "match_adamw_rms",  # torch.optim.Muon
 }
+#: what `lr_scale` accepts: a published name or an alias (the keys of LR_SCALE_ALIASES)
+LRScale = LRScaleName | Literal["shape_scaling", "spectral", "original", "match_rms_adamw"]
 
 Orthogonalizer = Callable[[Tensor], Tensor]
 
@@ -87,10 +90,16 @@ def split_of(group: dict[str, Any], name: str) -> Split | None:
     return split.get(name, split.get(base_name(name)))
 
 
+def is_transposed(group: dict[str, Any], name: str) -> bool:
+    """Whether parameter `name` of a Muon param group is stored [in, out] (`transposed`)."""
+    names = group.get("transposed", ())
+    return name in names or base_name(name) in names
+
+
 def orthogonalize_blocks(
     items: list[tuple[Tensor, Split | None]],
     orthogonalize: Orthogonalizer,
-    lr_scale: str,
+    lr_scale: LRScale,
     stack: Callable[[torch.device], bool] = lambda device: True,
 ) -> Iterator[tuple[int, int | None, Tensor, float]]:
     """Orthogonalize matrix stacks [k, rows, cols], each whole or by row blocks (`split`).
@@ -169,7 +178,7 @@ def lr_scale_name(convention: str) -> str:
     return name
 
 
-def lr_scale_factor(convention: str, rows: int, cols: int) -> float:
+def lr_scale_factor(convention: LRScale, rows: int, cols: int) -> float:
     """The per-matrix learning-rate multiplier of an LR-scale convention (name or alias).
 
     keller (Jordan's Muon; EO `shape_scaling`, torch `original`): √max(1, rows/cols);
@@ -202,6 +211,10 @@ class Muon(MatrixOptimizer):
     a separate q matrix would get). `lr_scale` takes the published names or the
     Emerging-Optimizers / torch.optim.Muon spellings (`lr_scale_factor`; docs/optimizers.md,
     "LR scales").
+    `transposed` names the 2-D weights stored [in, out] (Hugging Face's `Conv1D`, GPT-2's
+    c_attn / c_fc / c_proj, which compute x·W + b): each is stepped as its [out, in]
+    transpose, so it gets the LR scale (and `split` blocks, over its output features) an
+    `nn.Linear` of the same map gets; `build_optimizer` finds them in the model.
     `coefficients`: "quintic" (default) repeats its last tuple past 5 steps, where
     Emerging-Optimizers cycles; "polar_express" normalises by ‖X‖_F without the paper's 1.01
     (`orthoptim.newton_schulz.COEFFICIENT_SETS`).
@@ -222,12 +235,13 @@ class Muon(MatrixOptimizer):
         weight_decay: float = 0.0,
         ns_steps: int = 5,
         coefficients: CoefficientsLike = "quintic",
-        lr_scale: str = "keller",
+        lr_scale: LRScale = "keller",
         ns_dtype: NSDtype = "auto",
         orthogonalizer: Orthogonalizer | None = None,
-        nonfinite: str = "raise",
+        nonfinite: NonfinitePolicy = "raise",
         eps: float = 1e-7,
         split: dict[str, Split] | None = None,
+        transposed: Iterable[str] = (),
     ) -> None:
         check_nonnegative("lr", lr)
         check_unit_interval("momentum", momentum)
@@ -254,6 +268,10 @@ class Muon(MatrixOptimizer):
             eps=eps,
             split=dict(split or {}),
         )
+        if isinstance(transposed, str):
+            raise TypeError(f"transposed must be a collection of names, got {transposed!r}")
+        if transposed:  # absent otherwise: the groups of checkpoints from before it match
+            defaults["transposed"] = tuple(sorted(transposed))
         super().__init__(params, defaults)
 
     #: whether every parameter must be a matrix (Scion also takes vectors)
@@ -280,15 +298,22 @@ class Muon(MatrixOptimizer):
                 raise ValueError(
                     f"{me} does not support complex parameters (shape {tuple(p.shape)})"
                 )
-        if group["split"] and names is None:
-            raise ValueError(
-                f"{me}(split=...) names parameters: pass named parameters, e.g. "
-                f"{me}(model.named_parameters(), split=...)"
-            )
+        for option in ("split", "transposed"):
+            if group.get(option) and names is None:
+                raise ValueError(
+                    f"{me}({option}=...) names parameters: pass named parameters, e.g. "
+                    f"{me}(model.named_parameters(), {option}=...)"
+                )
         for name, p in zip(names or [], group["params"]):
+            flipped = is_transposed(group, name)
+            if flipped and p.ndim != 2:
+                raise ValueError(
+                    f"transposed names {name} with shape {tuple(p.shape)}: only 2-D weights "
+                    "are stored [in, out]; leave it out of transposed"
+                )
             sizes = split_of(group, name) if group["split"] else None
             if sizes is not None:
-                check_split(name, sizes, matrix_view(p).shape[-2])
+                check_split(name, sizes, p.shape[-1] if flipped else matrix_view(p).shape[-2])
 
     state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}
 
@@ -300,12 +325,25 @@ class Muon(MatrixOptimizer):
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
     def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
-        """orthogonalize(U)·scale(rows, cols) per matrix (per row block of a split matrix),
-        same-shape blocks batched; a variant post-processes each with `finish`."""
+        """`oriented_directions` of every matrix seen as [out, in]: a weight stored [in, out]
+        (`transposed`, Hugging Face's Conv1D) is stepped as its transpose, so LR scales,
+        `split` blocks and per-neuron statistics are those of the map it stands for (the
+        orthogonalization itself does not care: the polar factor of Wᵀ is that of W,
+        transposed)."""
+        flip = [is_transposed(group, n) for n in names]
+        oriented = [(u.mT if f else u, st) for (u, st), f in zip(items, flip)]
+        found = self.oriented_directions(oriented, group, names)
+        return [d.mT.contiguous() if f and d is not None else d for d, f in zip(found, flip)]
+
+    def oriented_directions(
+        self, items: Prepared, group: Group, names: Sequence[str]
+    ) -> Directions:
+        """orthogonalize(U)·scale(rows, cols) per matrix [out, in] (per row block of a split
+        matrix), same-shape blocks batched; a variant post-processes each with `finish`."""
         ortho = self.orthogonalized([u for u, _ in items], group, names, self.block_scale(group))
         return [self.finish(o, u, st, group) for o, (u, st) in zip(ortho, items)]
 
-    def block_scale(self, group: dict[str, Any]) -> str:
+    def block_scale(self, group: dict[str, Any]) -> LRScale:
         """The LR-scale convention applied to each orthogonalized block (Muon: `lr_scale`)."""
         return group["lr_scale"]
 
@@ -317,7 +355,11 @@ class Muon(MatrixOptimizer):
         return ortho
 
     def orthogonalized(
-        self, updates: Sequence[Tensor], group: dict[str, Any], names: Sequence[str], scale: str
+        self,
+        updates: Sequence[Tensor],
+        group: dict[str, Any],
+        names: Sequence[str],
+        scale: LRScale,
     ) -> list[Tensor]:
         """Each update orthogonalized as a stack of matrices (by row blocks where `split`
         names it), every block times the LR-scale factor of convention `scale` for its shape;

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from orthoptim._validate import check_positive, check_unit_interval
 from orthoptim.optim.contract import StateKind
-from orthoptim.optim.muon import Muon, lr_scale_factor
+from orthoptim.optim.muon import LRScale, Muon, lr_scale_factor
 from orthoptim.optim.shapes import matrix_view, stack_shape
 
 
@@ -55,7 +55,7 @@ class NorMuon(Muon):
         eps: float = 1e-10,
         nesterov: bool = True,
         weight_decay: float = 0.0,
-        lr_scale: str = "keller",
+        lr_scale: LRScale = "keller",
         **options: Any,
     ) -> None:
         check_unit_interval("beta2", beta2)
@@ -72,7 +72,7 @@ class NorMuon(Muon):
         count, rows, _ = stack_shape(shape)
         return math.prod(shape) + count * rows
 
-    def block_scale(self, group: dict[str, Any]) -> str:
+    def block_scale(self, group: dict[str, Any]) -> LRScale:
         return "none"  # the LR scale comes after the normalisation
 
     def finish(

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from orthoptim.optim.contract import StateKind
-from orthoptim.optim.muon import Muon, lr_scale_factor
+from orthoptim.optim.muon import LRScale, Muon, lr_scale_factor
 from orthoptim.optim.shapes import matrix_view
 
 
@@ -43,7 +43,7 @@ class PolarGrad(Muon):
         momentum: float = 0.95,
         nesterov: bool = False,
         weight_decay: float = 0.0,
-        lr_scale: str = "none",
+        lr_scale: LRScale = "none",
         **options: Any,
     ) -> None:
         super().__init__(
@@ -51,7 +51,7 @@ class PolarGrad(Muon):
             lr_scale=lr_scale, **options,
         )  # fmt: skip
 
-    def block_scale(self, group: dict[str, Any]) -> str:
+    def block_scale(self, group: dict[str, Any]) -> LRScale:
         return "none"  # the LR scale multiplies the scaled polar factor, not U
 
     def finish(

@@ -5,6 +5,8 @@ elementwise optimizers of the non-matrix part (`build_optimizer(elementwise=...)
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from orthoptim.optim.adamuon import AdaMuon
@@ -16,7 +18,12 @@ from orthoptim.optim.polargrad import PolarGrad
 from orthoptim.optim.scion import Scion
 from orthoptim.optim.soap import SOAP
 
-MATRIX_OPTIMIZERS: dict[str, type[MatrixOptimizer]] = {
+MatrixOptimizerName = Literal["muon", "soap", "normuon", "adamuon", "polargrad", "scion"]
+ElementwiseOptimizerName = Literal["adamw", "lion"]
+#: what `build_optimizer(optimizer=...)` takes: a matrix optimizer, or "adamw" for everything
+OptimizerName = MatrixOptimizerName | Literal["adamw"]
+
+MATRIX_OPTIMIZERS: dict[MatrixOptimizerName, type[MatrixOptimizer]] = {
     "muon": Muon,
     "soap": SOAP,
     "normuon": NorMuon,
@@ -26,11 +33,11 @@ MATRIX_OPTIMIZERS: dict[str, type[MatrixOptimizer]] = {
 }
 
 # every name `build_optimizer(optimizer=...)` takes: a matrix optimizer, or AdamW for all
-OPTIMIZER_NAMES = (*MATRIX_OPTIMIZERS, "adamw")
+OPTIMIZER_NAMES: tuple[str, ...] = (*MATRIX_OPTIMIZERS, "adamw")
 
 # the optimizers of the non-matrix part (embeddings, heads, vectors), with their state
 # elements per parameter element (AdamW: two moments; Lion: one)
-ELEMENTWISE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+ELEMENTWISE_OPTIMIZERS: dict[ElementwiseOptimizerName, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "lion": Lion,
 }

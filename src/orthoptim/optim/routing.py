@@ -15,7 +15,8 @@ module types, then at names:
    `nn.Embedding`'s vocabulary or the model has no `nn.Embedding` (a ResNet's `fc`). Other
    Linears whose output size happens to equal the vocabulary stay matrices.
 4. vectors → AdamW: fewer than 2 dims, or one dim > 1 (a `(1, 1, d)` class token).
-5. raw `nn.Parameter` tables (registered on a non-torch module) named like an embedding,
+5. raw `nn.Parameter` tables (not a torch layer's weight: registered on a user module, a
+   plain `nn.Module()`, an `nn.ParameterDict` or `nn.ParameterList`) named like an embedding,
    positional table or unembedding (`pos_emb`, `W_E`, `W_pos`, `W_U`, `position_embeddings`)
    → AdamW, as are raw biases (`b_Q`, `*bias*`) and a raw 3-D parameter with a leading 1
    (a table broadcast over the batch).
@@ -26,7 +27,9 @@ module types, then at names:
    view would take it for `out` matrices).
 7. every other matrix (2-D, and ≥4-D conv weights seen as (out, in·k…)) → the matrix optimizer.
 
-`explain_routing(model)` prints each parameter, its shape, where it goes and why.
+`explain_routing(model)` prints each parameter, its shape, where it goes and why, and marks
+the weights stored [in, out] (`stored_in_out`: Hugging Face's `Conv1D`), which Muon steps as
+their [out, in] transpose.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any, TextIO
 from torch import nn
 
 from orthoptim._validate import check_choice
-from orthoptim.optim.registry import OPTIMIZER_NAMES
+from orthoptim.optim.registry import OPTIMIZER_NAMES, OptimizerName
 
 HEAD_NAMES = frozenset(
     {"lm_head", "head", "output", "output_layer", "classifier", "unembed", "score", "qa_outputs"}
@@ -65,12 +68,33 @@ class Decision:
 @dataclass(frozen=True)
 class RoutingRow:
     """One row of `explain_routing`: parameter name, shape, optimizer ("muon", "soap",
-    "adamw", or "-" for a frozen parameter) and the reason."""
+    "adamw", or "-" for a frozen parameter), the reason, and whether the weight is stored
+    [in, out] (`stored_in_out`)."""
 
     name: str
     shape: tuple[int, ...]
     optimizer: str
     reason: str
+    in_out: bool = False
+
+
+def _is_in_out_layer(module: nn.Module) -> bool:
+    """Hugging Face's `transformers.pytorch_utils.Conv1D` (known by name: transformers is not
+    imported for it), whose weight is [in, out] and whose forward is x·W + b."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+
+
+def stored_in_out(model: nn.Module) -> frozenset[str]:
+    """Names of the 2-D weights `model` stores as [in, out] rather than torch's [out, in]:
+    those of Hugging Face `Conv1D` layers (GPT-2's c_attn, c_fc, c_proj). Shapes read by
+    LR scales are those of the map, [out, in] (`Muon(transposed=...)`)."""
+    ids = {
+        id(m.weight)
+        for m in model.modules()
+        if _is_in_out_layer(m) and isinstance(getattr(m, "weight", None), nn.Parameter)
+    }
+    return frozenset(n for n, p in model.named_parameters() if id(p) in ids and p.ndim == 2)
 
 
 def _asked(model: nn.Module, method: str) -> nn.Module | None:
@@ -94,10 +118,14 @@ def _in_blocks(model: nn.Module, module_name: str) -> bool:
     )
 
 
+# torch modules that hold parameters without being a layer: what they hold is raw
+_HOLDERS = (nn.Module, nn.ParameterDict, nn.ParameterList, nn.ModuleDict, nn.ModuleList)
+
+
 def _is_raw(owner: nn.Module) -> bool:
-    """Whether a parameter registered on `owner` is a raw `nn.Parameter` of a user module
-    (not the weight of a torch layer)."""
-    return not type(owner).__module__.startswith("torch.nn")
+    """Whether a parameter registered on `owner` is a raw `nn.Parameter` (not the weight of a
+    torch layer): on a user module, a plain `nn.Module()` or an `nn.ParameterDict` / `List`."""
+    return type(owner) in _HOLDERS or not type(owner).__module__.startswith("torch.nn")
 
 
 class ModelRoute:
@@ -227,7 +255,7 @@ RoutePredicate = Callable[[str, nn.Parameter], bool]
 
 def explain_routing(
     model: nn.Module,
-    optimizer: str = "muon",
+    optimizer: OptimizerName = "muon",
     route: RoutePredicate | None = None,
     file: TextIO | None = None,
     quiet: bool = False,
@@ -243,19 +271,24 @@ def explain_routing(
     check_choice("optimizer", optimizer, sorted(OPTIMIZER_NAMES))
     rest = build_kwargs.get("elementwise", "adamw")
     default = ModelRoute(model)
+    in_out = stored_in_out(model)
     rows = []
     for name, p in model.named_parameters():
         shape = tuple(p.shape)
         if not p.requires_grad:
             rows.append(RoutingRow(name, shape, "-", "frozen (requires_grad=False): left out"))
-        elif optimizer == "adamw":
-            rows.append(RoutingRow(name, shape, "adamw", "optimizer='adamw': AdamW for all"))
+            continue
+        if optimizer == "adamw":
+            to, reason = "adamw", "optimizer='adamw': AdamW for all"
         elif route is not None:
-            to = optimizer if route(name, p) else rest
-            rows.append(RoutingRow(name, shape, to, "route= override"))
+            to, reason = (optimizer if route(name, p) else rest), "route= override"
         else:
             d = default.decision(name, p)
-            rows.append(RoutingRow(name, shape, optimizer if d.matrix else rest, d.reason))
+            to, reason = (optimizer if d.matrix else rest), d.reason
+        flipped = name in in_out and to == optimizer and optimizer != "adamw"
+        if flipped:
+            reason += "; stored [in, out] (Conv1D): LR-scaled as its [out, in] map"
+        rows.append(RoutingRow(name, shape, to, reason, flipped))
     if not quiet:
         print(format_routing(rows), file=file if file is not None else sys.stdout)
     return rows

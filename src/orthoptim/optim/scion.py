@@ -27,7 +27,7 @@ matrix on its owner; the momentum is elementwise.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -37,10 +37,11 @@ from orthoptim.optim.contract import Directions, Group, Prepared, StateKind
 from orthoptim.optim.muon import Muon
 from orthoptim.optim.state import base_name
 
-NORMS = ("spectral", "sign", "colnorm", "embedding", "bias_rms")
+ScionNorm = Literal["spectral", "sign", "colnorm", "embedding", "bias_rms"]
+NORMS: tuple[ScionNorm, ...] = get_args(ScionNorm)
 
 
-def lmo(m: Tensor, norm: str, eps: float) -> Tensor:
+def lmo(m: Tensor, norm: ScionNorm, eps: float) -> Tensor:
     """The non-spectral linear minimisation oracles of Scion, on a whole tensor `m`."""
     if norm == "bias_rms":
         return m / (m.square().mean().sqrt() + eps)
@@ -77,7 +78,7 @@ class Scion(Muon):
         radius: float = 1.0,
         constrained: bool = True,
         weight_decay: float | None = None,
-        norms: dict[str, str] | None = None,
+        norms: dict[str, ScionNorm] | None = None,
         nesterov: bool = False,
         eps: float = 1e-8,
         **options: Any,
@@ -94,11 +95,13 @@ class Scion(Muon):
         )  # fmt: skip
         self.add_defaults(radius=radius, norms=dict(norms or {}), moment_eps=eps)
 
-    def norm_of(self, group: dict[str, Any], name: str, ndim: int) -> str:
+    def norm_of(self, group: dict[str, Any], name: str, ndim: int) -> ScionNorm:
         """The norm of parameter `name`: as `norms` says, else by its number of dims."""
         return group["norms"].get(base_name(name), "spectral" if ndim >= 2 else "bias_rms")
 
-    def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
+    def oriented_directions(
+        self, items: Prepared, group: Group, names: Sequence[str]
+    ) -> Directions:
         """ρ·lmo(M) per parameter; the spectral ones orthogonalized in shape batches."""
         norms = [self.norm_of(group, n, u.ndim) for (u, _), n in zip(items, names)]
         spectral = [i for i, norm in enumerate(norms) if norm == "spectral"]

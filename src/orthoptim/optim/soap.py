@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -42,7 +42,12 @@ from orthoptim._validate import (
     check_positive,
     check_unit_interval,
 )
-from orthoptim.optim.base import check_nonfinite_policy, check_params, state_dtype
+from orthoptim.optim.base import (
+    NonfinitePolicy,
+    check_nonfinite_policy,
+    check_params,
+    state_dtype,
+)
 from orthoptim.optim.contract import (
     Directions,
     Group,
@@ -53,7 +58,8 @@ from orthoptim.optim.contract import (
 )
 from orthoptim.optim.shapes import matrix_view, stack_shape
 
-REFRESH_METHODS = ("qr", "eigh")
+RefreshMethod = Literal["qr", "eigh"]
+REFRESH_METHODS: tuple[RefreshMethod, ...] = get_args(RefreshMethod)
 
 
 def eigenbasis(factor: Tensor) -> Tensor:
@@ -132,8 +138,8 @@ class SOAP(MatrixOptimizer):
         precondition_frequency: int = 10,
         max_precond_dim: int = 10000,
         correct_bias: bool = True,
-        refresh_method: str = "qr",
-        nonfinite: str = "raise",
+        refresh_method: RefreshMethod = "qr",
+        nonfinite: NonfinitePolicy = "raise",
     ) -> None:
         check_nonnegative("lr", lr)
         check_betas("betas", betas)

@@ -16,7 +16,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,8 @@ from orthoptim.optim.registry import (
     ELEMENTWISE_OPTIMIZERS,
     ELEMENTWISE_STATE,
     MATRIX_OPTIMIZERS,
+    ElementwiseOptimizerName,
+    OptimizerName,
     is_elementwise,
 )
 from orthoptim.optim.shapes import stack_shape
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
     from orthoptim.optim.routing import RoutePredicate
 
 KINDS = (*MATRIX_OPTIMIZERS, *ELEMENTWISE_OPTIMIZERS)
-BALANCES = ("cost", "round_robin", "capped")
+Balance = Literal["cost", "round_robin", "capped"]
+BALANCES: tuple[Balance, ...] = get_args(Balance)
 CAPPED_FACTOR = 1.3
 SPREAD = 2.0
 NS_STEPS = 5
@@ -245,7 +248,7 @@ class Assignment:
     rank_bytes: list[int]
     buckets: list[list[int]]
     unit_bytes: list[int] = field(default_factory=list)
-    balance: str = "cost"
+    balance: Balance = "cost"
     base: list[float] = field(default_factory=list)
     bound: float = 0.0
     # matrix-optimizer units with a choice of owner: alone in their bucket, or in one where
@@ -860,7 +863,7 @@ def _capped(costs: Sequence[float], buckets: list[list[int]], world_size: int) -
 def assign(
     units: Sequence[Unit],
     world_size: int,
-    balance: str = "cost",
+    balance: Balance = "cost",
     bucket_bytes: int = 25 * 2**20,
     cost: Callable[[Unit], float] | Sequence[float] | None = None,
     base: Sequence[float] | None = None,
@@ -936,10 +939,10 @@ def assign(
 
 def units_from_model(
     model: nn.Module,
-    optimizer: str = "muon",
+    optimizer: OptimizerName = "muon",
     route: RoutePredicate | None = None,
     split_experts: bool | int = False,
-    elementwise: str = "adamw",
+    elementwise: ElementwiseOptimizerName = "adamw",
 ) -> list[Unit]:
     """The units of `model` in backward order (reverse of registration), as the layer-wise
     optimizer owns them.

@@ -43,6 +43,7 @@ from orthoptim import collectives as C
 from orthoptim._validate import check_choice, check_float_dtype, check_positive
 from orthoptim.optim.base import (
     CompositeOptimizer,
+    NonfinitePolicy,
     check_nonfinite_policy,
     enforce_nonfinite_policy,
     state_dtype,
@@ -50,10 +51,16 @@ from orthoptim.optim.base import (
 )
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
-from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES
+from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES, OptimizerName
 from orthoptim.optim.state import StateView
 from orthoptim.parallel import clip
-from orthoptim.parallel.assignment import BALANCES, Assignment, assign, units_from_model
+from orthoptim.parallel.assignment import (
+    BALANCES,
+    Assignment,
+    Balance,
+    assign,
+    units_from_model,
+)
 
 
 def shard_model(model: nn.Module, mesh: Any = None) -> nn.Module:
@@ -174,14 +181,14 @@ class FSDPOptimizer(CompositeOptimizer):
     def __init__(
         self,
         model: nn.Module,
-        optimizer: str = "muon",
+        optimizer: OptimizerName = "muon",
         lr: float | None = None,
-        balance: str = "cost",
+        balance: Balance = "cost",
         bucket_mb: float = 25,
         comm_dtype: torch.dtype | None = None,
         route: RoutePredicate | None = None,
-        nonfinite: str = "raise",
-        state_dict_to: str = "all",
+        nonfinite: NonfinitePolicy = "raise",
+        state_dict_to: checkpoint.StateDictTo = "all",
         **inner_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -238,10 +245,16 @@ class FSDPOptimizer(CompositeOptimizer):
         self._named = named
 
         super().__init__(p for _, p in named)
-        self.adopt(self.template.param_groups, self.template.state)
+        self.adopt(self.template.param_groups, self.template.state, self.template.defaults)
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
         self._built = True
+
+    def copy_refusal(self) -> str | None:
+        """A copy of a sharded model's optimizer would share the original's device mesh."""
+        if self.process_group is not None or self.mesh is not None:
+            return "its parameters are sharded over a device mesh, which a copy cannot share"
+        return None
 
     def _matrix_groups(self) -> dict[str, dict[str, Any]]:
         """Matrix name → its (current) param group of the matrix optimizer."""

@@ -51,12 +51,13 @@ from orthoptim._validate import (
 )
 from orthoptim.optim.base import (
     CompositeOptimizer,
+    NonfinitePolicy,
     check_nonfinite_policy,
     enforce_nonfinite_policy,
     step_checked,
 )
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
-from orthoptim.optim.registry import is_elementwise, state_kinds_of
+from orthoptim.optim.registry import OptimizerName, is_elementwise, state_kinds_of
 from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import FORMAT_VERSION, StateView, flat_label, hypers
 from orthoptim.parallel import clip
@@ -64,6 +65,7 @@ from orthoptim.parallel.assignment import (
     BALANCES,
     NS_STEPS,
     Assignment,
+    Balance,
     MatrixCost,
     assign,
     units_from_model,
@@ -109,7 +111,7 @@ class _Slot:
                 )
             self.name = flat_label(name, *flat)
             # A leaf view of the run: the inner optimizer updates the parameter in place.
-            self.data: Tensor = param.detach().view(-1)[flat[0] : flat[1]].requires_grad_(True)
+            self.data: Tensor = self.view().requires_grad_(True)
         elif part is None:
             self.data = param
         elif C.is_dtensor(param):
@@ -119,10 +121,24 @@ class _Slot:
             )
         else:
             # A leaf view of the slice: the inner optimizer updates the parameter in place.
-            self.data = param.detach()[part[0] : part[1]].requires_grad_(True)
+            self.data = self.view().requires_grad_(True)
         self.numel = C.local_shard(self.data).numel()
         self.offset = 0
         self.mine = False  # owned by this rank (set by the optimizer)
+
+    def view(self) -> Tensor:
+        """The slot's values as a view of its parameter (a run or an expert slice)."""
+        if self.flat is not None:
+            return self.param.detach().view(-1)[self.flat[0] : self.flat[1]]
+        assert self.part is not None
+        return self.param.detach()[self.part[0] : self.part[1]]
+
+    @torch.no_grad()
+    def rebind(self) -> None:
+        """Point `data` (the same tensor: the inner optimizer knows it) at its parameter's
+        storage again, as `view()`; a pickled copy holds it apart."""
+        v = self.view()
+        self.data.set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
 
     def local(self) -> Tensor:
         """The unit's local values (a DTensor's shard), sharing the parameter's storage."""
@@ -349,19 +365,19 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
     def __init__(
         self,
         model: nn.Module,
-        optimizer: str = "muon",
+        optimizer: OptimizerName = "muon",
         lr: float | None = None,
         process_group: Any = None,
-        balance: str = "cost",
+        balance: Balance = "cost",
         bucket_mb: float = 25,
         overlap_grad_reduce: bool = True,
         overlap_param_gather: bool = True,
         gather_dtype: torch.dtype | None = None,
         route: RoutePredicate | None = None,
-        nonfinite: str = "raise",
+        nonfinite: NonfinitePolicy = "raise",
         split_experts: bool | int = False,
         expert_group: Any = None,
-        state_dict_to: str = "all",
+        state_dict_to: checkpoint.StateDictTo = "all",
         shard_adamw: bool = True,
         **inner_kwargs: Any,
     ) -> None:
@@ -493,7 +509,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 g = {k: v for k, v in tg.items() if k not in ("params", "param_names")}
                 groups.append({**g, "params": [], "param_names": []})
         super().__init__(named.values())
-        self.adopt(groups, self.inner.state if self.inner is not None else self.state)
+        state = self.inner.state if self.inner is not None else self.state
+        self.adopt(groups, state, dict(template.defaults))
 
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
@@ -527,12 +544,16 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 bucket.label = f"bucket {len(self._buckets)}"
                 self._buckets.append(bucket)
                 self._bucket_of.update((s.unit, bucket) for s in slots)
-        # id(param) → its units that communicate (one slot each: `put_unit` copies every run)
+        self._index_slots()
+        self._next_launch = 0
+
+    def _index_slots(self) -> None:
+        """id(param) → its units that communicate (one slot each: `put_unit` copies every
+        run); the gradient hooks look parameters up in it."""
         self._slots_of: dict[int, list[_Slot]] = {}
         for slots in self._slots_by_unit:
             if slots and slots[0].unit in self._bucket_of:
                 self._slots_of.setdefault(id(slots[0].param), []).append(slots[0])
-        self._next_launch = 0
 
     def _adamw_runs(self) -> dict[int, list[tuple[int, int, int]]]:
         """Unit → (rank, lo, hi) of every rank's run of a sharded AdamW unit: bucket by bucket
@@ -576,6 +597,30 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             ]
             for module in modules:
                 self._hooks.append(module.register_forward_pre_hook(self._wait_hook))
+
+    # -- copies ------------------------------------------------------------------------
+    def copy_refusal(self) -> str | None:
+        """A copy over a process group would share its groups with the original; at world
+        size 1 without one, a copy (with its copy of the model) steps like the original."""
+        if self.process_group is not None or self.expert_group is not None or self.tp_groups:
+            return "it runs over process groups, which a copy cannot share"
+        if self.world_size > 1:
+            return f"it runs over the {self.world_size} ranks of the default process group"
+        return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        del state["_hooks"]  # handles of hooks on the original model
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for s in self._slots:  # pickle copies views apart: make slices views again
+            if s.data is not s.param:
+                s.rebind()
+        self._index_slots()  # keyed by id(param): the copy's parameters
+        self._hooks = []
+        self._register_hooks()
 
     _gathering = False  # parameter gathers launched and not yet waited for
 

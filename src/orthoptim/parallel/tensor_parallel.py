@@ -46,7 +46,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,10 @@ from orthoptim.newton_schulz import (
     resolve_ns_dtype,
 )
 
-MODES = ("auto", "duplicated", "distributed", "blockwise")
-FORMS = ("auto", "apply", "square", "split", "rows")
+TPMode = Literal["auto", "duplicated", "distributed", "blockwise"]
+MODES: tuple[TPMode, ...] = get_args(TPMode)
+TPForm = Literal["auto", "apply", "square", "split", "rows"]
+FORMS: tuple[TPForm, ...] = get_args(TPForm)
 
 # CommStats kinds, so benchmarks and tests can tell the collectives of each mode apart.
 GRAM_KIND = "all_reduce_gram"
@@ -211,7 +213,7 @@ def _distributed_flops(
 
 
 def tp_cost(
-    mode: str,
+    mode: TPMode,
     k: int,
     rows: int,
     cols: int,
@@ -219,7 +221,7 @@ def tp_cost(
     world_size: int,
     steps: int,
     element_size: int,
-    form: str = "apply",
+    form: TPForm = "apply",
 ) -> TPCost:
     """Per-rank cost of `mode` on k global rows×cols matrices sharded along `shard_dim` (0/1).
 
@@ -286,13 +288,13 @@ class TensorParallelOrthogonalizer:
     def __init__(
         self,
         group: Any = None,
-        mode: str = "auto",
+        mode: TPMode = "auto",
         shard_dim: int | None = None,
         steps: int = 5,
         coefficients: CoefficientsLike = "quintic",
         ns_dtype: NSDtype = "auto",
         eps: float = 1e-7,
-        form: str = "auto",
+        form: TPForm = "auto",
         cost_model: CostModel | None = None,
         stats: CommStats | None = None,
     ) -> None:
