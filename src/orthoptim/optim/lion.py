@@ -24,6 +24,7 @@ import torch
 
 from orthoptim._validate import check_betas, check_nonnegative
 from orthoptim.optim.base import GuardedOptimizer, check_nonfinite_policy, check_params, state_dtype
+from orthoptim.optim.contract import step_scalar
 
 
 class Lion(GuardedOptimizer):
@@ -50,7 +51,7 @@ class Lion(GuardedOptimizer):
 
     def _update(self) -> None:
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
+            lr, wd = step_scalar(group["lr"]), group["weight_decay"]
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
