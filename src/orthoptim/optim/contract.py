@@ -106,6 +106,13 @@ class MatrixOptimizer(GuardedOptimizer):
         if direction is not None:
             descend(param, direction, group["lr"], group["weight_decay"])
 
+    def init_compiled_state(self) -> None:
+        """`init_state` of every parameter with a gradient and no state yet."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p]:
+                    self.state[p].update(self.init_state(p, group))
+
     def _update(self) -> None:
         names = param_names(self)
         for group in self.param_groups:
