@@ -17,9 +17,17 @@ T = TypeVar("T")
 
 
 def _real(name: str, value: Any) -> float:
+    """`value` as a float; a 1-element real tensor of any shape counts as its one number (a
+    tensor LR, which a scheduler changes in place without recompiling a compiled step)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be a real number or a 1-element real tensor, got a {value.dtype} "
+                f"tensor of shape {tuple(value.shape)}; pass one value, e.g. "
+                f"{name}=torch.tensor(0.01)"
+            )
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            return float(value)
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     return float(value)
 
@@ -32,7 +40,7 @@ def check_choice(name: str, value: T, allowed: Sequence[Any]) -> T:
 
 
 def check_nonnegative(name: str, value: T) -> T:
-    """A finite number >= 0 (learning rates, weight decay)."""
+    """A finite number >= 0 (learning rates, weight decay); a 1-element tensor too."""
     v = _real(name, value)
     if not (math.isfinite(v) and v >= 0.0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

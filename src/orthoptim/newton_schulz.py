@@ -215,8 +215,9 @@ def newton_schulz(
 
 
 def _schedule(coefficients: CoefficientsLike, steps: int) -> Sequence[Coefficients]:
-    """`coefficient_schedule`, resolved once per (set name, steps): Muon asks every call."""
-    if isinstance(coefficients, str):
+    """`coefficient_schedule`, resolved once per (set name, steps): Muon asks every call
+    (a compiled step resolves it once, while tracing, without the cache)."""
+    if isinstance(coefficients, str) and not torch.compiler.is_compiling():
         return _named_schedule(coefficients, steps)
     return coefficient_schedule(coefficients, steps)
 
@@ -258,8 +259,13 @@ def _frobenius_norms(Y: Tensor, dtype: torch.dtype) -> Tensor:
 
     Raises ValueError on NaN or Inf entries. The check rides on the norm (one pass over Y):
     only a non-finite norm costs a second look, which also rescues finite matrices whose
-    sum of squares overflows.
+    sum of squares overflows. Under `torch.compile` nothing is read on the host: the sum of
+    squares is accumulated in float64 (no float32 or narrower matrix overflows it) and
+    non-finite entries give a non-finite norm (the optimizers' compiled step has already
+    flagged a non-finite gradient, the only way to get one, and discards that step).
     """
+    if torch.compiler.is_compiling():
+        return torch.linalg.matrix_norm(Y.to(torch.float64), keepdim=True).to(dtype)
     norm = torch.linalg.matrix_norm(Y.to(dtype), keepdim=True)
     if math.isfinite(float(norm.sum())):  # one scalar: a sum that overflows is re-checked below
         return norm

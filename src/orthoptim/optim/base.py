@@ -4,6 +4,7 @@ and the view of a parameter as a stack of matrices.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -81,37 +82,49 @@ def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
 
 
 def enforce_nonfinite_policy(
-    policy: NonfinitePolicy, names: list[str], world_size: int = 1
+    policy: NonfinitePolicy, names: list[str], world_size: int = 1, compiled: bool = False
 ) -> bool:
     """Raise or warn for the parameters `names` whose gradients are non-finite.
 
     Returns True when the step must be skipped, False when `names` is empty. `world_size` > 1
-    says the verdict was agreed by every rank (the distributed optimizers all-reduce it first).
+    says the verdict was agreed by every rank (the distributed optimizers all-reduce it first);
+    `compiled`: compiled steps found them and left state and parameters as they were.
     """
     if not names:
         return False
     listed = ", ".join(names)
     if policy == "raise":
         agreed = f" (agreed by all {world_size} ranks)" if world_size > 1 else ""
+        untouched = (
+            " in a compiled step; that step and every compiled step since left optimizer "
+            "state and parameters untouched."
+            if compiled
+            else "; optimizer state and parameters are untouched."
+        )
         raise NonFiniteGradientError(
-            f"non-finite gradient (NaN or Inf) in {listed}{agreed}; optimizer state and "
-            "parameters are untouched. Pass nonfinite='skip' to skip such steps instead.",
+            f"non-finite gradient (NaN or Inf) in {listed}{agreed}{untouched} Pass "
+            "nonfinite='skip' to skip such steps instead.",
             names,
         )
     everywhere = " on every rank" if world_size > 1 else ""
-    message = f"skipping optimizer step{everywhere}: non-finite gradient in {listed}"
+    skipped = "skipped compiled optimizer step(s)" if compiled else "skipping optimizer step"
+    message = f"{skipped}{everywhere}: non-finite gradient in {listed}"
     logger.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
     return True
 
 
 def apply_nonfinite_policy(
-    optimizer: torch.optim.Optimizer, policy: NonfinitePolicy, bad: list[Tensor]
+    optimizer: torch.optim.Optimizer,
+    policy: NonfinitePolicy,
+    bad: list[Tensor],
+    compiled: bool = False,
 ) -> bool:
-    """`enforce_nonfinite_policy` for the parameters `bad` of `optimizer`, named."""
+    """`enforce_nonfinite_policy` for the parameters `bad` of `optimizer`, named; `compiled`:
+    they were latched by compiled steps (`GuardedOptimizer.check_nonfinite`)."""
     names = param_names(optimizer)
     return enforce_nonfinite_policy(
-        policy, [names.get(id(p), f"shape {tuple(p.shape)}") for p in bad]
+        policy, [names.get(id(p), f"shape {tuple(p.shape)}") for p in bad], compiled=compiled
     )
 
 
@@ -243,12 +256,110 @@ class GuardedOptimizer(CopyableOptimizer):
 
     Subclasses set `self.nonfinite` (see `check_nonfinite_policy`) and implement `_update`.
     `load_state_dict` keeps the saved dtype of fp32 master state for bf16/fp16 parameters.
+
+    Under `torch.compile(opt.step)` nothing is read on the host (`_compiled_step`): one
+    device-side flag says whether every gradient is finite, and every parameter and state
+    write of the step is kept only where it is; otherwise parameters and state stay as they
+    were, bit for bit. The parameters whose gradients were not finite are latched on the
+    device (`nonfinite_latch`), and `check_nonfinite()` (which every eager `step()` calls
+    first) reads the latch once: with "raise" it raises `NonFiniteGradientError` naming them,
+    and until then every compiled step leaves parameters and state untouched (the compiled
+    optimizer stops where the eager one would have raised); with "skip" it warns as an eager
+    skip does, and compiled steps go on skipping only the non-finite steps.
     """
 
     nonfinite: NonfinitePolicy = "raise"
+    #: bool per parameter (in `param_groups` order): its gradient was non-finite in a
+    #: compiled step since the last `check_nonfinite()`; None until a compiled step
+    nonfinite_latch: Tensor | None = None
 
     def _update(self) -> None:
         raise NotImplementedError
+
+    def _params(self) -> list[Tensor]:
+        """Every parameter, in the order of `nonfinite_latch`."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _init_group(self) -> None:
+        """Make what a compiled step writes before it runs: the non-finite latch here, a
+        subclass's state for the parameters that have a gradient (`init_compiled_state`).
+        Dynamo runs a method of this name eagerly while tracing, as for torch's optimizers, so
+        the graph finds the state made and is not compiled again when it appears."""
+        self._latch()
+        self.init_compiled_state()
+
+    def _latch(self) -> Tensor:
+        """`nonfinite_latch`, made (or remade for a changed parameter set) when needed."""
+        params = self._params()
+        latch = self.nonfinite_latch
+        if latch is None or latch.numel() != len(params):
+            device = params[0].device if params else None
+            latch = self.nonfinite_latch = torch.zeros(len(params), dtype=torch.bool, device=device)
+        return latch
+
+    def _before_compiled_step(self) -> None:
+        """What a compiled step makes eagerly first (`_init_group`)."""
+        self._init_group()
+
+    def init_compiled_state(self) -> None:
+        """The state a subclass's step would make on first sight of a parameter with a
+        gradient, made ahead of a compiled step (none by default)."""
+
+    def check_nonfinite(self) -> None:
+        """Apply the non-finite policy to what compiled steps latched (one host read; nothing
+        without a compiled step): "raise" raises `NonFiniteGradientError` naming the
+        parameters, "skip" warns; the latch is cleared either way."""
+        latch = self.nonfinite_latch
+        if latch is None or not bool(latch.any()):
+            return
+        bad = [p for p, flag in zip(self._params(), latch.tolist()) if flag]
+        latch.zero_()
+        apply_nonfinite_policy(self, self.nonfinite, bad, compiled=True)
+
+    def _compiled_step(self) -> None:
+        """The step as `torch.compile` traces it: no host reads, no data-dependent shapes.
+
+        The update runs whatever the gradients hold; then every parameter and state tensor
+        takes its new value only where one flag says every gradient is finite (and, with
+        "raise", no earlier compiled step latched one), else its value from before the step
+        (functionalised, the "before" is the graph's input: no copy is kept). State a step
+        creates (an inner torch optimizer's on its first step) falls back to zeros, its
+        fresh value."""
+        self._before_compiled_step()
+        params = self._params()
+        latch = self._latch()
+        live = [p for p in params if p.grad is not None]
+        if not live:
+            return
+        bad = torch.stack(
+            [
+                ~torch.isfinite(p.grad).all() if p.grad is not None else latch.new_zeros(())
+                for p in params
+            ]
+        )
+        ok = ~bad.any()
+        if self.nonfinite == "raise":
+            ok = ok & ~latch.any()
+        latch.logical_or_(bad)
+        # `in` first: indexing the defaultdict would replay an empty entry over the state an
+        # inner torch optimizer makes while this is traced
+        before = [
+            (p, {k: v.clone() for k, v in self.state[p].items() if torch.is_tensor(v)})
+            if p in self.state
+            else (p, {})
+            for p in live
+        ]
+        saved = [p.clone() for p in live]
+        self._update()
+        for p, old in zip(live, saved):
+            p.copy_(torch.where(ok, p, old))
+        for p, old_state in before:  # in place: the graph is specialised to these tensors
+            for key, value in self.state.get(p, {}).items():
+                if torch.is_tensor(value):
+                    fallback = old_state.get(key)
+                    if fallback is None:
+                        fallback = torch.zeros_like(value)
+                    value.copy_(torch.where(ok, value, fallback))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, after checking the dict against this optimizer the way the layer-wise
@@ -271,6 +382,10 @@ class GuardedOptimizer(CopyableOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():
+            self._compiled_step()
+            return loss
+        self.check_nonfinite()
         params = [p for g in self.param_groups for p in g["params"]]
         if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
             return loss
@@ -287,6 +402,11 @@ def step_checked(optimizer: torch.optim.Optimizer) -> None:
         optimizer._update()
         return
     step = type(optimizer).step
+    if torch.compiler.is_compiling():
+        # torch's step wrapper breaks the graph on purpose to enter no_grad; a compiled
+        # orthoptim step runs under no_grad already, so the wrapped step is traced in place
+        inspect.unwrap(step)(optimizer)
+        return
     if getattr(step, "hooked", False):
         step = step.__wrapped__  # type: ignore[attr-defined]
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):

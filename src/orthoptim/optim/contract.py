@@ -106,6 +106,13 @@ class MatrixOptimizer(GuardedOptimizer):
         if direction is not None:
             descend(param, direction, group["lr"], group["weight_decay"])
 
+    def init_compiled_state(self) -> None:
+        """`init_state` of every parameter with a gradient and no state yet."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p]:
+                    self.state[p].update(self.init_state(p, group))
+
     def _update(self) -> None:
         names = param_names(self)
         for group in self.param_groups:
@@ -133,16 +140,31 @@ class MatrixOptimizer(GuardedOptimizer):
             self.apply(p, d if moves else None, state, group)
 
 
+Scalar = float | Tensor  # a hyper-parameter the step reads: a float or a 1-element tensor
+
+
+def step_scalar(value: Scalar) -> Scalar:
+    """A hyper-parameter (an LR) as the step's arithmetic takes it. A 1-element tensor (of any
+    shape: torch.optim's way to let a scheduler change an LR without recompiling a compiled
+    step) is read as a Python float in eager code, so the step is exactly the float's, and
+    stays a 0-d tensor under `torch.compile`, so the compiled step reads nothing on the host."""
+    if not isinstance(value, Tensor):
+        return value
+    return value.reshape(()) if torch.compiler.is_compiling() else value.item()
+
+
 def descend(
     param: Tensor,
     direction: Tensor,
-    lr: float,
+    lr: Scalar,
     weight_decay: float,
-    step_size: float | None = None,
+    step_size: Scalar | None = None,
 ) -> None:
     """W ← (1 − lr·wd)·W − step_size·d (step_size defaults to lr), in place on `param` (any
     shard, with its rows of d). A bf16/fp16 parameter is updated in the direction's (state)
-    dtype and rounded once."""
+    dtype and rounded once. `lr` and `step_size` may be 1-element tensors (`step_scalar`)."""
+    lr = step_scalar(lr)
+    step_size = step_scalar(step_size) if step_size is not None else None
     w = param if param.dtype == direction.dtype else param.to(direction.dtype)
     if weight_decay != 0.0:
         w.mul_(1.0 - lr * weight_decay)

@@ -142,6 +142,19 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
         }
         return StateView(self, lambda name: kinds.get(name, {}))
 
+    def _params(self) -> list[torch.Tensor]:
+        """Every parameter, inner optimizer by inner optimizer: a compiled step reaches each
+        group through its owner first, as torch's traced `_init_group` needs."""
+        return [p for opt in self.inner.values() for g in opt.param_groups for p in g["params"]]
+
+    def _before_compiled_step(self) -> None:
+        """The inner orthoptim optimizers' eager `_init_group` (torch's run their own); not
+        this optimizer's, which would show the tracer the groups under this optimizer's
+        indices, where torch's traced `_init_group` looks them up in its own."""
+        for opt in self.inner.values():
+            if isinstance(opt, GuardedOptimizer):
+                opt._init_group()
+
     def _update(self) -> None:
         """Step every inner optimizer (the non-finite policy already covered all of them)."""
         for opt in self.inner.values():

@@ -30,6 +30,7 @@ from orthoptim.optim.base import (
     check_params,
     state_dtype,
 )
+from orthoptim.optim.contract import step_scalar
 
 
 class Lion(GuardedOptimizer):
@@ -54,9 +55,16 @@ class Lion(GuardedOptimizer):
         super().add_param_group(param_group)
         check_params("Lion", self.param_groups)
 
+    def init_compiled_state(self) -> None:
+        """The momentum of every parameter with a gradient and none yet."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and "exp_avg" not in self.state[p]:
+                    self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+
     def _update(self) -> None:
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
+            lr, wd = step_scalar(group["lr"]), group["weight_decay"]
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:

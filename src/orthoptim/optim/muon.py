@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
@@ -101,13 +101,13 @@ def orthogonalize_blocks(
     orthogonalize: Orthogonalizer,
     lr_scale: LRScale,
     stack: Callable[[torch.device], bool] = lambda device: True,
-) -> Iterator[tuple[int, int | None, Tensor, float]]:
+) -> list[tuple[int, int | None, Tensor, float]]:
     """Orthogonalize matrix stacks [k, rows, cols], each whole or by row blocks (`split`).
 
-    Yields (item index, first row of the block or None for a whole stack, the orthogonalized
-    block, the LR-scale factor of the block's shape). Blocks of one shape (and one DTensor
-    layout) go through one `orthogonalize` call when `stack(device)` says so, else one call
-    each (no copy into a stack; each block is yielded as soon as it is done).
+    Returns (item index, first row of the block or None for a whole stack, the orthogonalized
+    block, the LR-scale factor of the block's shape) per block. Blocks of one shape (and one
+    DTensor layout) go through one `orthogonalize` call when `stack(device)` says so, else one
+    call each (no copy into a stack). A list, not a generator: `torch.compile` traces it.
     """
     # (rows, cols, device, layout) → [(item, first row, block)]; a DTensor's layout (mesh,
     # placements) is part of the key so a batch never mixes shardings.
@@ -123,19 +123,20 @@ def orthogonalize_blocks(
         for block in mats.split(list(sizes), dim=-2):
             batches[(block.shape[-2], mats.shape[-1], mats.device, layout)].append((i, row, block))
             row += block.shape[-2]
+    done: list[tuple[int, int | None, Tensor, float]] = []
     for (rows, cols, device, _), entries in batches.items():
         scale = lr_scale_factor(lr_scale, rows, cols)
         if len(entries) > 1 and not stack(device):
-            for i, row, block in entries:
-                yield i, row, orthogonalize(block), scale
+            done += [(i, row, orthogonalize(block), scale) for i, row, block in entries]
             continue
         blocks = [b for _, _, b in entries]
         ortho = orthogonalize(torch.cat(blocks) if len(blocks) > 1 else blocks[0])
         offset = 0
         for i, row, block in entries:
             k = block.shape[0]
-            yield i, row, ortho[offset : offset + k], scale
+            done.append((i, row, ortho[offset : offset + k], scale))
             offset += k
+    return done
 
 
 def check_split(name: str, sizes: Any, rows: int) -> Split:

@@ -55,6 +55,7 @@ from orthoptim.optim.contract import (
     Prepared,
     StateKind,
     descend,
+    step_scalar,
 )
 from orthoptim.optim.shapes import matrix_view, stack_shape
 
@@ -213,7 +214,8 @@ class SOAP(MatrixOptimizer):
         step = state["step"] = state.get("step", 0) + 1
         beta1 = group["betas"][0]
         correction = 1.0 - beta1**step if group["correct_bias"] else 1.0
-        descend(param, direction, group["lr"], group["weight_decay"], group["lr"] / correction)
+        lr = step_scalar(group["lr"])
+        descend(param, direction, lr, group["weight_decay"], lr / correction)
 
     def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
         """Adam's step in the rotated basis, rotated back, per matrix (None on a rotated
