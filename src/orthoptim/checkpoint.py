@@ -299,19 +299,20 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     meta = view.layout()
     # DTensor state (FSDP, tensor-parallel parameters) is all-gathered into full tensors, in
     # the same (parameter, key) order on every rank; only what this rank `sends` is kept.
+    # Each tensor is copied to the CPU as soon as it is whole, so at most one full tensor is
+    # on the device at a time.
     state: dict[str, dict[str, Any]] = {}
-    for n, st in view.owned_state().items():
-        entry = {}
-        for k, v in st.items():
-            whole = C.unshard(v)
-            if view.sends(n, k, v):
-                entry[k] = _cpu(whole)
-        if entry:
-            state[n] = entry
-    local = {
-        "state": state,
-        "master": {n: _cpu(C.unshard(m)) for n, m in view.masters().items()},
-    }
+    with C.phase("full state dict (unshard and copy to the CPU)"):
+        for n, st in view.owned_state().items():
+            entry = {}
+            for k, v in st.items():
+                whole = C.unshard(v)
+                if view.sends(n, k, v):
+                    entry[k] = _cpu(whole)
+            if entry:
+                state[n] = entry
+        masters = {n: _cpu(C.unshard(m)) for n, m in view.masters().items()}
+    local = {"state": state, "master": masters}
     if view.spread:
         group = view.gather_group
         with C.phase("full state dict gather", group):
@@ -700,7 +701,7 @@ def dcp_load(
     naming every rank's reason. Collective over `process_group`."""
     reader, planner = _safe_dcp()
     path = os.fspath(path)
-    with _quiet(), _reading(path):
+    with _quiet(), _reading(path), C.issuing("torch.distributed.checkpoint.load", process_group):
         _dcp().load(
             state_dict,
             storage_reader=reader(path),
@@ -748,19 +749,20 @@ def save_sharded(
         shutil.rmtree(partial)
     with C.phase("checkpoint save", group):
         C.barrier(group)
-        with _quiet():
+        with _quiet(), C.issuing("torch.distributed.checkpoint.save", group):
             dcp.save(sd, checkpoint_id=partial, process_group=group)
-        if rank == 0:
-            if _before_rename is not None:
-                _before_rename(partial)
-            if os.path.exists(path):
-                if os.path.exists(old):
-                    shutil.rmtree(old)
-                os.replace(path, old)
-            os.replace(partial, path)
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if rank == 0:  # local file operations: their OSError names the path
+        if _before_rename is not None:
+            _before_rename(partial)
+        if os.path.exists(path):
             if os.path.exists(old):
                 shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(partial, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        if os.path.exists(old):
+            shutil.rmtree(old)
+    with C.phase("checkpoint save: waiting for rank 0 to move it into place", group):
         C.barrier(group)
 
 

@@ -34,12 +34,22 @@ CUDA for NCCL (and "cuda:gloo"), CPU or CUDA for plain gloo, both for "cpu:gloo,
 `device_for(group)` names the device for tensors made for a collective (flags, sizes,
 serialised objects, metrics), and every wrapper here refuses a tensor on another device with a
 `CollectiveDeviceError` naming both, before the backend sees it.
+
+Failures: every torch.distributed call is made inside `issuing`, which turns what the call
+(or the wait of its work) raises into a `CollectiveError` ("another rank probably died or
+stalled"): that is how a rank learns a peer died (gloo: connection closed) or stalled (the
+process-group timeout; NCCL's watchdog, `dist.DistError`). Out-of-memory and a device the
+backend does not serve are local and stay what they are. `phase(name)` names the step a
+failure happened in: a `CollectiveError` gets the name in its message, any other exception
+(a local bug, an out-of-memory while packing a buffer) is re-raised as itself with a note
+naming the phase, so it is not blamed on another rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -154,6 +164,96 @@ class CollectiveDeviceError(ValueError):
     """A tensor handed to a collective lives on a device the group's backend does not serve."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: usually another rank died or stalled.
+
+    `collective` is the torch.distributed operation that failed ("all_reduce", ...), `phase`
+    the step that was waiting (set by `phase()`; None outside one); the original error is the
+    `__cause__`."""
+
+    collective: str
+    phase: str | None
+
+
+# What torch's process group says when a tensor's device has no backend in the group.
+_NO_BACKEND_FOR_DEVICE = "No backend type associated with device type"
+
+
+def _failure_message(exc: CollectiveError, group: Any) -> str:
+    rank, n = world(group)
+    where = exc.collective if exc.phase is None else f"{exc.phase} ({exc.collective})"
+    return (
+        f"rank {rank} of {n}: {where} failed: {exc.__cause__}. Another rank probably died or "
+        "stalled; the process-group timeout (init_process_group(timeout=...)) bounds this "
+        "wait. Restart every rank from the last checkpoint."
+    )
+
+
+def _collective_error(
+    collective: str, cause: BaseException, group: Any, phase: str | None = None
+) -> CollectiveError:
+    """The `CollectiveError` for `cause`, raised by (or while waiting for) `collective`."""
+    err = CollectiveError()
+    err.collective, err.phase, err.__cause__ = collective, phase, cause
+    err.args = (_failure_message(err, group),)
+    return err
+
+
+def _device_error(what: str, exc: BaseException, group: Any) -> CollectiveDeviceError:
+    """The backend's own refusal of a tensor's device (`exc`), met in `what`."""
+    rank, n = world(group)
+    return CollectiveDeviceError(
+        f"rank {rank} of {n}: {what}: a tensor is on a device the process group's "
+        f"backend ({backend_config(group)}) does not serve: {exc}. Tensors handed to "
+        f"its collectives must live on {' or '.join(backend_devices(group))}"
+    )
+
+
+@contextlib.contextmanager
+def issuing(collective: str, group: Any = None) -> Iterator[None]:
+    """Around a call into torch.distributed (a collective, the wait of one, or a torch
+    routine made of collectives such as a torch.distributed.checkpoint save, which reports
+    its local failures as a CheckpointException): a RuntimeError it raises is the
+    collective's failure, re-raised as a `CollectiveError` naming `collective`. Except
+    out-of-memory and a tensor on a device the backend does not serve, which are this
+    rank's own (a `CollectiveDeviceError`); other exceptions (argument checks) pass."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        if _NO_BACKEND_FOR_DEVICE in str(exc):
+            raise _device_error(collective, exc, group) from exc
+        raise _collective_error(collective, exc, group) from exc
+
+
+class _Work:
+    """An in-flight collective (torch's Work): `wait()` reports a failure as
+    `CollectiveError`; everything else is the Work's own."""
+
+    def __init__(self, work: Any, collective: str, group: Any) -> None:
+        self._work, self._collective, self._group = work, collective, group
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        with issuing(self._collective, self._group):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (copy, pickle): not the Work's
+            raise AttributeError(name)
+        return getattr(self._work, name)
+
+
+def _issue(collective: str, group: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, group=group, **kwargs)` (a torch.distributed collective) under
+    `issuing`; the work of an async call comes back as a `_Work`."""
+    with issuing(collective, group):
+        work = call(*args, group=group, **kwargs)
+    return _Work(work, collective, group) if work is not None else None
+
+
 def backend_config(group: Any = None) -> str:
     """The group's backend as "device:backend" pairs, e.g. "cpu:gloo,cuda:gloo" for gloo,
     "cuda:nccl" for NCCL; "" when torch.distributed is not initialised."""
@@ -246,7 +346,7 @@ def all_reduce(
     if stats is not None:
         b = ring_all_reduce_bytes(_nbytes(t), n)
         stats.record(kind, b, b)
-    return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _issue(kind, group, dist.all_reduce, t, op=op or dist.ReduceOp.SUM, async_op=async_op)
 
 
 # torch 2.13 renamed the flat collectives (the old names now warn on every call); older
@@ -274,7 +374,8 @@ def reduce_scatter(
     check_device(out, kind, group)
     if stats is not None:
         stats.record(kind, *ring_reduce_scatter_bytes([_nbytes(inp) / n] * n)[rank])
-    return _REDUCE_SCATTER(out, inp, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+    op = op or dist.ReduceOp.SUM
+    return _issue(kind, group, _REDUCE_SCATTER, out, inp, op=op, async_op=async_op)
 
 
 def all_gather(
@@ -294,7 +395,7 @@ def all_gather(
     check_device(out, kind, group)
     if stats is not None:
         stats.record(kind, *ring_all_gather_bytes([_nbytes(out) / n] * n)[rank])
-    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
+    return _issue(kind, group, _ALL_GATHER, out, inp, async_op=async_op)
 
 
 class _Gathered:
@@ -374,7 +475,8 @@ def reduce(
     check_device(t, "reduce", group)
     if stats is not None:
         stats.record("reduce", *reduce_bytes(_nbytes(t), n, group_rank(group, dst))[rank])
-    return dist.reduce(t, dst=dst, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+    op = op or dist.ReduceOp.SUM
+    return _issue("reduce", group, dist.reduce, t, dst=dst, op=op, async_op=async_op)
 
 
 def broadcast(
@@ -387,7 +489,7 @@ def broadcast(
     check_device(t, "broadcast", group)
     if stats is not None:
         stats.record("broadcast", *broadcast_bytes(_nbytes(t), n, group_rank(group, src))[rank])
-    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+    return _issue("broadcast", group, dist.broadcast, t, src=src, async_op=async_op)
 
 
 def all_to_all(
@@ -413,7 +515,10 @@ def all_to_all(
             (sum(in_splits) - in_splits[rank]) * es,
             (sum(out_splits) - out_splits[rank]) * es,
         )
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+    return _issue(
+        "all_to_all", group, dist.all_to_all_single, out, inp, out_splits, in_splits,
+        async_op=async_op,
+    )  # fmt: skip
 
 
 def is_dtensor(t: Any) -> bool:
@@ -468,7 +573,8 @@ def unshard(t: Tensor, stats: CommStats | None = None) -> Tensor:
             n *= t.device_mesh.size(dim)
     if stats is not None and n > 1:
         stats.record("all_gather", *ring_all_gather_bytes([_nbytes(t) / n] * n)[0])
-    return t.full_tensor()
+    with issuing("all_gather (DTensor.full_tensor)"):
+        return t.full_tensor()
 
 
 def packed_triangle_size(m: int) -> int:
@@ -511,39 +617,57 @@ def all_reduce_symmetric(
 # -- objects, barriers and named phases -----------------------------------------------------
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the phase that was waiting."""
+_ADD_NOTE = sys.version_info >= (3, 11)  # BaseException.add_note (PEP 678)
+
+
+def _note(exc: BaseException, note: str) -> None:
+    """Attach `note` to `exc` (PEP 678: tracebacks print it under the message). Python 3.10
+    has no `add_note`: there `__notes__` is set by hand and, as 3.10 does not print it, the
+    note is also appended to a one-string message."""
+    if _ADD_NOTE:
+        exc.add_note(note)
+        return
+    exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # type: ignore[attr-defined]
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}",)
 
 
 @contextlib.contextmanager
 def phase(name: str, group: Any = None) -> Iterator[None]:
-    """Re-raise a failure of the collectives inside as a `CollectiveError` naming `name`.
+    """Name the step `name` in what fails inside, so a user learns where it failed and why.
 
-    A rank that died or stalled makes the others' waits fail (connection closed) or time out
-    after the process group's timeout (`init_process_group(timeout=...)`); without the phase a
-    user sees only a socket error from deep inside the backend.
+    A collective that failed or timed out (`CollectiveError`, raised by the wrappers here;
+    or a `dist.DistError`: NCCL's watchdog, the store) is re-raised as a `CollectiveError`
+    naming `name`: another rank probably died or stalled, and the process-group timeout
+    (`init_process_group(timeout=...)`) bounded the wait. Any other exception is this rank's
+    own (an out-of-memory, a bug) and is re-raised as itself, same type and traceback, with
+    a note naming `name` (`exc.__notes__`), not blamed on another rank. The innermost phase
+    names a failure; enclosing phases leave it as it is.
     """
     try:
         yield
-    except RuntimeError as exc:
-        if isinstance(exc, CollectiveError):
-            raise
+    except CollectiveError as exc:
+        if exc.phase is None:
+            exc.phase = name
+            exc.args = (_failure_message(exc, group),)
+        raise
+    except dist.DistError as exc:
+        raise _collective_error(type(exc).__name__, exc, group, name) from exc
+    except Exception as exc:
+        if isinstance(exc, RuntimeError) and _NO_BACKEND_FOR_DEVICE in str(exc):
+            raise _device_error(name, exc, group) from exc
+        _in_phase(exc, name, group)
+        raise
+
+
+def _in_phase(exc: Exception, name: str, group: Any) -> None:
+    """Note on a local error `exc` that it was raised in phase `name` (once: the innermost)."""
+    if getattr(exc, "_orthoptim_phase", None) is None:
+        exc._orthoptim_phase = name  # type: ignore[attr-defined]
         rank, n = world(group)
-        if _NO_BACKEND_FOR_DEVICE in str(exc):
-            raise CollectiveDeviceError(
-                f"rank {rank} of {n}: {name}: a tensor is on a device the process group's "
-                f"backend ({backend_config(group)}) does not serve: {exc}. Tensors handed to "
-                f"its collectives must live on {' or '.join(backend_devices(group))}"
-            ) from exc
-        raise CollectiveError(
-            f"rank {rank} of {n}: {name} failed: {exc}. Another rank probably died or stalled; "
-            "the process-group timeout (init_process_group(timeout=...)) bounds this wait. "
-            "Restart every rank from the last checkpoint."
-        ) from exc
-
-
-# What torch's process group says when a tensor's device has no backend in the group.
-_NO_BACKEND_FOR_DEVICE = "No backend type associated with device type"
+        _note(
+            exc, f"rank {rank} of {n}: raised by this rank during {name} (not a failed collective)"
+        )
 
 
 def wait(work: Any, name: str, group: Any = None) -> Any:
@@ -642,8 +766,8 @@ def gather_object(
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     if rank != dst:
         peer = global_rank(group, dst)
-        dist.send(size, peer, group=group)
-        dist.send(data, peer, group=group)
+        _issue("gather", group, dist.send, size, peer)
+        _issue("gather", group, dist.send, data, peer)
         if stats is not None:
             stats.record("gather", size.numel() * 8 + data.numel(), 0)
         return None
@@ -653,9 +777,9 @@ def gather_object(
             out.append(obj)
             continue
         peer = global_rank(group, r)
-        dist.recv(size, peer, group=group)
+        _issue("gather", group, dist.recv, size, peer)
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        dist.recv(buf, peer, group=group)
+        _issue("gather", group, dist.recv, buf, peer)
         if stats is not None:
             stats.record("gather", 0, 8 + buf.numel())
         out.append(_from_bytes(buf))

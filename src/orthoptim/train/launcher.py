@@ -349,10 +349,14 @@ def _run_recorded(args: TrainArgs, heartbeat: bool) -> dict[str, Any]:
 def _record_failure(out: Path, rank: int, exc: Exception, phase: str) -> None:
     # A rank whose collective failed (a peer died or stalled) is usually not the cause.
     knock_on = type(exc) is collectives.CollectiveError or isinstance(exc, dist.DistError)
+    # Notes first (`collectives.phase` names where a local error was raised): the one-line
+    # report cuts the message.
+    text = str(exc)
+    notes = [n for n in getattr(exc, "__notes__", ()) if n not in text]
     record = dict(
         rank=rank,
         type=type(exc).__name__,
-        message=str(exc),
+        message="; ".join([*notes, text]),
         phase=phase,
         knock_on=knock_on,
         time=time.time(),
