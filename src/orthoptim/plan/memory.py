@@ -1,0 +1,195 @@
+"""What one rank of the layer-wise optimizer holds, by category, modelled on the real code.
+
+The categories are those a dry run of the real code measures (`memory_per_rank`):
+
+    params     every parameter the rank holds (its stage's, its TP shards, its EP rank's
+               experts), in the parameter dtype
+    grads      their `.grad` (autograd accumulates a full local gradient of every parameter;
+               the owned units' reduced gradients are views of the bucket buffers)
+    masters    a copy of every owned element when the gather dtype rounds (`gather_dtype`)
+    state      the inner optimizers' state of what the rank owns: Muon's momentum (one per
+               element), AdamW's two moments on its runs, in the state dtype (`state_dtype`)
+    buffers    the buckets' flat buffers (`layerwise._Bucket`): a bucket of several owners
+               holds grad_flat (N shards of `width`), grad_shard and gather_in (`width`
+               each) and, when the gather dtype differs, a gather_flat of N·width; a bucket
+               of one owner holds a grad_flat of `width`, and its owner a gather_flat too
+    transient  the step's own peak above that: Muon's Nesterov updates of every owned
+               matrix (alive through the whole batched call), the orthogonalized outputs
+               of the batches done so far, and the batch in flight (its fp32 stack when
+               several same-shape matrices are stacked, its output, the iteration-dtype
+               copy X and one step's X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
+               (foreach on CUDA: a square root of every owned second moment); whichever
+               is larger
+    peak       params + grads + masters + state + buffers + transient
+
+What is not modelled: FSDP2 (`FSDPOptimizer`), the tensor-parallel orthogonalizer's gathers,
+Muon's `split` blocks of fused matrices, and the model's activations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from orthoptim.parallel.assignment import MatrixCost
+from orthoptim.plan.model import Matrix
+
+if TYPE_CHECKING:
+    from orthoptim.plan.planner import Layout, Slot, _Group
+
+CATEGORIES = ("params", "grads", "masters", "state", "buffers", "transient")
+# one step's square matrices in the plain iteration (A = X·Xᵀ, B = b·A + c·A·A) and, at most,
+# in the Gram form (A, Q, R and the two products of A·Q·Q in flight)
+STEP_SQUARES = 2
+GRAM_SQUARES = 5
+
+
+def _bucket_buffers(g: _Group, pb: int, gb: int) -> list[int]:
+    """Bytes of bucket buffers each rank of `g`'s world holds (`layerwise._Bucket`), with
+    `pb` the parameter (gradient) element size and `gb` the gather's."""
+    a, n = g.assignment, g.world
+    numels = [math.prod(u.shape) for u in g.units]
+    out = [0] * n
+    for b, bucket in enumerate(a.buckets):
+        share = [0] * n
+        for i in bucket:
+            if a.owners[i] >= 0:
+                share[a.owners[i]] += numels[i]
+        if b < len(a.adamw_split) and a.adamw_split[b]:
+            share = [s + x for s, x in zip(share, a.adamw_split[b], strict=True)]
+        holders = [r for r in range(n) if share[r]]
+        if not holders:
+            continue  # no slot has elements: the optimizer makes no bucket
+        width = max(share)
+        if len(holders) == 1 and n > 1:  # single: reduced to its owner, broadcast from it
+            for r in range(n):
+                out[r] += width * pb
+            out[holders[0]] += width * gb  # the owner's gather_flat (its grad_flat is in use)
+            continue
+        common = n * width * pb + width * pb + width * gb  # grad_flat, grad_shard, gather_in
+        if gb != pb:
+            common += n * width * gb  # gather_flat of its own
+        for r in range(n):
+            out[r] += common
+    return out
+
+
+def _muon_transient(
+    owned: Sequence[tuple[int, tuple[int, ...]]], layout: Layout, sb: int, cb: int
+) -> int:
+    """Peak bytes of one Muon step over the owned matrices, given as (forward position,
+    local shape): `sb` the state (update) element size, `cb` the iteration's."""
+    stack = layout.device != "cpu"  # `newton_schulz.stacking_pays`
+    price = MatrixCost(layout.device, layout.ns_dtype, layout.ns_steps)
+    batches: dict[tuple[int, int], list[int]] = {}
+    updates = 0
+    for _, shape in sorted(owned):
+        k = math.prod(shape[:-2]) if len(shape) > 2 else 1
+        updates += math.prod(shape) * sb  # the Nesterov update, a fresh tensor
+        if stack:
+            batches.setdefault(shape[-2:], []).append(k)
+        else:
+            batches.setdefault((len(batches), *shape[-2:]), []).append(k)
+    done, peak = 0, 0
+    for key, blocks in batches.items():
+        rows, cols = key[-2:]
+        m, n = sorted((rows, cols))
+        k = sum(blocks)
+        out = k * m * n * sb
+        cat = out if len(blocks) > 1 else 0
+        form, _ = price.path(m, n)
+        squares = (GRAM_SQUARES if form == "gram" else STEP_SQUARES) * k * m * m * cb
+        # X in the iteration dtype and the next X (written into `out` at the last step
+        # when the dtypes agree, but every earlier step makes a fresh one)
+        iterate = 2 * k * m * n * cb
+        peak = max(peak, done + out + cat + iterate + squares)
+        done += out
+    return updates + peak
+
+
+def _adamw_transient(runs: Sequence[int], layout: Layout, sb: int) -> int:
+    """Peak bytes of torch's AdamW step over owned pieces of `runs` elements: foreach on
+    CUDA (a square root of every second moment at once), else one parameter at a time
+    (its square root and the denominator made from it)."""
+    if not runs:
+        return 0
+    if layout.device == "cuda":
+        return sum(runs) * sb
+    return 2 * max(runs) * sb
+
+
+def memory_per_rank(
+    slots: Sequence[Slot],
+    by_stage: Sequence[Sequence[_Group]],
+    matrices: Sequence[Matrix],
+    layout: Layout,
+    dtype_bytes: dict[str, int],
+) -> dict[str, Any]:
+    """Bytes per category on every (stage, DP rank) of the layout, as the layer-wise
+    optimizer holds them (module docstring), with rank 0's, the last rank's and the
+    maximum over ranks of each category."""
+    from orthoptim.plan.planner import local_shape
+
+    pb = dtype_bytes[layout.grad_dtype]  # parameters and gradients: the reduced dtype
+    gather = layout.gather_dtype or layout.grad_dtype
+    gb = dtype_bytes[gather]
+    sb = max(pb, 4)  # `state_dtype`: float32 for half-precision parameters
+    cb = dtype_bytes[layout.ns_dtype]
+    masters = gb != pb
+    position = {m: i for i, m in enumerate(matrices)}
+    dealt = {}
+    buffers = {}
+    for stage_groups in by_stage:
+        for g in stage_groups:
+            for s in g.siblings or [g]:
+                d = s.dealt(masters)
+                dealt[id(s)] = d
+                buffers[id(s)] = _bucket_buffers(d, pb, gb)
+    rows: list[dict[str, int]] = []
+    for slot in slots:
+        held = sum(math.prod(local_shape(m, layout.tp)) for g, _ in slot for m in g.matrices)
+        owned_elements, state = 0, 0
+        muon: list[tuple[int, tuple[int, ...]]] = []
+        adamw: list[int] = []
+        buf = 0
+        for g, gr in slot:
+            d = dealt[id(g)]
+            buf += buffers[id(g)][gr]
+            for i in d.owned(gr):
+                m, u = d.matrices[i], d.units[i]
+                numel = math.prod(u.shape)
+                owned_elements += numel
+                if m.kind == "muon":
+                    state += numel * sb
+                    muon.append((position[m], u.shape))
+                else:
+                    state += 2 * numel * sb
+                    adamw.append(numel)
+            runs = [split[gr] for split in d.assignment.adamw_split if split and split[gr]]
+            owned_elements += sum(runs)
+            state += 2 * sum(runs) * sb
+            adamw += runs
+        row = {
+            "params": held * pb,
+            "grads": held * pb,
+            "masters": owned_elements * pb if masters else 0,
+            "state": state,
+            "buffers": buf,
+            "transient": max(
+                _muon_transient(muon, layout, sb, cb), _adamw_transient(adamw, layout, sb)
+            ),
+        }
+        row["steady"] = sum(row[k] for k in CATEGORIES if k != "transient")
+        row["peak"] = row["steady"] + row["transient"]
+        rows.append(row)
+    worst = max(range(len(rows)), key=lambda r: rows[r]["peak"])
+    return {
+        "rank_0": {"rank": 0, **rows[0]},
+        "rank_last": {"rank": len(rows) - 1, **rows[-1]},
+        "max": {k: max(r[k] for r in rows) for k in rows[0]},
+        "max_peak_rank": worst,
+        "peak_per_rank": [r["peak"] for r in rows],
+        "gather_dtype": gather,
+        "ranks": "(pipeline stage, data-parallel rank), stage-major; one TP rank of each",
+    }
