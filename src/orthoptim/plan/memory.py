@@ -19,7 +19,7 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
                several same-shape matrices are stacked, its output, the iteration-dtype
                copy X and one step's X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
                (foreach on CUDA: a square root of every owned second moment); whichever
-               is larger
+               is larger, or the non-finite check of the widest gradient shard
     peak       params + grads + masters + state + buffers + transient
 
 What is not modelled: FSDP2 (`FSDPOptimizer`), the tensor-parallel orthogonalizer's gathers,
@@ -30,27 +30,55 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from orthoptim.newton_schulz import GRAM_FORM_RESTART
 from orthoptim.parallel.assignment import MatrixCost
 from orthoptim.plan.model import Matrix
 
-if TYPE_CHECKING:
-    from orthoptim.plan.planner import Layout, Slot, _Group
+# The planner's types (`planner.Layout`, its groups and slots), not imported: the planner
+# imports this module.
+Layout = Any
+Group = Any
 
 CATEGORIES = ("params", "grads", "masters", "state", "buffers", "transient")
-# one step's square matrices in the plain iteration (A = X·Xᵀ, B = b·A + c·A·A) and, at most,
-# in the Gram form (A, Q, R and the two products of A·Q·Q in flight)
-STEP_SQUARES = 2
-GRAM_SQUARES = 5
 
 
-def _bucket_buffers(g: _Group, pb: int, gb: int) -> list[int]:
-    """Bytes of bucket buffers each rank of `g`'s world holds (`layerwise._Bucket`), with
-    `pb` the parameter (gradient) element size and `gb` the gather's."""
+def _step_iterate(x: int, square: int, steps: int, into_out: bool) -> int:
+    """Peak bytes of the plain iteration on a batch whose X takes `x` bytes and each m×m
+    matrix `square`: X, A = X·Xᵀ, B = b·A + c·A·A and the next X, which the last step writes
+    into the output when the dtypes agree (`into_out`)."""
+    return (x if steps == 1 and into_out else 2 * x) + 2 * square
+
+
+def _gram_iterate(x: int, square: int, steps: int, into_out: bool) -> int:
+    """Peak bytes of `newton_schulz_gram_form` (runs of GRAM_FORM_RESTART steps): the input
+    X (kept by the caller) and, after the first run, the X it made; the m×m matrices of a run
+    (A, Q, R and the two products A·Q·Q in flight: 5 from its second step on when a third
+    follows, 4 in a run of two, 2 in a run of one; 4 when a run starts while the last one's
+    A, Q, R are alive); and R·X made afresh except in the last run when it writes into the
+    output (`into_out`)."""
+    runs = [min(GRAM_FORM_RESTART, steps - s) for s in range(0, steps, GRAM_FORM_RESTART)]
+    peak = 0
+    for j, r in enumerate(runs):
+        held = x if j == 0 else 2 * x
+        squares = 5 if r >= 3 else (4 if r == 2 else 2)
+        if j:
+            squares = max(squares, 4 if runs[j - 1] >= 2 else 3)
+        peak = max(peak, held + squares * square)
+        if j < len(runs) - 1 or not into_out:
+            peak = max(peak, held + x + 3 * square)
+    return peak
+
+
+def _bucket_buffers(g: Group, pb: int, gb: int, rounds: bool) -> tuple[list[int], list[int]]:
+    """Per rank of `g`'s world: the bytes of bucket buffers it holds (`layerwise._Bucket`),
+    with `pb` the parameter (gradient) element size, `gb` the gather's and `rounds` whether
+    the gather dtype differs; and the widest gradient shard it checks for non-finite values."""
     a, n = g.assignment, g.world
     numels = [math.prod(u.shape) for u in g.units]
     out = [0] * n
+    widest = [0] * n
     for b, bucket in enumerate(a.buckets):
         share = [0] * n
         for i in bucket:
@@ -62,17 +90,20 @@ def _bucket_buffers(g: _Group, pb: int, gb: int) -> list[int]:
         if not holders:
             continue  # no slot has elements: the optimizer makes no bucket
         width = max(share)
+        for r in holders:
+            widest[r] = max(widest[r], width)
         if len(holders) == 1 and n > 1:  # single: reduced to its owner, broadcast from it
             for r in range(n):
-                out[r] += width * pb
-            out[holders[0]] += width * gb  # the owner's gather_flat (its grad_flat is in use)
+                # grad_flat; a gather_flat of its own where the gather rounds, and on the
+                # owner, whose gradients are views of its grad_flat
+                out[r] += width * pb + (width * gb if rounds or r == holders[0] else 0)
             continue
         common = n * width * pb + width * pb + width * gb  # grad_flat, grad_shard, gather_in
-        if gb != pb:
+        if rounds:
             common += n * width * gb  # gather_flat of its own
         for r in range(n):
             out[r] += common
-    return out
+    return out, widest
 
 
 def _muon_transient(
@@ -99,11 +130,11 @@ def _muon_transient(
         out = k * m * n * sb
         cat = out if len(blocks) > 1 else 0
         form, _ = price.path(m, n)
-        squares = (GRAM_SQUARES if form == "gram" else STEP_SQUARES) * k * m * m * cb
-        # X in the iteration dtype and the next X (written into `out` at the last step
-        # when the dtypes agree, but every earlier step makes a fresh one)
-        iterate = 2 * k * m * n * cb
-        peak = max(peak, done + out + cat + iterate + squares)
+        x, square = k * m * n * cb, k * m * m * cb
+        iterate = (_gram_iterate if form == "gram" else _step_iterate)(
+            x, square, layout.ns_steps, cb == sb
+        )
+        peak = max(peak, done + out + cat + iterate)
         done += out
     return updates + peak
 
@@ -120,8 +151,8 @@ def _adamw_transient(runs: Sequence[int], layout: Layout, sb: int) -> int:
 
 
 def memory_per_rank(
-    slots: Sequence[Slot],
-    by_stage: Sequence[Sequence[_Group]],
+    slots: Sequence[Sequence[tuple[Group, int]]],
+    by_stage: Sequence[Sequence[Group]],
     matrices: Sequence[Matrix],
     layout: Layout,
     dtype_bytes: dict[str, int],
@@ -129,8 +160,6 @@ def memory_per_rank(
     """Bytes per category on every (stage, DP rank) of the layout, as the layer-wise
     optimizer holds them (module docstring), with rank 0's, the last rank's and the
     maximum over ranks of each category."""
-    from orthoptim.plan.planner import local_shape
-
     pb = dtype_bytes[layout.grad_dtype]  # parameters and gradients: the reduced dtype
     gather = layout.gather_dtype or layout.grad_dtype
     gb = dtype_bytes[gather]
@@ -139,23 +168,25 @@ def memory_per_rank(
     masters = gb != pb
     position = {m: i for i, m in enumerate(matrices)}
     dealt = {}
-    buffers = {}
+    buffers: dict[int, tuple[list[int], list[int]]] = {}
     for stage_groups in by_stage:
         for g in stage_groups:
             for s in g.siblings or [g]:
                 d = s.dealt(masters)
                 dealt[id(s)] = d
-                buffers[id(s)] = _bucket_buffers(d, pb, gb)
+                buffers[id(s)] = _bucket_buffers(d, pb, gb, masters)
     rows: list[dict[str, int]] = []
     for slot in slots:
-        held = sum(math.prod(local_shape(m, layout.tp)) for g, _ in slot for m in g.matrices)
+        # every unit of the rank's groups, in its local (TP-shard) shape
+        held = sum(math.prod(u.shape) for g, _ in slot for u in g.units)
         owned_elements, state = 0, 0
         muon: list[tuple[int, tuple[int, ...]]] = []
         adamw: list[int] = []
-        buf = 0
+        buf, widest = 0, 0
         for g, gr in slot:
             d = dealt[id(g)]
-            buf += buffers[id(g)][gr]
+            buf += buffers[id(g)][0][gr]
+            widest = max(widest, buffers[id(g)][1][gr])
             for i in d.owned(gr):
                 m, u = d.matrices[i], d.units[i]
                 numel = math.prod(u.shape)
@@ -177,7 +208,11 @@ def memory_per_rank(
             "state": state,
             "buffers": buf,
             "transient": max(
-                _muon_transient(muon, layout, sb, cb), _adamw_transient(adamw, layout, sb)
+                _muon_transient(muon, layout, sb, cb),
+                _adamw_transient(adamw, layout, sb),
+                # the non-finite check of a gradient shard: isfinite(x) is composite,
+                # (x == x) * (x.abs() != inf), all four alive at once
+                widest * (pb + 3),
             ),
         }
         row["steady"] = sum(row[k] for k in CATEGORIES if k != "transient")
