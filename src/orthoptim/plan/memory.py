@@ -20,7 +20,12 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
                copy X and one step's X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
                (foreach on CUDA: a square root of every owned second moment); whichever
                is larger, or the non-finite check of the widest gradient shard
-    peak       params + grads + masters + state + buffers + transient
+    peak       params + grads + masters + state + buffers + transient: an upper bound by
+               the owned whole parameters' gradients, which the step re-points at views of
+               the buckets (freeing autograd's copies)
+
+`Layout.device` picks the paths: same-shape matrices stacked except on "cpu"
+(`stacking_pays`), the Gram form where `ns_path` takes it, foreach AdamW on "cuda" only.
 
 What is not modelled: FSDP2 (`FSDPOptimizer`), the tensor-parallel orthogonalizer's gathers,
 Muon's `split` blocks of fused matrices, and the model's activations.
