@@ -21,11 +21,34 @@ def _si(x: float, unit: str = "") -> str:
     return f"{x:.3g} {unit}"
 
 
-def _bytes(x: float) -> str:
+def _bytes(x: float, digits: int = 3) -> str:
     for factor, prefix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(x) >= factor:
-            return f"{x / factor:.3g} {prefix}"
+            return f"{x / factor:.{digits}g} {prefix}"
     return f"{x:.0f} B"
+
+
+def _memory_lines(p: dict[str, Any]) -> list[str]:
+    """The memory per rank by category (`memory_per_rank`) and whether the peak fits."""
+    mem, lay = p["memory_per_rank"], p["layout"]
+    cats = ("params", "grads", "masters", "state", "buffers", "transient", "peak")
+    rows = [("rank 0", mem["rank_0"]), (f"rank {mem['rank_last']['rank']}", mem["rank_last"])]
+    rows.append((f"max (peak: rank {mem['max_peak_rank']})", mem["max"]))
+    where = " (stage x DP rank)" if lay["pp"] > 1 else ""
+    lines = [
+        f"memory per rank{where}, layer-wise optimizer as it runs ({lay['grad_dtype']} "
+        f"parameters and gradients, {mem['gather_dtype']} gather; peak = held + transient):",
+        f"{'':<26}" + "".join(f"{c:>11}" for c in cats),
+    ]
+    for label, row in rows:
+        lines.append(f"  {label:<24}" + "".join(f"{_bytes(row[c], 4):>11}" for c in cats))
+    peak, have = mem["max"]["peak"], mem["hardware_bytes"]
+    verdict = "fits" if peak <= have else f"does not fit ({peak / have:.2f}x)"
+    lines.append(
+        f"  peak {_bytes(peak, 4)} against {p['hardware']}'s {have / 1e9:.0f} GB: {verdict}"
+        " (the model's activations not counted)"
+    )
+    return lines
 
 
 def format_report(p: dict[str, Any]) -> str:
@@ -85,6 +108,8 @@ def format_report(p: dict[str, Any]) -> str:
         + ("(AdamW sharded over DP)" if lay["tp"] == 1 else "(AdamW owned whole under TP)"),
         f"  ZeRO-1 AdamW               {_bytes(mem['zero1_adamw_state_bytes_per_rank'])}",
         f"  replicated Muon (no shard) {_bytes(mem['replicated_muon_state_bytes'])}",
+        "",
+        *_memory_lines(p),
         "",
         f"bytes per rank per step ({lay['grad_dtype']} grads; the larger of sent and received)",
         "                 layer-wise Muon (ratio)   unpadded v-collectives (ratio)   ZeRO-1 AdamW",

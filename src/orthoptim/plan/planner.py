@@ -38,6 +38,7 @@ from orthoptim.plan.costs import (
     zero1_bytes,
 )
 from orthoptim.plan.hardware import Hardware
+from orthoptim.plan.memory import memory_per_rank
 from orthoptim.plan.model import Matrix, ModelDescription, expand, param_counts
 
 BALANCES = ("cost", "round_robin", "capped")
@@ -78,6 +79,9 @@ class Layout:
     grad_dtype: str = "fp32"
     bucket_mb: float = 25.0
     master_weights: bool = True
+    # the dtype parameters are gathered in (None: the parameters', no master copies): what
+    # `LayerwiseDistributedOptimizer(gather_dtype=...)` would be given, for `memory_per_rank`
+    gather_dtype: str | None = None
     # where Newton-Schulz runs ("cuda": the GPU path, Triton SYRK; "cpu"): `MatrixCost`
     device: str = "cuda"
 
@@ -116,7 +120,11 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
             f"--ep {layout.ep} must divide the {desc.n_routed_experts} routed experts of "
             f"{desc.name!r}"
         )
-    for flag, v in (("--ns-dtype", layout.ns_dtype), ("--grad-dtype", layout.grad_dtype)):
+    for flag, v in (
+        ("--ns-dtype", layout.ns_dtype),
+        ("--grad-dtype", layout.grad_dtype),
+        ("--gather-dtype", layout.gather_dtype or layout.grad_dtype),
+    ):
         if v not in DTYPE_BYTES:
             raise ValueError(f"{flag} must be one of {sorted(DTYPE_BYTES)}, got {v!r}")
     if layout.ns_steps < 1:
@@ -597,6 +605,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "grad_dtype": layout.grad_dtype,
             "bucket_mb": layout.bucket_mb,
             "master_weights": layout.master_weights,
+            "gather_dtype": layout.gather_dtype or layout.grad_dtype,
         },
         "hardware": hardware.name,
         "balancing": balancing,
@@ -606,6 +615,10 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "layerwise_state_bytes_mean": sum(state) / len(state),
             "zero1_adamw_state_bytes_per_rank": zero1_state,
             "replicated_muon_state_bytes": replicated_state,
+        },
+        "memory_per_rank": {
+            **memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES),
+            "hardware_bytes": hardware.memory_gb * 1e9,
         },
         "comm": comm,
         "tp": tp_section,

@@ -1,0 +1,244 @@
+"""`make_plan(...)["memory_per_rank"]` against the real `LayerwiseDistributedOptimizer`.
+
+The oracle is the real code, not the planner's formulas: a model holding exactly the
+planner's matrices (one parameter per parameter name, routed experts as 3-D stacks of this
+EP rank's experts) is built on the "meta" device (nothing allocated), one rank at a time
+under torch's fake process group (any world size, collectives return at once, registered
+for meta tensors), and the optimizer runs two real steps. The bytes of the distinct storages
+it holds are summed by category, and the step's transient peak is the most bytes of storages
+made during the second step (the state exists by then) that are alive at once, read after
+every aten op by a dispatch mode that also answers the step's value reads (`.item()`,
+`bool()` on meta tensors: "finite"). The agreement all-reduce's flags are read on the host, so
+`collectives.agree` is replaced by one that issues the same all-reduce and returns the local
+flags (every rank has every gradient, none non-finite).
+
+Covered: ranks 0 and N-1 at DP 8, 64, 256, dense and MoE (experts split per expert over DP,
+and over expert-DP groups under EP), bf16 and fp32 Newton-Schulz, an fp32 parameter gathered
+in bf16 (master copies). Not covered here: torch's foreach AdamW (CUDA only; meta runs the
+per-parameter path, which the planner models for any device but "cuda"), FSDP, TP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from orthoptim import collectives as C
+from orthoptim.optim.state import base_name
+from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.plan import Layout, load_hardware, make_plan, model_from_dict
+from orthoptim.plan.model import ModelDescription, expand
+
+BACKEND = "fake_meta"
+if BACKEND not in dist.Backend.backend_list:
+    dist.Backend.register_backend(BACKEND, _create_fake_pg, extended_api=True, devices=["meta"])
+
+DENSE = dict(
+    name="tiny-dense",
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=160,
+    tie_word_embeddings=False,
+)
+MOE = dict(
+    DENSE,
+    name="tiny-moe",
+    n_routed_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def model_of(desc: ModelDescription, ep: int) -> tuple[nn.Module, dict[str, str]]:
+    """A module whose parameters are the planner's matrices of one EP rank, on meta, and
+    the optimizer kind of each parameter name."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    kinds: dict[str, str] = {}
+    for m in expand(desc):
+        kinds[m.param] = m.kind
+        if m.expert is None:
+            shapes[m.param] = m.shape
+        elif m.expert < desc.n_routed_experts // ep:
+            e = shapes.get(m.param, (0,))[0]
+            shapes[m.param] = (e + 1, *m.shape)
+    root = nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, device="meta")))
+    return root, kinds
+
+
+def _tensors(x: object) -> list[torch.Tensor]:
+    """The meta tensors in a nest of lists, tuples and dicts."""
+    if isinstance(x, torch.Tensor):
+        return [x] if x.device.type == "meta" else []
+    if isinstance(x, list | tuple):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+class TransientPeak(TorchDispatchMode):
+    """The most bytes of storages made inside the mode that are alive at once (checked after
+    every op); value reads of meta tensors are answered as a finite, nonzero value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # an output is a new storage unless it aliases an input (in-place ops, views)
+        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            s = t.untyped_storage()
+            if s._cdata not in inputs:
+                self.live.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _local_agree(present, bad, group=None, stats=None, device=None):
+    flags = torch.zeros(len(present) + len(bad), dtype=torch.int32, device=C.device_for(group))
+    C.all_reduce(flags, group=group, stats=stats)
+    return list(present), list(bad)
+
+
+def measure(
+    desc: ModelDescription, world: int, rank: int, ep: int, ns: str, gather: str | None
+) -> dict[str, int]:
+    """Bytes per category the real layer-wise optimizer holds on `rank` of `world`."""
+    dist.init_process_group(BACKEND, rank=rank, world_size=world, store=FakeStore())
+    try:
+        model, kinds = model_of(desc, ep)
+        expert_group = None
+        if ep > 1:  # EP rank r mod ep's experts, replicated over the ranks alike mod ep
+            groups = [dist.new_group([j for j in range(world) if j % ep == e]) for e in range(ep)]
+            expert_group = groups[rank % ep]
+        opt = LayerwiseDistributedOptimizer(
+            model,
+            "muon",
+            lr=0.01,
+            route=lambda n, p: kinds[base_name(n)] == "muon",
+            split_experts=True,
+            expert_group=expert_group,
+            gather_dtype=DTYPES[gather] if gather else None,
+            ns_dtype=DTYPES[ns],
+        )
+        peak = TransientPeak()
+        for step in range(2):
+            opt.zero_grad()  # as a training loop does: backward makes every .grad afresh
+            sum(p.sum() for p in model.parameters()).backward()
+            # what backward leaves (the step then re-points owned whole parameters' .grad at
+            # views of their buckets, freeing those: the plan's peak is an upper bound)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            with peak if step == 1 else TransientPeak():
+                opt.step()
+        opt.wait_for_params()
+        held = {
+            "params": list(model.parameters()),
+            "grads": grads,
+            "buffers": [
+                t
+                for b in opt._buckets
+                for t in (b.grad_flat, b.grad_shard, b.gather_flat, b.gather_in)
+                if t is not None
+            ],
+            "masters": list(opt.masters().values()),
+            "state": [
+                v
+                for st in (opt.inner.state.values() if opt.inner is not None else ())
+                for v in st.values()
+                if isinstance(v, torch.Tensor) and v.device.type == "meta"
+            ],
+        }
+        seen: set[int] = set()
+        out = {}
+        for category, tensors in held.items():
+            total = 0
+            for t in tensors:
+                s = t.untyped_storage()
+                if s._cdata not in seen:
+                    seen.add(s._cdata)
+                    total += s.nbytes()
+            out[category] = total
+        out["transient"] = peak.peak
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = [
+    pytest.param(DENSE, dp, 1, "bf16", None, id=f"dense-dp{dp}")
+    for dp in (8, 64, 256)
+] + [
+    pytest.param(MOE, 8, 1, "bf16", None, id="moe-dp8"),
+    pytest.param(MOE, 64, 8, "bf16", None, id="moe-dp64-ep8"),
+    pytest.param(MOE, 256, 16, "bf16", None, id="moe-dp256-ep16"),
+    pytest.param(MOE, 16, 16, "fp32", None, id="moe-dp16-ep16-fp32ns"),
+    pytest.param(DENSE, 8, 1, "fp32", "bf16", id="dense-dp8-bf16-gather"),
+]  # fmt: skip
+
+
+@pytest.fixture
+def local_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(C, "agree", _local_agree)
+
+
+@pytest.mark.usefixtures("local_agree")
+@pytest.mark.parametrize(("spec", "dp", "ep", "ns", "gather"), CASES)
+def test_memory_per_rank_matches_the_real_optimizer(spec, dp, ep, ns, gather):
+    desc = model_from_dict(spec)
+    layout = Layout(dp=dp, ep=ep, ns_dtype=ns, gather_dtype=gather, device="meta")
+    plan = make_plan(desc, load_hardware("h200"), layout)["memory_per_rank"]
+    for key, rank in (("rank_0", 0), ("rank_last", dp - 1)):
+        want = plan[key]
+        assert want["rank"] == rank
+        got = measure(desc, dp, rank, ep, ns, gather)
+        # what is held between steps is exact; the transient peak within 1 % (the Frobenius
+        # norms, 4 bytes a matrix, and the flags are not modelled)
+        for category in ("params", "grads", "masters", "state", "buffers"):
+            assert want[category] == got[category], (key, category, want, got)
+        assert want["transient"] == pytest.approx(got["transient"], rel=0.01), (key, want, got)
+        peak = sum(got.values())
+        assert want["peak"] == pytest.approx(peak, rel=0.01), (key, want, got)
+        assert want["peak"] == sum(want[c] for c in ("params", "grads", "masters", "state",
+                                                    "buffers", "transient"))  # fmt: skip
+
+
+def test_report_prints_memory_by_category_against_the_hardware():
+    from orthoptim.plan import format_report, load_model
+
+    p = make_plan(load_model("gpt-small"), load_hardware("h200"), Layout(dp=8))
+    text = format_report(p)
+    mem = p["memory_per_rank"]
+    assert "memory per rank" in text
+    for word in ("params", "grads", "masters", "state", "buffers", "transient", "peak"):
+        assert word in text
+    assert mem["max"]["peak"] < mem["hardware_bytes"] and "fits" in text
+    assert math.isclose(mem["hardware_bytes"], 141e9)
