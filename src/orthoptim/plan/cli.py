@@ -218,6 +218,8 @@ def _cmd(args: argparse.Namespace) -> int:
             master_weights=not args.no_master_weights,
             device=args.device,
         )
+        if args.dry_run:
+            return _dry_run_cmd(args, desc, hw, layout)
         plan = make_plan(desc, hw, layout)
     except (ValueError, FileNotFoundError) as exc:
         print(f"orthoptim plan: error: {exc}", file=sys.stderr)
@@ -240,6 +242,46 @@ def _cmd(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"\nplot: {args.plot}")
     return 0
+
+
+def _ranks(values: list[str] | None) -> list[int]:
+    """--rank values, repeated or comma lists, as ints."""
+    out = []
+    for v in values or []:
+        for part in v.split(","):
+            try:
+                out.append(int(part))
+            except ValueError:
+                raise ValueError(
+                    f"--rank takes integers (repeat it or separate by commas), got {part!r}"
+                ) from None
+    return out
+
+
+def _dry_run_cmd(args: argparse.Namespace, desc: Any, hw: Any, layout: Layout) -> int:
+    from orthoptim._extras import optional_extra
+    from orthoptim.plan.dryrun import dry_run, format_dry_run
+
+    tqdm = (
+        None if args.json else optional_extra("tqdm", "orthoptim plan --dry-run: no progress bar")
+    )
+
+    def progress(ranks: list[int]) -> Any:
+        if tqdm is None:
+            return ranks
+        return tqdm.tqdm(ranks, desc="simulated ranks", unit="rank", file=sys.stderr)
+
+    result = dry_run(
+        desc, layout, hw, _ranks(args.rank), args.stage, args.optimizer,
+        "fsdp" if args.fsdp else "layerwise", args.tp_mode, progress,
+    )  # fmt: skip
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_dry_run(result))
+    ok = not result["group_mismatches"] and all(r["comm_matches_expected"] for r in result["ranks"])
+    return 0 if ok else 1
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -305,6 +347,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="parameters are fp32 themselves: no separate fp32 master copy",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the real model, optimizer, clip and two steps for --rank on fake (meta) "
+        "devices under a fake process group of the layout's size: memory by category, "
+        "collectives, bytes and host syncs per step, beside the plan's figures",
+    )
+    p.add_argument(
+        "--rank",
+        action="append",
+        metavar="R[,R...]",
+        help="with --dry-run: the ranks (of the stage's dp x tp) to simulate, repeatable or "
+        "comma-separated (default 0 and the last)",
+    )
+    p.add_argument(
+        "--stage", type=int, default=0, help="with --dry-run and --pp: the stage the ranks hold"
+    )
+    p.add_argument(
+        "--fsdp", action="store_true", help="with --dry-run: FSDPOptimizer over FSDP2 instead "
+        "of the layer-wise optimizer",
+    )  # fmt: skip
+    p.add_argument(
+        "--optimizer", default="muon", choices=("muon", "soap"),
+        help="with --dry-run: the matrix optimizer (default muon)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tp-mode", default="auto", choices=("auto", "duplicated", "distributed", "blockwise"),
+        help="with --dry-run and --tp: the tensor-parallel orthogonalizer's mode (default auto)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write per-rank load bars per balancing")
     p.set_defaults(func=_cmd)

@@ -1,0 +1,216 @@
+"""`orthoptim plan --dry-run`: the real optimizers on the meta device under a fake process
+group of 8 to 256 ranks (GPT base: `orthoptim train --config base`'s shapes), checked
+against the library's own byte accounting, the planner's figures and each other."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from orthoptim import collectives as C
+from orthoptim.cli import main
+from orthoptim.plan import Layout, load_hardware, load_model, make_plan
+from orthoptim.plan.dryrun import (
+    _HostData,
+    _Recorder,
+    dry_run,
+    fake_world,
+    group_mismatches,
+    host_syncs_per_step,
+    run_isolated,
+    run_rank,
+)
+
+GPT = load_model("gpt-base")
+H200 = load_hardware("h200")
+
+# (layout, optimizer, parallel, tp mode): every path at one size, the layer-wise Muon path
+# and FSDP at 8, 64 and 256 ranks.
+CASES = [
+    (dict(dp=8), "muon", "layerwise", "auto"),
+    (dict(dp=64), "muon", "layerwise", "auto"),
+    (dict(dp=256), "muon", "layerwise", "auto"),
+    (dict(dp=64), "soap", "layerwise", "auto"),
+    (dict(dp=8), "muon", "fsdp", "auto"),
+    (dict(dp=256), "soap", "fsdp", "auto"),
+    (dict(dp=4, tp=2), "muon", "layerwise", "duplicated"),
+    (dict(dp=4, tp=2), "muon", "layerwise", "distributed"),
+    (dict(dp=4, tp=2), "muon", "layerwise", "blockwise"),
+    (dict(dp=128, tp=2), "muon", "layerwise", "auto"),
+    (dict(dp=8, pp=2), "muon", "layerwise", "auto"),  # stage 1 of 2 below
+]
+
+
+def _plan(layout: Layout) -> dict:
+    return make_plan(GPT, H200, Layout(**{**layout.__dict__, "master_weights": False}))
+
+
+@pytest.fixture(
+    scope="module",
+    params=CASES,
+    ids=lambda c: "-".join(map(str, c[0].values())) + f"-{c[1]}-{c[2]}-{c[3]}",
+)
+def case(request):
+    spec, optimizer, parallel, mode = request.param
+    layout = Layout(**spec)
+    stage = layout.pp - 1
+    last = layout.dp * layout.tp - 1
+    run = run_isolated if layout.tp > 1 else run_rank  # see run_isolated
+    runs = [run(GPT, layout, r, stage, optimizer, parallel, mode) for r in (0, last)]
+    return layout, parallel, runs
+
+
+def test_collectives_equal_the_layout_and_agree_across_ranks(case) -> None:
+    """No collective refused (a refusal raises), `comm_stats()` equal to
+    `expected_comm_bytes()` on both ranks, and ranks 0 and N−1 issue the same collectives in
+    the same order on every group they share (the global group included)."""
+    layout, _, runs = case
+    for r in runs:
+        assert r.comm_matches, (r.rank, r.comm, r.expected)
+        assert r.collectives[-1], "a step issues collectives"
+    assert group_mismatches(*runs) == []
+    world = tuple(range(runs[0].world))
+    shared = {c.group for c in runs[0].collectives[-1]} & {c.group for c in runs[1].collectives[-1]}
+    if layout.pp == 1 and layout.tp == 1:
+        assert world in shared  # the data-parallel group is the world here
+
+
+def test_state_and_bytes_equal_the_plan(case) -> None:
+    """The optimizer state each rank holds and the bytes its buckets move per step are the
+    planner's figures for that rank (state within 0.1 %, bytes exact: same assignment)."""
+    layout, parallel, runs = case
+    optimizer = runs[0].optimizer
+    if parallel == "fsdp":
+        pytest.skip("the planner models the layer-wise optimizer; FSDP has no plan figures")
+    plan = _plan(layout)
+    state = plan["memory"]["layerwise_state_bytes_per_rank"]
+    c = plan["comm"]["fp32_gather"]
+    for r in runs:
+        if optimizer == "muon":  # the plan's state is Muon's momentum (and AdamW's moments)
+            assert r.memory["state"] == pytest.approx(state[r.plan_index], rel=1e-3)
+        planned = max(
+            c["layerwise_sent_per_rank"][r.plan_index],
+            c["layerwise_received_per_rank"][r.plan_index],
+        )
+        assert r.bytes_per_step == planned
+
+
+def test_parameters_are_the_stage_and_host_reads_are_counted(case) -> None:
+    """Parameter bytes are the stage's share of the model (fp32; TP shards local); every
+    host read is answered and named by the library function that made it."""
+    layout, parallel, runs = case
+    from orthoptim.plan.dryrun import stage_matrices
+    from orthoptim.plan.planner import local_shape
+
+    numel = sum(
+        torch.Size(local_shape(m, layout.tp)).numel()
+        for m in stage_matrices(GPT, layout, layout.pp - 1)
+    )
+    for r in runs:
+        expected = numel * 4 // (layout.dp if parallel == "fsdp" else 1)
+        assert r.memory["params"] == pytest.approx(expected, rel=0.01 if parallel == "fsdp" else 0)
+        assert host_syncs_per_step(r) > 0
+        assert all(site.startswith("orthoptim.") for site in r.host_syncs[-1])
+
+
+def test_memory_per_rank_within_5_percent_of_the_plan(case) -> None:
+    """Every memory category of each rank within 5 % of `make_plan`'s `memory_per_rank`."""
+    layout, parallel, runs = case
+    plan = _plan(layout)
+    per = plan.get("memory_per_rank")
+    if not per:
+        pytest.skip("make_plan has no memory_per_rank yet (the planner's per-category memory)")
+    if parallel == "fsdp":
+        pytest.skip("the planner models the layer-wise optimizer")
+    for r in runs:
+        for k in ("params", "grads", "masters", "state", "buffers"):
+            v = per[k][r.plan_index] if isinstance(per[k], list) else per[k]
+            mine = r.memory[k] if k != "grads" else r.memory["grads"]
+            assert mine == pytest.approx(v, rel=0.05, abs=2**20), (k, r.rank)
+        peak = per["peak"][r.plan_index] if isinstance(per["peak"], list) else per["peak"]
+        assert r.peak == pytest.approx(peak, rel=0.05), r.rank
+
+
+def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monkeypatch) -> None:
+    """The H200 bug planted: the layer-wise agreement builds its flags on the CPU and hands
+    them to the backend. The dry run's backend serves the device only, so step 1 fails with
+    the backend's own message, wrapped by the library's CollectiveDeviceError."""
+
+    def cpu_agree(present, bad, group=None, stats=None, device=None):
+        flags = torch.tensor([*present, *bad], dtype=torch.int32)  # on the CPU
+        with C.phase("non-finite gradient agreement (all-reduce)", group):
+            dist.all_reduce(flags, group=group)
+        return [v > 0 for v in flags.tolist()][: len(present)], [False] * len(bad)
+
+    monkeypatch.setattr(C, "agree", cpu_agree)
+    with pytest.raises(C.CollectiveDeviceError) as info:
+        run_rank(GPT, Layout(dp=8), 0)
+    message = str(info.value)
+    assert "No backend type associated with device type cpu" in message
+    assert "non-finite gradient agreement" in message
+
+
+def test_recorder_answers_reads_as_a_healthy_run_and_counts_them() -> None:
+    """Host data and constants keep their values through ops and collectives; data of
+    unknown value is finite; every read is counted at its caller."""
+    rec = _Recorder()
+    with fake_world(1, 4), rec, _HostData(rec):
+        present, bad = C.agree([True, False], [False, True], device=torch.device("meta"))
+        x = torch.empty(1000, 1000, device="meta")
+        finite = bool(torch.isfinite(x).all())
+        zeros_finite = bool(torch.isfinite(torch.zeros(3, device="meta") / 2).all())
+        total = torch.zeros(5, device="meta").sum().item()
+    assert (present, bad) == ([True, False], [False, True])
+    assert finite and zeros_finite and total == 0.0
+    # agree's .tolist() is the library's read; this test's own three are counted apart
+    assert rec.reads.pop("outside orthoptim") == 3
+    assert [s.rsplit(":", 1)[0] for s in rec.reads] == ["orthoptim.collectives.agree"]
+    with (
+        pytest.raises(RuntimeError, match="No backend type associated with device type cpu"),
+        fake_world(0, 4),
+    ):
+        dist.all_reduce(torch.zeros(3))
+
+
+def test_cli_dry_run_json() -> None:
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(
+            ["plan", "--dry-run", "--model", "gpt-base", "--dp", "8", "--rank", "3", "--json"]
+        )
+    assert rc == 0
+    out = json.loads(buf.getvalue())
+    (row,) = out["ranks"]
+    assert row["rank"] == 3 and row["comm_matches_expected"] and out["fits"]
+    assert set(row["memory"]) == {"params", "grads", "masters", "state", "buffers"}
+    assert "Triton" in " ".join(out["coverage"]["not covered"])
+
+
+def _slow_selected(config: pytest.Config) -> bool:
+    return "slow" in (config.getoption("-m") or "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "layout"), [("qwen3-30b-a3b", dict(dp=64)), ("kimi-k2", dict(dp=64, ep=64))]
+)
+def test_large_models(request, model: str, layout: dict) -> None:
+    """The planner's large models (minutes each): run with `pytest -m slow`."""
+    if not _slow_selected(request.config):
+        pytest.skip("minutes per model: select with -m slow")
+    desc = load_model(model)
+    d = dry_run(desc, Layout(**layout), H200)
+    plan = make_plan(desc, H200, Layout(**layout, master_weights=False))
+    assert not d["group_mismatches"]
+    for row in d["ranks"]:
+        assert row["comm_matches_expected"]
+        index = row["rank"]
+        assert row["memory"]["state"] == pytest.approx(
+            plan["memory"]["layerwise_state_bytes_per_rank"][index], rel=1e-3
+        )
