@@ -792,9 +792,11 @@ def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
     out: dict[str, float | None] = dict.fromkeys((*CATEGORIES, "transient", "peak"))
     per = plan.get("memory_per_rank")
     if per:
+        # the plan itemises its first and last slot; other slots get their peak only
+        itemised = [per[key] for key in ("rank_0", "rank_last") if per[key]["rank"] == index]
         for k in out:
-            v = per.get(k)
-            out[k] = v[index] if isinstance(v, list) else v
+            out[k] = itemised[0].get(k) if itemised else None
+        out["peak"] = per["peak_per_rank"][index]
     else:
         out["state"] = plan["memory"]["layerwise_state_bytes_per_rank"][index]
     c = plan["comm"]["fp32_gather"]
