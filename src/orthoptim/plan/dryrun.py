@@ -706,11 +706,15 @@ def run_rank(
                 rec.reset_peak()
                 model(idx).backward()
                 opt.clip_grad_norm_(1.0)
+                if step == steps - 1:
+                    # what the step starts from: every local gradient still autograd's (the
+                    # step re-points the owned ones at views of the buckets), the state of
+                    # the steps before
+                    memory = _category_bytes(opt, model, parallel)
                 opt.step()
                 reads.append(dict(rec.reads))
                 collectives.append(rec.collectives)
                 if step == steps - 1:
-                    memory = _category_bytes(opt, model, parallel)
                     comm, expected = opt.comm_stats(), opt.expected_comm_bytes()
                 opt.zero_grad()
         peak = rec.peak
