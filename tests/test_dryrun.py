@@ -46,7 +46,7 @@ CASES = [
 
 
 def _plan(layout: Layout) -> dict:
-    return make_plan(GPT, H200, Layout(**{**layout.__dict__, "master_weights": False}))
+    return make_plan(GPT, H200, layout)
 
 
 @pytest.fixture(
@@ -56,11 +56,11 @@ def _plan(layout: Layout) -> dict:
 )
 def case(request):
     spec, optimizer, parallel, mode = request.param
-    layout = Layout(**spec)
+    layout = Layout(**spec, optimizer=optimizer, fsdp=parallel == "fsdp", tp_mode=mode)
     stage = layout.pp - 1
     last = layout.dp * layout.tp - 1
     run = run_isolated if layout.tp > 1 else run_rank  # see run_isolated
-    runs = [run(GPT, layout, r, stage, optimizer, parallel, mode) for r in (0, last)]
+    runs = [run(GPT, layout, r, stage) for r in (0, last)]
     return layout, parallel, runs
 
 
@@ -205,7 +205,7 @@ def test_large_models(request, model: str, layout: dict) -> None:
         pytest.skip("minutes per model: select with -m slow")
     desc = load_model(model)
     d = dry_run(desc, Layout(**layout), H200)
-    plan = make_plan(desc, H200, Layout(**layout, master_weights=False))
+    plan = make_plan(desc, H200, Layout(**layout))
     assert not d["group_mismatches"]
     for row in d["ranks"]:
         assert row["comm_matches_expected"]

@@ -11,7 +11,14 @@ from typing import Any
 from orthoptim._extras import require_extra
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.model import load_model, shipped_models
-from orthoptim.plan.planner import BALANCES, DTYPE_BYTES, Layout, make_plan
+from orthoptim.plan.planner import (
+    BALANCES,
+    DTYPE_BYTES,
+    PLAN_OPTIMIZERS,
+    PLAN_TP_MODES,
+    Layout,
+    make_plan,
+)
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -35,9 +42,12 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
     rows = [("rank 0", mem["rank_0"]), (f"rank {mem['rank_last']['rank']}", mem["rank_last"])]
     rows.append((f"max (peak: rank {mem['max_peak_rank']})", mem["max"]))
     where = " (stage x DP rank)" if lay["pp"] > 1 else ""
+    which = "FSDPOptimizer over FSDP2" if lay["fsdp"] else "layer-wise optimizer"
+    tp = f", TP {lay['tp_mode']}" if lay["tp"] > 1 else ""
     lines = [
-        f"memory per rank{where}, layer-wise optimizer as it runs ({lay['grad_dtype']} "
-        f"parameters and gradients, {mem['gather_dtype']} gather; peak = held + transient):",
+        f"memory per rank{where}, {which} ({lay['optimizer']}{tp}) as it runs "
+        f"({lay['grad_dtype']} parameters and gradients, {mem['gather_dtype']} gather; "
+        "peak = held + transient):",
         f"{'':<26}" + "".join(f"{c:>11}" for c in cats),
     ]
     for label, row in rows:
@@ -48,6 +58,11 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
         f"  peak {_bytes(peak, 4)} against {p['hardware']}'s {have / 1e9:.0f} GB: {verdict}"
         " (the model's activations not counted)"
     )
+    if lay["fsdp"]:
+        lines.append(
+            f"  FSDP2's unsharded buffers during forward/backward (not in the peak): "
+            f"{_bytes(mem['max']['fsdp_gather'], 4)} (estimate)"
+        )
     return lines
 
 
@@ -98,16 +113,17 @@ def format_report(p: dict[str, Any]) -> str:
             + ("too few movable units per rank to even out" if free < 8 else "")
         )
     mem = p["memory"]
-    extra = " + fp32 master weights" if lay["master_weights"] else ""
+    extra = " + master copies" if lay["masters"] else ""
     lines += [
         "",
-        f"optimizer state per rank (fp32 Muon momentum / AdamW moments{extra}):",
-        f"  layer-wise Muon (cost)     max {_bytes(mem['layerwise_state_bytes_max'])}, "
+        f"optimizer state per rank ({lay['optimizer']} / AdamW state{extra}; layer-wise as "
+        "memory per rank's state below):",
+        f"  layer-wise (cost)          max {_bytes(mem['layerwise_state_bytes_max'])}, "
         f"mean {_bytes(mem['layerwise_state_bytes_mean'])}, max/mean "
         f"{mem['layerwise_state_bytes_max'] / mem['layerwise_state_bytes_mean']:.4f} "
         + ("(AdamW sharded over DP)" if lay["tp"] == 1 else "(AdamW owned whole under TP)"),
         f"  ZeRO-1 AdamW               {_bytes(mem['zero1_adamw_state_bytes_per_rank'])}",
-        f"  replicated Muon (no shard) {_bytes(mem['replicated_muon_state_bytes'])}",
+        f"  replicated (no shard)      {_bytes(mem['replicated_muon_state_bytes'])}",
         "",
         *_memory_lines(p),
         "",
@@ -215,8 +231,11 @@ def _cmd(args: argparse.Namespace) -> int:
             ns_dtype=args.ns_dtype,
             grad_dtype=args.grad_dtype,
             bucket_mb=args.bucket_mb,
-            master_weights=not args.no_master_weights,
+            gather_dtype=args.gather_dtype,
             device=args.device,
+            optimizer=args.optimizer,
+            fsdp=args.fsdp,
+            tp_mode=args.tp_mode,
         )
         if args.dry_run:
             return _dry_run_cmd(args, desc, hw, layout)
@@ -271,10 +290,7 @@ def _dry_run_cmd(args: argparse.Namespace, desc: Any, hw: Any, layout: Layout) -
             return ranks
         return tqdm.tqdm(ranks, desc="simulated ranks", unit="rank", file=sys.stderr)
 
-    result = dry_run(
-        desc, layout, hw, _ranks(args.rank), args.stage, args.optimizer,
-        "fsdp" if args.fsdp else "layerwise", args.tp_mode, progress,
-    )  # fmt: skip
+    result = dry_run(desc, layout, hw, _ranks(args.rank), args.stage, progress)
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
@@ -343,9 +359,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="gradient bucket size in MiB, which the assignment balances (default 25)",
     )
     p.add_argument(
-        "--no-master-weights",
+        "--gather-dtype",
+        default=None,
+        choices=sorted(DTYPE_BYTES),
+        help="dtype parameters are gathered in (default: the gradients'); one that rounds "
+        "makes the owners keep master copies",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="muon",
+        choices=PLAN_OPTIMIZERS,
+        help="the matrix optimizer, for its state and step memory (default muon)",
+    )
+    p.add_argument(
+        "--fsdp",
         action="store_true",
-        help="parameters are fp32 themselves: no separate fp32 master copy",
+        help="memory per rank of FSDPOptimizer over FSDP2 instead of the layer-wise optimizer",
+    )
+    p.add_argument(
+        "--tp-mode",
+        default="auto",
+        choices=PLAN_TP_MODES,
+        help="the tensor-parallel orthogonalizer's mode, for its step memory (default auto)",
     )
     p.add_argument(
         "--dry-run",
@@ -364,18 +399,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--stage", type=int, default=0, help="with --dry-run and --pp: the stage the ranks hold"
     )
-    p.add_argument(
-        "--fsdp", action="store_true", help="with --dry-run: FSDPOptimizer over FSDP2 instead "
-        "of the layer-wise optimizer",
-    )  # fmt: skip
-    p.add_argument(
-        "--optimizer", default="muon", choices=("muon", "soap"),
-        help="with --dry-run: the matrix optimizer (default muon)",
-    )  # fmt: skip
-    p.add_argument(
-        "--tp-mode", default="auto", choices=("auto", "duplicated", "distributed", "blockwise"),
-        help="with --dry-run and --tp: the tensor-parallel orthogonalizer's mode (default auto)",
-    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write per-rank load bars per balancing")
     p.set_defaults(func=_cmd)

@@ -56,13 +56,10 @@ from orthoptim import collectives as C
 from orthoptim.plan.model import Matrix, ModelDescription, expand
 from orthoptim.plan.planner import Layout, check_layout, local_shape, stage_of_layers
 
-DryRunOptimizer = Literal["muon", "soap"]
-Parallel = Literal["layerwise", "fsdp"]
-TPModeName = Literal["auto", "duplicated", "distributed", "blockwise"]
-
 BACKEND = "orthoptim_meta"
 DEVICE = torch.device("meta")
 CATEGORIES = ("params", "grads", "masters", "state", "buffers")
+Parallel = Literal["layerwise", "fsdp"]  # the driver: Layout.fsdp
 
 COVERAGE = {
     "covered": [
@@ -629,9 +626,6 @@ def run_rank(
     layout: Layout,
     rank: int,
     stage: int = 0,
-    optimizer: DryRunOptimizer = "muon",
-    parallel: Parallel = "layerwise",
-    tp_mode: TPModeName = "auto",
     steps: int = 2,
     plant: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> RankResult:
@@ -651,14 +645,8 @@ def run_rank(
         raise ValueError(f"--stage {stage} must be in [0, {pp}) for --pp {pp}")
     if not 0 <= rank < dp * tp:
         raise ValueError(f"--rank {rank} must be in [0, {dp * tp}) (dp {dp} x tp {tp})")
-    if parallel == "fsdp" and (tp > 1 or ep > 1):
-        raise ValueError(
-            "--fsdp runs with --tp 1 and --ep 1 (FSDPOptimizer has no expert or TP groups)"
-        )
-    if tp > 1 and optimizer != "muon":
-        raise ValueError(
-            f"--tp {tp} runs Muon (the tensor-parallel orthogonalizer); got {optimizer!r}"
-        )
+    optimizer, tp_mode = layout.optimizer, layout.tp_mode  # check_layout refused the rest
+    parallel: Parallel = "fsdp" if layout.fsdp else "layerwise"
     world = dp * tp * pp
     grank = stage * dp * tp + rank
     t0 = time.perf_counter()
@@ -796,11 +784,9 @@ def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
     out: dict[str, float | None] = dict.fromkeys((*CATEGORIES, "transient", "peak"))
     per = plan.get("memory_per_rank")
     if per:
-        # the plan itemises its first and last slot; other slots get their peak only
-        itemised = [per[key] for key in ("rank_0", "rank_last") if per[key]["rank"] == index]
+        row = per["per_rank"][index]
         for k in out:
-            out[k] = itemised[0].get(k) if itemised else None
-        out["peak"] = per["peak_per_rank"][index]
+            out[k] = row.get(k)
     else:
         out["state"] = plan["memory"]["layerwise_state_bytes_per_rank"][index]
     c = plan["comm"]["fp32_gather"]
@@ -814,9 +800,6 @@ def dry_run(
     hardware: Any,
     ranks: list[int] | None = None,
     stage: int = 0,
-    optimizer: DryRunOptimizer = "muon",
-    parallel: Parallel = "layerwise",
-    tp_mode: TPModeName = "auto",
     progress: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """`run_rank` for each of `ranks` (default 0 and the last of the stage), the plan's
@@ -824,13 +807,15 @@ def dry_run(
     `hardware.memory_gb`; as a JSON-ready dict (`format_dry_run` prints it)."""
     from orthoptim.plan.planner import make_plan
 
+    optimizer, tp_mode = layout.optimizer, layout.tp_mode
+    parallel: Parallel = "fsdp" if layout.fsdp else "layerwise"
     n = layout.dp * layout.tp
     ranks = sorted(set(ranks if ranks else [0, n - 1]))
-    plan = make_plan(desc, hardware, Layout(**{**layout.__dict__, "master_weights": False}))
+    plan = make_plan(desc, hardware, layout)
     results = []
     run = run_isolated if layout.tp > 1 else run_rank
     for r in progress(ranks) if progress is not None else ranks:
-        results.append(run(desc, layout, r, stage, optimizer, parallel, tp_mode))
+        results.append(run(desc, layout, r, stage))
     mismatches = [
         m for a in results for b in results if a.rank < b.rank for m in group_mismatches(a, b)
     ]

@@ -27,12 +27,20 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
 `Layout.device` picks the paths: same-shape matrices stacked except on "cpu"
 (`stacking_pays`), the Gram form where `ns_path` takes it, foreach AdamW on "cuda" only.
 
-What is not modelled: FSDP2 (`FSDPOptimizer`), the tensor-parallel orthogonalizer's gathers,
-Muon's `split` blocks of fused matrices, and the model's activations.
+`Layout.optimizer` "soap": SOAP's state (two moments, a Kronecker factor and an eigenbasis
+of each side per matrix) and its step's temporaries (`_soap_transient`). `Layout.fsdp`:
+`FSDPOptimizer` over FSDP2 (`fsdp_rows`). `Layout.tp` > 1: the tensor-parallel
+orthogonalizer's gathers and Gram buffers per `Layout.tp_mode` (`_tp_transient`, an
+estimate not yet checked against the real code).
+
+What is not modelled: SOAP's first step (a full `eigh` per factor) and its refresh steps
+(every `precondition_frequency`), Muon's `split` blocks of fused matrices, FSDP2's forward
+and backward beyond the `fsdp_gather` estimate, and the model's activations.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -112,10 +120,15 @@ def _bucket_buffers(g: Group, pb: int, gb: int, rounds: bool) -> tuple[list[int]
 
 
 def _muon_transient(
-    owned: Sequence[tuple[int, tuple[int, ...]]], layout: Layout, sb: int, cb: int
+    owned: Sequence[tuple[int, tuple[int, ...]]],
+    layout: Layout,
+    sb: int,
+    cb: int,
+    fresh_updates: bool = True,
 ) -> int:
     """Peak bytes of one Muon step over the owned matrices, given as (forward position,
-    local shape): `sb` the state (update) element size, `cb` the iteration's."""
+    local shape): `sb` the state (update) element size, `cb` the iteration's; the Nesterov
+    updates counted unless the caller holds them already (`fresh_updates` False)."""
     stack = layout.device != "cpu"  # `newton_schulz.stacking_pays`
     price = MatrixCost(layout.device, layout.ns_dtype, layout.ns_steps)
     batches: dict[tuple[int, int], list[int]] = {}
@@ -141,7 +154,32 @@ def _muon_transient(
         )
         peak = max(peak, done + out + cat + iterate)
         done += out
-    return updates + peak
+    return (updates if fresh_updates else 0) + peak
+
+
+def _soap_transient(owned: Sequence[tuple[int, tuple[int, ...]]], sb: int) -> int:
+    """Peak bytes of one SOAP step (not a refresh one) over the owned matrices, given as
+    (forward position, shape), one after the other (`SOAP._direction`): the directions of
+    those done so far and, for the one in flight, its rotated gradient G', the denominator
+    and its direction with both Kronecker factors' outer products G·Gᵀ and Gᵀ·G (the first
+    still referenced while the second is made). That is above the five m×n of rotating the
+    Adam step back, as m² + n² ≥ 2·m·n."""
+    done, peak = 0, 0
+    for _, shape in sorted(owned):
+        k = math.prod(shape[:-2]) if len(shape) > 2 else 1
+        m, n = shape[-2:]
+        x = k * m * n * sb
+        peak = max(peak, done + 3 * x + k * (m * m + n * n) * sb)
+        done += x
+    return peak
+
+
+def _soap_state(shape: tuple[int, ...], sb: int) -> int:
+    """SOAP's state of an owned matrix: two moments, and per matrix a Kronecker factor and
+    an eigenbasis of each side (`SOAP.state_numel`; every side within `max_precond_dim`)."""
+    k = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    m, n = shape[-2:]
+    return (2 * math.prod(shape) + 2 * k * (m * m + n * n)) * sb
 
 
 def _adamw_transient(runs: Sequence[int], layout: Layout, sb: int) -> int:
@@ -155,6 +193,41 @@ def _adamw_transient(runs: Sequence[int], layout: Layout, sb: int) -> int:
     return 2 * max(runs) * sb
 
 
+def _matrix_transient(
+    owned: Sequence[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]],
+    layout: Layout,
+    sb: int,
+    cb: int,
+) -> int:
+    """The matrix optimizer's step over the owned matrices, given as (forward position,
+    local shape, TP-split dim, global shape): Muon's (`_muon_transient`, or through the
+    tensor-parallel orthogonalizer, `_tp_transient`) or SOAP's."""
+    if layout.optimizer == "soap":
+        return _soap_transient([(pos, shape) for pos, shape, _, _ in owned], sb)
+    if layout.tp > 1:
+        return _tp_transient(owned, layout, sb, cb)
+    return _muon_transient([(pos, shape) for pos, shape, _, _ in owned], layout, sb, cb)
+
+
+def _finish(rows: list[dict[str, int]], gather: str) -> dict[str, Any]:
+    for row in rows:
+        row["steady"] = sum(row[k] for k in CATEGORIES if k != "transient")
+        row["peak"] = row["steady"] + row["transient"]
+    worst = max(range(len(rows)), key=lambda r: rows[r]["peak"])
+    return {
+        "rank_0": {"rank": 0, **rows[0]},
+        "rank_last": {"rank": len(rows) - 1, **rows[-1]},
+        "max": {k: max(r[k] for r in rows) for k in rows[0]},
+        "max_peak_rank": worst,
+        "per_rank": rows,  # every slot's categories, in slot order
+        "peak_per_rank": [r["peak"] for r in rows],
+        "state_per_rank": [r["state"] for r in rows],
+        "masters_per_rank": [r["masters"] for r in rows],
+        "gather_dtype": gather,
+        "ranks": "(pipeline stage, data-parallel rank), stage-major; one TP rank of each",
+    }
+
+
 def memory_per_rank(
     slots: Sequence[Sequence[tuple[Group, int]]],
     by_stage: Sequence[Sequence[Group]],
@@ -163,15 +236,18 @@ def memory_per_rank(
     dtype_bytes: dict[str, int],
 ) -> dict[str, Any]:
     """Bytes per category on every (stage, DP rank) of the layout, as the layer-wise
-    optimizer holds them (module docstring), with rank 0's, the last rank's and the
-    maximum over ranks of each category."""
+    optimizer (or with `layout.fsdp` the FSDP one, `fsdp_rows`) holds them (module
+    docstring), with rank 0's, the last rank's and the maximum over ranks of each category,
+    and every rank's state and master copies (`state_per_rank`, `masters_per_rank`)."""
     pb = dtype_bytes[layout.grad_dtype]  # parameters and gradients: the reduced dtype
     gather = layout.gather_dtype or layout.grad_dtype
     gb = dtype_bytes[gather]
     sb = max(pb, 4)  # `state_dtype`: float32 for half-precision parameters
     cb = dtype_bytes[layout.ns_dtype]
-    masters = gb != pb
     position = {m: i for i, m in enumerate(matrices)}
+    if layout.fsdp:
+        return _finish(fsdp_rows(by_stage, position, layout, pb, sb, cb), gather)
+    masters = layout.masters
     dealt = {}
     buffers: dict[int, tuple[list[int], list[int]]] = {}
     for stage_groups in by_stage:
@@ -185,7 +261,7 @@ def memory_per_rank(
         # every unit of the rank's groups, in its local (TP-shard) shape
         held = sum(math.prod(u.shape) for g, _ in slot for u in g.units)
         owned_elements, state = 0, 0
-        muon: list[tuple[int, tuple[int, ...]]] = []
+        owned: list[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]] = []
         adamw: list[int] = []
         buf, widest = 0, 0
         for g, gr in slot:
@@ -196,40 +272,191 @@ def memory_per_rank(
                 m, u = d.matrices[i], d.units[i]
                 numel = math.prod(u.shape)
                 owned_elements += numel
-                if m.kind == "muon":
-                    state += numel * sb
-                    muon.append((position[m], u.shape))
-                else:
+                if m.kind != "muon":
                     state += 2 * numel * sb
                     adamw.append(numel)
+                    continue
+                full = u.shape[:-2] + m.shape[-2:]
+                owned.append((position[m], u.shape, m.tp_dim, full))
+                state += _soap_state(u.shape, sb) if layout.optimizer == "soap" else numel * sb
             runs = [split[gr] for split in d.assignment.adamw_split if split and split[gr]]
             owned_elements += sum(runs)
             state += 2 * sum(runs) * sb
             adamw += runs
-        row = {
-            "params": held * pb,
-            "grads": held * pb,
-            "masters": owned_elements * pb if masters else 0,
-            "state": state,
-            "buffers": buf,
-            "transient": max(
-                _muon_transient(muon, layout, sb, cb),
-                _adamw_transient(adamw, layout, sb),
-                # the non-finite check of a gradient shard: isfinite(x) is composite,
-                # (x == x) * (x.abs() != inf), all four alive at once
-                widest * (pb + 3),
-            ),
-        }
-        row["steady"] = sum(row[k] for k in CATEGORIES if k != "transient")
-        row["peak"] = row["steady"] + row["transient"]
-        rows.append(row)
-    worst = max(range(len(rows)), key=lambda r: rows[r]["peak"])
-    return {
-        "rank_0": {"rank": 0, **rows[0]},
-        "rank_last": {"rank": len(rows) - 1, **rows[-1]},
-        "max": {k: max(r[k] for r in rows) for k in rows[0]},
-        "max_peak_rank": worst,
-        "peak_per_rank": [r["peak"] for r in rows],
-        "gather_dtype": gather,
-        "ranks": "(pipeline stage, data-parallel rank), stage-major; one TP rank of each",
-    }
+        rows.append(
+            {
+                "params": held * pb,
+                "grads": held * pb,
+                "masters": owned_elements * pb if masters else 0,
+                "state": state,
+                "buffers": buf,
+                "transient": max(
+                    _matrix_transient(owned, layout, sb, cb),
+                    _adamw_transient(adamw, layout, sb),
+                    # the non-finite check of a gradient shard: isfinite(x) is composite,
+                    # (x == x) * (x.abs() != inf), all four alive at once
+                    widest * (pb + 3),
+                ),
+                "fsdp_gather": 0,
+            }
+        )
+    return _finish(rows, gather)
+
+
+def _fsdp_params(
+    stage_groups: Sequence[Group], position: dict[Matrix, int]
+) -> list[tuple[str, tuple[int, ...], str, int, int | None]]:
+    """The stage's parameters as FSDP2 shards them, in backward order: (name, global shape,
+    kind, forward position, layer), the routed experts of one parameter as one 3-D stack."""
+    out: dict[str, list[Any]] = {}
+    for g in stage_groups:
+        for m in g.matrices:
+            if m.param not in out:
+                shape = m.shape if m.expert is None else (0, *m.shape)
+                out[m.param] = [m.param, shape, m.kind, position[m], m.layer]
+            entry = out[m.param]
+            if m.expert is not None:
+                entry[1] = (entry[1][0] + 1, *entry[1][1:])
+            entry[3] = min(entry[3], position[m])
+    return [tuple(v) for v in out.values()]  # type: ignore[misc]
+
+
+def fsdp_rows(
+    by_stage: Sequence[Sequence[Group]],
+    position: dict[Matrix, int],
+    layout: Layout,
+    pb: int,
+    sb: int,
+    cb: int,
+) -> list[dict[str, int]]:
+    """Bytes per category on every (stage, DP rank) under `FSDPOptimizer` over FSDP2:
+
+    params, grads  every parameter's dim-0 shard padded as FSDP2 pads it (⌈d₀/N⌉ rows on
+                   every rank, the last ranks' rows partly or wholly padding; gradients are
+                   views of the reduce-scatter's output, padded alike)
+    state          Muon's momentum and AdamW's moments on the local (unpadded) shards; SOAP's
+                   whole-matrix state on each matrix's owner (`assign` over the whole 3-D
+                   parameters, default cost, as `FSDPOptimizer`)
+    transient      the step: every shard's Nesterov update, each bucket's forward send and
+                   receive buffers, the owner's whole matrices, then the owner's directions
+                   (Newton-Schulz of the whole matrices, or SOAP's), or the directions with
+                   the back exchange's buffers (every bucket's, the size of what it sent, and
+                   one bucket's return buffer at a time); or AdamW's, or the non-finite check
+                   of the widest gradient shard
+    fsdp_gather    FSDP2's own unsharded buffers during forward and backward, not part of
+                   the step and so not of `transient` or `peak` (the step runs after FSDP2
+                   has freed them): the root module's parameters (embeddings, head, final
+                   norm, unsharded from forward to backward), two adjacent blocks'
+                   parameters (the one computing and the one prefetched) and one block's
+                   unsharded gradients (the reduce-scatter's input). An estimate: FSDP2's
+                   forward and backward cannot run on meta tensors under the fake group.
+    """
+    from orthoptim.parallel.assignment import Unit, assign
+
+    dp = layout.dp
+    rows: list[dict[str, int]] = []
+    for stage_groups in by_stage:
+        params = _fsdp_params(stage_groups, position)
+
+        def rest(shape: tuple[int, ...]) -> int:
+            return math.prod(shape[1:])
+
+        chunk = [-(-shape[0] // dp) for _, shape, _, _, _ in params]
+        matrices = [i for i, p in enumerate(params) if p[2] == "muon"]
+        units = [
+            Unit(params[i][0], params[i][1], layout.optimizer, chunk[i] * rest(params[i][1]) * pb)
+            for i in matrices
+        ]
+        a = assign(units, dp, balance="cost", bucket_bytes=int(layout.bucket_mb * 2**20))
+        padded = sum(c * rest(p[1]) for c, p in zip(chunk, params, strict=True))
+        unsharded: dict[int | None, int] = {}
+        for c, p in zip(chunk, params, strict=True):
+            unsharded[p[4]] = unsharded.get(p[4], 0) + dp * c * rest(p[1]) * pb
+        root = unsharded.pop(None, 0)
+        blocks = [unsharded[k] for k in sorted(unsharded)]
+        pairs = [x + y for x, y in itertools.pairwise(blocks)] or blocks or [0]
+        gather = root + max(pairs) + (max(blocks) if blocks else 0)
+        for r in range(dp):
+            # rank r's rows of every parameter (torch.chunk's: the last ranks' may be fewer)
+            rows_here = [
+                max(0, min(c, p[1][0] - r * c)) for c, p in zip(chunk, params, strict=True)
+            ]
+            local = [n * rest(p[1]) for n, p in zip(rows_here, params, strict=True)]
+
+            state = sum(2 * local[i] * sb for i, p in enumerate(params) if p[2] != "muon")
+            owned = [(params[matrices[j]][3], params[matrices[j]][1])
+                     for j, o in enumerate(a.owners) if o == r]  # fmt: skip
+            if layout.optimizer == "soap":
+                state += sum(_soap_state(shape, sb) for _, shape in owned)
+                # SOAP's prepare is the gradient itself in the state dtype
+                updates = 0 if pb == sb else sum(local[i] for i in matrices) * sb
+                directions = _soap_transient(owned, sb)
+            else:
+                state += sum(local[i] for i in matrices) * sb
+                updates = sum(local[i] for i in matrices) * sb  # the Nesterov updates
+                directions = _muon_transient(owned, layout, sb, cb, fresh_updates=False)
+            whole = sum(math.prod(shape) for _, shape in owned) * sb
+            send = sum(local[i] for i in matrices) * sb
+            # a bucket's back exchange: what its owners return (the size they received)
+            back = max(
+                (
+                    sum(math.prod(units[j].shape) for j in bucket if a.owners[j] == r) * sb
+                    for bucket in a.buckets
+                ),
+                default=0,
+            )
+            # held through the step: the updates, the send and receive buffers, the whole
+            # matrices; then the directions, or those with the back exchange's send buffer
+            # (one bucket's at a time) and every bucket's receive buffer
+            step = updates + send + 2 * whole + max(directions, whole + back + send)
+            widest = max((local[i] for i in range(len(params))), default=0)
+            adamw = [local[i] for i, p in enumerate(params) if p[2] != "muon"]
+            rows.append(
+                {
+                    "params": padded * pb,
+                    "grads": padded * pb,
+                    "masters": 0,
+                    "state": state,
+                    "buffers": 0,
+                    "transient": max(step, _adamw_transient(adamw, layout, sb), widest * (pb + 3)),
+                    "fsdp_gather": gather,
+                }
+            )
+    return rows
+
+
+def _tp_transient(
+    owned: Sequence[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]],
+    layout: Layout,
+    sb: int,
+    cb: int,
+) -> int:
+    """Peak bytes of one Muon step through the tensor-parallel orthogonalizer over the owned
+    matrices, given as (forward position, local shape, TP-split dim, global shape): an
+    estimate. Same-shape matrices form one batch (a
+    custom orthogonalizer always stacks); per batch the local iteration (`_muon_transient`'s)
+    as its base, and above it in "duplicated" the all-gathered whole stack in the iteration
+    dtype twice (the gather's output and the concatenated blocks) with the iteration on the
+    whole stack, in "distributed" the normalised shard twice and each step's p×p Gram three
+    times (the Gram, its packed triangle, the unpacked sum; p the unsplit side), and Muon's
+    scaled copy of the output (one batch at a time). "auto" is taken as "duplicated", the
+    larger. The dry run (`tests/test_dryrun.py`) checks the peak within 5 %."""
+    mode = "duplicated" if layout.tp_mode == "auto" else layout.tp_mode
+    local = [(pos, shape) for pos, shape, _, _ in owned]
+    base = _muon_transient(local, layout, sb, cb)
+    extra = 0
+    for _, shape, dim, full in owned:
+        if dim is None or mode == "blockwise":
+            continue
+        k = math.prod(shape[:-2]) if len(shape) > 2 else 1
+        if mode == "duplicated":
+            m, n = sorted(full[-2:])
+            x = k * m * n * cb
+            batch = 2 * x + _step_iterate(x, k * m * m * cb, layout.ns_steps, False)
+        else:
+            p = full[-2:][1 - dim]
+            batch = 2 * math.prod(shape) * cb + 3 * k * p * p * cb
+        # Muon scales a custom orthogonalizer's output into a copy while the batch's output
+        # is alive: one batch's worth at a time
+        extra = max(extra, batch + math.prod(shape) * sb)
+    return base + extra

@@ -26,9 +26,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-from orthoptim.parallel.assignment import Assignment, MatrixCost, Unit, assign, deal_adamw
+from orthoptim.parallel.assignment import (
+    Assignment,
+    MatrixCost,
+    Unit,
+    assign,
+    deal_adamw,
+    state_numel,
+)
 from orthoptim.parallel.tensor_parallel import CostModel, TPCost
 from orthoptim.plan.costs import (
     TP_MODES,
@@ -43,6 +50,11 @@ from orthoptim.plan.model import Matrix, ModelDescription, expand, param_counts
 
 BALANCES = ("cost", "round_robin", "capped")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+# the matrix optimizers the planner models (`memory_per_rank`): the layout's `optimizer`
+PlanOptimizer = Literal["muon", "soap"]
+PLAN_OPTIMIZERS: tuple[PlanOptimizer, ...] = get_args(PlanOptimizer)
+PlanTPMode = Literal["auto", "duplicated", "distributed", "blockwise"]
+PLAN_TP_MODES: tuple[PlanTPMode, ...] = get_args(PlanTPMode)
 
 # Published Muon vs AdamW throughput on GB300 NVL72 (NVIDIA technical blog "Advancing
 # Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron", Megatron Bridge
@@ -78,12 +90,26 @@ class Layout:
     ns_dtype: str = "bf16"
     grad_dtype: str = "fp32"
     bucket_mb: float = 25.0
-    master_weights: bool = True
     # the dtype parameters are gathered in (None: the parameters', no master copies): what
     # `LayerwiseDistributedOptimizer(gather_dtype=...)` would be given, for `memory_per_rank`
     gather_dtype: str | None = None
     # where Newton-Schulz runs ("cuda": the GPU path, Triton SYRK; "cpu"): `MatrixCost`
     device: str = "cuda"
+    # the matrix optimizer (`LayerwiseDistributedOptimizer(model, optimizer)`): its state
+    # and its step's temporaries in `memory_per_rank`, its work in the cost balancing
+    optimizer: PlanOptimizer = "muon"
+    # `FSDPOptimizer` over FSDP2's `fully_shard` instead of the layer-wise optimizer, for
+    # `memory_per_rank` (the balancing, bytes and TP figures stay the layer-wise ones)
+    fsdp: bool = False
+    # the tensor-parallel orthogonalizer's mode (`TensorParallelOrthogonalizer(mode=...)`),
+    # for its gathers and Gram buffers in `memory_per_rank`
+    tp_mode: PlanTPMode = "auto"
+
+    @property
+    def masters(self) -> bool:
+        """Whether the owners keep master copies: the gather rounds to another dtype, as
+        `LayerwiseDistributedOptimizer(gather_dtype=...)` does."""
+        return (self.gather_dtype or self.grad_dtype) != self.grad_dtype
 
     @property
     def gpus(self) -> int:
@@ -127,6 +153,25 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
     ):
         if v not in DTYPE_BYTES:
             raise ValueError(f"{flag} must be one of {sorted(DTYPE_BYTES)}, got {v!r}")
+    if layout.optimizer not in PLAN_OPTIMIZERS:
+        raise ValueError(f"--optimizer must be one of {PLAN_OPTIMIZERS}, got {layout.optimizer!r}")
+    if layout.tp_mode not in PLAN_TP_MODES:
+        raise ValueError(f"--tp-mode must be one of {PLAN_TP_MODES}, got {layout.tp_mode!r}")
+    if layout.optimizer != "muon" and layout.tp > 1:
+        raise ValueError(
+            f"--optimizer {layout.optimizer} with --tp {layout.tp}: the tensor-parallel path "
+            "is Muon's orthogonalizer; use --optimizer muon or --tp 1"
+        )
+    if layout.fsdp and (layout.tp > 1 or layout.ep > 1):
+        raise ValueError(
+            f"--fsdp with --tp {layout.tp} --ep {layout.ep}: FSDPOptimizer shards every "
+            "parameter over the data-parallel group alone; use --tp 1 --ep 1 with --fsdp"
+        )
+    if layout.fsdp and layout.gather_dtype not in (None, layout.grad_dtype):
+        raise ValueError(
+            "--gather-dtype with --fsdp: FSDPOptimizer gathers no parameters (FSDP2 does); "
+            "leave --gather-dtype unset"
+        )
     if layout.ns_steps < 1:
         raise ValueError(f"--ns-steps must be >= 1, got {layout.ns_steps}")
     if layout.bucket_mb <= 0:
@@ -161,15 +206,19 @@ def backward_order(matrices: Sequence[Matrix]) -> list[Matrix]:
     return [m for run in reversed(runs) for m in run]
 
 
-def to_units(matrices: Sequence[Matrix], tp: int, grad_bytes: int) -> list[Unit]:
+def to_units(
+    matrices: Sequence[Matrix], tp: int, grad_bytes: int, optimizer: PlanOptimizer = "muon"
+) -> list[Unit]:
     """The assignment units of one TP rank, in the given order; an expert is a one-expert
-    slice [1, out, in] of its stacked parameter, as `units_from_model(split_experts=True)`."""
+    slice [1, out, in] of its stacked parameter, as `units_from_model(split_experts=True)`.
+    The model's matrices ("muon") are units of the matrix `optimizer`."""
     units = []
     for m in matrices:
         shape = local_shape(m, tp)
         if m.part is not None:
             shape = (m.part[1] - m.part[0], *shape)
-        units.append(Unit(m.param, shape, m.kind, math.prod(shape) * grad_bytes, m.part))
+        kind = optimizer if m.kind == "muon" else m.kind
+        units.append(Unit(m.param, shape, kind, math.prod(shape) * grad_bytes, m.part))
     return units
 
 
@@ -316,10 +365,10 @@ def plan_groups(
     assignment of each EP rank. Costs are `unit_costs` (`hardware` prices the TP modes).
 
     As the optimizer does (`shard_adamw`), AdamW units are sharded element-wise over the
-    group, levelling the state with master copies if `masters` (default
-    `layout.master_weights`); under tensor parallelism they stay owned whole."""
+    group, levelling the state with master copies if `masters` (default `layout.masters`:
+    the gather rounds); under tensor parallelism they stay owned whole."""
     check_layout(desc, layout)
-    masters = layout.master_weights if masters is None else masters
+    masters = layout.masters if masters is None else masters
     if dense is None or experts is None:
         matrices = expand(desc) if matrices is None else matrices
         dense, experts = split_matrices(matrices, desc, layout.ep)
@@ -339,7 +388,7 @@ def plan_groups(
             ordered = backward_order([m for m in mats if _stage(m, stages, layout.pp) == s])
             if not ordered:
                 continue
-            units = to_units(ordered, layout.tp, grad_b)
+            units = to_units(ordered, layout.tp, grad_b, layout.optimizer)
             costs = unit_costs(ordered, units, layout, tp_model)
             world = layout.dp if mats is not experts else layout.expert_dp
             bases: list[list[float] | None] = [None]
@@ -484,29 +533,29 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
         balancing[balance] = balancing_figures(*per_balance[balance], dp)
 
     slots, by_stage = per_balance["cost"]
-    master = 4 if layout.master_weights else 0
+    held = memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES)
+    # The comparison rows hold what those optimizers would: state in the state dtype, and a
+    # master copy of every element where this layout's gather rounds (as the layer-wise one).
+    state_b = max(grad_b, 4)
+    master = grad_b if layout.masters else 0
 
     def numel(m: Matrix) -> int:
         return math.prod(local_shape(m, tp))
 
-    # whole-owned units, plus each rank's share of the sharded AdamW elements
-    state = [
-        sum(
-            numel(g.matrices[i]) * ((4 if g.matrices[i].kind == "muon" else 8) + master)
-            for g, gr in slot
-            for i in g.owned(gr)
-        )
-        + sum(g.adamw_elements(gr) for g, gr in slot) * (8 + master)
-        for slot in slots
-    ]
+    def whole_state(m: Matrix) -> int:
+        unit = to_units([m], tp, grad_b, layout.optimizer)[0]
+        return state_numel(unit) * state_b + unit.numel * master
+
+    # the layer-wise optimizer's own figure (`memory_per_rank`): state and master copies
+    state = [s + m for s, m in zip(held["state_per_rank"], held["masters_per_rank"], strict=True)]
     zero1_state = max(
-        sum(math.ceil(sum(numel(m) for m in g.matrices) / g.world) * (8 + master) for g in sg)
+        sum(
+            math.ceil(sum(numel(m) for m in g.matrices) / g.world) * (2 * state_b + master)
+            for g in sg
+        )
         for sg in by_stage
     )
-    replicated_state = max(
-        sum(numel(m) * ((4 if m.kind == "muon" else 8) + master) for g in sg for m in g.matrices)
-        for sg in by_stage
-    )
+    replicated_state = max(sum(whole_state(m) for g in sg for m in g.matrices) for sg in by_stage)
 
     comm: dict[str, Any] = {}
     bw, _ = hardware.link(dp * tp)
@@ -604,7 +653,10 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "device": layout.device,
             "grad_dtype": layout.grad_dtype,
             "bucket_mb": layout.bucket_mb,
-            "master_weights": layout.master_weights,
+            "masters": layout.masters,
+            "optimizer": layout.optimizer,
+            "fsdp": layout.fsdp,
+            "tp_mode": layout.tp_mode,
             "gather_dtype": layout.gather_dtype or layout.grad_dtype,
         },
         "hardware": hardware.name,
@@ -617,7 +669,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "replicated_muon_state_bytes": replicated_state,
         },
         "memory_per_rank": {
-            **memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES),
+            **held,
             "hardware_bytes": hardware.memory_gb * 1e9,
         },
         "comm": comm,
