@@ -134,6 +134,19 @@ def test_the_oracle_sees_reads_that_bypass_the_helper():
     assert counted(lambda: (x + 1) @ x)[1] == 0
 
 
+def test_a_healthy_agreement_reads_zeros(monkeypatch):
+    """What the agreement reads counts what is wrong (a missing or non-finite gradient), so
+    a dry run that answers every read with zeros sees a step where all is well."""
+    from orthoptim import collectives, host
+
+    seen = []
+    read = host.read
+    monkeypatch.setattr(host, "read", lambda t, what: seen.append(t.tolist()) or read(t, what))
+    assert collectives.agree([True, True], torch.zeros(1)) == ([True, True], [False])
+    assert collectives.agree([True, False], [True]) == ([True, False], [True])
+    assert seen == [[0, 0, 0], [0, 1, 1]]
+
+
 # -- models -------------------------------------------------------------------------------
 
 WIDTH, BATCH, STEPS = 16, 8, 4

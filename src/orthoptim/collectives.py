@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -566,23 +567,25 @@ def agree(
     """What every rank must agree on before a distributed step, in ONE small all-reduce per
     group and ONE host read: `present[i]` (item i has a gradient here) and `bad[j]` (item j's
     gradient is non-finite here: bools, or a device tensor of counts, 0 meaning finite) are
-    packed as int flags (on `device` when the backend serves it, else on `device_for(group)`),
-    summed over `group` (or over each group of a sequence in turn, e.g. data-parallel then
-    tensor-parallel) and read once, so every rank gets (present anywhere, non-finite
-    anywhere) and skips, raises or steps together."""
+    packed as int32 counts of what is wrong (a missing gradient, a non-finite one: zero is
+    the normal answer, and the one a dry run gives) on `device` when the backend serves it,
+    else on `device_for(group)`; summed over `group` (or over each group of a sequence in
+    turn, e.g. data-parallel then tensor-parallel) and read once, so every rank gets
+    (present anywhere, non-finite anywhere) and skips, raises or steps together."""
     groups = list(group) if isinstance(group, (list, tuple)) else [group]
+    ranks = math.prod(world(g)[1] for g in groups)
     dev = device_for(groups[0], device)
-    flags = torch.tensor(list(present), dtype=torch.int32, device=dev)
-    if isinstance(bad, Tensor):
-        flags = torch.cat([flags, bad.reshape(-1).to(device=dev, dtype=torch.int32)])
-    else:
-        flags = torch.cat([flags, torch.tensor(list(bad), dtype=torch.int32, device=dev)])
+    missing = torch.tensor([not p for p in present], dtype=torch.int32, device=dev)
+    if not isinstance(bad, Tensor):
+        bad = torch.tensor(list(bad), dtype=torch.bool, device=dev)
+    flags = torch.cat([missing, bad.reshape(-1).to(device=dev, dtype=torch.int32)])
     for g in groups:
         flags = to_backend(flags, g)
         with phase("non-finite gradient agreement (all-reduce)", g):
             all_reduce(flags, group=g, stats=stats)
-    summed = [v > 0 for v in host.read(flags, "non-finite agreement").tolist()]
-    return summed[: len(present)], summed[len(present) :]
+    summed = host.read(flags, "non-finite agreement").tolist()
+    k = len(present)
+    return [v < ranks for v in summed[:k]], [v > 0 for v in summed[k:]]
 
 
 def barrier(group: Any = None, stats: CommStats | None = None) -> None:
