@@ -68,7 +68,7 @@ def total_norm(
 
 def check_finite(total: Tensor, norm_type: float) -> None:
     """Raise as torch does when `total` is not finite (one host read: `error_if_nonfinite`)."""
-    if not bool(host.read(torch.isfinite(total), "gradient norm check")):
+    if bool(host.read(~torch.isfinite(total), "gradient norm check")):  # zero: finite
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
