@@ -49,15 +49,18 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import sys
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from orthoptim import host
 
 
 @dataclass
@@ -679,22 +682,34 @@ def wait(work: Any, name: str, group: Any = None) -> Any:
 
 
 def agree(
-    present: list[bool],
-    bad: list[bool],
+    present: Sequence[bool],
+    bad: Sequence[bool] | Tensor,
     group: Any = None,
     stats: CommStats | None = None,
     device: torch.device | str | None = None,
 ) -> tuple[list[bool], list[bool]]:
-    """What every rank must agree on before a distributed step, in ONE small all-reduce:
-    `present[i]` (item i has a gradient here) and `bad[j]` (item j's gradient is non-finite
-    here) are packed as int flags (on `device` when the backend serves it, else on
-    `device_for(group)`), summed over ranks and decoded, so every rank gets (present
-    anywhere, non-finite anywhere) and skips, raises or steps together."""
-    flags = torch.tensor([*present, *bad], dtype=torch.int32, device=device_for(group, device))
-    with phase("non-finite gradient agreement (all-reduce)", group):
-        all_reduce(flags, group=group, stats=stats)
-    summed = [v > 0 for v in flags.tolist()]
-    return summed[: len(present)], summed[len(present) :]
+    """What every rank must agree on before a distributed step, in ONE small all-reduce per
+    group and ONE host read: `present[i]` (item i has a gradient here) and `bad[j]` (item j's
+    gradient is non-finite here: bools, or a device tensor of counts, 0 meaning finite) are
+    packed as int32 counts of what is wrong (a missing gradient, a non-finite one: zero is
+    the normal answer, and the one a dry run gives) on `device` when the backend serves it,
+    else on `device_for(group)`; summed over `group` (or over each group of a sequence in
+    turn, e.g. data-parallel then tensor-parallel) and read once, so every rank gets
+    (present anywhere, non-finite anywhere) and skips, raises or steps together."""
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
+    ranks = math.prod(world(g)[1] for g in groups)
+    dev = device_for(groups[0], device)
+    missing = torch.tensor([not p for p in present], dtype=torch.int32, device=dev)
+    if not isinstance(bad, Tensor):
+        bad = torch.tensor(list(bad), dtype=torch.bool, device=dev)
+    flags = torch.cat([missing, bad.reshape(-1).to(device=dev, dtype=torch.int32)])
+    for g in groups:
+        flags = to_backend(flags, g)
+        with phase("non-finite gradient agreement (all-reduce)", g):
+            all_reduce(flags, group=g, stats=stats)
+    summed = host.read(flags, "non-finite agreement").tolist()
+    k = len(present)
+    return [v < ranks for v in summed[:k]], [v > 0 for v in summed[k:]]
 
 
 def barrier(group: Any = None, stats: CommStats | None = None) -> None:

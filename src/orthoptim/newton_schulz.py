@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from orthoptim import kernels
+from orthoptim import host, kernels
 from orthoptim._validate import check_dtype_or_auto, check_int, check_positive
 from orthoptim.kernels import syrk_cpu
 
@@ -167,6 +167,7 @@ def newton_schulz(
     coefficients: CoefficientsLike = "quintic",
     eps: float = 1e-7,
     dtype: NSDtype = None,
+    check_finite: bool = True,
 ) -> Tensor:
     """Approximate the polar factor U·Vᵀ of each matrix in `X` (shape [..., m, n]).
 
@@ -175,7 +176,9 @@ def newton_schulz(
     (`resolve_ns_dtype`): default None is float32 on every device (float64 input stays
     float64), so the engine's result does not depend on where it runs; "auto" is the
     optimizers' default, bfloat16 on CUDA; a torch dtype forces it. The result comes back in
-    the input's shape and dtype. Non-finite input raises ValueError.
+    the input's shape and dtype. Non-finite input raises ValueError (one host read);
+    `check_finite=False` skips that read for callers whose input is checked already (the
+    optimizers check the gradients), and a NaN or Inf then comes out as NaN.
     """
     if X.ndim < 2:
         raise ValueError(
@@ -186,7 +189,9 @@ def newton_schulz(
     compute = resolve_ns_dtype(dtype, X.device, X.dtype, name="dtype")
     transposed = X.shape[-2] > X.shape[-1]
     Y = X.mT if transposed else X
-    norm = _frobenius_norms(Y, torch.float64 if compute == torch.float64 else torch.float32)
+    norm = _frobenius_norms(
+        Y, torch.float64 if compute == torch.float64 else torch.float32, check_finite
+    )
     norm = norm.clamp_min(eps)
     out = torch.empty_like(X, memory_format=torch.contiguous_format)
     m, n = Y.shape[-2:]
@@ -254,25 +259,30 @@ def _matmul_into(
     return syrk_cpu.product(P, Q.mT, C, beta, 1.0, out=out)
 
 
-def _frobenius_norms(Y: Tensor, dtype: torch.dtype) -> Tensor:
-    """Frobenius norm of each matrix of Y ([..., m, n] → [..., 1, 1]) in `dtype`.
+def _frobenius_norms(Y: Tensor, dtype: torch.dtype, check_finite: bool = True) -> Tensor:
+    """Frobenius norm of each matrix of Y ([..., m, n] → [..., 1, 1]) in `dtype`; a finite
+    matrix whose sum of squares overflows gets the norm of a copy rescaled by its largest
+    entry.
 
-    Raises ValueError on NaN or Inf entries. The check rides on the norm (one pass over Y):
-    only a non-finite norm costs a second look, which also rescues finite matrices whose
-    sum of squares overflows. Under `torch.compile` nothing is read on the host: the sum of
-    squares is accumulated in float64 (no float32 or narrower matrix overflows it) and
-    non-finite entries give a non-finite norm (the optimizers' compiled step has already
-    flagged a non-finite gradient, the only way to get one, and discards that step).
+    `check_finite`: raise ValueError on NaN or Inf entries, at one host read (a scalar riding
+    on the norm; only a non-finite norm costs a second look). Without it nothing is read:
+    the rescaled norm is computed for every matrix and chosen on the device. Under
+    `torch.compile` nothing is read either: the sum of squares is accumulated in float64 (no
+    float32 or narrower matrix overflows it) and non-finite entries give a non-finite norm
+    (the optimizers' compiled step has already flagged a non-finite gradient, the only way
+    to get one, and discards that step).
     """
     if torch.compiler.is_compiling():
         return torch.linalg.matrix_norm(Y.to(torch.float64), keepdim=True).to(dtype)
     norm = torch.linalg.matrix_norm(Y.to(dtype), keepdim=True)
-    if math.isfinite(float(norm.sum())):  # one scalar: a sum that overflows is re-checked below
-        return norm
-    if not bool(torch.isfinite(Y).all()):
-        raise ValueError("newton_schulz got a matrix with NaN or Inf entries")
+    if check_finite:
+        if math.isfinite(float(host.read(norm.sum(), "newton_schulz input check"))):
+            return norm
+        if not bool(host.read(torch.isfinite(Y).all(), "newton_schulz input check")):
+            raise ValueError("newton_schulz got a matrix with NaN or Inf entries")
     peak = Y.abs().amax(dim=(-2, -1), keepdim=True).to(dtype).clamp_min(torch.finfo(dtype).tiny)
-    return peak * torch.linalg.matrix_norm(Y.to(dtype) / peak, keepdim=True)
+    rescued = peak * torch.linalg.matrix_norm(Y.to(dtype) / peak, keepdim=True)
+    return rescued if check_finite else torch.where(torch.isfinite(norm), norm, rescued)
 
 
 def newton_schulz_step(

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 from torch import Tensor
 
+from orthoptim import host
 from orthoptim._validate import (
     check_betas,
     check_choice,
@@ -220,11 +221,27 @@ class SOAP(MatrixOptimizer):
     def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
         """Adam's step in the rotated basis, rotated back, per matrix (None on a rotated
         matrix's first step); folds the gradient into the factors and refreshes the bases."""
-        return [self._direction(g, st, group, n) for (g, st), n in zip(items, names)]
+        due: list[tuple[str, dict[str, Any]]] = []  # bases built or refreshed this step
+        out = [self._direction(g, st, group, n, due) for (g, st), n in zip(items, names)]
+        _check_factors(due)
+        for _, state in due:
+            if "basis_left" in state or "basis_right" in state:
+                self._refresh(state, group["refresh_method"])
+            else:
+                for side, factor in _factors(state):
+                    state[f"basis_{side}"] = eigenbasis(factor)
+        return out
 
     def _direction(
-        self, grad: Tensor, state: dict[str, Any], group: dict[str, Any], name: str
+        self,
+        grad: Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        name: str,
+        due: list[tuple[str, dict[str, Any]]],
     ) -> Tensor | None:
+        """The direction of one matrix; (name, state) joins `due` when its factors are to be
+        (re)decomposed this step."""
         shape = grad.shape
         if grad.ndim >= 2:
             grad = matrix_view(grad)
@@ -242,8 +259,7 @@ class SOAP(MatrixOptimizer):
             if _factors(state):
                 # First step: initialise the factors and their eigenbases, do not move.
                 _fold_gradient(state, grad, shampoo_beta)
-                for side, factor in _factors(state):
-                    state[f"basis_{side}"] = eigenbasis(_finite_factor(name, side, factor))
+                due.append((name, state))
                 return None
 
         q_left, q_right = state.get("basis_left"), state.get("basis_right")
@@ -259,16 +275,15 @@ class SOAP(MatrixOptimizer):
         if _factors(state):
             _fold_gradient(state, grad, shampoo_beta)
             if step % group["precondition_frequency"] == 0:
-                self._refresh(name, state, group["refresh_method"])
+                due.append((name, state))
         return direction.view(shape)
 
-    def _refresh(self, name: str, state: dict[str, Any], method: str) -> None:
+    def _refresh(self, state: dict[str, Any], method: str) -> None:
         """New eigenbases from the factors; M re-expressed in them, V permuted along."""
         old = (state.get("basis_left"), state.get("basis_right"))
         exp_avg = rotate_back(state["exp_avg"], *old)
         exp_avg_sq = state["exp_avg_sq"]
         for side, factor in _factors(state):
-            factor = _finite_factor(name, side, factor)
             if method == "eigh":
                 state[f"basis_{side}"] = eigenbasis(factor)
                 continue
@@ -293,14 +308,21 @@ def _fold_gradient(state: dict[str, Any], grad: Tensor, shampoo_beta: float) -> 
         factor.lerp_(outer, 1.0 - shampoo_beta)
 
 
-def _finite_factor(name: str, side: str, factor: Tensor) -> Tensor:
-    if not torch.isfinite(factor).all():
-        raise FloatingPointError(
-            f"SOAP: the {side} Kronecker factor of {name} is not finite (the gradient's "
-            "outer product overflowed); its eigenbasis is left as it was. Clip or rescale "
-            "the gradients, or reset this parameter's optimizer state."
-        )
-    return factor
+def _check_factors(due: list[tuple[str, dict[str, Any]]]) -> None:
+    """Raise FloatingPointError naming the first non-finite Kronecker factor of `due`, before
+    any of their eigenbases change: one host read for all of them."""
+    factors = [(name, side, f) for name, state in due for side, f in _factors(state)]
+    if not factors:
+        return
+    flags = torch.stack([~torch.isfinite(f).all() for _, _, f in factors])
+    counts = host.read(flags, "SOAP factor check")
+    for (name, side, _), bad in zip(factors, counts.tolist()):
+        if bad:
+            raise FloatingPointError(
+                f"SOAP: the {side} Kronecker factor of {name} is not finite (the gradient's "
+                "outer product overflowed); its eigenbasis is left as it was. Clip or rescale "
+                "the gradients, or reset this parameter's optimizer state."
+            )
 
 
 def _rotated(shape: torch.Size, max_precond_dim: int) -> bool:

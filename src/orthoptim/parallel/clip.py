@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim import collectives as C
+from orthoptim import host
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -65,21 +66,21 @@ def total_norm(
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 
-def check_finite(total: Tensor, error_if_nonfinite: bool, norm_type: float) -> bool:
-    """Whether `total` is finite; raise as torch does when it is not and `error_if_nonfinite`."""
-    finite = bool(torch.isfinite(total))
-    if not finite and error_if_nonfinite:
+def check_finite(total: Tensor, norm_type: float) -> None:
+    """Raise as torch does when `total` is not finite (one host read: `error_if_nonfinite`)."""
+    if bool(host.read(~torch.isfinite(total), "gradient norm check")):  # zero: finite
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
             "by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
-    return finite
 
 
 def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
-    """torch's clip_coef: min(1, max_norm / (total + 1e-6))."""
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    """torch's clip_coef, min(1, max_norm / (total + 1e-6)), but 1 where `total` is not finite
+    (such gradients are left unscaled for the `nonfinite` policy), computed on the device."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
 
 
 def scale_(tensors: Iterable[Tensor], coef: Tensor) -> None:
@@ -101,11 +102,12 @@ def clip_(
 ) -> Tensor:
     """The whole clip of a distributed optimizer: the global norm of the `counted` tensors
     (each element of the model counted on exactly one rank of `groups`), then `scaled` (the
-    gradients this rank applies) multiplied by torch's coefficient unless the norm is
-    non-finite (`check_finite`). Returns the norm in `dtype` (None: the accumulator's), the
-    same on every rank."""
+    gradients this rank applies) multiplied by `clip_coefficient`, with no host read unless
+    `error_if_nonfinite` asks for one (`check_finite`). Returns the norm in `dtype` (None:
+    the accumulator's), the same on every rank, as a tensor on the device."""
     p = check_norm_type(norm_type)
     total = total_norm(power_sum(counted, p, device), p, groups, stats=stats)
-    if check_finite(total, error_if_nonfinite, p):
-        scale_(scaled, clip_coefficient(total, max_norm))
+    if error_if_nonfinite:
+        check_finite(total, p)
+    scale_(scaled, clip_coefficient(total, max_norm))
     return total if dtype is None else total.to(dtype)

@@ -5,8 +5,8 @@
 Under FSDP2 every parameter is a DTensor sharded along dim 0 and, after backward, every rank
 holds its dim-0 shard of the averaged gradient; nobody holds a full matrix. One step::
 
-    agree      one small all-reduce: which matrices have a gradient, which gradients are
-               non-finite (so every rank skips or raises together)
+    agree      one small all-reduce and one host read: which matrices have a gradient, whether
+               any gradient is non-finite (so every rank skips or raises together)
     prepare    `prepare` on the local shards (Muon's momentum: elementwise state stays a DTensor
                sharded like its parameter, so memory is spread and checkpoints reshard)
     forward    per bucket, ONE all-to-all: each rank sends its shard of every prepared update
@@ -265,16 +265,32 @@ class FSDPOptimizer(CompositeOptimizer):
     # -- the step ----------------------------------------------------------------------
     def _agree(self) -> tuple[list[bool], list[str]]:
         """Which matrices have a gradient on some rank, and the names of the parameters with
-        a non-finite gradient shard somewhere (`collectives.agree`: one all-reduce)."""
+        a non-finite gradient shard somewhere: one all-reduce and one host read of the flags,
+        with one count per rank (its gradient shards that hold a NaN or Inf); only when some
+        rank counts one do all ranks agree again, per parameter, to name them."""
         present = [m.param.grad is not None for m in self._matrices]
-        bad = [
-            p.grad is not None and not bool(torch.isfinite(C.local_shard(p.grad)).all())
+        checks = [
+            ~torch.isfinite(C.local_shard(p.grad)).all()
             for _, p in self._named
+            if p.grad is not None
         ]
-        present, bad = C.agree(
-            present, bad, group=self.process_group, stats=self._stats, device=self.device
+        bad = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if checks:
+            bad = torch.stack([c.to(self.device) for c in checks]).sum()
+        group, stats = self.process_group, self._stats
+        present, anywhere = C.agree(present, bad, group=group, stats=stats, device=self.device)
+        if not anywhere[0]:
+            return present, []
+        per_param = torch.stack(
+            [
+                ~torch.isfinite(C.local_shard(p.grad)).all().to(self.device)
+                if p.grad is not None
+                else torch.zeros((), dtype=torch.bool, device=self.device)
+                for _, p in self._named
+            ]
         )
-        return present, [n for (n, _), v in zip(self._named, bad) if v]
+        _, which = C.agree([], per_param, group=group, stats=stats, device=self.device)
+        return present, [n for (n, _), v in zip(self._named, which) if v]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -494,7 +510,8 @@ class FSDPOptimizer(CompositeOptimizer):
             d["sent"] += (theirs + mine) * es
             d["received"] += (theirs + mine) * es
             d["calls"] += 2
-        ar = C.ring_all_reduce_bytes(4 * (len(self._matrices) + len(self._named)), n)
+        # the agreement: an int32 flag per matrix and one count of non-finite shards
+        ar = C.ring_all_reduce_bytes(4 * (len(self._matrices) + 1), n)
         out["all_reduce"] = {"sent": ar, "received": ar, "calls": 1}
         return out
 

@@ -9,8 +9,8 @@ One training step::
                  largest shard), so each owner receives the summed gradient of exactly what
                  it owns; a bucket owned by one rank is reduced to it instead
     step()   ──► wait, average by world size, agree on non-finite gradients and on which
-                 parameters had a gradient anywhere (one small all-reduce), owners run the
-                 inner optimizer (Muon, SOAP, AdamW, the hybrid) on what they own
+                 parameters had a gradient anywhere (one small all-reduce, one host read),
+                 owners run the inner optimizer (Muon, SOAP, AdamW, the hybrid) on what they own
              ──► all-gather of the updated parameters per bucket (optionally in bf16),
                  asynchronous: the forward pre-hook of each module waits for its buckets
 
@@ -691,22 +691,29 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
 
     def _agree(self) -> tuple[list[bool], list[str]]:
         """Which units had a gradient on some rank, and the names of the parameters whose
-        owned gradient is non-finite (`collectives.agree`: one all-reduce)."""
+        owned gradient is non-finite: one all-reduce per group and one host read of the
+        flags, with one count per rank (its owned buckets that hold a NaN or Inf); only when
+        some rank counts one do all ranks agree again, per unit, to name them."""
         present = [False] * len(self.units)
-        bad = [False] * len(self.units)
         for s in self._slots:
             present[s.unit] = s.param.grad is not None
-        for b in self._buckets:
-            if b.mine and not bool(torch.isfinite(b.grad_shard).all()):
-                for s in b.mine:
-                    bad[s.unit] |= not bool(torch.isfinite(b.shard_view(s)).all())
+        owned = [b for b in self._buckets if b.mine]
+        device = self._slots[0].param.device
         # Over the data-parallel group, then each tensor-parallel group: the ranks that run
         # a TP orthogonalizer together must agree on whether to step.
-        for group in (self.process_group, *self.tp_groups):
-            present, bad = C.agree(
-                present, bad, group=group, stats=self._stats, device=self._slots[0].param.device
-            )
-        return present, [u.name for u, v in zip(self.units, bad) if v]
+        groups = [self.process_group, *self.tp_groups]
+        bad = torch.zeros(1, dtype=torch.int32, device=device)
+        if owned:
+            bad = torch.stack([~torch.isfinite(b.grad_shard).all() for b in owned]).sum()
+        present, anywhere = C.agree(present, bad, group=groups, stats=self._stats, device=device)
+        if not anywhere[0]:
+            return present, []
+        per_unit = torch.zeros(len(self.units), dtype=torch.int32, device=device)
+        for b in owned:
+            for s in b.mine:
+                per_unit[s.unit] |= ~torch.isfinite(b.shard_view(s)).all()
+        _, which = C.agree([], per_unit, group=groups, stats=self._stats, device=device)
+        return present, [u.name for u, v in zip(self.units, which) if v]
 
     # -- gradient clipping -------------------------------------------------------------
     _reduced = False  # the gradients of this step are reduced (by clip_grad_norm_)
@@ -882,7 +889,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 add("reduce_scatter", *C.ring_reduce_scatter_bytes([b.width * psize] * n)[rank])
                 add("all_gather", *C.ring_all_gather_bytes([b.width * gsize] * n)[rank])
         for size in [self.world_size] + [C.world(g)[1] for g in self.tp_groups]:
-            ar = C.ring_all_reduce_bytes(2 * len(self.units) * 4, size)
+            # the agreement: an int32 flag per unit and one count of non-finite buckets
+            ar = C.ring_all_reduce_bytes((len(self.units) + 1) * 4, size)
             add("all_reduce", ar, ar)
         return out
 
