@@ -197,3 +197,43 @@ def test_compiled_step_copy_is_independent(name):
     if name != "muon":
         assert other._trace_time_init.owner is other
     other.step()
+
+
+@pytest.mark.parametrize("variant", ["normuon", "adamuon"])
+def test_state_made_ahead_is_the_state_the_step_makes(variant):
+    """`init_compiled_state` makes the per-matrix moments `finish` would (shape, dtype), for a
+    matrix stored [in, out] (`transposed`), a 3-D expert stack and a plain one: eager steps
+    after it equal eager steps without it, bit for bit. No compiling here."""
+    from orthoptim.optim.registry import MATRIX_OPTIMIZERS
+
+    def run(ahead):
+        torch.manual_seed(0)
+        named = [
+            ("flipped", nn.Parameter(torch.randn(12, 5))),
+            ("experts", nn.Parameter(torch.randn(3, 6, 4))),
+            ("plain", nn.Parameter(torch.randn(7, 9))),
+            ("frozen_out", nn.Parameter(torch.randn(4, 4))),  # no gradient: no state
+        ]
+        opt = MATRIX_OPTIMIZERS[variant](named, lr=0.02, transposed=("flipped",))
+        for s in range(2):
+            gen = torch.Generator().manual_seed(s)
+            for _, p in named[:3]:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if ahead and s == 0:
+                opt.init_compiled_state()
+                made = {k: v.clone() for k, v in opt.state[named[0][1]].items()}
+            opt.step()
+        assert named[3][1] not in opt.state
+        return [p.detach() for _, p in named], opt, (made if ahead else None)
+
+    plain, plain_opt, _ = run(False)
+    ahead, ahead_opt, made = run(True)
+    assert "matrix" in {ahead_opt.state_kinds[k] for k in made}  # the moment, made ahead
+    assert all(not bool(v.any()) for v in made.values())  # fresh: zeros
+    for p, q in zip(plain, ahead):
+        assert torch.equal(p, q)
+    for (_, p), (_, q) in zip(plain_opt.state.items(), ahead_opt.state.items()):
+        assert p.keys() == q.keys()
+        for key in p:
+            assert p[key].shape == q[key].shape and p[key].dtype == q[key].dtype, key
+            assert torch.equal(p[key], q[key]), key

@@ -378,8 +378,10 @@ class Muon(MatrixOptimizer):
         names = param_names(self)
         for group in self.param_groups:
             for p in group["params"]:
+                if p.grad is None:
+                    continue
                 state = self.state[p]
-                if p.grad is None or all(k in state for k in matrix_keys):
+                if all(k in state for k in matrix_keys):
                     continue
                 flipped = is_transposed(group, names[id(p)])
                 shape = matrix_view(p.mT if flipped else p).shape
