@@ -106,7 +106,12 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             f"{', '.join(OPTIMIZERS)}"
         )
     # one cached graph per optimizer instance, all of the same `step` code
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(names))
+    limit = max(torch._dynamo.config.recompile_limit, len(names))
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        return _run(names, args, device)
+
+
+def _run(names: list[str], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     base = gpt(args.layers, args.width, device, args.seed)
     start = [p.detach().clone() for p in base.parameters()]
     cases: list[Case] = []
