@@ -216,6 +216,6 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         help=f"comma-separated, from {', '.join(OPTIMIZERS)} (default: all)",
     )
     p.add_argument("--layers", type=int, default=12, help="transformer blocks of the GPT (12)")
-    p.add_argument("--width", type=int, default=256, help="model width of the GPT (256)")
+    p.add_argument("--width", type=int, default=128, help="model width of the GPT (128)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
     p.set_defaults(func=_cmd)
