@@ -358,3 +358,47 @@ def test_bench_skip_leaves_named_candidates_out(capsys: pytest.CaptureFixture[st
     assert "median_s" in rows["orthoptim"]
     with pytest.raises(SystemExit, match="--skip: no candidate named nope; candidates: orthoptim"):
         cli.main([*argv, "--skip", "nope"])
+
+
+def test_bench_compile_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """Eager and compiled Muon side by side on a 1-layer GPT, their parameters compared.
+
+    Both copies take 4 steps (the compiling call, 1 warm-up, 2 timed) on the same gradients;
+    compiled and eager Newton-Schulz round differently, |ΔO|/|O| ≲ 1e-5 per step (see
+    tests/test_compile.py), so the total updates agree to ~1e-5 relative: 1e-4 bounds it."""
+    report = _run_json(
+        capsys,
+        [
+            "bench",
+            "compile",
+            "--optimizers",
+            "muon",
+            "--layers",
+            "1",
+            "--width",
+            "16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+        ],
+    )
+    assert report["layers"] == 1 and report["width"] == 16
+    assert [c["name"] for c in report["cases"]] == ["muon_eager", "muon_compiled"]
+    (result,) = report["results"]
+    assert result["optimizer"] == "muon"
+    for key in ("eager_ms", "compiled_ms", "compile_s"):
+        assert _positive_finite(result[key]), key
+    assert result["compiled_over_eager"] == pytest.approx(
+        result["compiled_ms"] / result["eager_ms"]
+    )
+    assert len(result["per_round_ratios"]) == 2
+    assert 0 <= result["max_relative_difference"] <= 1e-4
+
+
+def test_bench_compile_rejects_unknown_optimizer() -> None:
+    with pytest.raises(SystemExit, match="hybrid_normuon"):
+        cli.main(["bench", "compile", "--optimizers", "muon,soap", "--layers", "1"])

@@ -13,6 +13,7 @@ import importlib
 BENCH_MODULES = (
     "orthoptim.bench.ns",
     "orthoptim.bench.step",
+    "orthoptim.bench.compile",
     "orthoptim.bench.syrk",
     "orthoptim.bench.dist",
     "orthoptim.bench.tp",

@@ -75,15 +75,19 @@ class AdaMuon(Muon):
     def block_scale(self, group: dict[str, Any]) -> LRScale:
         return "none"
 
+    def matrix_state(self, oriented: Tensor) -> dict[str, Tensor]:
+        """The second moment per entry of the orthogonalized update, zero."""
+        return {"update_moment": torch.zeros_like(oriented)}
+
     def finish(
         self, ortho: Tensor, update: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> Tensor:
         o = matrix_view(ortho)
         eps = group["moment_eps"]
         beta2 = group["beta2"] if group["beta2"] is not None else group["momentum"]
-        moment = state.get("update_moment")
-        if moment is None:
-            moment = state["update_moment"] = torch.zeros_like(o)
+        if "update_moment" not in state:
+            state.update(self.matrix_state(o))
+        moment = state["update_moment"]
         moment.mul_(beta2).addcmul_(o, o, value=1.0 - beta2)
         normed = o / (moment.sqrt() + eps)
         size = group["rms"] * math.sqrt(o.shape[-2] * o.shape[-1])

@@ -298,7 +298,7 @@ class GuardedOptimizer(CopyableOptimizer):
         return latch
 
     def _before_compiled_step(self) -> None:
-        """What a compiled step makes eagerly first (`_init_group`)."""
+        """What a compiled step makes eagerly first (`_init_group`, run by dynamo in Python)."""
         self._init_group()
 
     def init_compiled_state(self) -> None:
@@ -322,9 +322,11 @@ class GuardedOptimizer(CopyableOptimizer):
         The update runs whatever the gradients hold; then every parameter and state tensor
         takes its new value only where one flag says every gradient is finite (and, with
         "raise", no earlier compiled step latched one), else its value from before the step
-        (functionalised, the "before" is the graph's input: no copy is kept). State a step
-        creates (an inner torch optimizer's on its first step) falls back to zeros, its
-        fresh value."""
+        (functionalised, the "before" is the graph's input: no copy is kept). Every state
+        tensor exists before this is traced (`_init_group`): a graph traced while a step made
+        state would take "no state" for granted and be reused once there is some. State made
+        inside the step anyway (a torch optimizer whose `_init_group` does not make it) falls
+        back to zeros."""
         self._before_compiled_step()
         params = self._params()
         latch = self._latch()
@@ -391,6 +393,52 @@ class GuardedOptimizer(CopyableOptimizer):
             return loss
         self._update()
         return loss
+
+
+class TraceTimeInit(torch.optim.Optimizer):
+    """Runs `owner._init_group()` in Python while `torch.compile` traces a step that calls
+    this object's `_init_group()`.
+
+    Dynamo runs the `_init_group` of every torch optimizer eagerly instead of tracing it (the
+    way torch's optimizers make their state before the traced update), then guards that
+    optimizer's `param_groups` and `state` under its own name. An optimizer whose groups are
+    its inner optimizers' (the hybrid) cannot be that optimizer: its inner torch optimizers'
+    traced steps would then find their groups under its indices. This holder has no groups
+    and no state, so only the owner's eager work happens."""
+
+    def __init__(self, owner: GuardedOptimizer) -> None:  # torch's would want parameters
+        self.owner = owner
+        self.defaults: dict[str, Any] = {}
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[Any, Any] = {}
+
+    def _init_group(self) -> None:
+        self.owner._init_group()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def init_torch_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make the state a torch optimizer's next step would make for its parameters that have
+    a gradient, now: its `_init_group(group, [], ...)` for every group (torch's optimizers
+    make their state there; one without `_init_group` is left alone). A CPU `step` count of a
+    parameter on an accelerator goes to the parameter's device, where dynamo would otherwise
+    move it inside the trace, as a new tensor."""
+    init = getattr(optimizer, "_init_group", None)
+    if init is None:
+        return
+    lists = len(inspect.signature(init).parameters) - 1  # after `group`: the lists it fills
+    for group in optimizer.param_groups:
+        init(group, *([] for _ in range(lists)))
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            count = state.get("step")
+            if torch.is_tensor(count) and count.is_cpu and not p.is_cpu:
+                state["step"] = count.to(p.device)
 
 
 def step_checked(optimizer: torch.optim.Optimizer) -> None:

@@ -18,8 +18,10 @@ from orthoptim.optim.base import (
     CompositeOptimizer,
     GuardedOptimizer,
     NonfinitePolicy,
+    TraceTimeInit,
     check_nonfinite_policy,
     check_params,
+    init_torch_state,
     merged_defaults,
     position_name,
     step_checked,
@@ -78,6 +80,7 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
         self.inner = inner
         self.adopt(groups, self.state, merged_defaults(list(inner.values())))
         self._share_state()
+        self._trace_time_init = TraceTimeInit(self)
 
     def _share_state(self) -> None:
         """Let every inner optimizer read and write this optimizer's `state` (disjoint params)."""
@@ -148,12 +151,21 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
         return [p for opt in self.inner.values() for g in opt.param_groups for p in g["params"]]
 
     def _before_compiled_step(self) -> None:
-        """The inner orthoptim optimizers' eager `_init_group` (torch's run their own); not
-        this optimizer's, which would show the tracer the groups under this optimizer's
-        indices, where torch's traced `_init_group` looks them up in its own."""
+        """This optimizer's `_init_group` (its latch, every inner optimizer's state), run in
+        Python through `TraceTimeInit`: not as this optimizer's own `_init_group`, which
+        dynamo would follow by guarding the inner groups under this optimizer's indices,
+        where torch's traced steps look them up in their own."""
+        self._trace_time_init._init_group()
+
+    def init_compiled_state(self) -> None:
+        """Every inner optimizer's state for its parameters with a gradient: an orthoptim
+        one's `init_compiled_state`, a torch one's (AdamW's step count and moments) as its
+        next step would make it (`init_torch_state`)."""
         for opt in self.inner.values():
             if isinstance(opt, GuardedOptimizer):
-                opt._init_group()
+                opt.init_compiled_state()
+            else:
+                init_torch_state(opt)
 
     def _update(self) -> None:
         """Step every inner optimizer (the non-finite policy already covered all of them)."""

@@ -43,7 +43,13 @@ from orthoptim.newton_schulz import (
     newton_schulz,
     stacking_pays,
 )
-from orthoptim.optim.base import NonfinitePolicy, check_nonfinite_policy, check_params
+from orthoptim.optim.base import (
+    NonfinitePolicy,
+    check_nonfinite_policy,
+    check_params,
+    param_names,
+    state_dtype,
+)
 from orthoptim.optim.contract import Directions, Group, MatrixOptimizer, Prepared, StateKind
 from orthoptim.optim.shapes import matrix_view
 from orthoptim.optim.state import base_name
@@ -354,6 +360,32 @@ class Muon(MatrixOptimizer):
         """A variant's whole-matrix step from the orthogonalized `ortho` of the prepared
         `update` (both shaped like the parameter); Muon's direction is `ortho` itself."""
         return ortho
+
+    def matrix_state(self, oriented: Tensor) -> dict[str, Tensor]:
+        """A variant's fresh whole-matrix state ("matrix" `state_kinds`) for a parameter whose
+        oriented stack [k, rows, cols] is shaped, typed and placed like `oriented` (Muon has
+        none). `finish` makes it on first sight of the matrix, `init_compiled_state` ahead of
+        a compiled step."""
+        return {}
+
+    def init_compiled_state(self) -> None:
+        """The elementwise state and `matrix_state` of every parameter with a gradient that
+        lacks them, so that a compiled step is traced with all of its state in place."""
+        super().init_compiled_state()
+        matrix_keys = [k for k, kind in self.state_kinds.items() if kind == "matrix"]
+        if not matrix_keys:
+            return
+        names = param_names(self)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if all(k in state for k in matrix_keys):
+                    continue
+                flipped = is_transposed(group, names[id(p)])
+                shape = matrix_view(p.mT if flipped else p).shape
+                state.update(self.matrix_state(p.new_empty(shape, dtype=state_dtype(p))))
 
     def orthogonalized(
         self,

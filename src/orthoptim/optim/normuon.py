@@ -75,14 +75,18 @@ class NorMuon(Muon):
     def block_scale(self, group: dict[str, Any]) -> LRScale:
         return "none"  # the LR scale comes after the normalisation
 
+    def matrix_state(self, oriented: Tensor) -> dict[str, Tensor]:
+        """The second moment per neuron (row), zero: [k, rows, 1]."""
+        return {"neuron_moment": oriented.new_zeros(*oriented.shape[:-1], 1)}
+
     def finish(
         self, ortho: Tensor, update: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> Tensor:
         o = matrix_view(ortho)
         eps = group["moment_eps"]
-        moment = state.get("neuron_moment")
-        if moment is None:
-            moment = state["neuron_moment"] = o.new_zeros(*o.shape[:-1], 1)
+        if "neuron_moment" not in state:
+            state.update(self.matrix_state(o))
+        moment = state["neuron_moment"]
         moment.lerp_((o * o).mean(dim=-1, keepdim=True), 1.0 - group["beta2"])
         normed = o / (moment.sqrt() + eps)
         frob = torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
