@@ -138,11 +138,17 @@ def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monke
     them to the backend. The dry run's backend serves the device only, so step 1 fails with
     the backend's own message, wrapped by the library's CollectiveDeviceError."""
 
+    real_agree = C.agree
+
     def cpu_agree(present, bad, group=None, stats=None, device=None):
-        flags = torch.tensor([*present, *bad], dtype=torch.int32)  # on the CPU
-        with C.phase("non-finite gradient agreement (all-reduce)", group):
-            dist.all_reduce(flags, group=group)
-        return [v > 0 for v in flags.tolist()][: len(present)], [False] * len(bad)
+        # the flags packed on the CPU (the bug), then the real agreement's collective path
+        groups = list(group) if isinstance(group, (list, tuple)) else [group]
+        missing = torch.tensor([not p for p in present], dtype=torch.int32)  # on the CPU
+        flags = torch.cat([missing, torch.zeros(bad.numel(), dtype=torch.int32)])
+        for g in groups:
+            with C.phase("non-finite gradient agreement (all-reduce)", g):
+                dist.all_reduce(flags, group=g)
+        return real_agree(present, bad, group, stats, device)
 
     monkeypatch.setattr(C, "agree", cpu_agree)
     with pytest.raises(C.CollectiveDeviceError) as info:
@@ -153,19 +159,31 @@ def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monke
 
 
 def test_recorder_answers_reads_as_a_healthy_run_and_counts_them() -> None:
-    """Host data and constants keep their values through ops and collectives; data of
-    unknown value is finite; every read is counted at its caller."""
+    """Host data and constants keep their values through ops and collectives, every
+    simulated rank holding what this one holds (the agreement's counts of what is wrong are
+    summed over the group: a unit missing here is missing on all 4 ranks, a count of zero
+    stays zero); data of unknown value is finite, and unknown values read as zeros (the
+    healthy count); every read is counted at its caller."""
     rec = _Recorder()
     with fake_world(1, 4), rec, _HostData(rec):
         present, bad = C.agree([True, False], [False, True], device=torch.device("meta"))
+        flags = torch.tensor([0, 1, 3], dtype=torch.int32, device="meta")
+        dist.all_reduce(flags)
+        summed = flags.tolist()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        maxed = flags.tolist()
         x = torch.empty(1000, 1000, device="meta")
         finite = bool(torch.isfinite(x).all())
+        nonfinite = int((~torch.isfinite(x)).sum())  # a count of what is wrong: zero
         zeros_finite = bool(torch.isfinite(torch.zeros(3, device="meta") / 2).all())
         total = torch.zeros(5, device="meta").sum().item()
+        unknown = torch.empty(3, dtype=torch.int32, device="meta").tolist()
+    # missing [0, 1] summed over 4 ranks is [0, 4]: present somewhere, missing everywhere
     assert (present, bad) == ([True, False], [False, True])
-    assert finite and zeros_finite and total == 0.0
-    # agree's .tolist() is the library's read; this test's own three are counted apart
-    assert rec.reads.pop("outside orthoptim") == 3
+    assert summed == [0, 4, 12] and maxed == [0, 4, 12]
+    assert finite and nonfinite == 0 and zeros_finite and total == 0.0 and unknown == [0, 0, 0]
+    # agree's .tolist() is the library's read; this test's own seven are counted apart
+    assert rec.reads.pop("outside orthoptim") == 7
     assert [s.rsplit(":", 1)[0] for s in rec.reads] == ["orthoptim.collectives.agree"]
     with (
         pytest.raises(RuntimeError, match="No backend type associated with device type cpu"),

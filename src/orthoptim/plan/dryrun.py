@@ -19,8 +19,11 @@ What makes that work:
   `.tolist()`, `bool(t)`, `.cpu()` of a meta tensor) and counts them with the library
   function that made them; it knows the values of small tensors built from host data
   (`torch.tensor([...])`, the agreement flags) and constant tensors (zeros, `isfinite` of
-  data, which is all True: a dry run's gradients are finite), so every read gets the
-  answer a healthy run gets; it records every collective (kind, group, dtypes and sizes)
+  data, which is all True: a dry run's gradients are finite), and takes every simulated
+  rank to hold what this one holds (a sum all-reduce multiplies a known value by the
+  group's size), so every read gets the answer a healthy run gets (the library's flags
+  count what is wrong: zero, unless a unit has no gradient anywhere); unknown values read
+  as zeros; it records every collective (kind, group, dtypes and sizes)
   in issue order; and it keeps the live storages (each counted once, views included) for
   the step's peak.
 * The steady memory is read off the objects that hold it: parameters, the layer-wise
@@ -126,6 +129,8 @@ class RankResult:
 
 _MAX_EXACT = 1 << 16  # elements: small tensors whose values are kept exactly
 _aten = torch.ops.aten
+_c10d = torch.ops.c10d
+_SUM = int(dist.ReduceOp.RedOpType.SUM)
 _CONSTANT_FACTORIES = {
     _aten.zeros.default: lambda a, k: 0,
     _aten.ones.default: lambda a, k: 1,
@@ -173,11 +178,12 @@ def _is_output(func: Any, t: Tensor, args: Any) -> bool:
 
 
 def _site() -> str:
-    """The innermost orthoptim function (outside this module) on the stack."""
+    """The innermost orthoptim function (outside this module and the `host.read` helper
+    every library read goes through) on the stack."""
     f = sys._getframe(2)
     while f is not None:
         name = f.f_globals.get("__name__", "")
-        if name.startswith("orthoptim") and name != __name__:
+        if name.startswith("orthoptim") and name not in (__name__, "orthoptim.host"):
             return f"{name}.{f.f_code.co_name}:{f.f_lineno}"
         f = f.f_back
     return "outside orthoptim"
@@ -317,14 +323,22 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, Tensor)
         ]
         if func.namespace in ("c10d", "_c10d_functional"):
-            # a collective leaves this rank's known value (every simulated rank holds the
-            # same flags when all is well) except in outputs it fills from others
+            # every simulated rank holds the same flags when all is well: a collective
+            # leaves this rank's known value, a sum all-reduce multiplies it by the group's
+            # size (a count of what is missing on every rank becomes the group's size), and
+            # outputs filled from others are unknown
             sources = {_key(t)[0] for t in tree_flatten(args)[0] if isinstance(t, Tensor)}
             for t in tree_flatten(args)[0] + tree_flatten(out)[0]:
                 if isinstance(t, Tensor) and (
                     _key(t)[0] not in sources or _is_output(func, t, args)
                 ):
                     self.forget_storage(t)
+            if func is _c10d.allreduce_.default and args[2].op() == _SUM:
+                size = dist.ProcessGroup.unbox(args[1]).size()
+                for t in args[0]:
+                    v = self.value(t)
+                    if v is not None and t.dtype != torch.bool:
+                        self.know(t, v * size)
             return
         for m in mutated:
             self.forget_storage(m)

@@ -30,8 +30,8 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
 `Layout.optimizer` "soap": SOAP's state (two moments, a Kronecker factor and an eigenbasis
 of each side per matrix) and its step's temporaries (`_soap_transient`). `Layout.fsdp`:
 `FSDPOptimizer` over FSDP2 (`fsdp_rows`). `Layout.tp` > 1: the tensor-parallel
-orthogonalizer's gathers and Gram buffers per `Layout.tp_mode` (`_tp_transient`, an
-estimate not yet checked against the real code).
+orthogonalizer's gathers and Gram buffers per `Layout.tp_mode` (`_tp_transient`, checked
+against the dry run of the real code).
 
 What is not modelled: SOAP's first step (a full `eigh` per factor) and its refresh steps
 (every `precondition_frequency`), Muon's `split` blocks of fused matrices, FSDP2's forward
@@ -432,31 +432,51 @@ def _tp_transient(
     cb: int,
 ) -> int:
     """Peak bytes of one Muon step through the tensor-parallel orthogonalizer over the owned
-    matrices, given as (forward position, local shape, TP-split dim, global shape): an
-    estimate. Same-shape matrices form one batch (a
-    custom orthogonalizer always stacks); per batch the local iteration (`_muon_transient`'s)
-    as its base, and above it in "duplicated" the all-gathered whole stack in the iteration
-    dtype twice (the gather's output and the concatenated blocks) with the iteration on the
-    whole stack, in "distributed" the normalised shard twice and each step's p×p Gram three
-    times (the Gram, its packed triangle, the unpacked sum; p the unsplit side), and Muon's
-    scaled copy of the output (one batch at a time). "auto" is taken as "duplicated", the
-    larger. The dry run (`tests/test_dryrun.py`) checks the peak within 5 %."""
+    matrices, given as (forward position, local shape, TP-split dim, global shape). A custom
+    orthogonalizer always gets a stack (`Muon.stacks`): same-shape matrices form one batch,
+    in order of first appearance. Held through the step: every owned Nesterov update and
+    the fp32 outputs of the batches done; per batch its stack (when it has several
+    matrices) and the mode's own peak: in "distributed" the output copy (two when the split
+    side is the rows: the transposed result is made contiguous apart), the last iterate
+    and its p×p Gram in the iteration dtype (p the unsplit side), or the iteration itself
+    (the iterate, the Gram, A·W and the next iterate); in "duplicated" the local shard and
+    the gathered and concatenated whole stack in the iteration dtype with the iteration on
+    the whole stack, then the local slice of its output; "blockwise" and unsplit matrices
+    the local iteration (`_muon_transient`'s). "auto" is taken as "duplicated", the larger.
+    Checked against the dry run (`tests/test_dryrun.py`: the peak within 5 % in every
+    mode)."""
     mode = "duplicated" if layout.tp_mode == "auto" else layout.tp_mode
-    local = [(pos, shape) for pos, shape, _, _ in owned]
-    base = _muon_transient(local, layout, sb, cb)
-    extra = 0
-    for _, shape, dim, full in owned:
+    price = MatrixCost(layout.device, layout.ns_dtype, layout.ns_steps)
+    batches: dict[tuple[int, ...], list[tuple[tuple[int, ...], int | None, tuple[int, ...]]]] = {}
+    updates = 0
+    for _, shape, dim, full in sorted(owned):
+        updates += math.prod(shape) * sb
+        batches.setdefault((*shape[-2:], -1 if dim is None else dim), []).append((shape, dim, full))
+    done, peak = 0, 0
+    for entries in batches.values():
+        shape, dim, full = entries[0]
+        r, c = shape[-2:]
+        k = sum(math.prod(s[:-2]) if len(s) > 2 else 1 for s, _, _ in entries)
+        x = k * r * c
+        cat = x * sb if len(entries) > 1 else 0
         if dim is None or mode == "blockwise":
-            continue
-        k = math.prod(shape[:-2]) if len(shape) > 2 else 1
-        if mode == "duplicated":
-            m, n = sorted(full[-2:])
-            x = k * m * n * cb
-            batch = 2 * x + _step_iterate(x, k * m * m * cb, layout.ns_steps, False)
+            m, n = sorted((r, c))
+            form, _ = price.path(m, n)
+            iterate = (_gram_iterate if form == "gram" else _step_iterate)(
+                x * cb, k * m * m * cb, layout.ns_steps, cb == sb
+            )
+            own = x * sb + iterate
+        elif mode == "distributed":
+            p = (r, c)[1 - dim]
+            gram = k * p * p * cb
+            copies = 2 if dim == 0 else 1
+            own = max(copies * x * sb + x * cb + gram, 3 * x * cb + gram)
         else:
-            p = full[-2:][1 - dim]
-            batch = 2 * math.prod(shape) * cb + 3 * k * p * p * cb
-        # Muon scales a custom orthogonalizer's output into a copy while the batch's output
-        # is alive: one batch's worth at a time
-        extra = max(extra, batch + math.prod(shape) * sb)
-    return base + extra
+            rows, cols = full[-2:]
+            m, n = sorted((rows, cols))
+            whole = k * m * n * cb
+            iterate = _step_iterate(whole, k * m * m * cb, layout.ns_steps, True)
+            own = x * cb + 2 * whole + max(iterate, whole + x * sb)
+        peak = max(peak, done + cat + own)
+        done += x * sb
+    return updates + peak
