@@ -124,13 +124,17 @@ def test_memory_per_rank_within_5_percent_of_the_plan(case) -> None:
     per = plan.get("memory_per_rank")
     if not per:
         pytest.skip("make_plan has no memory_per_rank yet (the planner's per-category memory)")
-    if parallel == "fsdp":
-        pytest.skip("the planner models the layer-wise optimizer")
     for r in runs:
         figures = plan_figures(plan, r.plan_index)
         for k in ("params", "grads", "masters", "state", "buffers"):
             assert r.memory[k] == pytest.approx(figures[k], rel=0.05, abs=2**20), (k, r.rank)
-        assert r.peak == pytest.approx(figures["peak"], rel=0.05), r.rank
+        if parallel != "fsdp":
+            assert r.peak == pytest.approx(figures["peak"], rel=0.05), r.rank
+    if parallel == "fsdp":
+        # FSDP2's unsharded parameters and gradients during forward and backward are in the
+        # dry run's peak; the plan estimates them apart (fsdp_gather), and the two differ
+        # (gpt-base dp 8: dry-run peak 1.105 GiB, plan 0.571 + 0.143 GiB)
+        pytest.xfail("plan's FSDP peak leaves FSDP2's forward/backward buffers out")
 
 
 def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monkeypatch) -> None:

@@ -804,7 +804,11 @@ def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
     else:
         out["state"] = plan["memory"]["layerwise_state_bytes_per_rank"][index]
     c = plan["comm"]["fp32_gather"]
-    out["bytes"] = max(c["layerwise_sent_per_rank"][index], c["layerwise_received_per_rank"][index])
+    out["bytes"] = (
+        None  # the plan's bytes are the layer-wise buckets'
+        if plan["layout"].get("fsdp")
+        else max(c["layerwise_sent_per_rank"][index], c["layerwise_received_per_rank"][index])
+    )
     return out
 
 
