@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
+from orthoptim import host
 from orthoptim._validate import check_choice
 from orthoptim.collectives import is_dtensor
 from orthoptim.optim.state import StateView, check_state_dict
@@ -58,7 +59,8 @@ def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
 
 
 def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
-    """The parameters whose gradient holds NaN or Inf (one device sync for all of them)."""
+    """The parameters whose gradient holds NaN or Inf (one host read for all of them, through
+    `orthoptim.host`; a norm that overflows from finite entries costs one more)."""
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return []
@@ -70,15 +72,17 @@ def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
         # float32 entries at 1 thread). A norm that overflows from finite entries is
         # re-checked exactly.
         norms = torch._foreach_norm(grads, ord=2)
-        flags = torch.stack([n.to(torch.float32) for n in norms]).isfinite().cpu()
-        for i in (~flags).nonzero().flatten().tolist():
-            flags[i] = bool(torch.isfinite(grads[i]).all())
+        finite = torch.stack([n.to(torch.float32) for n in norms]).isfinite()
+        bad = host.read(~finite, "non-finite gradient check")
+        for i in bad.nonzero().flatten().tolist():
+            exact = torch.isfinite(grads[i]).all()
+            bad[i] = not bool(host.read(exact, "non-finite gradient check (norm overflow)"))
     else:
         checks = [torch.isfinite(g).all() for g in grads]
         # A sharded (DTensor) gradient's check is reduced over its mesh, so every rank agrees.
         checks = [c.full_tensor() if is_dtensor(c) else c for c in checks]
-        flags = torch.stack(checks).cpu()
-    return [p for p, ok in zip(with_grad, flags.tolist()) if not ok]
+        bad = host.read(~torch.stack(checks), "non-finite gradient check")
+    return [p for p, b in zip(with_grad, bad.tolist()) if b]
 
 
 def enforce_nonfinite_policy(
@@ -310,9 +314,12 @@ class GuardedOptimizer(CopyableOptimizer):
         without a compiled step): "raise" raises `NonFiniteGradientError` naming the
         parameters, "skip" warns; the latch is cleared either way."""
         latch = self.nonfinite_latch
-        if latch is None or not bool(latch.any()):
+        if latch is None:
             return
-        bad = [p for p, flag in zip(self._params(), latch.tolist()) if flag]
+        flags = host.read(latch, "compiled non-finite latch")
+        if not flags.any():
+            return
+        bad = [p for p, flag in zip(self._params(), flags.tolist()) if flag]
         latch.zero_()
         apply_nonfinite_policy(self, self.nonfinite, bad, compiled=True)
 
