@@ -25,7 +25,7 @@ from orthoptim.plan.dryrun import (
     run_rank,
 )
 
-GPT = load_model("gpt-base")
+GPT = load_model("train:base")
 H200 = load_hardware("h200")
 
 # (layout, optimizer, parallel, tp mode): every path at one size, the layer-wise Muon path
@@ -133,7 +133,7 @@ def test_memory_per_rank_within_5_percent_of_the_plan(case) -> None:
     if parallel == "fsdp":
         # FSDP2's unsharded parameters and gradients during forward and backward are in the
         # dry run's peak; the plan estimates them apart (fsdp_gather), and the two differ
-        # (gpt-base dp 8: dry-run peak 1.105 GiB, plan 0.571 + 0.143 GiB)
+        # (train:base dp 8: dry-run peak 1.105 GiB, plan 0.571 + 0.143 GiB)
         pytest.xfail("plan's FSDP peak leaves FSDP2's forward/backward buffers out")
 
 
@@ -203,7 +203,7 @@ def test_cli_dry_run_json() -> None:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = main(
-            ["plan", "--dry-run", "--model", "gpt-base", "--dp", "8", "--rank", "3", "--json"]
+            ["plan", "--dry-run", "--model", "train:base", "--dp", "8", "--rank", "3", "--json"]
         )
     assert rc == 0
     out = json.loads(buf.getvalue())

@@ -10,7 +10,7 @@ from typing import Any
 
 from orthoptim._extras import require_extra
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
-from orthoptim.plan.model import load_model, shipped_models
+from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
 from orthoptim.plan.planner import (
     BALANCES,
     DTYPE_BYTES,
@@ -219,7 +219,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.plot:
         require_extra("matplotlib", "orthoptim plan --plot")
     try:
-        desc = load_model(args.model)
+        desc = hf_model(args.hf_config) if args.hf_config else load_model(args.model)
         hw = load_hardware(args.hardware)
         layout = Layout(
             dp=args.dp,
@@ -308,10 +308,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Run the layer-wise optimizer's assignment on a real model's matrices and "
         "report per-rank Newton-Schulz work, optimizer state, communication and overhead.",
     )
-    p.add_argument(
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
         "--model",
-        required=True,
-        help=f"one of {', '.join(shipped_models())}, or a path to a .json description",
+        help=f"one of {', '.join(shipped_models())}; {TRAIN_PREFIX}NAME for `orthoptim train "
+        "--config NAME`'s GPT (tiny, small, base, tiny-moe); or a path to a .json description",
+    )
+    which.add_argument(
+        "--hf-config",
+        metavar="SPEC",
+        help="a Hugging Face config instead of --model: one of `orthoptim train --hf-config`'s "
+        "presets (its 256-byte vocabulary), or a config.json or its folder (as written); "
+        "needs pip install 'orthoptim[hf]'",
     )
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")

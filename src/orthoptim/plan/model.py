@@ -136,9 +136,60 @@ def shipped_models() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
+# `--model train:NAME` is `orthoptim train --config NAME`'s GPT; the prefix keeps these apart
+# from the shipped files (`gpt-small` there is GPT-2 small, not `--config small`).
+TRAIN_PREFIX = "train:"
+# Global tokens per step assumed for the built-in GPTs: GPT-2's half-million-token batch.
+_TRAIN_TOKENS_PER_STEP = 524288
+
+
+def builtin_models() -> list[str]:
+    """`--model` names of `orthoptim train --config`'s GPTs (`train:base`, ...)."""
+    from orthoptim.train.model import CONFIGS
+
+    return [TRAIN_PREFIX + name for name in CONFIGS]
+
+
+def train_model(name: str) -> ModelDescription:
+    """The description of `orthoptim train --config NAME`'s GPT, read from
+    `orthoptim.train.model.CONFIGS` (the one source of its shape)."""
+    from orthoptim.train.model import CONFIGS
+
+    if name not in CONFIGS:
+        raise ValueError(
+            f"--model {TRAIN_PREFIX}{name}: unknown config {name!r}; built-in: "
+            f"{', '.join(builtin_models())}"
+        )
+    cfg = CONFIGS[name]
+    raw: dict[str, Any] = dict(
+        name=TRAIN_PREFIX + name,
+        source=f"orthoptim train --config {name} (orthoptim.train.model.CONFIGS[{name!r}])",
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        fused_qkv=cfg.fused,
+        mlp="swiglu" if cfg.fused else "gelu",
+        intermediate_size=cfg.mlp_ratio * cfg.d_model,
+        default_tokens_per_step=_TRAIN_TOKENS_PER_STEP,
+    )
+    if cfg.moe is not None:
+        raw.update(
+            n_routed_experts=cfg.moe.n_expert,
+            num_experts_per_tok=cfg.moe.top_k,
+            moe_intermediate_size=cfg.moe.hidden,
+        )
+    return model_from_dict(raw, f"--model {TRAIN_PREFIX}{name}")
+
+
 def load_model(name_or_path: str | Path) -> ModelDescription:
-    """A shipped description by name (`kimi-k2`, ...) or a JSON file of the same schema."""
+    """A shipped description by name (`kimi-k2`, ...), `orthoptim train --config NAME`'s GPT
+    as `train:NAME`, or a JSON file of the same schema."""
     path = Path(name_or_path)
+    if str(name_or_path).startswith(TRAIN_PREFIX):
+        return train_model(str(name_or_path)[len(TRAIN_PREFIX) :])
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             raise FileNotFoundError(f"--model: no such description file {str(path)!r}")
@@ -148,8 +199,8 @@ def load_model(name_or_path: str | Path) -> ModelDescription:
         names = shipped_models()
         if str(name_or_path) not in names:
             raise ValueError(
-                f"--model: unknown model {str(name_or_path)!r}; shipped: {', '.join(names)}, "
-                "or pass a path to a .json description"
+                f"--model: unknown model {str(name_or_path)!r}; shipped: {', '.join(names)}; "
+                f"built-in: {', '.join(builtin_models())}; or pass a path to a .json description"
             )
         text = (resources.files("orthoptim") / "models" / f"{name_or_path}.json").read_text()
         origin = f"shipped model {name_or_path!r}"
@@ -158,6 +209,183 @@ def load_model(name_or_path: str | Path) -> ModelDescription:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{origin}: not valid JSON ({exc})") from exc
     return model_from_dict(raw, origin)
+
+
+# --hf-config: the Hugging Face config keys each family's shape is read from (model_type's
+# own config class fills the defaults), and the keys that do not change the parameters.
+_HF_LLAMA_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "tie_word_embeddings",
+)
+_HF_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_HF_KEYS: dict[str, tuple[str, ...]] = {
+    "gpt2": (
+        "vocab_size",
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_inner",
+        "n_positions",
+        "n_ctx",
+        "tie_word_embeddings",
+    ),
+    "llama": _HF_LLAMA_KEYS,
+    "mistral": _HF_LLAMA_KEYS,
+    "qwen3": _HF_LLAMA_KEYS,
+    "qwen3_moe": _HF_LLAMA_KEYS + _HF_MOE_KEYS,
+}
+# Keys read only to refuse a value the planner's layouts do not have (see `_hf_refuse`).
+_HF_CHECKED = ("attention_bias", "mlp_bias", "decoder_sparse_step", "mlp_only_layers")
+# max_position_embeddings is a rotary context in the llama families (no table); GPT-2's
+# table is n_positions.
+_HF_SHAPELESS = frozenset(
+    [
+        "model_type",
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "rms_norm_eps",
+        "layer_norm_epsilon",
+        "initializer_range",
+        "hidden_act",
+        "activation_function",
+        "attention_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "summary_type",
+        "summary_use_proj",
+        "summary_activation",
+        "summary_proj_to_labels",
+        "summary_first_dropout",
+        "task_specific_params",
+        "use_cache",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "max_position_embeddings",
+        "layer_types",
+        "norm_topk_prob",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "pretraining_tp",
+        "scale_attn_weights",
+        "scale_attn_by_inverse_layer_idx",
+        "reorder_and_upcast_attn",
+    ]
+)
+
+
+def hf_model(spec: str) -> ModelDescription:
+    """The description of a Hugging Face config: one of `orthoptim train --hf-config`'s
+    presets (planned as train builds it, over the 256-byte vocabulary) or a config.json (or
+    its folder), planned as written (its own vocabulary). Needs `transformers` for the
+    defaults of keys a config leaves out."""
+    from orthoptim.train.hf import BYTE_VOCAB, PRESETS, require_transformers
+
+    transformers = require_transformers()
+    if spec in PRESETS:
+        raw = {**PRESETS[spec], "vocab_size": BYTE_VOCAB}
+        origin = f"--hf-config {spec} (preset of orthoptim.train.hf.PRESETS)"
+    else:
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(
+                f"--hf-config {spec}: not a preset ({', '.join(PRESETS)}) and no config.json there"
+            )
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf-config {spec}: not valid JSON ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"--hf-config {spec}: expected a JSON object")
+        origin = f"--hf-config {spec}"
+    kind = raw.get("model_type")
+    if kind not in _HF_KEYS:
+        raise ValueError(
+            f"{origin}: model_type {kind!r} is not mapped onto the planner's layouts "
+            f"(mapped: {', '.join(_HF_KEYS)}); write a description instead (--model my.json, "
+            "docs/planner.md)"
+        )
+    unknown = sorted(set(raw) - set(_HF_KEYS[kind]) - set(_HF_CHECKED) - _HF_SHAPELESS)
+    if unknown:
+        raise ValueError(
+            f"{origin}: key {unknown[0]!r} of a {kind} config has no counterpart in the "
+            f"planner's layouts (unmapped: {unknown}); write a description instead "
+            "(--model my.json, docs/planner.md)"
+        )
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        c = transformers.AutoConfig.for_model(kind, **fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{origin}: transformers refuses the config: {exc}") from exc
+    _hf_refuse(c, origin)
+    name = (
+        spec if spec in PRESETS else (path.parent.name if path.name == "config.json" else path.stem)
+    )
+    if kind == "gpt2":
+        desc: dict[str, Any] = dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.n_embd,
+            num_hidden_layers=c.n_layer,
+            num_attention_heads=c.n_head,
+            intermediate_size=c.n_inner or 4 * c.n_embd,
+            fused_qkv=True,
+            mlp="gelu",
+            norm="layernorm",
+            bias=True,
+            max_position_embeddings=c.n_positions,
+        )
+    else:
+        desc = dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads or c.num_attention_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            intermediate_size=c.intermediate_size,
+            qk_norm=kind.startswith("qwen3"),
+        )
+        if kind == "qwen3_moe":
+            desc.update(
+                n_routed_experts=c.num_experts,
+                num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.moe_intermediate_size,
+            )
+    desc.update(name=str(name), source=origin, tie_word_embeddings=bool(c.tie_word_embeddings))
+    return model_from_dict(desc, origin)
+
+
+def _hf_refuse(c: Any, origin: str) -> None:
+    """Refuse a config whose value of a checked key the planner's layouts cannot express."""
+    for key, fine in (("attention_bias", False), ("mlp_bias", False), ("decoder_sparse_step", 1)):
+        value = getattr(c, key, fine)
+        if value != fine:
+            raise ValueError(
+                f"{origin}: {key} = {value!r} is not in the planner's layouts (only {fine!r}); "
+                "write a description instead (--model my.json)"
+            )
+    if getattr(c, "mlp_only_layers", None):
+        raise ValueError(
+            f"{origin}: mlp_only_layers = {c.mlp_only_layers!r} (dense layers among the MoE "
+            "ones) is not in the planner's layouts (only []); write a description instead"
+        )
 
 
 def model_from_dict(raw: dict[str, Any], origin: str = "model description") -> ModelDescription:
