@@ -294,20 +294,14 @@ def hf_model(spec: str) -> ModelDescription:
     presets (planned as train builds it, over the 256-byte vocabulary) or a config.json (or
     its folder), planned as written (its own vocabulary). Needs `transformers` for the
     defaults of keys a config leaves out."""
-    from orthoptim.train.hf import BYTE_VOCAB, PRESETS, require_transformers
+    from orthoptim.train.hf import BYTE_VOCAB, PRESETS, config_path, require_transformers
 
     transformers = require_transformers()
     if spec in PRESETS:
         raw = {**PRESETS[spec], "vocab_size": BYTE_VOCAB}
         origin = f"--hf-config {spec} (preset of orthoptim.train.hf.PRESETS)"
     else:
-        path = Path(spec)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"--hf-config {spec}: not a preset ({', '.join(PRESETS)}) and no config.json there"
-            )
+        path = config_path(spec)
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:

@@ -52,6 +52,18 @@ def require_transformers() -> Any:
     return transformers
 
 
+def config_path(spec: str) -> Path:
+    """The config.json that `--hf-config spec` names (the file, or the folder holding it)."""
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"--hf-config {spec}: not a preset ({', '.join(PRESETS)}) and no config.json there"
+        )
+    return path
+
+
 def hf_config(spec: str, seq_len: int) -> Any:
     """The `transformers` config of `spec` (a preset name, or a config.json or its folder),
     with the byte vocabulary and a context of at least `seq_len`."""
@@ -64,13 +76,7 @@ def hf_config(spec: str, seq_len: int) -> Any:
             if hasattr(config, key):
                 setattr(config, key, max(seq_len, 128))
     else:
-        path = Path(spec)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"--hf-config {spec}: not a preset ({', '.join(PRESETS)}) and no config.json there"
-            )
+        path = config_path(spec)
         try:
             config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
