@@ -364,6 +364,31 @@ def test_world_size_one_equals_single_process(config):
         assert torch.equal(p, ref[n]), n
 
 
+def test_world_size_one_holds_no_buffer_and_rounds_at_the_step():
+    """Without a process group nothing is sent: no bucket holds a buffer, the owned
+    gradients are the ones backward made, and with a bf16 gather the parameters hold their
+    rounded values as soon as step() returns (the next forward reads them; no forward hook
+    waits at world size 1), the masters the unrounded ones."""
+    model = make_model()
+    opt = LayerwiseDistributedOptimizer(
+        model, **CONFIGS["hybrid"], bucket_mb=0.01, gather_dtype=torch.bfloat16
+    )
+    assert len(opt._buckets) > 1
+    for b in opt._buckets:
+        assert (b.grad_flat, b.grad_shard, b.gather_flat, b.gather_in) == (None,) * 4
+    for step in range(2):
+        loss_fn(model, *batch(step)).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        for n, p in model.named_parameters():
+            assert torch.equal(p, p.bfloat16().float()), n
+            if n in grads:  # stepped with the gradient autograd made, not a copy of it
+                assert p.grad is grads[n], n
+        masters = opt.masters()
+        assert masters and any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
+        opt.zero_grad()
+
+
 def test_state_dict_continuation_and_scheduler():
     model = make_model()
     opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.01)

@@ -158,6 +158,16 @@ def _state(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     ]
 
 
+def _buffers(opt: LayerwiseDistributedOptimizer) -> list[torch.Tensor]:
+    """The flat buffers of every bucket of a layer-wise optimizer."""
+    return [
+        t
+        for b in opt._buckets
+        for t in (b.grad_flat, b.grad_shard, b.gather_flat, b.gather_in)
+        if t is not None
+    ]
+
+
 def measure(
     desc: ModelDescription,
     world: int,
@@ -198,12 +208,7 @@ def measure(
         held = {
             "params": list(model.parameters()),
             "grads": grads,
-            "buffers": [
-                t
-                for b in opt._buckets
-                for t in (b.grad_flat, b.grad_shard, b.gather_flat, b.gather_in)
-                if t is not None
-            ],
+            "buffers": _buffers(opt),
             "masters": list(opt.masters().values()),
             "state": _state(opt.inner),
         }
@@ -313,6 +318,38 @@ def test_memory_per_rank_matches_the_real_optimizer(spec, dp, ep, ns, gather):
         # what is held between steps is exact; the transient peak within 1 % (the Frobenius
         # norms, 4 bytes a matrix, and the flags are not modelled)
         _check(want, measure(desc, dp, rank, ep, ns, gather), key)
+
+
+@pytest.mark.parametrize("rank", [0, 7])
+def test_a_group_of_one_rank_holds_no_buffer(rank):
+    """With ep = dp every expert group is one rank: nothing is sent for the experts, so the
+    buffers are the dense buckets' alone, those of the same optimizer over the model with
+    its routed experts removed (the dense assignment does not depend on them)."""
+    dp = 8
+    model, kinds = model_of(model_from_dict(MOE), dp)
+    experts = {n for n, p in model.named_parameters() if p.ndim == 3}
+    assert experts
+    dist.init_process_group(BACKEND, rank=rank, world_size=dp, store=FakeStore())
+    try:
+        groups = [dist.new_group([r]) for r in range(dp)]
+
+        def buffer_bytes(m: nn.Module, expert_group: object) -> int:
+            opt = LayerwiseDistributedOptimizer(
+                m, "muon", lr=0.01, route=lambda n, p: kinds[base_name(n)] == "muon",
+                split_experts=True, expert_group=expert_group,
+            )  # fmt: skip
+            assert any(b.n == 1 for b in opt._buckets) == (expert_group is not None)
+            return _count({"buffers": _buffers(opt)}, 0)["buffers"]
+
+        with_experts = buffer_bytes(model, groups[rank])
+        for name in experts:
+            *path, leaf = name.split(".")
+            delattr(model.get_submodule(".".join(path)), leaf)
+        dense = buffer_bytes(model, None)
+    finally:
+        dist.destroy_process_group()
+    assert dense > 0
+    assert with_experts == dense
 
 
 SOAP_CASES = [

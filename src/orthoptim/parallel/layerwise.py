@@ -159,7 +159,10 @@ class _Bucket:
     Scatter mode (several owners): flat = N shards of `width` elements, shard r holding rank
     r's parameters back to back (its whole units, then its run of the sharded AdamW units);
     one reduce-scatter, one all-gather. Single mode (one owner): flat = that owner's
-    parameters; one reduce to it, one broadcast from it.
+    parameters; one reduce to it, one broadcast from it. A group of one rank (an expert group
+    when ep = dp, or no process group) sends nothing and holds no buffer: its gradients are
+    used where autograd left them (`own`, read by `finish_reduce`) and its parameters are
+    stepped in place.
     """
 
     def __init__(
@@ -187,9 +190,23 @@ class _Bucket:
         self.width = max(shard)
         self.mine = [s for s in slots if s.owner == rank]
         self.flat_numel = self.width if self.single else self.width * world_size
+        # In a group of one rank: each owned slot's gradient, shaped like its local values.
+        self.own: dict[_Slot, Tensor | None] = {}
+        self.grad_flat: Tensor | None = None
+        self.grad_shard: Tensor | None = None
+        self.gather_flat: Tensor | None = None
+        self.gather_in: Tensor | None = None
+        self.label = "bucket"  # named in errors, set by the optimizer ("bucket 2")
+        self.ready: set[int] = set()
+        self.launched = False
+        self.pending = False
+        self.reduce_work: Any = None
+        self.gather_work: Any = None
+        if world_size == 1:
+            self.flat_numel = 0
+            return
         device = slots[0].param.device
         self.grad_flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=device)
-        self.grad_shard: Tensor | None = None
         if not self.single:
             self.grad_shard = torch.zeros(self.width, dtype=self.dtype, device=device)
         elif rank == self.owners[0]:
@@ -205,15 +222,10 @@ class _Bucket:
         self.gather_in = (
             None if self.single else torch.zeros(self.width, dtype=self.gather_dtype, device=device)
         )
-        self.label = "bucket"  # named in errors, set by the optimizer ("bucket 2")
-        self.ready: set[int] = set()
-        self.launched = False
-        self.pending = False
-        self.reduce_work: Any = None
-        self.gather_work: Any = None
 
     # -- gradients ---------------------------------------------------------------------
     def flat_slice(self, s: _Slot) -> Tensor:
+        assert self.grad_flat is not None
         start = s.offset if self.single else s.owner * self.width + s.offset
         return self.grad_flat[start : start + s.numel]
 
@@ -223,20 +235,36 @@ class _Bucket:
             self.put_grad(s)
 
     def put_grad(self, s: _Slot) -> None:
-        """Copy the parameter's local gradient (or zeros when it has none) into the flat."""
+        """Copy the parameter's local gradient (or zeros when it has none) into the flat; a
+        group of one rank copies nothing (`finish_reduce` takes the gradient as it is)."""
+        if self.n == 1:
+            return
         dst = self.flat_slice(s)
-        g = s.local_grad()
+        g = self.local_grad(s)
         if g is None:
             dst.zero_()
             return
+        dst.view(g.shape).copy_(g)
+
+    @staticmethod
+    def local_grad(s: _Slot) -> Tensor | None:
+        """This rank's (unreduced) gradient of slot `s` shaped like its local values: a view
+        of the `.grad` autograd made (a copy only where that gradient's strides forbid a
+        view), or None when it has none."""
+        g = s.local_grad()
+        if g is None:
+            return None
         if getattr(g, "placements", None) != getattr(s.param, "placements", None):
             raise ValueError(
                 f"the gradient of {s.name} has placements {g.placements} but the parameter "
                 f"{s.param.placements}; LayerwiseDistributedOptimizer needs gradients sharded "
                 "like their tensor-parallel parameters"
             )
-        src = C.local_shard(g).reshape(-1)
-        dst.copy_(src if s.flat is None else src[s.flat[0] : s.flat[1]])
+        src = C.local_shard(g)
+        if s.flat is not None:
+            src = src.reshape(-1)[s.flat[0] : s.flat[1]]
+        shape = s.local().shape
+        return src if src.shape == shape else src.reshape(shape)
 
     def reduce_phase(self) -> str:
         return f"gradient {'reduce' if self.single else 'reduce-scatter'} of {self.label}"
@@ -249,7 +277,9 @@ class _Bucket:
             self._launch_reduce(self.group, stats, async_op)
 
     def _launch_reduce(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
-        if self.single:
+        if self.n == 1:
+            pass  # nothing to reduce: `finish_reduce` takes the gradients as they are
+        elif self.single:
             dst = C.global_rank(group, self.owners[0])
             self.reduce_work = C.reduce(
                 self.grad_flat, dst, group=group, stats=stats, async_op=async_op
@@ -261,7 +291,11 @@ class _Bucket:
         self.launched = True
 
     def finish_reduce(self) -> None:
-        """Wait for the reduction and turn the owner's shard into averaged gradients."""
+        """Wait for the reduction and turn the owner's shard into averaged gradients (in a
+        group of one rank: take each owned slot's gradient where it is)."""
+        if self.n == 1:
+            self.own = {s: self.local_grad(s) for s in self.mine}
+            return
         if self.reduce_work is not None:
             C.wait(self.reduce_work, self.reduce_phase())
             self.reduce_work = None
@@ -269,9 +303,20 @@ class _Bucket:
             self.grad_shard.div_(self.n)
 
     def shard_view(self, s: _Slot) -> Tensor:
-        """The reduced gradient of a parameter this rank owns, shaped like its local values."""
+        """The reduced gradient of a parameter this rank owns, shaped like its local values
+        (zeros where a group of one rank has no gradient of it, as a buffer would hold)."""
+        if self.n == 1:
+            g = self.own[s]
+            return torch.zeros_like(s.local()) if g is None else g
         assert self.grad_shard is not None
         return self.grad_shard[s.offset : s.offset + s.numel].view_as(s.local())
+
+    def shards(self) -> list[Tensor]:
+        """Every reduced gradient this rank owns here, as few tensors as hold them: its
+        shard of the buffer, or in a group of one rank the gradients themselves."""
+        if self.n == 1:
+            return [g for g in self.own.values() if g is not None]
+        return [] if self.grad_shard is None else [self.grad_shard]
 
     def reduced_grad(self, s: _Slot) -> Tensor:
         """`shard_view` as the unit's gradient: a DTensor sharded like a DTensor parameter."""
@@ -280,6 +325,7 @@ class _Bucket:
     def reset(self) -> None:
         self.ready.clear()
         self.launched = False
+        self.own = {}
 
     # -- parameters --------------------------------------------------------------------
     def launch_gather(self, stats: C.CommStats, async_op: bool) -> None:
@@ -287,6 +333,13 @@ class _Bucket:
             self._launch_gather(self.group, stats, async_op)
 
     def _launch_gather(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
+        if self.n == 1:
+            if self.gather_dtype != self.dtype:  # the one replica holds the rounded value
+                for s in self.mine:
+                    v = s.local()
+                    v.copy_(v.to(self.gather_dtype))
+            return
+        assert self.gather_flat is not None
         if self.single:
             owner = self.owners[0]
             if self.rank == owner:
@@ -322,6 +375,7 @@ class _Bucket:
             C.wait(self.gather_work, self.gather_phase())
             self.gather_work = None
         self.pending = False
+        assert self.gather_flat is not None
         rounds = self.gather_dtype != self.dtype
         for s in self.slots:
             if s.owner == self.rank and not rounds:
@@ -703,8 +757,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         # a TP orthogonalizer together must agree on whether to step.
         groups = [self.process_group, *self.tp_groups]
         bad = torch.zeros(1, dtype=torch.int32, device=device)
-        if owned:
-            bad = torch.stack([~torch.isfinite(b.grad_shard).all() for b in owned]).sum()
+        flags = [~torch.isfinite(t).all() for b in owned for t in b.shards()]
+        if flags:
+            bad = torch.stack(flags).sum()
         present, anywhere = C.agree(present, bad, group=groups, stats=self._stats, device=device)
         if not anywhere[0]:
             return present, []
@@ -745,7 +800,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         like = self._slots[0].param.device if self._slots else None
         return clip.clip_(
             (b.shard_view(s) for b in self._buckets for s in b.mine if self._counted_here(s)),
-            [b.grad_shard for b in self._buckets if b.mine],
+            [t for b in self._buckets if b.mine for t in b.shards()],
             max_norm,
             p,
             error_if_nonfinite,

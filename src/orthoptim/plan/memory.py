@@ -12,7 +12,8 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
     buffers    the buckets' flat buffers (`layerwise._Bucket`): a bucket of several owners
                holds grad_flat (N shards of `width`), grad_shard and gather_in (`width`
                each) and, when the gather dtype differs, a gather_flat of N·width; a bucket
-               of one owner holds a grad_flat of `width`, and its owner a gather_flat too
+               of one owner holds a grad_flat of `width`, and its owner a gather_flat too;
+               a bucket of a group of one rank (an expert group when ep = dp) holds none
     transient  the step's own peak above that: Muon's Nesterov updates of every owned
                matrix (alive through the whole batched call), the orthogonalized outputs
                of the batches done so far, and the batch in flight (its fp32 stack when
@@ -102,10 +103,14 @@ def _bucket_buffers(g: Group, pb: int, gb: int, rounds: bool) -> tuple[list[int]
         holders = [r for r in range(n) if share[r]]
         if not holders:
             continue  # no slot has elements: the optimizer makes no bucket
+        if n == 1:
+            # nothing is sent: the gradients are used (and checked) where autograd left them
+            widest[0] = max(widest[0], *(numels[i] for i in bucket))
+            continue
         width = max(share)
         for r in holders:
             widest[r] = max(widest[r], width)
-        if len(holders) == 1 and n > 1:  # single: reduced to its owner, broadcast from it
+        if len(holders) == 1:  # single: reduced to its owner, broadcast from it
             for r in range(n):
                 # grad_flat; a gather_flat of its own where the gather rounds, and on the
                 # owner, whose gradients are views of its grad_flat
