@@ -470,3 +470,22 @@ def test_fsdp_optimizer_orthogonalizes_split_blocks_like_muon():
         torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-6)
     qkv = "blocks.0.attn.qkv.weight"
     assert not torch.allclose(got[qkv], whole[qkv], atol=1e-4)
+
+
+def test_zero_grad_to_zeros_steps_like_set_to_none_with_expert_slices():
+    """`zero_grad(set_to_none=False)` over expert slices (gradients that are views) zeroes
+    them in place, as torch's does, and the next steps equal those after set_to_none=True."""
+
+    def trained(set_to_none: bool) -> dict:
+        torch.manual_seed(0)
+        model = _Experts()
+        opt = LayerwiseDistributedOptimizer(model, split_experts=True, lr=0.05)
+        for step in range(3):
+            model(torch.randn(8, 6, generator=torch.Generator().manual_seed(step))).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    zeros, nones = trained(False), trained(True)
+    for name in nones:
+        assert torch.equal(zeros[name], nones[name]), name

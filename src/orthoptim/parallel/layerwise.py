@@ -898,7 +898,12 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             if set_to_none:
                 p.grad = None
             else:
-                p.grad.detach_()
+                # as torch.optim.Optimizer.zero_grad: a view (an expert slice, a bucket view)
+                # cannot be detached in place
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
                 p.grad.zero_()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
