@@ -712,6 +712,31 @@ def agree(
     return [v < ranks for v in summed[:k]], [v > 0 for v in summed[k:]]
 
 
+def agree_nonfinite(
+    present: Sequence[bool],
+    checks: Sequence[Tensor],
+    per_item: Any,
+    group: Any = None,
+    stats: CommStats | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[list[bool], list[bool]]:
+    """`agree` for a distributed step's non-finite check, in two rounds: the `checks` (0-d
+    flags, true for a local gradient that holds NaN or Inf) are summed on the device into one
+    count that rides with `present` in one all-reduce and one host read; only when some rank
+    counts one is `per_item()` (a flag per item, on the device) agreed too, to name them.
+    Returns (present anywhere, non-finite anywhere per item: [] when none is)."""
+    count = (
+        torch.stack([c if device is None else c.to(device) for c in checks]).sum()
+        if checks
+        else [False]
+    )
+    present, anywhere = agree(present, count, group=group, stats=stats, device=device)
+    if not anywhere[0]:
+        return present, []
+    _, which = agree([], per_item(), group=group, stats=stats, device=device)
+    return present, which
+
+
 def barrier(group: Any = None, stats: CommStats | None = None) -> None:
     """Every rank waits for every other (a one-element all-reduce, so it is counted)."""
     all_reduce(torch.zeros(1, device=device_for(group)), group=group, stats=stats, kind="barrier")

@@ -274,22 +274,20 @@ class FSDPOptimizer(CompositeOptimizer):
             for _, p in self._named
             if p.grad is not None
         ]
-        bad = torch.zeros(1, dtype=torch.int32, device=self.device)
-        if checks:
-            bad = torch.stack([c.to(self.device) for c in checks]).sum()
-        group, stats = self.process_group, self._stats
-        present, anywhere = C.agree(present, bad, group=group, stats=stats, device=self.device)
-        if not anywhere[0]:
-            return present, []
-        per_param = torch.stack(
-            [
-                ~torch.isfinite(C.local_shard(p.grad)).all().to(self.device)
-                if p.grad is not None
-                else torch.zeros((), dtype=torch.bool, device=self.device)
-                for _, p in self._named
-            ]
+
+        def per_param() -> torch.Tensor:
+            return torch.stack(
+                [
+                    ~torch.isfinite(C.local_shard(p.grad)).all().to(self.device)
+                    if p.grad is not None
+                    else torch.zeros((), dtype=torch.bool, device=self.device)
+                    for _, p in self._named
+                ]
+            )
+
+        present, which = C.agree_nonfinite(
+            present, checks, per_param, self.process_group, self._stats, self.device
         )
-        _, which = C.agree([], per_param, group=group, stats=stats, device=self.device)
         return present, [n for (n, _), v in zip(self._named, which) if v]
 
     @torch.no_grad()

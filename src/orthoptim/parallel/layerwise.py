@@ -753,21 +753,19 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             present[s.unit] = s.param.grad is not None
         owned = [b for b in self._buckets if b.mine]
         device = self._slots[0].param.device
+        checks = [~torch.isfinite(t).all() for b in owned for t in b.shards()]
+
+        def per_unit() -> Tensor:
+            flags = torch.zeros(len(self.units), dtype=torch.int32, device=device)
+            for b in owned:
+                for s in b.mine:
+                    flags[s.unit] |= ~torch.isfinite(b.shard_view(s)).all()
+            return flags
+
         # Over the data-parallel group, then each tensor-parallel group: the ranks that run
         # a TP orthogonalizer together must agree on whether to step.
         groups = [self.process_group, *self.tp_groups]
-        bad = torch.zeros(1, dtype=torch.int32, device=device)
-        flags = [~torch.isfinite(t).all() for b in owned for t in b.shards()]
-        if flags:
-            bad = torch.stack(flags).sum()
-        present, anywhere = C.agree(present, bad, group=groups, stats=self._stats, device=device)
-        if not anywhere[0]:
-            return present, []
-        per_unit = torch.zeros(len(self.units), dtype=torch.int32, device=device)
-        for b in owned:
-            for s in b.mine:
-                per_unit[s.unit] |= ~torch.isfinite(b.shard_view(s)).all()
-        _, which = C.agree([], per_unit, group=groups, stats=self._stats, device=device)
+        present, which = C.agree_nonfinite(present, checks, per_unit, groups, self._stats, device)
         return present, [u.name for u, v in zip(self.units, which) if v]
 
     # -- gradient clipping -------------------------------------------------------------
