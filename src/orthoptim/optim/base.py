@@ -395,8 +395,7 @@ class GuardedOptimizer(CopyableOptimizer):
             self._compiled_step()
             return loss
         self.check_nonfinite()
-        params = [p for g in self.param_groups for p in g["params"]]
-        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(params)):
+        if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(self._params())):
             return loss
         self._update()
         return loss

@@ -106,12 +106,19 @@ class MatrixOptimizer(GuardedOptimizer):
         if direction is not None:
             descend(param, direction, group["lr"], group["weight_decay"])
 
+    def state_of(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The state of `param`, its `init_state` made on first sight."""
+        state = self.state[param]
+        if not state:
+            state.update(self.init_state(param, group))
+        return state
+
     def init_compiled_state(self) -> None:
         """`init_state` of every parameter with a gradient and no state yet."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and not self.state[p]:
-                    self.state[p].update(self.init_state(p, group))
+                if p.grad is not None:
+                    self.state_of(p, group)
 
     def _update(self) -> None:
         names = param_names(self)
@@ -130,9 +137,7 @@ class MatrixOptimizer(GuardedOptimizer):
         items = []
         moving = []
         for p in params:
-            state = self.state[p]
-            if not state:
-                state.update(self.init_state(p, group))
+            state = self.state_of(p, group)
             moving.append(self.moves(state, p.shape, group))
             items.append((self.prepare(p.grad, state, group), state))
         found = self.directions(items, group, names)

@@ -55,12 +55,19 @@ class Lion(GuardedOptimizer):
         super().add_param_group(param_group)
         check_params("Lion", self.param_groups)
 
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """The momentum of `p`, made (zero, in the state dtype) on first sight."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+        return state["exp_avg"]
+
     def init_compiled_state(self) -> None:
         """The momentum of every parameter with a gradient and none yet."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and "exp_avg" not in self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+                if p.grad is not None:
+                    self._momentum(p)
 
     def _update(self) -> None:
         for group in self.param_groups:
@@ -69,10 +76,7 @@ class Lion(GuardedOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
-                m = state["exp_avg"]
+                m = self._momentum(p)
                 grad = p.grad.to(m.dtype)
                 w = p if p.dtype == m.dtype else p.to(m.dtype)
                 if wd != 0.0:

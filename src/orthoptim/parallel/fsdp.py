@@ -361,9 +361,7 @@ class FSDPOptimizer(CompositeOptimizer):
         moving: dict[int, bool] = {}
         updates: dict[int, Tensor] = {}
         for m in live:
-            state = self.state[m.param]
-            if not state:
-                state.update(opt.init_state(m.param, m.group))
+            state = opt.state_of(m.param, m.group)
             moving[m.unit] = opt.moves(state, m.param.shape, m.group)
             if m.param.grad is not None:
                 local = self._local(m)
