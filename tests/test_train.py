@@ -317,12 +317,12 @@ def test_compare_writes_summary_and_plot(tmp_path):
     report = (out / "report.md").read_text()
     assert "| final validation loss (nats/byte) |" in report and "target" not in report
     # The report's figures are taken over the rows the loop's throughput uses.
-    from orthoptim.train.compare import _median, timed_rows
+    from orthoptim.train.loop import timed_rows, upper_median
     from orthoptim.train.runfolder import read_metrics
 
     for name, run in summary["runs"].items():
         timed = timed_rows(read_metrics(out / name / "metrics.jsonl"))
-        assert run["median_step_time_s"] == _median([r["step_time_s"] for r in timed])
+        assert run["median_step_time_s"] == upper_median([r["step_time_s"] for r in timed])
     # The runs took turns in 4 segments, each resumed: the same losses as one stretch each.
     assert summary["segments"] == 4
     whole = tmp_path / "whole"

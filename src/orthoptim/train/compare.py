@@ -26,7 +26,7 @@ from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_LR, OPTIMIZERS, TrainArgs
 from orthoptim.train.devices import plan_ranks
 from orthoptim.train.launcher import check_out, launch
-from orthoptim.train.loop import COLD_STEPS, peak_memory_bytes
+from orthoptim.train.loop import COLD_STEPS, peak_memory_bytes, timed_rows, upper_median
 from orthoptim.train.runfolder import read_metrics
 
 COMPARED = ("adamw", "muon")
@@ -193,20 +193,6 @@ def _run_interleaved(
     return results
 
 
-def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The metrics rows a run's throughput is measured over, picked as `loop.throughput`
-    picks them: every step but the cold ones (the first COLD_STEPS after each start of the
-    ranks), unless no other is left."""
-    steps = [r for r in rows if "step_time_s" in r]
-    return [r for r in steps if not r.get("cold")] or steps
-
-
-def _median(values: list[float]) -> float | None:
-    """The median as `loop.throughput` takes it (of an even count, the upper middle one)."""
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else None
-
-
 def step_ranges(steps: list[int]) -> list[list[int]]:
     """[first, last] of each stretch of consecutive step numbers."""
     ranges: list[list[int]] = []
@@ -232,7 +218,9 @@ def _record(result: dict[str, Any], lr_source: LRSource) -> dict[str, Any]:
         tokens_per_s=result.get("tokens_per_s"),
         median_step_time_s=result.get("median_step_time_s"),
         median_optimizer_time_s=result.get("median_optimizer_time_s"),
-        median_forward_backward_time_s=_median([r["step_time_s"] - r["opt_time_s"] for r in timed]),
+        median_forward_backward_time_s=upper_median(
+            [r["step_time_s"] - r["opt_time_s"] for r in timed]
+        ),
         optimizer_share_of_step_time=result.get("optimizer_share"),
         timed_steps=step_ranges([int(r["step"]) for r in timed]),
         train_time_s=rows[-1]["train_time_s"] if rows else None,

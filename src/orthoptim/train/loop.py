@@ -512,20 +512,31 @@ def _result(
 COLD_STEPS = 2
 
 
+def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics rows a run's throughput is measured over: every step but the cold ones
+    (the first COLD_STEPS after each start or resume), unless no other is left."""
+    steps = [r for r in rows if "step_time_s" in r]
+    return [r for r in steps if not r.get("cold")] or steps
+
+
+def upper_median(values: list[float]) -> float | None:
+    """The median (of an even count, the upper middle one); None for no values."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
 def throughput(rows: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
     """Median step time, tokens/s and the optimizer's share of step time over the run's
-    steps, leaving out the cold ones (the first COLD_STEPS after each start or resume)
-    unless nothing else is left."""
-    steps = [r for r in rows if "step_time_s" in r]
-    steps = [r for r in steps if not r.get("cold")] or steps
+    `timed_rows`."""
+    steps = timed_rows(rows)
     if not steps:
         return {}
-    step_times = sorted(r["step_time_s"] for r in steps)
-    opt_times = sorted(r["opt_time_s"] for r in steps)
-    median = step_times[len(step_times) // 2]
+    step_times = [r["step_time_s"] for r in steps]
+    opt_times = [r["opt_time_s"] for r in steps]
+    median = upper_median(step_times)
     return dict(
         median_step_time_s=median,
-        median_optimizer_time_s=opt_times[len(opt_times) // 2],
+        median_optimizer_time_s=upper_median(opt_times),
         tokens_per_s=tokens_per_step / median,
         optimizer_share=sum(opt_times) / sum(step_times),
     )
