@@ -27,18 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orthoptim import collectives as C
 from orthoptim.optim.state import base_name
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.plan import Layout, load_hardware, make_plan, model_from_dict
+from orthoptim.plan.dryrun import BACKEND, _register_backend
 from orthoptim.plan.model import ModelDescription, expand
 
-BACKEND = "fake_meta"
-if BACKEND not in dist.Backend.backend_list:
-    dist.Backend.register_backend(BACKEND, _create_fake_pg, extended_api=True, devices=["meta"])
+_register_backend()  # the dry run's fake process group, serving the meta device only
 
 DENSE = dict(
     name="tiny-dense",
