@@ -17,6 +17,7 @@ from torch import nn
 from orthoptim import build_optimizer
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.parallel import LayerwiseDistributedOptimizer
+from orthoptim.parallel.layerwise import MAX_PADDING
 
 from distributed import run_ranks
 
@@ -148,12 +149,14 @@ def layout_bytes(assignment, world_size, rank, gather_ratio=1.0):
         for r, x in enumerate(assignment.adamw_split[b] if assignment.adamw_split else []):
             shard[r] += x * assignment.adamw_itemsize[b]
         owners = [r for r in range(n) if shard[r]]
-        if len(owners) == 1:
-            # pipelined chains: reduce owner+1 → … → owner, broadcast owner → … → owner−1
-            o, size = owners[0], shard[owners[0]]
-            add("reduce", 0 if rank == o else size, 0 if rank == (o + 1) % n else size)
-            g = size * gather_ratio
-            add("broadcast", 0 if rank == (o - 1) % n else g, 0 if rank == o else g)
+        if len(owners) == 1 or n * max(shard) - sum(shard) > MAX_PADDING * sum(shard):
+            # one region per owner (no padding), each a pipelined chain: reduce owner+1 → … →
+            # owner, broadcast owner → … → owner−1
+            for o in owners:
+                size = shard[o]
+                add("reduce", 0 if rank == o else size, 0 if rank == (o + 1) % n else size)
+                g = size * gather_ratio
+                add("broadcast", 0 if rank == (o - 1) % n else g, 0 if rank == o else g)
         else:
             add("reduce_scatter", (n - 1) * max(shard), (n - 1) * max(shard))
             g = (n - 1) * max(shard) * gather_ratio
@@ -375,7 +378,7 @@ def test_world_size_one_holds_no_buffer_and_rounds_at_the_step():
     )
     assert len(opt._buckets) > 1
     for b in opt._buckets:
-        assert (b.grad_flat, b.grad_shard, b.gather_flat, b.gather_in) == (None,) * 4
+        assert (b.grads, b.params, b.gathered) == (None,) * 3
     for step in range(2):
         loss_fn(model, *batch(step)).backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

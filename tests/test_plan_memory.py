@@ -158,13 +158,8 @@ def _state(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
 
 
 def _buffers(opt: LayerwiseDistributedOptimizer) -> list[torch.Tensor]:
-    """The flat buffers of every bucket of a layer-wise optimizer."""
-    return [
-        t
-        for b in opt._buckets
-        for t in (b.grad_flat, b.grad_shard, b.gather_flat, b.gather_in)
-        if t is not None
-    ]
+    """What every bucket of a layer-wise optimizer holds beyond parameters and gradients."""
+    return [t for b in opt._buckets for t in b.buffers()]
 
 
 def measure(
@@ -322,8 +317,9 @@ def test_memory_per_rank_matches_the_real_optimizer(spec, dp, ep, ns, gather):
 @pytest.mark.parametrize("rank", [0, 7])
 def test_a_group_of_one_rank_holds_no_buffer(rank):
     """With ep = dp every expert group is one rank: nothing is sent for the experts, so the
-    buffers are the dense buckets' alone, those of the same optimizer over the model with
-    its routed experts removed (the dense assignment does not depend on them)."""
+    flat buffers are the dense buckets' alone, those of the same optimizer over the model
+    with its routed experts removed (the dense assignment does not depend on them), and no
+    bucket holds a buffer beyond them."""
     dp = 8
     model, kinds = model_of(model_from_dict(MOE), dp)
     experts = {n for n, p in model.named_parameters() if p.ndim == 3}
@@ -338,7 +334,10 @@ def test_a_group_of_one_rank_holds_no_buffer(rank):
                 split_experts=True, expert_group=expert_group,
             )  # fmt: skip
             assert any(b.n == 1 for b in opt._buckets) == (expert_group is not None)
-            return _count({"buffers": _buffers(opt)}, 0)["buffers"]
+            assert _buffers(opt) == []
+            flats = [t for b in opt._buckets if b.n > 1 for t in (b.params, b.grads)]
+            assert all(b.params is None and b.grads is None for b in opt._buckets if b.n == 1)
+            return sum(t.numel() * t.element_size() for t in flats)
 
         with_experts = buffer_bytes(model, groups[rank])
         for name in experts:

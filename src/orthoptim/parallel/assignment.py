@@ -55,6 +55,10 @@ RELEASE_SLACK = 0.01
 RELEASE_GAIN = 0.001
 # Padding (padded / unpadded bytes) make_buckets sizes buckets for: "about 1 + 1/spread"
 PAD_ALLOWANCE = 1 + 1 / SPREAD
+# Padding (bytes) a bucket laid out rank by rank in equal shards may carry, as a fraction of
+# what it holds; a bucket that would need more is reduced to and broadcast from each owner
+# (`Assignment.rank_major`).
+MAX_PADDING = 0.02
 
 
 @dataclass(frozen=True)
@@ -303,26 +307,34 @@ class Assignment:
             shard = [s + x * item for s, x in zip(shard, self.adamw_split[bucket])]
         return shard
 
+    def rank_major(self, bucket: int) -> bool:
+        """Whether bucket `bucket` is laid out in N equal shards (one reduce-scatter, one
+        all-gather): it has several owners and padding its shards to the largest costs at
+        most `MAX_PADDING` of its bytes; otherwise each owner's region is reduced to it and
+        broadcast from it, unpadded."""
+        shard = self.bucket_shard_bytes(bucket)
+        total = sum(shard)
+        owners = sum(1 for x in shard if x)
+        return owners > 1 and len(shard) * max(shard) - total <= MAX_PADDING * total
+
     def padded_bytes(self) -> int:
-        """Total bytes of the flat buckets the optimizer communicates: a bucket with several
-        owners is N shards padded to its largest (what its reduce-scatter and all-gather
-        move), a bucket with one owner is just its units (reduced to it, broadcast from it).
-        """
+        """Total bytes of the flat buckets the optimizer communicates: a rank-major bucket
+        is N shards padded to its largest (what its reduce-scatter and all-gather move),
+        any other just its units."""
         total = 0
         for b in range(len(self.buckets)):
             shard = self.bucket_shard_bytes(b)
-            owners = sum(1 for x in shard if x)
-            total += max(shard) * (self.world_size if owners > 1 else 1)
+            total += max(shard) * self.world_size if self.rank_major(b) else sum(shard)
         return total
 
     def comm_bytes(self, rank: int, gather_ratio: float = 1.0) -> dict[str, tuple[float, float]]:
         """(sent, received) bytes per collective kind for `rank` in one step of the layer-wise
         optimizer, under collectives.py's ring accounting, for one parameter dtype.
 
-        A bucket with several owners moves its padded flat once by reduce-scatter and once by
-        all-gather; a bucket with one owner is reduced to it and broadcast from it (pipelined
-        chains, so every rank but the owner sends it, every rank but the owner's successor
-        receives it, and the reverse for the broadcast). `gather_ratio` is gather bytes /
+        A rank-major bucket moves its padded flat once by reduce-scatter and once by
+        all-gather; any other is reduced to and broadcast from each owner, region by region
+        (pipelined chains, so every rank but the owner sends it, every rank but the owner's
+        successor receives it, and the reverse for the broadcast). `gather_ratio` is gather bytes /
         parameter bytes (0.5 for a bf16 gather of fp32).
         The optimizer adds one all-reduce of an int32 flag per unit and one count of
         non-finite buckets (`all_reduce`).
@@ -341,10 +353,10 @@ class Assignment:
             owners = [r for r, x in enumerate(shard) if x > 0]
             if not owners:
                 continue
-            if len(owners) == 1:
-                size = shard[owners[0]]
-                add("reduce", *C.reduce_bytes(size, n, owners[0])[rank])
-                add("broadcast", *C.broadcast_bytes(size * gather_ratio, n, owners[0])[rank])
+            if not self.rank_major(b):
+                for o in owners:
+                    add("reduce", *C.reduce_bytes(shard[o], n, o)[rank])
+                    add("broadcast", *C.broadcast_bytes(shard[o] * gather_ratio, n, o)[rank])
             else:
                 add("reduce_scatter", *C.ring_reduce_scatter_bytes([max(shard)] * n)[rank])
                 g = max(shard) * gather_ratio

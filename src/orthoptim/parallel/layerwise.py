@@ -63,6 +63,7 @@ from orthoptim.optim.state import FORMAT_VERSION, StateView, flat_label, hypers
 from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import (
     BALANCES,
+    MAX_PADDING,
     NS_STEPS,
     Assignment,
     Balance,
@@ -152,23 +153,111 @@ class _Slot:
         return g[self.part[0] : self.part[1]]
 
 
-class _Bucket:
-    """The parameters of one assignment bucket that share a dtype: flat layout, buffers and
-    the collectives in flight.
+def _start(s: _Slot) -> int:
+    """Where slot `s` starts inside its parameter, in elements (for ordering a parameter's
+    slots: expert slices by their first expert, runs by their first element)."""
+    if s.flat is not None:
+        return s.flat[0]
+    if s.part is not None:
+        return s.part[0] * (s.param.numel() // max(1, s.param.shape[0]))
+    return 0
 
-    Scatter mode (several owners): flat = N shards of `width` elements, shard r holding rank
-    r's parameters back to back (its whole units, then its run of the sharded AdamW units);
-    one reduce-scatter, one all-gather. Single mode (one owner): flat = that owner's
-    parameters; one reduce to it, one broadcast from it. A group of one rank (an expert group
-    when ep = dp, or no process group) sends nothing and holds no buffer: its gradients are
-    used where autograd left them (`own`, read by `finish_reduce`) and its parameters are
-    stepped in place.
+
+def _by_param(slots: list[_Slot]) -> list[list[_Slot]]:
+    """The slots grouped by parameter (first-seen order), each parameter's in element order."""
+    groups: dict[int, list[_Slot]] = {}
+    for s in slots:
+        groups.setdefault(id(s.param), []).append(s)
+    return [sorted(g, key=_start) for g in groups.values()]
+
+
+def _rank_major(params: list[list[_Slot]], n: int) -> tuple[list[_Slot | int], int] | None:
+    """The order of a bucket laid out rank by rank in equal shards (so one reduce-scatter and
+    one all-gather serve it), with padding (ints, in elements) where a shard falls short, or
+    None when that would pad more than `MAX_PADDING` or split a parameter.
+
+    Shard r: the end of a sharded AdamW parameter whose run began on rank r-1, rank r's whole
+    units, padding, then r's other runs (the last of which may go on into shard r+1)."""
+    if n == 1:
+        return None
+    head: list[list[_Slot]] = [[] for _ in range(n)]
+    whole: list[list[_Slot]] = [[] for _ in range(n)]
+    tail: list[list[_Slot]] = [[] for _ in range(n)]
+    for ss in params:
+        owners = [s.owner for s in ss]
+        if all(s.flat is None for s in ss):
+            if len(set(owners)) > 1:
+                return None  # expert slices of several owners: not rank-major
+            whole[owners[0]] += ss
+            continue
+        if owners != sorted(owners) or len(set(owners)) != len(owners):
+            return None
+        for k, s in enumerate(ss):
+            (head if k > 0 else tail)[s.owner].append(s)
+    for r in range(n):
+        if len(head[r]) > 1:
+            return None
+    sizes = [sum(s.numel for s in head[r] + whole[r] + tail[r]) for r in range(n)]
+    width = max(sizes)
+    padding = n * width - sum(sizes)
+    if padding > MAX_PADDING * sum(sizes):
+        return None
+    order: list[_Slot | int] = []
+    for r in range(n):
+        order += head[r] + whole[r]
+        if width > sizes[r]:
+            order.append(width - sizes[r])
+        order += tail[r]
+    # every parameter's slots must lie back to back, in element order
+    at = {}
+    pos = 0
+    for item in order:
+        if isinstance(item, int):
+            pos += item
+            continue
+        at[item] = pos
+        pos += item.numel
+    for ss in params:
+        for x, y in itertools.pairwise(ss):
+            if at[x] + x.numel != at[y]:
+                return None
+    return order, width
+
+
+def _natural(params: list[list[_Slot]]) -> list[_Slot | int]:
+    """The order of a bucket reduced region by region: parameters by the owners of their
+    first and last slots (so a rank's runs join its whole units), each parameter's slots
+    back to back; no padding."""
+    return [s for ss in sorted(params, key=lambda ss: (ss[0].owner, ss[-1].owner)) for s in ss]
+
+
+class _Bucket:
+    """The parameters of one assignment bucket that share a dtype: layout, and the
+    collectives in flight over the slices of its group's flat buffers it covers.
+
+    Every parameter of the group lives in two flat buffers of the group, laid out bucket by
+    bucket: its values (`params`, the parameter dtype) and its gradient (`grads`, the
+    gradient dtype); the parameter and its `.grad` are views of them wherever the layout
+    keeps the parameter in one piece (`LayerwiseDistributedOptimizer._pointing`), so nothing
+    model-sized is held twice. Two layouts:
+
+    rank-major (`width` set): N equal shards, shard r holding what rank r owns (its whole
+    units and its runs of the sharded AdamW units), padded by at most `MAX_PADDING`; one
+    reduce-scatter and one all-gather, in place. natural: the parameters back to back,
+    `regions` the runs of one owner; one reduce to and one broadcast from each region's owner
+    (a bucket of one owner is one region).
+
+    A group of one rank (an expert group when ep = dp, or no process group) sends nothing and
+    holds no buffer: its gradients are used where autograd left them (`own`, read by
+    `finish_reduce`) and its parameters are stepped in place.
     """
 
     def __init__(
         self,
         slots: list[_Slot],
         group: Any,
+        dtype: torch.dtype,
+        grad_dtype: torch.dtype,
         gather_dtype: torch.dtype | None,
     ) -> None:
         self.slots = slots
@@ -177,74 +266,79 @@ class _Bucket:
             self.units.setdefault(s.unit, []).append(s)
         self.group = group
         self.rank, self.n = C.world(group)
-        rank, world_size = self.rank, self.n
-        self.dtype = slots[0].data.dtype
-        self.gather_dtype = gather_dtype or self.dtype
+        self.dtype = dtype
+        self.grad_dtype = grad_dtype
+        self.gather_dtype = gather_dtype or dtype
         self.owners = sorted({s.owner for s in slots})
-        self.single = len(self.owners) == 1 and world_size > 1
-        shard = [0] * world_size
-        for s in slots:
-            s.offset = shard[s.owner]
-            shard[s.owner] += s.numel
-        self.shard_numel = shard
-        self.width = max(shard)
-        self.mine = [s for s in slots if s.owner == rank]
-        self.flat_numel = self.width if self.single else self.width * world_size
+        self.mine = [s for s in slots if s.owner == self.rank]
+        self.width: int | None = None
+        self.numel = 0
+        self.regions: list[tuple[int, int, int]] = []  # (start, stop, owner rank)
+        if self.n > 1:
+            self._lay_out()
         # In a group of one rank: each owned slot's gradient, shaped like its local values.
         self.own: dict[_Slot, Tensor | None] = {}
-        self.grad_flat: Tensor | None = None
-        self.grad_shard: Tensor | None = None
-        self.gather_flat: Tensor | None = None
-        self.gather_in: Tensor | None = None
+        self.grads: Tensor | None = None  # this bucket's slice of the group's buffers
+        self.params: Tensor | None = None
+        self.gathered: Tensor | None = None  # the gather dtype's buffer, where it rounds
         self.label = "bucket"  # named in errors, set by the optimizer ("bucket 2")
-        self.ready: set[int] = set()
+        self.ready: set[int] = set()  # units whose gradients are in (for this step)
+        self.present: set[int] = set()  # units that had a gradient on this rank
+        self.added: set[int] = set()  # units added into a buffer of another dtype
+        self.copied: set[int] = set()
         self.launched = False
         self.pending = False
-        self.reduce_work: Any = None
-        self.gather_work: Any = None
-        if world_size == 1:
-            self.flat_numel = 0
-            return
-        device = slots[0].param.device
-        self.grad_flat = torch.zeros(self.flat_numel, dtype=self.dtype, device=device)
-        if not self.single:
-            self.grad_shard = torch.zeros(self.width, dtype=self.dtype, device=device)
-        elif rank == self.owners[0]:
-            self.grad_shard = self.grad_flat
-        # The gradient buffer is free once reduced, so the gather reuses it when dtypes agree,
-        # except on a single owner, whose gradients are views of it until the next backward.
-        reuse = self.gather_dtype == self.dtype and self.grad_shard is not self.grad_flat
-        self.gather_flat = (
-            self.grad_flat
-            if reuse
-            else torch.zeros(self.flat_numel, dtype=self.gather_dtype, device=device)
-        )
-        self.gather_in = (
-            None if self.single else torch.zeros(self.width, dtype=self.gather_dtype, device=device)
-        )
+        self.works: list[tuple[Any, str]] = []
+
+    def _lay_out(self) -> None:
+        params = _by_param(self.slots)
+        laid = _rank_major(params, self.n)
+        order = laid[0] if laid is not None else _natural(params)
+        self.width = laid[1] if laid is not None else None
+        pos = 0
+        for item in order:
+            if isinstance(item, int):
+                pos += item
+                continue
+            item.offset = pos
+            pos += item.numel
+            if self.width is None:
+                if self.regions and self.regions[-1][2] == item.owner:
+                    start, _, owner = self.regions.pop()
+                    self.regions.append((start, pos, owner))
+                else:
+                    self.regions.append((pos - item.numel, pos, item.owner))
+        self.numel = pos
+        if self.width is not None:
+            w = self.width
+            self.regions = [(r * w, (r + 1) * w, r) for r in range(self.n)]
+
+    @property
+    def rounds(self) -> bool:
+        """Whether the gather dtype rounds the parameters (a gather buffer of its own)."""
+        return self.gather_dtype != self.dtype
+
+    def attach(self, grads: Tensor, params: Tensor) -> None:
+        """Take this bucket's slices of the group's flat buffers."""
+        self.grads, self.params = grads, params
+        if self.rounds:
+            self.gathered = torch.zeros(self.numel, dtype=self.gather_dtype, device=params.device)
+
+    def buffers(self) -> list[Tensor]:
+        """The tensors this bucket holds beyond the parameters and gradients themselves."""
+        return [] if self.gathered is None else [self.gathered]
+
+    def mine_regions(self) -> list[tuple[int, int, int]]:
+        return [r for r in self.regions if r[2] == self.rank]
 
     # -- gradients ---------------------------------------------------------------------
-    def flat_slice(self, s: _Slot) -> Tensor:
-        assert self.grad_flat is not None
-        start = s.offset if self.single else s.owner * self.width + s.offset
-        return self.grad_flat[start : start + s.numel]
+    def grad_slice(self, s: _Slot) -> Tensor:
+        assert self.grads is not None
+        return self.grads[s.offset : s.offset + s.numel]
 
-    def put_unit(self, unit: int) -> None:
-        """`put_grad` of every slot of `unit`."""
-        for s in self.units[unit]:
-            self.put_grad(s)
-
-    def put_grad(self, s: _Slot) -> None:
-        """Copy the parameter's local gradient (or zeros when it has none) into the flat; a
-        group of one rank copies nothing (`finish_reduce` takes the gradient as it is)."""
-        if self.n == 1:
-            return
-        dst = self.flat_slice(s)
-        g = self.local_grad(s)
-        if g is None:
-            dst.zero_()
-            return
-        dst.view(g.shape).copy_(g)
+    def param_slice(self, s: _Slot) -> Tensor:
+        assert self.params is not None
+        return self.params[s.offset : s.offset + s.numel]
 
     @staticmethod
     def local_grad(s: _Slot) -> Tensor | None:
@@ -266,41 +360,63 @@ class _Bucket:
         shape = s.local().shape
         return src if src.shape == shape else src.reshape(shape)
 
+    def put_grad(self, s: _Slot, add: bool = False) -> None:
+        """Copy (or with `add`, add) the parameter's local gradient into the slot's place in
+        the gradient buffer; zeros when it has none and nothing was added before."""
+        dst = self.grad_slice(s)
+        g = self.local_grad(s)
+        if g is None:
+            if not add:
+                dst.zero_()
+            return
+        dst = dst.view(g.shape)
+        dst.add_(g) if add else dst.copy_(g)
+
     def reduce_phase(self) -> str:
-        return f"gradient {'reduce' if self.single else 'reduce-scatter'} of {self.label}"
+        return f"gradient {'reduce-scatter' if self.width else 'reduce'} of {self.label}"
 
     def gather_phase(self) -> str:
-        return f"parameter {'broadcast' if self.single else 'all-gather'} of {self.label}"
+        return f"parameter {'all-gather' if self.width else 'broadcast'} of {self.label}"
 
     def launch_reduce(self, stats: C.CommStats, async_op: bool) -> None:
         with C.phase(self.reduce_phase(), self.group):
             self._launch_reduce(self.group, stats, async_op)
 
     def _launch_reduce(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
-        if self.n == 1:
-            pass  # nothing to reduce: `finish_reduce` takes the gradients as they are
-        elif self.single:
-            dst = C.global_rank(group, self.owners[0])
-            self.reduce_work = C.reduce(
-                self.grad_flat, dst, group=group, stats=stats, async_op=async_op
-            )
-        else:
-            self.reduce_work = C.reduce_scatter(
-                self.grad_shard, self.grad_flat, group=group, stats=stats, async_op=async_op
-            )
+        if self.n > 1:
+            assert self.grads is not None
+            if self.width:
+                w = self.width
+                out = self.grads[self.rank * w : (self.rank + 1) * w]
+                work = C.reduce_scatter(
+                    out, self.grads, group=group, stats=stats, async_op=async_op
+                )
+                self.works.append((work, self.reduce_phase()))
+            else:
+                for start, stop, owner in self.regions:
+                    dst = C.global_rank(group, owner)
+                    work = C.reduce(
+                        self.grads[start:stop], dst, group=group, stats=stats, async_op=async_op
+                    )
+                    self.works.append((work, self.reduce_phase()))
         self.launched = True
 
+    def _wait(self) -> None:
+        for work, name in self.works:
+            if work is not None:
+                C.wait(work, name)
+        self.works = []
+
     def finish_reduce(self) -> None:
-        """Wait for the reduction and turn the owner's shard into averaged gradients (in a
+        """Wait for the reduction and turn the owner's regions into averaged gradients (in a
         group of one rank: take each owned slot's gradient where it is)."""
         if self.n == 1:
             self.own = {s: self.local_grad(s) for s in self.mine}
             return
-        if self.reduce_work is not None:
-            C.wait(self.reduce_work, self.reduce_phase())
-            self.reduce_work = None
-        if self.grad_shard is not None and self.n > 1:
-            self.grad_shard.div_(self.n)
+        self._wait()
+        assert self.grads is not None
+        for start, stop, _ in self.mine_regions():
+            self.grads[start:stop].div_(self.n)
 
     def shard_view(self, s: _Slot) -> Tensor:
         """The reduced gradient of a parameter this rank owns, shaped like its local values
@@ -308,15 +424,15 @@ class _Bucket:
         if self.n == 1:
             g = self.own[s]
             return torch.zeros_like(s.local()) if g is None else g
-        assert self.grad_shard is not None
-        return self.grad_shard[s.offset : s.offset + s.numel].view_as(s.local())
+        return self.grad_slice(s).view_as(s.local())
 
     def shards(self) -> list[Tensor]:
         """Every reduced gradient this rank owns here, as few tensors as hold them: its
-        shard of the buffer, or in a group of one rank the gradients themselves."""
+        regions of the buffer, or in a group of one rank the gradients themselves."""
         if self.n == 1:
             return [g for g in self.own.values() if g is not None]
-        return [] if self.grad_shard is None else [self.grad_shard]
+        assert self.grads is not None
+        return [self.grads[a:b] for a, b, _ in self.mine_regions()]
 
     def reduced_grad(self, s: _Slot) -> Tensor:
         """`shard_view` as the unit's gradient: a DTensor sharded like a DTensor parameter."""
@@ -324,64 +440,68 @@ class _Bucket:
 
     def reset(self) -> None:
         self.ready.clear()
+        self.present.clear()
+        self.added.clear()
         self.launched = False
         self.own = {}
 
     # -- parameters --------------------------------------------------------------------
-    def launch_gather(self, stats: C.CommStats, async_op: bool) -> None:
+    def launch_gather(self, stats: C.CommStats, async_op: bool, copied: set[int]) -> None:
+        """Send the owners' parameters to every rank; `copied`: ids of the parameters that
+        are not views of the buffer (their owned values are copied in first)."""
         with C.phase(self.gather_phase(), self.group):
-            self._launch_gather(self.group, stats, async_op)
+            self._launch_gather(self.group, stats, async_op, copied)
 
-    def _launch_gather(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
+    def _launch_gather(
+        self, group: Any, stats: C.CommStats, async_op: bool, copied: set[int]
+    ) -> None:
         if self.n == 1:
-            if self.gather_dtype != self.dtype:  # the one replica holds the rounded value
+            if self.rounds:  # the one replica holds the rounded value
                 for s in self.mine:
                     v = s.local()
                     v.copy_(v.to(self.gather_dtype))
             return
-        assert self.gather_flat is not None
-        if self.single:
-            owner = self.owners[0]
-            if self.rank == owner:
-                for s in self.mine:
-                    self.gather_flat[s.offset : s.offset + s.numel].copy_(s.local().reshape(-1))
-            src = C.global_rank(group, owner)
-            self.gather_work = C.broadcast(
-                self.gather_flat, src, group=group, stats=stats, async_op=async_op
-            )
+        assert self.params is not None
+        for s in self.mine:
+            if id(s.param) in copied:
+                self.param_slice(s).copy_(s.local().reshape(-1))
+        buf = self.params
+        if self.gathered is not None:
+            buf = self.gathered
+            for start, stop, _ in self.mine_regions():
+                buf[start:stop].copy_(self.params[start:stop])
+        if self.width:
+            w = self.width
+            mine = buf[self.rank * w : (self.rank + 1) * w]
+            work = C.all_gather(buf, mine, group=group, stats=stats, async_op=async_op)
+            self.works.append((work, self.gather_phase()))
         else:
-            assert self.gather_in is not None
-            for s in self.mine:
-                self.gather_in[s.offset : s.offset + s.numel].copy_(s.local().reshape(-1))
-            self.gather_work = C.all_gatherv(
-                self.gather_in,
-                self.shard_numel,
-                group=group,
-                stats=stats,
-                async_op=async_op,
-                out=self.gather_flat,
-            )
+            for start, stop, owner in self.regions:
+                src = C.global_rank(group, owner)
+                work = C.broadcast(
+                    buf[start:stop], src, group=group, stats=stats, async_op=async_op
+                )
+                self.works.append((work, self.gather_phase()))
         self.pending = True
+        self.copied = copied
         if not async_op:
             self.finish_gather()
 
     @torch.no_grad()
     def finish_gather(self) -> None:
-        """Wait for the gather and copy every parameter out of it (the owner's own too when
-        the gather dtype rounds, so that every replica holds the same values)."""
+        """Wait for the gather; where the gather dtype rounds, every replica (the owner's
+        too) takes the rounded values; parameters that are not views of the buffer copy
+        theirs out of it."""
         if not self.pending:
             return
-        if self.gather_work is not None:
-            C.wait(self.gather_work, self.gather_phase())
-            self.gather_work = None
+        self._wait()
         self.pending = False
-        assert self.gather_flat is not None
-        rounds = self.gather_dtype != self.dtype
+        assert self.params is not None
+        if self.gathered is not None:
+            self.params.copy_(self.gathered)
         for s in self.slots:
-            if s.owner == self.rank and not rounds:
-                continue
-            start = s.offset if self.single else s.owner * self.width + s.offset
-            s.local().view(-1).copy_(self.gather_flat[start : start + s.numel])
+            if id(s.param) in self.copied and (s.owner != self.rank or self.rounds):
+                s.local().view(-1).copy_(self.param_slice(s))
 
 
 class LayerwiseDistributedOptimizer(CompositeOptimizer):
@@ -433,6 +553,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         expert_group: Any = None,
         state_dict_to: checkpoint.StateDictTo = "all",
         shard_adamw: bool = True,
+        param_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
         **inner_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -440,6 +562,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         check_choice("balance", balance, BALANCES)
         check_positive("bucket_mb", bucket_mb)
         check_float_dtype("gather_dtype", gather_dtype)
+        check_float_dtype("param_dtype", param_dtype)
+        check_float_dtype("grad_dtype", grad_dtype)
+        self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
         self.state_dict_to = check_choice("state_dict_to", state_dict_to, checkpoint.STATE_DICT_TO)
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.model = model
@@ -463,7 +588,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self.tp_groups = _tensor_parallel_groups(named, process_group)
         # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
         self.shard_adamw = bool(shard_adamw) and not self.tp_groups
-        masters = gather_dtype is not None and any(p.dtype != gather_dtype for p in named.values())
+        masters = (param_dtype not in (None, torch.float32)) or (
+            gather_dtype is not None and any(p.dtype != gather_dtype for p in named.values())
+        )
         self.units = units_from_model(
             model,
             optimizer=optimizer,
@@ -527,16 +654,28 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             for i in ids:
                 for s in self._slots_by_unit[i]:
                     s.mine = s.owner == rank
-        owned = [(s.name, s.data) for s in reversed(self._slots) if s.mine]
         # owner rank of every unit within its group; -1: AdamW, sharded over the group
         self.owner_of: dict[str, int] = {
             unit_label(u.name, u.part): o for u, o in zip(self.units, owners)
         }
-        # runs of sharded AdamW units go to AdamW whatever `route` says of their names
-        runs_here = {id(s.data) for s in self._slots if s.mine and s.flat is not None}
+        # The owner's fp32 masters (of what it owns), taken before the parameters change dtype;
+        # the inner optimizer steps them and the parameters are written from them.
+        self._master: dict[str, Tensor] = {}
+        for s in self._slots:
+            master_dtype = torch.float32 if self.param_dtype is not None else s.data.dtype
+            keeps = (self.param_dtype or s.data.dtype) != master_dtype
+            if s.mine and (keeps or self.gather_dtype not in (None, s.data.dtype)):
+                m = C.local_shard(s.data).detach().to(master_dtype, copy=True)
+                self._master[s.name] = C.wrap_local(m, s.data).requires_grad_(True)
+        self._build_buckets()
+        owned = [(s.name, self._target(s)) for s in reversed(self._slots) if s.mine]
+        # runs of sharded AdamW units go to AdamW whatever `route` says of their names; the
+        # route sees the slot's values (not the master standing in for them)
+        runs_here = {id(self._target(s)) for s in self._slots if s.mine and s.flat is not None}
+        values = {id(self._target(s)): s.data for s in self._slots if s.mine}
 
         def inner_route(name: str, p: nn.Parameter) -> bool:
-            return id(p) not in runs_here and rule(name, p)
+            return id(p) not in runs_here and rule(name, values.get(id(p), p))
 
         self.inner = (
             build_optimizer(
@@ -569,13 +708,12 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
         self._sync = True
-        self._build_buckets()
-        self._master: dict[str, Tensor] = {}
-        for s in self._slots:
-            if s.mine and self.gather_dtype not in (None, s.data.dtype):
-                self._master[s.name] = s.data.detach().clone()
         self._hooks: list[Any] = []
         self._register_hooks()
+
+    def _target(self, s: _Slot) -> Tensor:
+        """The tensor the inner optimizer steps for owned slot `s`: its master, else its values."""
+        return self._master.get(s.name, s.data)
 
     # -- construction ------------------------------------------------------------------
     def _build_buckets(self) -> None:
@@ -593,17 +731,75 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 for slot in self._slots_by_unit[i]:
                     if slot.numel:
                         by_dtype.setdefault(slot.data.dtype, []).append(slot)
-            for slots in by_dtype.values():
-                bucket = _Bucket(slots, self._groups[g], self.gather_dtype)
+            for dtype, slots in by_dtype.items():
+                dtype = self.param_dtype or dtype
+                grad_dtype = self.grad_dtype or (torch.float32 if self.param_dtype else dtype)
+                bucket = _Bucket(slots, self._groups[g], dtype, grad_dtype, self.gather_dtype)
                 bucket.label = f"bucket {len(self._buckets)}"
                 self._buckets.append(bucket)
                 self._bucket_of.update((s.unit, bucket) for s in slots)
+        self._point()
         self._index_slots()
         self._next_launch = 0
 
+    @torch.no_grad()
+    def _point(self) -> None:
+        """Allocate each group's flat parameter and gradient buffers (bucket after bucket) and
+        make every parameter that lies in one piece there a view of them (`_viewed`), in the
+        parameter dtype; the others keep their storage and are copied in and out. A group of
+        one rank has no buffers: its parameters only change dtype."""
+        self._viewed: dict[int, Tensor] = {}  # id(param) → its view of the gradient buffer
+        self._copied: set[int] = set()  # id(param) of parameters copied to and from buffers
+        flats: dict[tuple[int, torch.dtype, torch.dtype], list[_Bucket]] = {}
+        for b in self._buckets:
+            if b.n > 1:
+                flats.setdefault((id(b.group), b.dtype, b.grad_dtype), []).append(b)
+        where: dict[int, list[tuple[_Slot, int, Tensor, Tensor]]] = {}
+        for (_, dtype, grad_dtype), buckets in flats.items():
+            device = buckets[0].slots[0].param.device
+            total = sum(b.numel for b in buckets)
+            params = torch.zeros(total, dtype=dtype, device=device)
+            grads = torch.zeros(total, dtype=grad_dtype, device=device)
+            base = 0
+            for b in buckets:
+                b.attach(grads[base : base + b.numel], params[base : base + b.numel])
+                for s in b.slots:
+                    where.setdefault(id(s.param), []).append((s, base + s.offset, params, grads))
+                    b.param_slice(s).copy_(C.local_shard(s.data).reshape(-1))
+                base += b.numel
+        for s in self._slots:
+            p = s.param
+            if id(p) in where or self.param_dtype in (None, p.dtype):
+                continue
+            p.data = p.data.to(self.param_dtype)  # a group of one rank: no buffer
+        for pid, spots in where.items():
+            spots.sort(key=lambda x: _start(x[0]))
+            p = spots[0][0].param
+            first = spots[0][1]
+            contiguous = all(
+                x[1] + x[0].numel == y[1] and x[2] is y[2] for x, y in itertools.pairwise(spots)
+            )
+            covers = sum(x[0].numel for x in spots) == p.numel() and _start(spots[0][0]) == 0
+            if C.is_dtensor(p) or not (contiguous and covers):
+                self._copied.add(pid)
+                if self.param_dtype not in (None, p.dtype):
+                    raise NotImplementedError(
+                        f"{spots[0][0].name}: param_dtype needs the parameter in one piece of "
+                        "its bucket (not a tensor-parallel DTensor); build the optimizer "
+                        "without param_dtype"
+                    )
+                continue
+            params, grads = spots[0][2], spots[0][3]
+            p.data = params[first : first + p.numel()].view(p.shape)
+            if grads.dtype == p.dtype:
+                self._viewed[pid] = grads[first : first + p.numel()].view(p.shape)
+        for s in self._slots:  # the slices and runs view the parameters' new storage
+            if s.data is not s.param:
+                s.data = s.view().requires_grad_(True)
+
     def _index_slots(self) -> None:
-        """id(param) → its units that communicate (one slot each: `put_unit` copies every
-        run); the gradient hooks look parameters up in it."""
+        """id(param) → its units that communicate (one slot each); the gradient hooks look
+        parameters up in it."""
         self._slots_of: dict[int, list[_Slot]] = {}
         for slots in self._slots_by_unit:
             if slots and slots[0].unit in self._bucket_of:
@@ -691,9 +887,11 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
 
     # -- gradient path -----------------------------------------------------------------
     def _grad_hook(self, p: Tensor) -> None:
+        slots = self._slots_of[id(p)]
         if not self._sync:
+            self._take_grad(p, slots, final=False)
             return
-        for slot in self._slots_of[id(p)]:
+        for slot in slots:
             bucket = self._bucket_of[slot.unit]
             bucket.finish_gather()
             label = unit_label(self.units[slot.unit].name, self.units[slot.unit].part)
@@ -707,9 +905,45 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                     f"the gradient of {label} arrived after its bucket was reduced; call "
                     "step() before the next backward"
                 )
-            bucket.put_unit(slot.unit)
-            bucket.ready.add(slot.unit)
+        self._take_grad(p, slots, final=True)
+        for slot in slots:
+            self._bucket_of[slot.unit].ready.add(slot.unit)
         self._launch_ready()
+
+    @torch.no_grad()
+    def _take_grad(self, p: Tensor, slots: list[_Slot], final: bool) -> None:
+        """Bring parameter `p`'s gradient into its bucket's buffer, and note that it had one.
+
+        A parameter that is a view of the buffers gets a `.grad` that is a view too (autograd
+        then accumulates in place); one whose gradient dtype differs adds autograd's gradient
+        into the buffer and drops it; one copied to and from the buffers (a DTensor, a
+        parameter in several pieces) keeps its `.grad` and is copied in once, at the last
+        backward (`final`). A group of one rank leaves the gradient where it is."""
+        if p.grad is None:
+            return
+        for slot in slots:
+            self._bucket_of[slot.unit].present.add(slot.unit)
+        bucket = self._bucket_of[slots[0].unit]
+        if bucket.n == 1:
+            return
+        view = self._viewed.get(id(p))
+        if view is not None:
+            if p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
+            return
+        if id(p) in self._copied:
+            if final:
+                for slot in slots:
+                    for s in self._bucket_of[slot.unit].units[slot.unit]:
+                        self._bucket_of[slot.unit].put_grad(s)
+            return
+        for slot in slots:  # into a buffer of another dtype, adding to what came before
+            b = self._bucket_of[slot.unit]
+            for s in b.units[slot.unit]:
+                b.put_grad(s, add=slot.unit in b.added)
+            b.added.add(slot.unit)
+        p.grad = None
 
     def _launch_ready(self) -> None:
         """Launch, strictly in bucket order (the same order on every rank), every bucket
@@ -735,9 +969,14 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         """Launch every bucket not yet launched (gradients missing here count as zeros), in
         order, and wait for all reductions."""
         for b in self._buckets[self._next_launch :]:
-            for unit in b.units:
-                if unit not in b.ready:
-                    b.put_unit(unit)
+            for unit, slots in b.units.items():
+                if unit in b.ready:
+                    continue
+                p = slots[0].param
+                self._take_grad(p, self._slots_of[id(p)], final=True)
+                if b.n > 1 and unit not in b.present:
+                    for s in slots:  # no gradient here: zeros
+                        b.grad_slice(s).zero_()
             b.launch_reduce(self._stats, async_op=True)
         self._next_launch = len(self._buckets)
         for b in self._buckets:
@@ -749,8 +988,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         flags, with one count per rank (its owned buckets that hold a NaN or Inf); only when
         some rank counts one do all ranks agree again, per unit, to name them."""
         present = [False] * len(self.units)
-        for s in self._slots:
-            present[s.unit] = s.param.grad is not None
+        for b in self._buckets:
+            for unit in b.present:
+                present[unit] = True
         owned = [b for b in self._buckets if b.mine]
         device = self._slots[0].param.device
         checks = [~torch.isfinite(t).all() for b in owned for t in b.shards()]
@@ -843,7 +1083,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             self._next_launch = 0
             self._reduced = False
         for b in reversed(self._buckets):  # forward order: the first layers arrive first
-            b.launch_gather(self._stats, async_op=self.overlap_param_gather)
+            b.launch_gather(self._stats, async_op=self.overlap_param_gather, copied=self._copied)
         self._gathering = self.overlap_param_gather
         self._last_stats = self._stats
         self._stats = C.CommStats()
@@ -852,14 +1092,15 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
     def _step_owned(self, present: list[bool]) -> None:
         for b in self._buckets:
             for s in b.mine:
-                s.data.grad = b.reduced_grad(s) if present[s.unit] else None
+                t = self._target(s)
+                g = b.reduced_grad(s) if present[s.unit] else None
+                t.grad = g if g is None or g.dtype == t.dtype else g.to(t.dtype)
         if self.inner is None:
             return
-        for name, master in self._master.items():
-            self._slot_by_name(name).data.copy_(master)
         step_checked(self.inner)  # the gradients were checked by _agree
         for name, master in self._master.items():
-            master.copy_(self._slot_by_name(name).data)
+            s = self._slot_by_name(name)
+            s.local().copy_(C.local_shard(master))
 
     def _slot_by_name(self, name: str) -> _Slot:
         if not hasattr(self, "_slots_by_name"):
@@ -889,7 +1130,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter of the model (owned or not)."""
-        tensors = {id(t): t for s in self._slots for t in (s.param, s.data)}
+        tensors = {id(t): t for s in self._slots for t in (s.param, s.data, self._target(s))}
         for p in tensors.values():
             if p.grad is None:
                 continue
@@ -906,7 +1147,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported once built: ownership is computed from the whole model at construction."""
-        if not hasattr(self, "_buckets"):  # torch's constructor, before the buckets exist
+        if not hasattr(self, "_hooks"):  # torch's constructor, before the hooks exist
             super().add_param_group(param_group)
             return
         raise ValueError(
@@ -937,15 +1178,15 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             if b.n == 1:  # an expert group of one rank: nothing moves
                 continue
             gsize = torch.empty(0, dtype=b.gather_dtype).element_size()
-            psize = torch.empty(0, dtype=b.dtype).element_size()
+            psize = torch.empty(0, dtype=b.grad_dtype).element_size()
             n, rank = b.n, b.rank
-            if b.single:
-                owner = b.owners[0]
-                add("reduce", *C.reduce_bytes(b.flat_numel * psize, n, owner)[rank])
-                add("broadcast", *C.broadcast_bytes(b.flat_numel * gsize, n, owner)[rank])
-            else:
+            if b.width:
                 add("reduce_scatter", *C.ring_reduce_scatter_bytes([b.width * psize] * n)[rank])
                 add("all_gather", *C.ring_all_gather_bytes([b.width * gsize] * n)[rank])
+                continue
+            for start, stop, owner in b.regions:
+                add("reduce", *C.reduce_bytes((stop - start) * psize, n, owner)[rank])
+                add("broadcast", *C.broadcast_bytes((stop - start) * gsize, n, owner)[rank])
         for size in [self.world_size] + [C.world(g)[1] for g in self.tp_groups]:
             # the agreement: an int32 flag per unit and one count of non-finite buckets
             ar = C.ring_all_reduce_bytes((len(self.units) + 1) * 4, size)

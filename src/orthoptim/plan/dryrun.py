@@ -615,7 +615,7 @@ def _category_bytes(opt: Any, model: nn.Module, parallel: Parallel) -> dict[str,
     add("params", params)
     if parallel == "layerwise":
         for b in opt._buckets:
-            add("buffers", [b.grad_flat, b.grad_shard, b.gather_flat, b.gather_in])
+            add("buffers", b.buffers())
         add("masters", list(opt.masters().values()))
     add("state", [dict(s) for s in opt.state.values()])
     add("grads", [p.grad for p in params])

@@ -4,16 +4,15 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
 
     params     every parameter the rank holds (its stage's, its TP shards, its EP rank's
                experts), in the parameter dtype
-    grads      their `.grad` (autograd accumulates a full local gradient of every parameter;
-               the owned units' reduced gradients are views of the bucket buffers)
+    grads      their `.grad`, views of the flat gradient buffers (autograd accumulates in
+               place; the owned units' reduced gradients are their regions)
     masters    a copy of every owned element when the gather dtype rounds (`gather_dtype`)
     state      the inner optimizers' state of what the rank owns: Muon's momentum (one per
                element), AdamW's two moments on its runs, in the state dtype (`state_dtype`)
-    buffers    the buckets' flat buffers (`layerwise._Bucket`): a bucket of several owners
-               holds grad_flat (N shards of `width`), grad_shard and gather_in (`width`
-               each) and, when the gather dtype differs, a gather_flat of N·width; a bucket
-               of one owner holds a grad_flat of `width`, and its owner a gather_flat too;
-               a bucket of a group of one rank (an expert group when ep = dp) holds none
+    buffers    what the buckets hold beyond the parameters and gradients, which are views
+               of each group's flat buffers (`layerwise._Bucket`; the padding of rank-major
+               buckets, at most `MAX_PADDING`, is counted with them): a gather buffer of
+               its own where the gather dtype rounds; a group of one rank holds none
     transient  the step's own peak above that: Muon's Nesterov updates of every owned
                matrix (alive through the whole batched call), the orthogonalized outputs
                of the batches done so far, and the batch in flight (its fp32 stack when
@@ -85,14 +84,19 @@ def _gram_iterate(x: int, square: int, steps: int, into_out: bool) -> int:
     return peak
 
 
-def _bucket_buffers(g: Group, pb: int, gb: int, rounds: bool) -> tuple[list[int], list[int]]:
-    """Per rank of `g`'s world: the bytes of bucket buffers it holds (`layerwise._Bucket`),
-    with `pb` the parameter (gradient) element size, `gb` the gather's and `rounds` whether
-    the gather dtype differs; and the widest gradient shard it checks for non-finite values."""
+def _bucket_buffers(
+    g: Group, pb: int, gb: int, rounds: bool
+) -> tuple[list[int], list[int], list[int]]:
+    """Per rank of `g`'s world: the bytes of bucket buffers it holds beyond the parameters
+    and gradients (`layerwise._Bucket`: a gather buffer of its own where the gather dtype
+    rounds), with `pb` the parameter (gradient) element size and `gb` the gather's; the
+    widest gradient region it checks for non-finite values; and the padding elements of
+    rank-major buckets (held in the flat parameter and gradient buffers)."""
     a, n = g.assignment, g.world
     numels = [math.prod(u.shape) for u in g.units]
     out = [0] * n
     widest = [0] * n
+    padding = [0] * n
     for b, bucket in enumerate(a.buckets):
         share = [0] * n
         for i in bucket:
@@ -107,21 +111,15 @@ def _bucket_buffers(g: Group, pb: int, gb: int, rounds: bool) -> tuple[list[int]
             # nothing is sent: the gradients are used (and checked) where autograd left them
             widest[0] = max(widest[0], *(numels[i] for i in bucket))
             continue
+        rank_major = a.rank_major(b)
         width = max(share)
-        for r in holders:
-            widest[r] = max(widest[r], width)
-        if len(holders) == 1:  # single: reduced to its owner, broadcast from it
-            for r in range(n):
-                # grad_flat; a gather_flat of its own where the gather rounds, and on the
-                # owner, whose gradients are views of its grad_flat
-                out[r] += width * pb + (width * gb if rounds or r == holders[0] else 0)
-            continue
-        common = n * width * pb + width * pb + width * gb  # grad_flat, grad_shard, gather_in
-        if rounds:
-            common += n * width * gb  # gather_flat of its own
+        flat = n * width if rank_major else sum(share)
         for r in range(n):
-            out[r] += common
-    return out, widest
+            if share[r]:
+                widest[r] = max(widest[r], width if rank_major else share[r])
+            padding[r] += flat - sum(share)
+            out[r] += flat * gb if rounds else 0
+    return out, widest, padding
 
 
 def _muon_transient(
@@ -254,7 +252,7 @@ def memory_per_rank(
         return _finish(fsdp_rows(by_stage, position, layout, pb, sb, cb), gather)
     masters = layout.masters
     dealt = {}
-    buffers: dict[int, tuple[list[int], list[int]]] = {}
+    buffers: dict[int, tuple[list[int], list[int], list[int]]] = {}
     for stage_groups in by_stage:
         for g in stage_groups:
             for s in g.siblings or [g]:
@@ -273,6 +271,7 @@ def memory_per_rank(
             d = dealt[id(g)]
             buf += buffers[id(g)][0][gr]
             widest = max(widest, buffers[id(g)][1][gr])
+            held += buffers[id(g)][2][gr]
             for i in d.owned(gr):
                 m, u = d.matrices[i], d.units[i]
                 numel = math.prod(u.shape)
