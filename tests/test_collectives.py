@@ -281,7 +281,8 @@ def test_accounting_helpers_equal_simulated_algorithms(n):
 
 def _logged_step(rank, world_size):
     """One real LayerwiseDistributedOptimizer step (fp32 and bf16 gathers) with buckets of one
-    owner (reduce + broadcast) and a rank-major one (reduce-scatter + all-gather), and a reduce and broadcast on the subgroup [1, 2] (group ranks ≠ global).
+    owner (reduce + broadcast) and a rank-major one (reduce-scatter + all-gather), and a
+    reduce and broadcast on the subgroup [1, 2] (group ranks ≠ global).
     Every torch.distributed collective it issues is logged with its group, size and root."""
     from torch import nn
 

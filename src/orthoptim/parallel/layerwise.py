@@ -779,20 +779,33 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             contiguous = all(
                 x[1] + x[0].numel == y[1] and x[2] is y[2] for x, y in itertools.pairwise(spots)
             )
-            covers = sum(x[0].numel for x in spots) == p.numel() and _start(spots[0][0]) == 0
-            if C.is_dtensor(p) or not (contiguous and covers):
+            local = C.local_shard(p)
+            numel = local.numel()
+            covers = sum(x[0].numel for x in spots) == numel and _start(spots[0][0]) == 0
+            if not (contiguous and covers and local.is_contiguous()):
                 self._copied.add(pid)
                 if self.param_dtype not in (None, p.dtype):
                     raise NotImplementedError(
                         f"{spots[0][0].name}: param_dtype needs the parameter in one piece of "
-                        "its bucket (not a tensor-parallel DTensor); build the optimizer "
-                        "without param_dtype"
+                        "its bucket; build the optimizer without param_dtype"
                     )
                 continue
             params, grads = spots[0][2], spots[0][3]
-            p.data = params[first : first + p.numel()].view(p.shape)
-            if grads.dtype == p.dtype:
-                self._viewed[pid] = grads[first : first + p.numel()].view(p.shape)
+            values = params[first : first + numel].view(local.shape)
+            if C.is_dtensor(p):
+                if values.dtype != local.dtype:
+                    raise NotImplementedError(
+                        f"{spots[0][0].name}: param_dtype with tensor-parallel (DTensor) "
+                        "parameters is not supported; build the optimizer without param_dtype"
+                    )
+                p._local_tensor.set_(  # type: ignore[attr-defined]  # the DTensor's own shard
+                    values.untyped_storage(), values.storage_offset(), local.shape
+                )
+            else:
+                p.data = values
+            if grads.dtype == values.dtype:
+                view = grads[first : first + numel].view(local.shape)
+                self._viewed[pid] = C.wrap_local(view, p) if C.is_dtensor(p) else view
         for s in self._slots:  # the slices and runs view the parameters' new storage
             if s.data is not s.param:
                 s.data = s.view().requires_grad_(True)

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from orthoptim import collectives as C
+from orthoptim.parallel.assignment import MAX_PADDING
 from orthoptim.parallel.tensor_parallel import (
     CostModel,
     TensorParallelOrthogonalizer,
@@ -70,11 +71,12 @@ def layerwise_bytes(
 ) -> tuple[list[float], list[float]]:
     """(sent, received) bytes of every rank in one layer-wise step, per the bucket layout.
 
-    A bucket shared by several owners is one reduce-scatter of N shards padded to the largest
-    share w and one padded all-gather: (N−1)·w·(grad_bytes + gather_bytes) each way on every
-    rank; with `padded=False` the shards are the true shares (reduce-scatter-v /
-    all-gather-v on the ring). A bucket with a single owner is reduced to it and broadcast
-    from it (pipelined chains, `collectives.reduce_bytes` / `broadcast_bytes`).
+    A rank-major bucket (several owners, padding to the largest share w at most
+    `MAX_PADDING`: `Assignment.rank_major`) is one reduce-scatter of N shards of w and one
+    all-gather: (N−1)·w·(grad_bytes + gather_bytes) each way on every rank; with
+    `padded=False` every shared bucket counts so, with the true shares (reduce-scatter-v /
+    all-gather-v on the ring). Any other bucket is reduced to and broadcast from each owner
+    (pipelined chains, `collectives.reduce_bytes` / `broadcast_bytes`).
     Units sharded element-wise (owner -1, AdamW) count by `split[b][r]`, the elements of
     bucket b rank r holds (`Assignment.adamw_split`).
     """
@@ -90,17 +92,27 @@ def layerwise_bytes(
         if b < len(split) and split[b]:
             share = [s + x for s, x in zip(share, split[b])]
         holders = [r for r in range(world) if share[r]]
-        if len(holders) == 1:
-            owner, size = holders[0], share[holders[0]]
-            rs = C.reduce_bytes(size * grad_bytes, world, owner)
-            ag = C.broadcast_bytes(size * gather_bytes, world, owner)
-        else:
+        pad = world * max(share) - sum(share)
+        if len(holders) > 1 and (not padded or pad <= MAX_PADDING * sum(share)):
             chunks = share if not padded else [max(share)] * world
-            rs = C.ring_reduce_scatter_bytes([c * grad_bytes for c in chunks])
-            ag = C.ring_all_gather_bytes([c * gather_bytes for c in chunks])
-        for r in range(world):
-            sent[r] += rs[r][0] + ag[r][0]
-            received[r] += rs[r][1] + ag[r][1]
+            moves = [
+                (
+                    C.ring_reduce_scatter_bytes([c * grad_bytes for c in chunks]),
+                    C.ring_all_gather_bytes([c * gather_bytes for c in chunks]),
+                )
+            ]
+        else:
+            moves = [
+                (
+                    C.reduce_bytes(share[o] * grad_bytes, world, o),
+                    C.broadcast_bytes(share[o] * gather_bytes, world, o),
+                )
+                for o in holders
+            ]
+        for rs, ag in moves:
+            for r in range(world):
+                sent[r] += rs[r][0] + ag[r][0]
+                received[r] += rs[r][1] + ag[r][1]
     return sent, received
 
 

@@ -1,0 +1,190 @@
+"""The layer-wise optimizer's memory layout: parameters and gradients are views of each
+group's flat buffers (nothing model-sized held twice), padding at most `MAX_PADDING` at any
+world size, and bf16 parameters with fp32 masters on their owners, against a single-process
+bf16 reference with fp32 masters that rounds the same way."""
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from orthoptim import build_optimizer
+from orthoptim.parallel import LayerwiseDistributedOptimizer
+from orthoptim.parallel.layerwise import MAX_PADDING
+from orthoptim.plan.dryrun import fake_world
+from test_layerwise import BATCH, CONFIGS, TinyGPT, batch, loss_fn, make_model
+
+from distributed import run_ranks
+
+STEPS = 3
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _padding(opt: LayerwiseDistributedOptimizer) -> list[float]:
+    """Each communicating bucket's padding as a fraction of the elements it holds."""
+    out = []
+    for b in opt._buckets:
+        if b.n > 1:
+            held = sum(s.numel for s in b.slots)
+            out.append((b.numel - held) / held)
+    return out
+
+
+def _train(rank, world_size, model, opt, steps=STEPS):
+    per = BATCH // world_size
+    for step in range(steps):
+        x, y = batch(step)
+        loss_fn(
+            model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+
+
+def _views_and_bf16(rank, world_size):
+    torch.set_num_threads(1)
+    out = {}
+    model = make_model()
+    opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.03)
+    x, y = batch(0)
+    loss_fn(model, x, y).backward()
+    flats = [b for b in opt._buckets if b.n > 1]
+    params = {n: p for n, p in model.named_parameters()}
+    out["param_views"] = {n: any(_shares(p, b.params) for b in flats) for n, p in params.items()}
+    out["grad_views"] = {
+        n: p.grad is not None and any(_shares(p.grad, b.grads) for b in flats)
+        for n, p in params.items()
+    }
+    out["buffers"] = [t.numel() for b in opt._buckets for t in b.buffers()]
+    out["padding"] = _padding(opt)
+    out["modes"] = {b.width is not None for b in flats}
+    # a second backward without set_to_none accumulates into the same views
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    loss_fn(model, x, y).backward()
+    out["still_views"] = all(
+        p.grad is not None and any(_shares(p.grad, b.grads) for b in flats)
+        for n, p in params.items()
+        if out["grad_views"][n]
+    )
+    opt.zero_grad()
+
+    model = make_model()
+    opt = LayerwiseDistributedOptimizer(
+        model, **CONFIGS["hybrid"], bucket_mb=0.03, param_dtype=torch.bfloat16
+    )
+    out["dtypes"] = {p.dtype for p in model.parameters()}
+    out["master_dtypes"] = {m.dtype for m in opt.masters().values()}
+    out["state_dtypes"] = {
+        v.dtype for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    }
+    _train(rank, world_size, model, opt)
+    out["state_dtypes"] |= {
+        v.dtype for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    }
+    out["bf16"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["masters"] = {n: m.detach().clone() for n, m in opt.masters().items()}
+    return out
+
+
+def _bf16_reference(world_size, steps=STEPS):
+    """Single process, the same rounding: a bf16 model computes each rank's gradient of its
+    part of the batch, their fp32 sum over ranks divided by the world size (as the reduction)
+    steps fp32 masters, and the masters rounded to bf16 are the next parameters."""
+    torch.set_num_threads(1)
+    model = make_model()
+    masters = copy.deepcopy(model)
+    model.to(torch.bfloat16)
+    opt = build_optimizer(masters, **CONFIGS["hybrid"])
+    per = BATCH // world_size
+    for step in range(steps):
+        x, y = batch(step)
+        grads = None
+        for r in range(world_size):
+            loss_fn(model, x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]).backward()
+            g = [None if p.grad is None else p.grad.float() for p in model.parameters()]
+            grads = g if grads is None else [b if a is None else a + b for a, b in zip(grads, g)]
+            model.zero_grad()
+        for m, g in zip(masters.parameters(), grads):
+            m.grad = None if g is None else g / world_size
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters.parameters()):
+                p.copy_(m)
+    return dict(model.named_parameters()), dict(masters.named_parameters())
+
+
+def _reference_piece(masters: dict[str, torch.Tensor], label: str) -> torch.Tensor:
+    """The reference master of a unit label: `name`, an expert slice `name[a:b]` or a run
+    of a sharded AdamW parameter `name{a:b}`."""
+    m = re.fullmatch(r"(.+)\{(\d+):(\d+)\}", label)
+    if m:
+        return masters[m[1]].detach().reshape(-1)[int(m[2]) : int(m[3])]
+    return masters[label].detach()
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_views_and_bf16, 2)
+
+
+def test_parameters_and_gradients_are_views_of_the_buckets(two_ranks):
+    """2 gloo ranks, small buckets (rank-major and region by region): every parameter and
+    its `.grad` share the storage of a bucket's flat buffers, no bucket holds a buffer of
+    its own, padding stays within MAX_PADDING, and a backward after
+    `zero_grad(set_to_none=False)` accumulates into the same views."""
+    for res in two_ranks:
+        assert all(res["param_views"].values()), res["param_views"]
+        # the unused module has no gradient; every other parameter's is a view
+        grads = {n for n, v in res["grad_views"].items() if not v}
+        assert grads == {"unused.weight", "unused.bias"}, grads
+        assert res["buffers"] == []
+        assert max(res["padding"]) <= MAX_PADDING
+        assert res["modes"] == {True, False}  # both layouts were exercised
+        assert res["still_views"]
+
+
+def test_bf16_parameters_with_fp32_masters_match_a_single_process_reference(two_ranks):
+    """bf16 parameters on every rank, fp32 masters and state on the owners; after 3 steps
+    the bf16 parameters and the fp32 masters equal the single-process reference's bitwise:
+    the reduction of 2 ranks' fp32 gradients (g0 + g1, then / 2) is exact and order-free,
+    and the inner optimizer steps the same fp32 masters on the same gradients."""
+    ref_params, ref_masters = _bf16_reference(2)
+    for res in two_ranks:
+        assert res["dtypes"] == {torch.bfloat16}
+        assert res["master_dtypes"] == {torch.float32}
+        assert res["state_dtypes"] <= {torch.float32, torch.int64}, res["state_dtypes"]
+        for n, p in res["bf16"].items():
+            assert torch.equal(p, ref_params[n].detach()), n
+    owned = {}
+    for res in two_ranks:
+        for label, m in res["masters"].items():
+            assert label not in owned, f"{label} has two owners"
+            owned[label] = m
+            assert torch.equal(m, _reference_piece(ref_masters, label).view_as(m)), label
+    # every element of every parameter has exactly one master
+    total = sum(m.numel() for m in owned.values())
+    assert total == sum(p.numel() for p in ref_masters.values())
+
+
+@pytest.mark.parametrize("world", [8, 64, 256, 1024])
+def test_padding_and_buffers_at_any_world_size(world):
+    """The real optimizer on a meta model under a fake process group: at every world size
+    up to 1,024 no bucket pads by more than MAX_PADDING and none holds a buffer beyond the
+    parameters and gradients (the flat buffers hold each element once, plus padding)."""
+    with fake_world(0, world), torch.device("meta"):
+        model = TinyGPT(d=64, layers=4)
+        opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.05)
+        assert max(_padding(opt)) <= MAX_PADDING
+        assert [t for b in opt._buckets for t in b.buffers()] == []
+        held = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        flat = sum(b.numel for b in opt._buckets if b.n > 1)
+        assert held <= flat <= (1 + MAX_PADDING) * held
+        assert all(isinstance(p, nn.Parameter) for p in model.parameters())
