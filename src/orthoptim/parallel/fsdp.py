@@ -63,21 +63,38 @@ from orthoptim.parallel.assignment import (
 )
 
 
-def shard_model(model: nn.Module, mesh: Any = None) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    mesh: Any = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """Apply FSDP2's `fully_shard` to every module in `model.blocks` (if it has them), then to
     the root, on `mesh` (default: a 1-D mesh over the default process group). Returns `model`.
 
     Per-block wrapping lets FSDP gather one block's parameters at a time; the root holds the
-    rest (embeddings, head, final norm)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    rest (embeddings, head, final norm).
 
+    `param_dtype` (e.g. torch.bfloat16): mixed precision by FSDP2's `MixedPrecisionPolicy`.
+    The sharded parameters keep their dtype (fp32: they are the master weights, held only as
+    shards, and `FSDPOptimizer` steps them and keeps its state in fp32); the all-gather casts
+    them to `param_dtype`, so forward and backward compute on unsharded `param_dtype`
+    parameters; gradients are reduced in `reduce_dtype` (default float32 when `param_dtype`
+    is given: FSDP2's own default would reduce in `param_dtype`) into fp32 gradient shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    check_float_dtype("param_dtype", param_dtype)
+    check_float_dtype("reduce_dtype", reduce_dtype)
+    if reduce_dtype is None and param_dtype is not None:
+        reduce_dtype = torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if mesh is None:
         device = next(model.parameters()).device.type
         mesh = init_device_mesh(device, (C.world()[1],))
     for block in getattr(model, "blocks", []):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES
-from orthoptim.train.devices import PRECISIONS
+from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS, ParamDtype, resolve_param_dtype
 from orthoptim.train.model import check_tensor_parallel, get_config
 
 OPTIMIZERS = OPTIMIZER_NAMES
@@ -70,6 +70,7 @@ class TrainArgs:
     # or with --resume the checkpoint's
     keep_checkpoints: int = 2  # the newest step folders kept
     precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on CUDA, fp32 on CPU
+    param_dtype: ParamDtype = "auto"  # parameters in bf16 (fp32 masters) or fp32; auto as above
     compile: bool = False  # torch.compile every transformer block
     shared_gpu: bool = False  # every rank on cuda:0 over "cuda:gloo" (multi-rank tests, 1 GPU)
     pg_timeout: float = 600.0  # s a rank waits in a collective; the watchdog's stall limit
@@ -91,6 +92,10 @@ class TrainArgs:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"--param-dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}"
+            )
         get_config(self.config)
         for name in (
             "steps",
@@ -175,8 +180,10 @@ class TrainArgs:
                     "query/key heads and does not run on tensor-parallel shards; pass --qk-clip 0"
                 )
 
-    def check_nproc(self, nproc: int) -> None:
-        """Refuse a number of ranks the tensor-parallel size does not divide."""
+    def check_nproc(self, nproc: int, device_type: str) -> None:
+        """Refuse a number of ranks the tensor-parallel size does not divide, and --fsdp with
+        bf16 parameters on one rank (FSDP2's mixed precision comes with its sharding, which
+        needs a process group: one rank steps the unsharded model)."""
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
         if nproc % self.tp:
@@ -184,6 +191,18 @@ class TrainArgs:
                 f"--nproc {nproc} must be a multiple of --tp {self.tp} (ranks form a "
                 f"(data-parallel, tensor-parallel) mesh of nproc/tp × tp)"
             )
+        if self.fsdp and nproc == 1 and self.param_dtype_on(device_type) == "bf16":
+            auto = " (the default on CUDA)" if self.param_dtype == "auto" else ""
+            raise ValueError(
+                f"--fsdp with --param-dtype bf16{auto} needs --nproc 2 or more: FSDP2's mixed "
+                "precision comes with its sharding, and one rank runs unsharded; pass "
+                "--param-dtype fp32, or drop --fsdp (one rank then keeps fp32 masters in the "
+                "layer-wise optimizer)"
+            )
+
+    def param_dtype_on(self, device_type: str) -> Literal["bf16", "fp32"]:
+        """This run's parameter dtype ("bf16" or "fp32") on a `device_type` rank."""
+        return resolve_param_dtype(self.param_dtype, device_type)
 
     @property
     def matrix_lr(self) -> float:

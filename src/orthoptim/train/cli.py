@@ -10,7 +10,7 @@ from orthoptim._extras import require_extra
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS
 from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_GRAD_CLIP, OPTIMIZERS, TrainArgs
-from orthoptim.train.devices import PRECISIONS
+from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS
 from orthoptim.train.launcher import RankFailedError, launch
 from orthoptim.train.model import CONFIGS
 
@@ -78,6 +78,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--fsdp",
         action="store_true",
         help="shard the model with FSDP2 (fully_shard per block) and step it with FSDPOptimizer",
+    )
+    p.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default=d.param_dtype,
+        help="bf16: forward and backward on bf16 parameters, with fp32 master weights that the "
+        "optimizer steps (with --fsdp: FSDP2's mixed precision, fp32 shards, bf16 all-gathers, "
+        "gradients reduced in fp32; otherwise the layer-wise optimizer's bf16 parameters and "
+        "fp32 masters of what each rank owns); fp32: fp32 parameters; auto (default): bf16 on "
+        "CUDA, fp32 on CPU. Optimizer state is fp32 either way",
     )
     p.add_argument(
         "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"

@@ -4,6 +4,7 @@ Small pure decisions, unit-tested on CPU with a made-up GPU count:
 
     plan_ranks(nproc, gpus, shared_gpu)    how many ranks, which backend, which device each
     resolve_precision(precision, device)   "auto" → "bf16" on CUDA, "fp32" elsewhere
+    resolve_param_dtype(param_dtype, device)   the same rule for --param-dtype
 
 Rank placement:
     CPU (no GPU visible)   gloo, every rank on the CPU; --nproc defaults to 2
@@ -17,16 +18,25 @@ Rank placement:
 Precision: "bf16" runs forward and loss under `torch.autocast(device_type, torch.bfloat16)`;
 parameters (fp32 masters), gradients and optimizer state stay fp32, so gradients are reduced
 in fp32. "fp32" runs without autocast.
+
+Parameter dtype (--param-dtype): "bf16" holds the parameters forward and backward see in bf16,
+with fp32 masters that the optimizer steps (FSDP2's mixed precision under --fsdp: fp32 shards,
+bf16 all-gathers, fp32 gradient reduction; elsewhere the layer-wise optimizer's bf16 parameters
+and fp32 masters of what each rank owns); optimizer state is fp32 either way. "fp32": the
+parameters are the masters.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 PRECISIONS = ("auto", "bf16", "fp32")
+ParamDtype = Literal["auto", "bf16", "fp32"]
+PARAM_DTYPES: tuple[ParamDtype, ...] = get_args(ParamDtype)
 # The data-parallel default on a machine without GPUs: two gloo ranks exercise the
 # distributed optimizer (one rank runs the plain single-process optimizer).
 CPU_DEFAULT_NPROC = 2
@@ -83,15 +93,27 @@ def plan_ranks(nproc: int | None, gpus: int, shared_gpu: bool = False) -> RankPl
     return RankPlan(nproc, "nccl", "cuda")
 
 
+def _by_device(flag: str, value: str, device_type: str) -> Literal["bf16", "fp32"]:
+    """`value` of an "auto" / "bf16" / "fp32" flag, "auto" read as bf16 on CUDA and fp32
+    elsewhere (bf16 matmuls are tens of times slower than fp32 on CPUs without bf16
+    instructions)."""
+    if value not in PRECISIONS:
+        raise ValueError(f"{flag} must be one of {PRECISIONS}, got {value!r}")
+    if value == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return "bf16" if value == "bf16" else "fp32"
+
+
 def resolve_precision(precision: str, device_type: str) -> str:
     """The run's precision, "bf16" or "fp32": `precision` itself, or for "auto" bf16 on CUDA
-    and fp32 elsewhere (bf16 matmuls are tens of times slower than fp32 on CPUs without bf16
-    instructions)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
-    return precision
+    and fp32 elsewhere."""
+    return _by_device("--precision", precision, device_type)
+
+
+def resolve_param_dtype(param_dtype: str, device_type: str) -> Literal["bf16", "fp32"]:
+    """The run's parameter dtype, "bf16" or "fp32": `param_dtype` itself, or for "auto" bf16
+    on CUDA and fp32 elsewhere."""
+    return _by_device("--param-dtype", param_dtype, device_type)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

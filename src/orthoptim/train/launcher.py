@@ -78,14 +78,14 @@ def run(args: TrainArgs) -> dict[str, Any]:
     Returns the run's summary (the content of result.json) on every rank.
     """
     args.validate()
-    rank, world_size, _ = _init_distributed(args.shared_gpu, args.pg_timeout)
+    rank, world_size, device = _init_distributed(args.shared_gpu, args.pg_timeout)
     out = Path(args.out)
     lock, done, error = None, None, None
     if rank == 0:
         try:
             check_out(out)
             lock = acquire_lock(out)
-            done = claim_out(args, world_size)
+            done = claim_out(args, world_size, device.type)
         except (ValueError, FileNotFoundError) as e:
             error = e
     # rank 0's verdict: 0 train, 1 nothing to do, 2 refused
@@ -140,14 +140,15 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
     do (resuming a finished run) the folder's result.json untouched, plus "nothing_to_do".
     """
     args.validate()
-    nproc = plan_ranks(nproc, devices.visible_gpus(), args.shared_gpu).nproc
-    args.check_nproc(nproc)
+    plan = plan_ranks(nproc, devices.visible_gpus(), args.shared_gpu)
+    nproc = plan.nproc
+    args.check_nproc(nproc, plan.device_type)
     out = Path(args.out)
     created = not out.exists()
     check_out(out)
     lock = acquire_lock(out)
     try:
-        done = claim_out(args, nproc)
+        done = claim_out(args, nproc, plan.device_type)
         if done is not None:
             return nothing_to_do(out, done)
         # A bad --data fails here, once, before any rank starts.

@@ -10,7 +10,10 @@ metrics, checkpoints and a result file (`orthoptim.train.runfolder`). Ranks are 
 Devices (`orthoptim.train.devices`): gloo ranks on CPU; on CUDA rank r on cuda:LOCAL_RANK over
 NCCL, or with `--shared-gpu` every rank on cuda:0 over "cuda:gloo". Forward and loss run under
 bf16 autocast with `--precision bf16` (the default on CUDA); parameters, gradients and
-optimizer state stay fp32. `--compile` compiles each transformer block (`compile_blocks`).
+optimizer state stay fp32. `--param-dtype bf16` (the default on CUDA) holds the parameters
+forward and backward see in bf16 with fp32 masters the optimizer steps: FSDP2's mixed
+precision under `--fsdp` (`shard_model`), otherwise the layer-wise optimizer's (on one rank
+too). `--compile` compiles each transformer block (`compile_blocks`).
 Every collective the loop itself issues (metric sums and gathers, barriers) goes through
 `orthoptim.collectives` with tensors on `collectives.device_for()`.
 """
@@ -48,6 +51,7 @@ from orthoptim.train.runfolder import (
     atomic_write_text,
     read_metrics,
     resumed_args,
+    saved_param_dtype,
 )
 
 if TYPE_CHECKING:
@@ -77,32 +81,54 @@ def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
     )
 
 
+def low_precision(param_dtype: str) -> torch.dtype | None:
+    """The torch dtype a run's parameters are held in below their fp32 masters ("bf16":
+    torch.bfloat16), or None when the parameters are the fp32 masters themselves."""
+    return torch.bfloat16 if param_dtype == "bf16" else None
+
+
 def make_optimizer(
-    model: nn.Module, args: TrainArgs, world_size: int, mesh: DeviceMesh | None = None
+    model: nn.Module,
+    args: TrainArgs,
+    world_size: int,
+    mesh: DeviceMesh | None = None,
+    param_dtype: str = "fp32",
 ) -> Any:
-    """The optimizer for this rank: `FSDPOptimizer` under --fsdp (the model already sharded);
-    otherwise `build_optimizer` on one rank and, on more, the layer-wise distributed optimizer
-    (each matrix, and each expert of a mixture of experts, owned whole by one rank). All of
-    them route the same parameters to AdamW. With a (dp, tp) `mesh` the layer-wise optimizer
-    owns over the dp group and orthogonalizes with a `TensorParallelOrthogonalizer` (auto
-    mode: duplicated or distributed per shape, by its cost model)."""
+    """The optimizer for this rank: `FSDPOptimizer` under --fsdp (the model already sharded,
+    in `param_dtype` by `shard_model`'s mixed precision); otherwise `build_optimizer` on one
+    rank and, on more, the layer-wise distributed optimizer (each matrix, and each expert of a
+    mixture of experts, owned whole by one rank). All of them route the same parameters to
+    AdamW. With a (dp, tp) `mesh` the layer-wise optimizer owns over the dp group and
+    orthogonalizes with a `TensorParallelOrthogonalizer` (auto mode: duplicated or distributed
+    per shape, by its cost model). `param_dtype` "bf16" without --fsdp: the layer-wise
+    optimizer (on one rank too) holds the parameters in bf16 and fp32 masters of what it
+    owns."""
     kwargs = _optimizer_kwargs(args)
     if args.fsdp:
         return FSDPOptimizer(model, optimizer=args.optimizer, **kwargs)
+    low = low_precision(param_dtype)
+    # The keyword only for low precision: fp32 runs build the optimizer they always built.
+    masters = {} if low is None else dict(param_dtype=low)
     if mesh is not None:
         return LayerwiseDistributedOptimizer(
             model,
             optimizer=args.optimizer,
             process_group=mesh["dp"].get_group(),
             orthogonalizer=TensorParallelOrthogonalizer(mode="auto"),
+            **masters,
             **kwargs,
         )
-    if world_size == 1:
+    if world_size == 1 and low is None:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
     # only the parameters the model declares expert stacks are split (`optim.routing`)
     experts = args.optimizer != "adamw"
     return LayerwiseDistributedOptimizer(
-        model, optimizer=args.optimizer, split_experts=experts, state_dict_to="rank0", **kwargs
+        model,
+        optimizer=args.optimizer,
+        split_experts=experts,
+        state_dict_to="rank0",
+        **masters,
+        **kwargs,
     )
 
 
@@ -217,6 +243,7 @@ class Run:
     model_info: dict[str, Any]
     val: list[tuple[Tensor, Tensor]]
     precision: str
+    param_dtype: str  # "bf16" (fp32 masters) or "fp32"
     dp_rank: int
     dp_size: int
 
@@ -236,9 +263,10 @@ def build_run(
     log.info("corpus %s", corpus.describe())
     torch.manual_seed(args.seed)
     model = (build_hf_model(args.hf_config, cfg.seq_len) if args.hf_config else GPT(cfg)).to(device)
-    args.check_nproc(world_size)
+    args.check_nproc(world_size, device.type)
+    param_dtype = args.param_dtype_on(device.type)
     if args.fsdp and world_size > 1:
-        shard_model(model)
+        shard_model(model, param_dtype=low_precision(param_dtype))
     mesh = None
     dp_rank, dp_size = rank, world_size
     if args.tp > 1:
@@ -249,7 +277,7 @@ def build_run(
         )
         parallelize(model, mesh["tp"])
         dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    opt = make_optimizer(model, args, world_size, mesh)
+    opt = make_optimizer(model, args, world_size, mesh, param_dtype)
     tau = args.qk_clip_tau
     clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
     precision = resolve_precision(args.precision, device.type)
@@ -263,7 +291,7 @@ def build_run(
     ]
     log.info(
         "model %s (%d params), optimizer %s%s, world size %d (tp %d), device %s (%s), "
-        "precision %s%s",
+        "precision %s, parameters %s%s",
         f"transformers {args.hf_config}" if args.hf_config else args.config,
         sum(p.numel() for p in model.parameters()),
         args.optimizer,
@@ -273,11 +301,23 @@ def build_run(
         device,
         collectives.backend_config() or "no process group",
         precision,
+        param_dtype,
         ", blocks compiled" if args.compile else "",
     )
     info = dict(hf_config=args.hf_config) if args.hf_config else cfg.as_dict()
     return Run(
-        model, opt, clip, corpus, cfg.seq_len, args.batch, info, val, precision, dp_rank, dp_size
+        model,
+        opt,
+        clip,
+        corpus,
+        cfg.seq_len,
+        args.batch,
+        info,
+        val,
+        precision,
+        param_dtype,
+        dp_rank,
+        dp_size,
     )
 
 
@@ -294,7 +334,7 @@ def resume(
     checkpoint's must not replace, kept), say so, and cut the metrics back to its step.
     Returns (step, training time so far)."""
     wanted = [(g["initial_lr"], g.get("weight_decay")) for g in run.opt.param_groups]
-    info = ckpt.load(run.model, run.opt, args)
+    info = ckpt.load(run.model, run.opt, args, run.param_dtype)
     start = info["step"]
     for g, (lr, decay) in zip(run.opt.param_groups, wanted):
         g["initial_lr"] = lr
@@ -306,9 +346,16 @@ def resume(
         *(f"{change} from step {start}" for change in changes),
     ):
         _notice(log, rank, message)
-    # Allowed: the checkpoint holds fp32 parameters and optimizer state in either precision.
+    # Allowed: the checkpoint holds fp32 parameters and optimizer state in either precision
+    # (and, under --fsdp, at either parameter dtype: `check_resumable`).
     if info.get("precision", "fp32") != run.precision:
         log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), run.precision)
+    if saved_param_dtype(info) != run.param_dtype:
+        log.info(
+            "checkpoint trained with %s parameters, continuing with %s",
+            saved_param_dtype(info),
+            run.param_dtype,
+        )
     if rank == 0:
         kept = read_metrics(metrics_path, upto=start)
         atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
@@ -367,6 +414,7 @@ def train_step(
         comm_sent_bytes=sent,
         comm_received_bytes=received,
         precision=run.precision,
+        param_dtype=run.param_dtype,
         **clipped,
     )
     if norm is not None:
@@ -430,7 +478,8 @@ def train(
         val_loss = validate()
         if metrics_file:
             row0 = dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)
-            metrics_file.write(json.dumps(dict(row0, precision=run.precision)) + "\n")
+            row0.update(precision=run.precision, param_dtype=run.param_dtype)
+            metrics_file.write(json.dumps(row0) + "\n")
             metrics_file.flush()
     row: dict[str, Any] = {}
     try:
@@ -454,7 +503,12 @@ def train(
                 )
                 bar.update(1)
             if step % args.ckpt_every == 0 or step == last:
-                meta = dict(args=args.to_dict(), train_time_s=train_time, precision=run.precision)
+                meta = dict(
+                    args=args.to_dict(),
+                    train_time_s=train_time,
+                    precision=run.precision,
+                    param_dtype=run.param_dtype,
+                )
                 _params_ready(opt)
                 ckpt.save(step, run.model, opt, meta)
                 log.info("checkpoint at step %d", step)
@@ -495,6 +549,7 @@ def _result(
         device=str(device),
         backend=collectives.backend_config() or None,
         precision=run.precision,
+        param_dtype=run.param_dtype,
         compiled=args.compile,
         threads_per_rank=torch.get_num_threads(),
         tokens_per_step=run.tokens_per_step,

@@ -76,8 +76,22 @@ RESUME_MUST_MATCH = (
 RESUME_MAY_CHANGE = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
 
 
-def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
-    """Refuse to resume a checkpoint of a different run, listing every mismatch."""
+def saved_param_dtype(info: dict[str, Any]) -> str:
+    """The parameter dtype ("bf16" or "fp32") a checkpoint's run trained with (fp32 before
+    --param-dtype existed)."""
+    return str(info.get("param_dtype", "fp32"))
+
+
+def check_resumable(
+    info: dict[str, Any], args: TrainArgs, world_size: int, param_dtype: str
+) -> None:
+    """Refuse to resume a checkpoint of a different run, listing every mismatch.
+
+    `param_dtype` is this run's ("bf16" or "fp32"). It may differ from the checkpoint's under
+    --fsdp only: there the checkpoint's model weights are FSDP2's sharded parameters, the
+    fp32 masters, and the optimizer state is fp32, whatever the run computed in. Without
+    --fsdp a bf16 run's model holds bf16 copies and its fp32 masters live in the layer-wise
+    optimizer, so model.pt is not the masters: such a checkpoint resumes at its own dtype."""
     saved = TrainArgs.from_dict(info["args"])  # defaults for flags newer than the checkpoint
     mismatched = [
         f"--{k.replace('_', '-')}: checkpoint {getattr(saved, k)!r}, now {getattr(args, k)!r}"
@@ -86,6 +100,12 @@ def check_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> N
     ]
     if info["world_size"] != world_size:
         mismatched.append(f"--nproc: checkpoint {info['world_size']}, now {world_size}")
+    before = saved_param_dtype(info)
+    if not args.fsdp and before != param_dtype:
+        mismatched.append(
+            f"--param-dtype: checkpoint {before}, now {param_dtype} (only --fsdp runs resume "
+            f"at another parameter dtype; pass --param-dtype {before})"
+        )
     if mismatched:
         raise ValueError(
             "--resume: the checkpoint does not match this run: " + "; ".join(mismatched)
@@ -308,10 +328,11 @@ class Checkpointer:
             if old.is_dir() and old.name not in (*kept, newest) and old.suffix != ".damaged":
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, model: nn.Module, opt: Any, args: TrainArgs) -> dict[str, Any]:
+    def load(self, model: nn.Module, opt: Any, args: TrainArgs, param_dtype: str) -> dict[str, Any]:
         """Load the newest intact committed checkpoint into `model` and `opt` (collective) and
         return its record, with "passed_over": what was skipped and why. Rank 0 checks the
-        files against their record; every rank checks the model it loaded is finite."""
+        files against their record; every rank checks the model it loaded is finite.
+        `param_dtype`: this run's (`check_resumable`)."""
         damaged: list[tuple[Path, str]] = []
         for info in self.committed():
             folder = self.dir / info["folder"]
@@ -319,7 +340,7 @@ class Checkpointer:
             if why[0] is not None:
                 damaged.append((folder, why[0]))
                 continue
-            check_resumable(info, args, self.world_size)
+            check_resumable(info, args, self.world_size, param_dtype)
             self._read(folder, model, opt)
             names = [n for n in collectives.all_gather_object(_first_nonfinite(model)) if n]
             if names:
@@ -487,17 +508,18 @@ def release_lock(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def claim_out(args: TrainArgs, world_size: int) -> str | None:
+def claim_out(args: TrainArgs, world_size: int, device_type: str) -> str | None:
     """Check what this run may do with --out (call with the lock held), before any rank
-    trains. A folder holding a run is refused unless --resume (the checkpoint must match this
-    run) or --overwrite (its run's files are removed here). Returns a message when there is
-    nothing to do: a resumed run whose checkpoint is at or past its last step."""
+    trains on `device_type` ranks ("cpu" or "cuda"). A folder holding a run is refused unless
+    --resume (the checkpoint must match this run) or --overwrite (its run's files are removed
+    here). Returns a message when there is nothing to do: a resumed run whose checkpoint is at
+    or past its last step."""
     out = Path(args.out)
     if args.resume:
         for path in clean_leftovers(out):
             _log.warning("--out %s: removed %s, left by an interrupted save", out, path)
         info = Checkpointer(out, 0, world_size).latest()
-        check_resumable(info, args, world_size)
+        check_resumable(info, args, world_size, args.param_dtype_on(device_type))
         read_metrics(out / "metrics.jsonl")  # a damaged row is refused before any rank starts
         step, last = info["step"], args.stop_after or args.steps
         if step >= args.steps:
