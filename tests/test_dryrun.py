@@ -12,17 +12,21 @@ import torch.distributed as dist
 
 from orthoptim import collectives as C
 from orthoptim.cli import main
+from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.plan import Layout, load_hardware, load_model, make_plan
 from orthoptim.plan.dryrun import (
     _HostData,
     _Recorder,
+    bucket_tensors,
     dry_run,
     fake_world,
+    format_dry_run,
     group_mismatches,
     host_syncs_per_step,
     plan_figures,
     run_isolated,
     run_rank,
+    takes_param_dtype,
 )
 
 GPT = load_model("train:base")
@@ -117,18 +121,21 @@ def test_parameters_are_the_stage_and_host_reads_are_counted(case) -> None:
 
 
 def test_memory_per_rank_within_5_percent_of_the_plan(case) -> None:
-    """Every memory category of each rank within 5 % of `make_plan`'s `memory_per_rank`."""
+    """Every memory category of each rank within 5 % of `make_plan`'s `memory_per_rank`
+    (the plan models the layer-wise optimizer's flat layout: against the layout before it,
+    all but its buckets' own buffers and the peak, then an expected failure)."""
     layout, parallel, runs = case
     plan = _plan(layout)
-    per = plan.get("memory_per_rank")
-    if not per:
-        pytest.skip("make_plan has no memory_per_rank yet (the planner's per-category memory)")
+    flat = parallel == "fsdp" or takes_param_dtype(LayerwiseDistributedOptimizer)
     for r in runs:
         figures = plan_figures(plan, r.plan_index)
         for k in ("params", "grads", "masters", "state", "buffers"):
-            assert r.memory[k] == pytest.approx(figures[k], rel=0.05, abs=2**20), (k, r.rank)
-        if parallel != "fsdp":
+            if k != "buffers" or flat:
+                assert r.memory[k] == pytest.approx(figures[k], rel=0.05, abs=2**20), (k, r.rank)
+        if parallel != "fsdp" and flat:
             assert r.peak == pytest.approx(figures["peak"], rel=0.05), r.rank
+    if not flat:
+        pytest.xfail("the real optimizer predates the flat layout: its buckets hold buffers")
     if parallel == "fsdp":
         # FSDP2's unsharded parameters and gradients during forward and backward are in the
         # dry run's peak; the plan estimates them apart (fsdp_gather), and the two differ
@@ -208,8 +215,69 @@ def test_cli_dry_run_json() -> None:
     out = json.loads(buf.getvalue())
     (row,) = out["ranks"]
     assert row["rank"] == 3 and row["comm_matches_expected"] and out["fits"]
+    assert out["verdict"].startswith("fits: yes — peak")
     assert set(row["memory"]) == {"params", "grads", "masters", "state", "buffers"}
     assert "Triton" in " ".join(out["coverage"]["not covered"])
+
+
+def test_dry_run_says_when_it_does_not_fit() -> None:
+    """A hardware file below the measured peak gets "fits: no" with the flags that shrink
+    it, in the dict and the text."""
+    import dataclasses
+
+    layout = Layout(dp=8)
+    tiny = dataclasses.replace(H200, memory_gb=0.5)
+    d = dry_run(GPT, layout, tiny, ranks=[0])
+    (row,) = d["ranks"]
+    assert not d["fits"] and not row["fits"] and row["peak"] > 0.5e9
+    assert d["verdict"].startswith("fits: no — peak") and "of 0.5 GB" in d["verdict"]
+    assert any(x.startswith("--param-dtype bf16") for x in d["to_fit"])
+    text = format_dry_run(d)
+    assert d["verdict"] in text and "flags that shrink it" in text
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_dry_run_holds_bf16_parameters_as_planned(fsdp: bool) -> None:
+    """`--param-dtype bf16` reaches the layer-wise optimizer (or FSDP2's mixed precision) and
+    every held category is the plan's within 5 %; a version of the code that takes no
+    `param_dtype` is refused naming the flag."""
+    from orthoptim.parallel.fsdp import shard_model
+
+    layout = Layout(dp=8, param_dtype="bf16", fsdp=fsdp)
+    target = shard_model if fsdp else LayerwiseDistributedOptimizer
+    if not takes_param_dtype(target):
+        with pytest.raises(ValueError, match="--param-dtype bf16"):
+            run_rank(GPT, layout, 0)
+        return
+    r = run_rank(GPT, layout, 0)
+    figures = plan_figures(_plan(layout), r.plan_index)
+    for k in ("params", "grads", "masters", "state", "buffers"):
+        assert r.memory[k] == pytest.approx(figures[k], rel=0.05, abs=2**20), k
+    assert r.comm_matches
+
+
+def test_bucket_tensors_reads_either_layout() -> None:
+    """A bucket's buffers through its `buffers()` where it has one, else the layout before
+    the flat one's four attributes; its other tensors (flat parameters and gradients) apart."""
+    a, b, c = (torch.empty(n, device="meta") for n in (1, 2, 3))
+
+    class Flat:
+        def __init__(self) -> None:
+            self.params, self.grads, self.gather = a, [b], c
+
+        def buffers(self) -> list[torch.Tensor]:
+            return [self.gather]
+
+    class Before:
+        def __init__(self) -> None:
+            self.grad_flat, self.grad_shard, self.gather_flat, self.gather_in = a, b, None, c
+            self.own = {0: None}
+
+    buffers, rest = bucket_tensors(Flat())
+    assert [id(t) for t in buffers] == [id(c)]
+    assert sorted(map(id, rest)) == sorted([id(a), id(b)])
+    buffers, rest = bucket_tensors(Before())
+    assert [id(t) for t in buffers] == [id(a), id(b), id(c)] and rest == []
 
 
 def _slow_selected(config: pytest.Config) -> bool:

@@ -38,6 +38,7 @@ allocator's fragmentation, NCCL's own buffers).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import sys
 import types
@@ -56,12 +57,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from orthoptim import collectives as C
+from orthoptim.plan.hardware import memory_verdict
 from orthoptim.plan.model import Matrix, ModelDescription, expand
 from orthoptim.plan.planner import Layout, check_layout, local_shape, stage_of_layers
 
 BACKEND = "orthoptim_meta"
 DEVICE = torch.device("meta")
 CATEGORIES = ("params", "grads", "masters", "state", "buffers")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the planner's dtype names
 Parallel = Literal["layerwise", "fsdp"]  # the driver: Layout.fsdp
 
 COVERAGE = {
@@ -593,10 +596,27 @@ def build_model(
 # -- one simulated rank ----------------------------------------------------------------------
 
 
+def bucket_tensors(bucket: Any) -> tuple[list[Tensor], list[Tensor]]:
+    """A layer-wise bucket's (buffers, other tensors): its `buffers()` (what it holds beyond
+    the parameters and gradients: a gather buffer), or the flat buffers of the layout before
+    it (grad_flat, grad_shard, gather_flat, gather_in); and every other tensor it refers to
+    (its flat parameters and gradients, which the parameters and their `.grad` view)."""
+    if hasattr(bucket, "buffers"):
+        buffers = list(bucket.buffers())
+    else:
+        names = ("grad_flat", "grad_shard", "gather_flat", "gather_in")
+        buffers = [getattr(bucket, n) for n in names]
+    buffers = [t for t in buffers if isinstance(t, Tensor)]
+    ids = {id(t) for t in buffers}
+    rest = [t for t in tree_flatten(vars(bucket))[0] if isinstance(t, Tensor) and id(t) not in ids]
+    return buffers, rest
+
+
 def _category_bytes(opt: Any, model: nn.Module, parallel: Parallel) -> dict[str, int]:
     """Bytes by category of every live meta storage the model and optimizer hold; a storage
     is counted once, in the first category that holds it (params, buffers, masters, state,
-    grads)."""
+    grads). A bucket's tensors beyond its buffers that no parameter views are its gradient
+    flats (`bucket_tensors`), which a `.grad` of another dtype does not view."""
     seen: set[int] = set()
     out = dict.fromkeys(CATEGORIES, 0)
 
@@ -613,12 +633,15 @@ def _category_bytes(opt: Any, model: nn.Module, parallel: Parallel) -> dict[str,
 
     params = list(model.parameters())
     add("params", params)
+    rest: list[Tensor] = []
     if parallel == "layerwise":
         for b in opt._buckets:
-            add("buffers", [b.grad_flat, b.grad_shard, b.gather_flat, b.gather_in])
+            buffers, others = bucket_tensors(b)
+            add("buffers", buffers)
+            rest += others
         add("masters", list(opt.masters().values()))
     add("state", [dict(s) for s in opt.state.values()])
-    add("grads", [p.grad for p in params])
+    add("grads", [p.grad for p in params] + rest)
     return out
 
 
@@ -633,6 +656,13 @@ def _comm_check(comm: dict[str, Any], expected: dict[str, Any]) -> bool:
         for k in kinds
         for f in ("sent", "received", "calls")
     )
+
+
+def takes_param_dtype(target: Callable[..., Any]) -> bool:
+    """Whether `target` (`LayerwiseDistributedOptimizer`, `shard_model`) takes `param_dtype`:
+    the layer-wise optimizer's flat layout, which `memory_per_rank` models, or FSDP2's mixed
+    precision."""
+    return "param_dtype" in inspect.signature(target).parameters
 
 
 def run_rank(
@@ -675,8 +705,21 @@ def run_rank(
         kwargs: dict[str, Any] = {"bucket_mb": layout.bucket_mb}
         if optimizer == "muon":
             kwargs["ns_dtype"] = torch.bfloat16  # what "auto" picks on CUDA
+        # the model is built in fp32; a lower parameter dtype is the optimizer's (or FSDP2's
+        # mixed precision), named only then so that older signatures still take the rest
+        mixed = {}
+        if layout.param_dtype != "fp32":
+            target = shard_model if parallel == "fsdp" else LayerwiseDistributedOptimizer
+            if not takes_param_dtype(target):
+                raise ValueError(
+                    f"--param-dtype {layout.param_dtype} with --dry-run: this version's "
+                    f"{target.__name__} takes no param_dtype; use --param-dtype fp32"
+                )
+            mixed = {"param_dtype": DTYPES[layout.param_dtype]}
         if parallel == "fsdp":
-            shard_model(model, mesh["dp"])
+            if mixed:
+                mixed["reduce_dtype"] = DTYPES[layout.grad_dtype]
+            shard_model(model, mesh["dp"], **mixed)
             fsdp_stats = C.CommStats()
             count_fsdp_collectives(model, fsdp_stats)
             opt: Any = FSDPOptimizer(model, optimizer=optimizer, **kwargs)
@@ -693,9 +736,11 @@ def run_rank(
                 kwargs["orthogonalizer"] = TensorParallelOrthogonalizer(
                     mode=tp_mode, ns_dtype=torch.bfloat16
                 )
+            if mixed:
+                mixed["grad_dtype"] = DTYPES[layout.grad_dtype]
             opt = LayerwiseDistributedOptimizer(
                 model, optimizer=optimizer, process_group=dp_group, split_experts=True,
-                expert_group=expert_group, **kwargs,
+                expert_group=expert_group, **kwargs, **mixed,
             )  # fmt: skip
         rec.reads.clear()
         idx = torch.zeros(1, 4, dtype=torch.long, device=DEVICE)
@@ -794,7 +839,8 @@ def host_syncs_per_step(r: RankResult) -> int:
 def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
     """`make_plan`'s figures for plan slot `index` (stage × dp rank) in the dry run's
     categories: its per-category memory (`memory_per_rank`) where the plan has it, else only
-    the optimizer state; bytes per step of the bucket collectives (fp32 gathers)."""
+    the optimizer state; bytes per step of the bucket collectives (in the layout's gather
+    dtype)."""
     out: dict[str, float | None] = dict.fromkeys((*CATEGORIES, "transient", "peak"))
     per = plan.get("memory_per_rank")
     if per:
@@ -803,7 +849,7 @@ def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
             out[k] = row.get(k)
     else:
         out["state"] = plan["memory"]["layerwise_state_bytes_per_rank"][index]
-    c = plan["comm"]["fp32_gather"]
+    c = plan["comm"][f"{plan['layout']['gather_dtype']}_gather"]
     out["bytes"] = (
         None  # the plan's bytes are the layer-wise buckets'
         if plan["layout"].get("fsdp")
@@ -862,6 +908,7 @@ def dry_run(
             }
         )
     worst = max(rows, key=lambda x: x["peak"])
+    over = sum(not x["fits"] for x in rows)
     return {
         "model": desc.name,
         "hardware": hardware.name,
@@ -873,6 +920,7 @@ def dry_run(
         "ranks": rows,
         "group_mismatches": mismatches,
         "fits": all(x["fits"] for x in rows),
+        "verdict": memory_verdict(worst["peak"], capacity, hardware.name, over, len(rows)),
         "to_fit": [] if worst["fits"] else _to_fit(worst, layout, parallel, desc),
         "coverage": COVERAGE,
     }
@@ -889,6 +937,11 @@ def _to_fit(
             f"--fsdp (parameters and gradients sharded over --dp {layout.dp}, no bucket "
             f"buffers: about {(mem['params'] + mem['grads'] + mem['buffers']) / 2**30:.1f} GiB "
             "of this rank's shrink by that factor)"
+        )
+    if layout.param_dtype == "fp32":
+        out.append(
+            f"--param-dtype bf16 (every rank's {mem['params'] / 2**30:.1f} GiB of parameters "
+            "halve; fp32 master copies of the owned elements only)"
         )
     out.append(
         f"--pp {layout.pp * 2} (each stage holds half the layers: parameters, gradients, "
@@ -938,6 +991,11 @@ def format_dry_run(d: dict[str, Any]) -> str:
         row(k, lambda r, k=k: r["memory"][k], lambda r, k=k: r["plan"][k])
     row("transient", lambda r: r["transient"], lambda r: r["plan"]["transient"])
     row("peak", lambda r: r["peak"], lambda r: r["plan"]["peak"])
+    cap = d["memory_bytes"]
+    row(
+        "fits", lambda r: r["peak"], lambda r: r["plan"]["peak"],
+        lambda x: "-" if x is None else ("yes" if x <= cap else "no"),
+    )  # fmt: skip
     row("bytes/step (buckets)", lambda r: r["bytes_per_step"], lambda r: r["plan"]["bytes"])
     row(
         "collectives/step", lambda r: r["collectives_per_step"], lambda r: None,
@@ -962,17 +1020,10 @@ def format_dry_run(d: dict[str, Any]) -> str:
         if not d["group_mismatches"]
         else "collectives MISMATCH (NCCL would hang): " + "; ".join(d["group_mismatches"])
     )
-    cap = d["memory_bytes"]
-    worst = max(r["peak"] for r in d["ranks"])
     if d["fits"]:
-        lines.append(
-            f"fits: peak {worst / 2**30:.1f} GiB of {cap / 2**30:.1f} GiB ({d['hardware']})"
-        )
+        lines.append(f"{d['verdict']} (measured)")
     else:
-        lines.append(
-            f"does NOT fit: peak {worst / 2**30:.1f} GiB of {cap / 2**30:.1f} GiB "
-            f"({d['hardware']}); flags that shrink it:"
-        )
+        lines.append(f"{d['verdict']} (measured); flags that shrink it:")
         lines += [f"  {x}" for x in d["to_fit"]]
     lines.append("covers: " + "; ".join(d["coverage"]["covered"]))
     lines.append("does not cover: " + "; ".join(d["coverage"]["not covered"]))
