@@ -220,15 +220,18 @@ def test_cli_dry_run_json() -> None:
     assert "Triton" in " ".join(out["coverage"]["not covered"])
 
 
-def test_dry_run_says_when_it_does_not_fit() -> None:
-    """A hardware file below the measured peak gets "fits: no" with the flags that shrink
-    it, in the dict and the text."""
+def test_dry_run_gathers_in_the_layout_dtype_and_says_it_does_not_fit() -> None:
+    """`--gather-dtype bf16` reaches the optimizer (the dry run used to build it without,
+    holding no master copies where the plan has them), and a hardware file below the
+    measured peak gets "fits: no" with the flags that shrink it, in the dict and the text."""
     import dataclasses
 
-    layout = Layout(dp=8)
+    layout = Layout(dp=8, gather_dtype="bf16")
     tiny = dataclasses.replace(H200, memory_gb=0.5)
     d = dry_run(GPT, layout, tiny, ranks=[0])
     (row,) = d["ranks"]
+    assert row["memory"]["masters"] > 0
+    assert row["memory"]["masters"] == plan_figures(_plan(layout), 0)["masters"]
     assert not d["fits"] and not row["fits"] and row["peak"] > 0.5e9
     assert d["verdict"].startswith("fits: no — peak") and "of 0.5 GB" in d["verdict"]
     assert any(x.startswith("--param-dtype bf16") for x in d["to_fit"])

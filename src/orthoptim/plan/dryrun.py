@@ -738,6 +738,8 @@ def run_rank(
                 )
             if mixed:
                 mixed["grad_dtype"] = DTYPES[layout.grad_dtype]
+            if layout.gather_dtype is not None:
+                kwargs["gather_dtype"] = DTYPES[layout.gather_dtype]
             opt = LayerwiseDistributedOptimizer(
                 model, optimizer=optimizer, process_group=dp_group, split_experts=True,
                 expert_group=expert_group, **kwargs, **mixed,
