@@ -18,6 +18,7 @@ from orthoptim.plan.dryrun import (
     _Recorder,
     dry_run,
     fake_world,
+    format_dry_run,
     group_mismatches,
     host_syncs_per_step,
     plan_figures,
@@ -117,12 +118,10 @@ def test_parameters_are_the_stage_and_host_reads_are_counted(case) -> None:
 
 
 def test_memory_per_rank_within_5_percent_of_the_plan(case) -> None:
-    """Every memory category of each rank within 5 % of `make_plan`'s `memory_per_rank`."""
+    """Every memory category of each rank within 5 % of `make_plan`'s `memory_per_rank`, and
+    the layer-wise peak too."""
     layout, parallel, runs = case
     plan = _plan(layout)
-    per = plan.get("memory_per_rank")
-    if not per:
-        pytest.skip("make_plan has no memory_per_rank yet (the planner's per-category memory)")
     for r in runs:
         figures = plan_figures(plan, r.plan_index)
         for k in ("params", "grads", "masters", "state", "buffers"):
@@ -208,8 +207,42 @@ def test_cli_dry_run_json() -> None:
     out = json.loads(buf.getvalue())
     (row,) = out["ranks"]
     assert row["rank"] == 3 and row["comm_matches_expected"] and out["fits"]
+    assert out["verdict"].startswith("fits: yes — peak")
     assert set(row["memory"]) == {"params", "grads", "masters", "state", "buffers"}
     assert "Triton" in " ".join(out["coverage"]["not covered"])
+
+
+def test_dry_run_gathers_in_the_layout_dtype_and_says_it_does_not_fit() -> None:
+    """`--gather-dtype bf16` reaches the optimizer (the dry run used to build it without,
+    holding no master copies where the plan has them), and a hardware file below the
+    measured peak gets "fits: no" with the flags that shrink it, in the dict and the text."""
+    import dataclasses
+
+    layout = Layout(dp=8, gather_dtype="bf16")
+    tiny = dataclasses.replace(H200, memory_gb=0.5)
+    d = dry_run(GPT, layout, tiny, ranks=[0])
+    (row,) = d["ranks"]
+    assert row["memory"]["masters"] > 0
+    assert row["memory"]["masters"] == plan_figures(_plan(layout), 0)["masters"]
+    assert not d["fits"] and not row["fits"] and row["peak"] > 0.5e9
+    assert d["verdict"].startswith("fits: no — peak") and "of 0.5 GB" in d["verdict"]
+    assert any(x.startswith("--param-dtype bf16") for x in d["to_fit"])
+    text = format_dry_run(d)
+    assert d["verdict"] in text and "flags that shrink it" in text
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_dry_run_holds_bf16_parameters_as_planned(fsdp: bool) -> None:
+    """`--param-dtype bf16` reaches the layer-wise optimizer (or FSDP2's mixed precision) and
+    every held category is the plan's within 5 %; a version of the code that takes no
+    `param_dtype` is refused naming the flag."""
+
+    layout = Layout(dp=8, param_dtype="bf16", fsdp=fsdp)
+    r = run_rank(GPT, layout, 0)
+    figures = plan_figures(_plan(layout), r.plan_index)
+    for k in ("params", "grads", "masters", "state", "buffers"):
+        assert r.memory[k] == pytest.approx(figures[k], rel=0.05, abs=2**20), k
+    assert r.comm_matches
 
 
 def _slow_selected(config: pytest.Config) -> bool:

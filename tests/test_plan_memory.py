@@ -20,6 +20,7 @@ per-parameter path, which the planner models for any device but "cuda"), FSDP, T
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -34,7 +35,11 @@ from orthoptim import collectives as C
 from orthoptim.optim.state import base_name
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.plan import Layout, load_hardware, make_plan, model_from_dict
-from orthoptim.plan.dryrun import BACKEND, _register_backend
+from orthoptim.plan.dryrun import (
+    BACKEND,
+    DTYPES,
+    _register_backend,
+)
 from orthoptim.plan.model import ModelDescription, expand
 
 _register_backend()  # the dry run's fake process group, serving the meta device only
@@ -58,7 +63,6 @@ MOE = dict(
     n_shared_experts=1,
     first_k_dense_replace=1,
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def model_of(desc: ModelDescription, ep: int) -> tuple[nn.Module, dict[str, str]]:
@@ -162,6 +166,11 @@ def _buffers(opt: LayerwiseDistributedOptimizer) -> list[torch.Tensor]:
     return [t for b in opt._buckets for t in b.buffers()]
 
 
+def _bucket_rest(opt: LayerwiseDistributedOptimizer) -> list[torch.Tensor]:
+    """Every bucket's other tensors: its flat parameters and gradients."""
+    return [t for b in opt._buckets for t in (b.params, b.grads) if t is not None]
+
+
 def measure(
     desc: ModelDescription,
     world: int,
@@ -170,8 +179,10 @@ def measure(
     ns: str,
     gather: str | None,
     optimizer: str = "muon",
+    param: str = "fp32",
 ) -> dict[str, int]:
-    """Bytes per category the real layer-wise optimizer holds on `rank` of `world`."""
+    """Bytes per category the real layer-wise optimizer holds on `rank` of `world`, the
+    model built in fp32 and given to it with `param_dtype` when `param` is not fp32."""
     dist.init_process_group(BACKEND, rank=rank, world_size=world, store=FakeStore())
     try:
         model, kinds = model_of(desc, ep)
@@ -188,6 +199,7 @@ def measure(
             expert_group=expert_group,
             gather_dtype=DTYPES[gather] if gather else None,
             **({"ns_dtype": DTYPES[ns]} if optimizer == "muon" else {}),
+            **({"param_dtype": DTYPES[param]} if param != "fp32" else {}),
         )
         peak = TransientPeak()
         for step in range(2):
@@ -199,12 +211,14 @@ def measure(
             with peak if step == 1 else TransientPeak():
                 opt.step()
         opt.wait_for_params()
+        # each storage in the first category that holds it: a bucket's flat gradients are
+        # what its tensors beyond the parameters, buffers, masters and state hold
         held = {
             "params": list(model.parameters()),
-            "grads": grads,
             "buffers": _buffers(opt),
             "masters": list(opt.masters().values()),
             "state": _state(opt.inner),
+            "grads": grads + _bucket_rest(opt),
         }
         return _count(held, peak.peak)
     finally:
@@ -289,16 +303,23 @@ CASES = [
     pytest.param(MOE, 16, 16, "fp32", None, id="moe-dp16-ep16-fp32ns"),
     pytest.param(DENSE, 8, 1, "fp32", "bf16", id="dense-dp8-bf16-gather"),
 ]  # fmt: skip
+# bf16 parameters (fp32 masters and gradients): only the flat layout takes param_dtype
+BF16_CASES = [
+    pytest.param(DENSE, 8, 1, "bf16", None, id="dense-dp8-bf16-params"),
+    pytest.param(MOE, 64, 8, "bf16", None, id="moe-dp64-ep8-bf16-params"),
+    pytest.param(MOE, 8, 8, "bf16", None, id="moe-dp8-ep8-bf16-params"),
+    pytest.param(DENSE, 8, 1, "bf16", "fp32", id="dense-dp8-bf16-params-fp32-gather"),
+]  # fmt: skip
 HELD = ("params", "grads", "masters", "state", "buffers")
 
 
 def _check(want: dict[str, int], got: dict[str, int], key: str, rel: float = 0.01) -> None:
     """Held categories exact, the transient and the peak within `rel`."""
+    assert want["peak"] == sum(want[c] for c in (*HELD, "transient"))
+    assert want["transient"] == pytest.approx(got["transient"], rel=rel), (key, want, got)
     for category in HELD:
         assert want[category] == got[category], (key, category, want, got)
-    assert want["transient"] == pytest.approx(got["transient"], rel=rel), (key, want, got)
     assert want["peak"] == pytest.approx(sum(got[c] for c in (*HELD, "transient")), rel=rel)
-    assert want["peak"] == sum(want[c] for c in (*HELD, "transient"))
 
 
 @pytest.mark.parametrize(("spec", "dp", "ep", "ns", "gather"), CASES)
@@ -314,12 +335,23 @@ def test_memory_per_rank_matches_the_real_optimizer(spec, dp, ep, ns, gather):
         _check(want, measure(desc, dp, rank, ep, ns, gather), key)
 
 
+@pytest.mark.parametrize(("spec", "dp", "ep", "ns", "gather"), BF16_CASES)
+def test_bf16_memory_per_rank_matches_the_real_optimizer(spec, dp, ep, ns, gather):
+    desc = model_from_dict(spec)
+    layout = Layout(
+        dp=dp, ep=ep, ns_dtype=ns, gather_dtype=gather, param_dtype="bf16", device="meta"
+    )
+    plan = make_plan(desc, load_hardware("h200"), layout)["memory_per_rank"]
+    for key, rank in (("rank_0", 0), ("rank_last", dp - 1)):
+        _check(plan[key], measure(desc, dp, rank, ep, ns, gather, param="bf16"), key)
+
+
 @pytest.mark.parametrize("rank", [0, 7])
 def test_a_group_of_one_rank_holds_no_buffer(rank):
-    """With ep = dp every expert group is one rank: nothing is sent for the experts, so the
-    flat buffers are the dense buckets' alone, those of the same optimizer over the model
-    with its routed experts removed (the dense assignment does not depend on them), and no
-    bucket holds a buffer beyond them."""
+    """With ep = dp every expert group is one rank: nothing is sent for the experts, so what
+    the buckets hold beyond the parameters (their buffers; in the flat layout their flat
+    gradients) is the dense buckets' alone, those of the same optimizer over the model with
+    its routed experts removed (the dense assignment does not depend on them)."""
     dp = 8
     model, kinds = model_of(model_from_dict(MOE), dp)
     experts = {n for n, p in model.named_parameters() if p.ndim == 3}
@@ -334,10 +366,9 @@ def test_a_group_of_one_rank_holds_no_buffer(rank):
                 split_experts=True, expert_group=expert_group,
             )  # fmt: skip
             assert any(b.n == 1 for b in opt._buckets) == (expert_group is not None)
-            assert _buffers(opt) == []
-            flats = [t for b in opt._buckets if b.n > 1 for t in (b.params, b.grads)]
-            assert all(b.params is None and b.grads is None for b in opt._buckets if b.n == 1)
-            return sum(t.numel() * t.element_size() for t in flats)
+            # past the parameters' own storages (a world-1 group's, which no flat holds)
+            held = {"params": list(m.parameters()), "buckets": _buffers(opt) + _bucket_rest(opt)}
+            return _count(held, 0)["buckets"]
 
         with_experts = buffer_bytes(model, groups[rank])
         for name in experts:
@@ -374,7 +405,8 @@ def test_fsdp_memory_per_rank_matches_the_real_optimizer(dp, optimizer, monkeypa
     plan = make_plan(desc, load_hardware("h200"), layout)["memory_per_rank"]
     for key, rank in (("rank_0", 0), ("rank_last", dp - 1)):
         with monkeypatch.context() as m:
-            _check(plan[key], measure_fsdp(desc, dp, rank, optimizer, m), key, rel=0.05)
+            got = measure_fsdp(desc, dp, rank, optimizer, m)
+            _check(plan[key], got, key, rel=0.05)
 
 
 def test_report_prints_memory_by_category_against_the_hardware():
@@ -413,3 +445,123 @@ def test_the_state_section_is_memory_per_rank_state():
 def test_layout_choices_are_validated(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         make_plan(model_from_dict(MOE), load_hardware("h200"), Layout(dp=8, **kwargs))
+
+
+def _elements(desc: ModelDescription, ep: int) -> dict[str, int]:
+    """Counted from the model's own matrices: the elements every rank holds outside the
+    routed experts, one EP rank's experts, the whole model's, and the whole model's Muon
+    and AdamW elements."""
+    matrices = expand(desc)
+    per_ep = desc.n_routed_experts // ep if desc.is_moe else 0
+    numel = {id(m): math.prod(m.shape) for m in matrices}
+    return {
+        "dense": sum(numel[id(m)] for m in matrices if m.expert is None),
+        "experts": sum(
+            numel[id(m)] for m in matrices if m.expert is not None and m.expert < per_ep
+        ),
+        "total": sum(numel.values()),
+        "muon": sum(numel[id(m)] for m in matrices if m.kind == "muon"),
+        "adamw": sum(numel[id(m)] for m in matrices if m.kind != "muon"),
+    }
+
+
+@pytest.mark.parametrize(("spec", "dp", "ep"), [(DENSE, 8, 1), (MOE, 64, 8), (MOE, 8, 8)])
+def test_bf16_parameters_from_first_principles(spec, dp, ep):
+    """bf16 parameters against fp32 ones, every figure counted from the model's matrices:
+    parameters halve (padding at most 2 %), gradients stay fp32 in the flats (bf16 where a
+    group of one rank keeps autograd's: ep = dp), no buffer when the gather is the
+    parameters' dtype, fp32 masters of exactly the owned elements (each element owned once
+    over the DP ranks, an EP rank's experts once over its expert-DP group), the same fp32
+    state, and every peak the sum of its categories."""
+    desc = model_from_dict(spec)
+    hw = load_hardware("h200")
+    fp32 = make_plan(desc, hw, Layout(dp=dp, ep=ep))["memory_per_rank"]
+    bf16 = make_plan(desc, hw, Layout(dp=dp, ep=ep, param_dtype="bf16"))["memory_per_rank"]
+    n = _elements(desc, ep)
+    held = n["dense"] + n["experts"]
+    expert_grad = 2 if dp // ep == 1 else 4
+    for f, b in zip(fp32["per_rank"], bf16["per_rank"], strict=True):
+        assert 4 * held <= f["params"] <= 4 * held * 1.02
+        assert 2 * held <= b["params"] <= 2 * held * 1.02
+        assert 4 * held <= f["grads"] <= 4 * held * 1.02
+        grads = 4 * n["dense"] + expert_grad * n["experts"]
+        assert grads <= b["grads"] <= grads * 1.02
+        assert f["buffers"] == b["buffers"] == 0
+        assert f["masters"] == 0
+        for row in (f, b):
+            assert row["peak"] == sum(row[c] for c in (*HELD, "transient"))
+    assert sum(bf16["masters_per_rank"]) == 4 * n["total"]
+    state = 4 * (n["muon"] + 2 * n["adamw"])
+    assert sum(fp32["state_per_rank"]) == sum(bf16["state_per_rank"]) == state
+
+
+def test_a_gather_in_another_dtype_holds_a_buffer_of_it():
+    """bf16 parameters gathered in fp32: every rank holds the buckets' elements again in
+    fp32 (padding at most 2 %), beside fp32 masters."""
+    desc = model_from_dict(DENSE)
+    layout = Layout(dp=8, param_dtype="bf16", gather_dtype="fp32")
+    mem = make_plan(desc, load_hardware("h200"), layout)["memory_per_rank"]
+    held = _elements(desc, 1)["dense"]
+    for row in mem["per_rank"]:
+        assert 4 * held <= row["buffers"] <= 4 * held * 1.02
+    assert sum(mem["masters_per_rank"]) == 4 * held
+
+
+def test_fsdp_mixed_precision_from_first_principles():
+    """FSDP2 with bf16 compute: the sharded parameters and their gradients stay fp32 (the
+    fp32 layout's, each a dim-0 shard of ⌈d₀/N⌉ rows), no separate masters; the unsharded
+    buffers (root, two adjacent blocks) in bf16 and one block's gradients in fp32, counted
+    from the padded matrices."""
+    desc, dp = model_from_dict(DENSE), 8
+    hw = load_hardware("h200")
+    fp32 = make_plan(desc, hw, Layout(dp=dp, fsdp=True))["memory_per_rank"]
+    bf16 = make_plan(desc, hw, Layout(dp=dp, fsdp=True, param_dtype="bf16"))["memory_per_rank"]
+    for f, b in zip(fp32["per_rank"], bf16["per_rank"], strict=True):
+        assert {k: b[k] for k in HELD} == {k: f[k] for k in HELD}
+        assert b["masters"] == 0
+    per_layer: dict[int | None, int] = {}
+    for m in expand(desc):
+        rows = -(-m.shape[0] // dp) * dp
+        per_layer[m.layer] = per_layer.get(m.layer, 0) + rows * math.prod(m.shape[1:])
+    root = per_layer.pop(None)
+    blocks = [per_layer[k] for k in sorted(per_layer)]
+    pair = max(x + y for x, y in itertools.pairwise(blocks))
+    assert bf16["max"]["fsdp_gather"] == (root + pair) * 2 + max(blocks) * 4
+    assert fp32["max"]["fsdp_gather"] == (root + pair) * 4 + max(blocks) * 4
+
+
+def test_the_fits_verdict_flips_below_the_peak(tmp_path, capsys):
+    """The verdict in the plan's dict, its report and `orthoptim plan --json`: yes with the
+    hardware's memory just above the largest peak, no just below it (naming how many ranks
+    are over)."""
+    import dataclasses
+    import json
+
+    from orthoptim.cli import main
+    from orthoptim.plan import format_report
+
+    desc = model_from_dict(MOE)
+    hw = load_hardware("h200")
+    layout = Layout(dp=8, param_dtype="bf16")
+    mem = make_plan(desc, hw, layout)["memory_per_rank"]
+    peak = mem["max"]["peak"]
+    for scale, fits in ((1.001, True), (0.999, False)):
+        small = dataclasses.replace(hw, memory_gb=peak * scale / 1e9)
+        p = make_plan(desc, small, layout)
+        got = p["memory_per_rank"]
+        over = [x > peak * scale for x in got["peak_per_rank"]]
+        assert got["fits"] is fits and got["fits_per_rank"] == [not x for x in over]
+        assert got["verdict"].startswith("fits: yes — peak" if fits else "fits: no — peak")
+        if not fits:
+            assert f"{sum(over)} of 8 ranks over" in got["verdict"]
+        assert got["verdict"] in format_report(p)
+    spec = tmp_path / "moe.json"
+    spec.write_text(json.dumps(MOE))
+    small_file = tmp_path / "small.json"
+    small_file.write_text(json.dumps({**hw.__dict__, "memory_gb": peak * 0.999 / 1e9}))
+    flags = ["plan", "--model", str(spec), "--dp", "8", "--param-dtype", "bf16"]
+    assert main([*flags, "--hardware", str(small_file), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["memory_per_rank"]
+    assert out["fits"] is False and out["verdict"].startswith("fits: no")
+    assert main(flags) == 0
+    assert "fits: yes — peak" in capsys.readouterr().out

@@ -13,6 +13,7 @@ import bisect
 import dataclasses
 import functools
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -307,15 +308,43 @@ class Assignment:
             shard = [s + x * item for s, x in zip(shard, self.adamw_split[bucket])]
         return shard
 
-    def rank_major(self, bucket: int) -> bool:
+    def rank_major(self, bucket: int, names: Sequence[str] | None = None) -> bool:
         """Whether bucket `bucket` is laid out in N equal shards (one reduce-scatter, one
-        all-gather): it has several owners and padding its shards to the largest costs at
-        most `MAX_PADDING` of its bytes; otherwise each owner's region is reduced to it and
-        broadcast from it, unpadded."""
+        all-gather): it has several owners, padding its shards to the largest costs at most
+        `MAX_PADDING` of its bytes, and every parameter can stay in one piece: no sharded
+        AdamW unit's run passes a rank that owns whole units or pads (between the first and
+        the last rank holding it), and
+        (given `names`, each unit's parameter name) no parameter's expert slices here have
+        several owners. Otherwise each owner's region is reduced to it and broadcast from
+        it, unpadded."""
         shard = self.bucket_shard_bytes(bucket)
         total = sum(shard)
-        owners = sum(1 for x in shard if x)
-        return owners > 1 and len(shard) * max(shard) - total <= MAX_PADDING * total
+        if sum(1 for x in shard if x) < 2 or len(shard) * max(shard) - total > MAX_PADDING * total:
+            return False
+        units = self.buckets[bucket]
+        whole = {self.owners[i] for i in units if self.owners[i] >= 0}
+        split = self.adamw_split[bucket] if self.adamw_split else []
+        if split:
+            bounds = list(itertools.accumulate(split, initial=0))
+            start = 0
+            for i in units:
+                if self.owners[i] >= 0:
+                    continue
+                stop = start + self.unit_bytes[i] // self.adamw_itemsize[bucket]
+                held = [r for r in range(len(split)) if bounds[r] < stop and start < bounds[r + 1]]
+                # a rank between the first and the last holding it is all of it: no whole
+                # unit, no padding
+                inner = range(held[0] + 1, held[-1]) if held else range(0)
+                if any(r in whole or shard[r] < max(shard) for r in inner):
+                    return False
+                start = stop
+        if names is not None:
+            owner_of: dict[str, int] = {}
+            for i in units:
+                r = self.owners[i]
+                if r >= 0 and owner_of.setdefault(names[i], r) != r:
+                    return False
+        return True
 
     def padded_bytes(self) -> int:
         """Total bytes of the flat buckets the optimizer communicates: a rank-major bucket

@@ -259,6 +259,7 @@ class _Bucket:
         dtype: torch.dtype,
         grad_dtype: torch.dtype,
         gather_dtype: torch.dtype | None,
+        rank_major: bool = True,
     ) -> None:
         self.slots = slots
         self.units: dict[int, list[_Slot]] = {}  # unit → its slots (several runs if sharded)
@@ -275,7 +276,7 @@ class _Bucket:
         self.numel = 0
         self.regions: list[tuple[int, int, int]] = []  # (start, stop, owner rank)
         if self.n > 1:
-            self._lay_out()
+            self._lay_out(rank_major)
         # In a group of one rank: each owned slot's gradient, shaped like its local values.
         self.own: dict[_Slot, Tensor | None] = {}
         self.grads: Tensor | None = None  # this bucket's slice of the group's buffers
@@ -290,9 +291,9 @@ class _Bucket:
         self.pending = False
         self.works: list[tuple[Any, str]] = []
 
-    def _lay_out(self) -> None:
+    def _lay_out(self, rank_major: bool) -> None:
         params = _by_param(self.slots)
-        laid = _rank_major(params, self.n)
+        laid = _rank_major(params, self.n) if rank_major else None
         order = laid[0] if laid is not None else _natural(params)
         self.width = laid[1] if laid is not None else None
         pos = 0
@@ -721,11 +722,14 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self._bucket_of: dict[int, _Bucket] = {}  # unit index → its bucket
         # Every group's buckets, as unit indices, merged in backward order.
         merged = sorted(
-            ([ids[j] for j in bucket], g)
+            ([ids[j] for j in bucket], g, b)
             for g, (ids, a) in enumerate(zip(self._group_units, self._assignments))
-            for bucket in a.buckets
+            for b, bucket in enumerate(a.buckets)
         )
-        for unit_ids, g in merged:
+        names = [[self.units[i].name for i in ids] for ids in self._group_units]
+        for unit_ids, g, index in merged:
+            # rank-major where the assignment (and so plan) says so and the layout agrees
+            rank_major = self._assignments[g].rank_major(index, names[g])
             by_dtype: dict[torch.dtype, list[_Slot]] = {}
             for i in unit_ids:
                 for slot in self._slots_by_unit[i]:
@@ -734,7 +738,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             for dtype, slots in by_dtype.items():
                 dtype = self.param_dtype or dtype
                 grad_dtype = self.grad_dtype or (torch.float32 if self.param_dtype else dtype)
-                bucket = _Bucket(slots, self._groups[g], dtype, grad_dtype, self.gather_dtype)
+                bucket = _Bucket(
+                    slots, self._groups[g], dtype, grad_dtype, self.gather_dtype, rank_major
+                )
                 bucket.label = f"bucket {len(self._buckets)}"
                 self._buckets.append(bucket)
                 self._bucket_of.update((s.unit, bucket) for s in slots)

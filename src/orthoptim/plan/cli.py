@@ -44,20 +44,25 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
     where = " (stage x DP rank)" if lay["pp"] > 1 else ""
     which = "FSDPOptimizer over FSDP2" if lay["fsdp"] else "layer-wise optimizer"
     tp = f", TP {lay['tp_mode']}" if lay["tp"] > 1 else ""
+    dtypes = (
+        f"fp32 sharded parameters computing in {lay['param_dtype']}, {lay['grad_dtype']} "
+        "gradient reduction"
+        if lay["fsdp"]
+        else f"{lay['param_dtype']} parameters, {lay['grad_dtype']} gradients, "
+        f"{mem['gather_dtype']} gather"
+    )
+    have = mem["hardware_bytes"]
     lines = [
-        f"memory per rank{where}, {which} ({lay['optimizer']}{tp}) as it runs "
-        f"({lay['grad_dtype']} parameters and gradients, {mem['gather_dtype']} gather; "
+        f"memory per rank{where}, {which} ({lay['optimizer']}{tp}) as it runs ({dtypes}; "
         "peak = held + transient):",
-        f"{'':<26}" + "".join(f"{c:>11}" for c in cats),
+        f"{'':<26}" + "".join(f"{c:>11}" for c in cats) + f"{'fits':>6}",
     ]
     for label, row in rows:
-        lines.append(f"  {label:<24}" + "".join(f"{_bytes(row[c], 4):>11}" for c in cats))
-    peak, have = mem["max"]["peak"], mem["hardware_bytes"]
-    verdict = "fits" if peak <= have else f"does not fit ({peak / have:.2f}x)"
-    lines.append(
-        f"  peak {_bytes(peak, 4)} against {p['hardware']}'s {have / 1e9:.0f} GB: {verdict}"
-        " (the model's activations not counted)"
-    )
+        fits = "yes" if row["peak"] <= have else "no"
+        lines.append(
+            f"  {label:<24}" + "".join(f"{_bytes(row[c], 4):>11}" for c in cats) + f"{fits:>6}"
+        )
+    lines.append(f"  {mem['verdict']} (the model's activations not counted)")
     if lay["fsdp"]:
         lines.append(
             f"  FSDP2's unsharded buffers during forward/backward (not in the peak): "
@@ -232,6 +237,7 @@ def _cmd(args: argparse.Namespace) -> int:
             grad_dtype=args.grad_dtype,
             bucket_mb=args.bucket_mb,
             gather_dtype=args.gather_dtype,
+            param_dtype=args.param_dtype,
             device=args.device,
             optimizer=args.optimizer,
             fsdp=args.fsdp,
@@ -361,6 +367,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="dtype gradients are reduced in (default fp32)",
     )
     p.add_argument(
+        "--param-dtype",
+        default="fp32",
+        choices=sorted(DTYPE_BYTES),
+        help="dtype every rank holds the parameters in (default fp32); bf16 keeps an fp32 "
+        "master copy of what each rank owns, gradients stay --grad-dtype (fp32); with --fsdp "
+        "FSDP2's compute dtype, the sharded parameters staying fp32",
+    )
+    p.add_argument(
         "--bucket-mb",
         type=float,
         default=25.0,
@@ -370,8 +384,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--gather-dtype",
         default=None,
         choices=sorted(DTYPE_BYTES),
-        help="dtype parameters are gathered in (default: the gradients'); one that rounds "
-        "makes the owners keep master copies",
+        help="dtype parameters are gathered in (default: --param-dtype); another one holds a "
+        "gather buffer in it, and one that rounds makes the owners keep master copies",
     )
     p.add_argument(
         "--optimizer",

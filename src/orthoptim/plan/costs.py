@@ -41,7 +41,6 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from orthoptim import collectives as C
-from orthoptim.parallel.assignment import MAX_PADDING
 from orthoptim.parallel.tensor_parallel import (
     CostModel,
     TensorParallelOrthogonalizer,
@@ -68,12 +67,13 @@ def layerwise_bytes(
     gather_bytes: int,
     padded: bool = True,
     split: Sequence[Sequence[int]] = (),
+    rank_major: Sequence[bool] = (),
 ) -> tuple[list[float], list[float]]:
     """(sent, received) bytes of every rank in one layer-wise step, per the bucket layout.
 
-    A rank-major bucket (several owners, padding to the largest share w at most
-    `MAX_PADDING`: `Assignment.rank_major`) is one reduce-scatter of N shards of w and one
-    all-gather: (N−1)·w·(grad_bytes + gather_bytes) each way on every rank; with
+    A rank-major bucket (`rank_major[b]`, from `Assignment.rank_major`: several owners,
+    padding to the largest share w at most `MAX_PADDING`) is one reduce-scatter of N
+    shards of w and one all-gather: (N−1)·w·(grad_bytes + gather_bytes) each way on every rank; with
     `padded=False` every shared bucket counts so, with the true shares (reduce-scatter-v /
     all-gather-v on the ring). Any other bucket is reduced to and broadcast from each owner
     (pipelined chains, `collectives.reduce_bytes` / `broadcast_bytes`).
@@ -92,8 +92,7 @@ def layerwise_bytes(
         if b < len(split) and split[b]:
             share = [s + x for s, x in zip(share, split[b])]
         holders = [r for r in range(world) if share[r]]
-        pad = world * max(share) - sum(share)
-        if len(holders) > 1 and (not padded or pad <= MAX_PADDING * sum(share)):
+        if len(holders) > 1 and (not padded or rank_major[b]):
             chunks = share if not padded else [max(share)] * world
             moves = [
                 (

@@ -56,12 +56,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from orthoptim import collectives as C
+from orthoptim.plan.hardware import memory_verdict
 from orthoptim.plan.model import Matrix, ModelDescription, expand
 from orthoptim.plan.planner import Layout, check_layout, local_shape, stage_of_layers
 
 BACKEND = "orthoptim_meta"
 DEVICE = torch.device("meta")
 CATEGORIES = ("params", "grads", "masters", "state", "buffers")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the planner's dtype names
 Parallel = Literal["layerwise", "fsdp"]  # the driver: Layout.fsdp
 
 COVERAGE = {
@@ -596,7 +598,8 @@ def build_model(
 def _category_bytes(opt: Any, model: nn.Module, parallel: Parallel) -> dict[str, int]:
     """Bytes by category of every live meta storage the model and optimizer hold; a storage
     is counted once, in the first category that holds it (params, buffers, masters, state,
-    grads)."""
+    grads). The buckets' flat gradients count as gradients where no `.grad` views them (a
+    `.grad` of another dtype is dropped once added into them)."""
     seen: set[int] = set()
     out = dict.fromkeys(CATEGORIES, 0)
 
@@ -613,12 +616,14 @@ def _category_bytes(opt: Any, model: nn.Module, parallel: Parallel) -> dict[str,
 
     params = list(model.parameters())
     add("params", params)
+    rest: list[Tensor] = []
     if parallel == "layerwise":
         for b in opt._buckets:
             add("buffers", b.buffers())
+            rest += [t for t in (b.params, b.grads) if t is not None]
         add("masters", list(opt.masters().values()))
     add("state", [dict(s) for s in opt.state.values()])
-    add("grads", [p.grad for p in params])
+    add("grads", [p.grad for p in params] + rest)
     return out
 
 
@@ -675,8 +680,15 @@ def run_rank(
         kwargs: dict[str, Any] = {"bucket_mb": layout.bucket_mb}
         if optimizer == "muon":
             kwargs["ns_dtype"] = torch.bfloat16  # what "auto" picks on CUDA
+        # the model is built in fp32; a lower parameter dtype is the optimizer's (or FSDP2's
+        # mixed precision)
+        mixed = {}
+        if layout.param_dtype != "fp32":
+            mixed = {"param_dtype": DTYPES[layout.param_dtype]}
         if parallel == "fsdp":
-            shard_model(model, mesh["dp"])
+            if mixed:
+                mixed["reduce_dtype"] = DTYPES[layout.grad_dtype]
+            shard_model(model, mesh["dp"], **mixed)
             fsdp_stats = C.CommStats()
             count_fsdp_collectives(model, fsdp_stats)
             opt: Any = FSDPOptimizer(model, optimizer=optimizer, **kwargs)
@@ -693,9 +705,13 @@ def run_rank(
                 kwargs["orthogonalizer"] = TensorParallelOrthogonalizer(
                     mode=tp_mode, ns_dtype=torch.bfloat16
                 )
+            if mixed:
+                mixed["grad_dtype"] = DTYPES[layout.grad_dtype]
+            if layout.gather_dtype is not None:
+                kwargs["gather_dtype"] = DTYPES[layout.gather_dtype]
             opt = LayerwiseDistributedOptimizer(
                 model, optimizer=optimizer, process_group=dp_group, split_experts=True,
-                expert_group=expert_group, **kwargs,
+                expert_group=expert_group, **kwargs, **mixed,
             )  # fmt: skip
         rec.reads.clear()
         idx = torch.zeros(1, 4, dtype=torch.long, device=DEVICE)
@@ -794,7 +810,8 @@ def host_syncs_per_step(r: RankResult) -> int:
 def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
     """`make_plan`'s figures for plan slot `index` (stage × dp rank) in the dry run's
     categories: its per-category memory (`memory_per_rank`) where the plan has it, else only
-    the optimizer state; bytes per step of the bucket collectives (fp32 gathers)."""
+    the optimizer state; bytes per step of the bucket collectives (in the layout's gather
+    dtype)."""
     out: dict[str, float | None] = dict.fromkeys((*CATEGORIES, "transient", "peak"))
     per = plan.get("memory_per_rank")
     if per:
@@ -803,7 +820,7 @@ def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
             out[k] = row.get(k)
     else:
         out["state"] = plan["memory"]["layerwise_state_bytes_per_rank"][index]
-    c = plan["comm"]["fp32_gather"]
+    c = plan["comm"][f"{plan['layout']['gather_dtype']}_gather"]
     out["bytes"] = (
         None  # the plan's bytes are the layer-wise buckets'
         if plan["layout"].get("fsdp")
@@ -862,6 +879,7 @@ def dry_run(
             }
         )
     worst = max(rows, key=lambda x: x["peak"])
+    over = sum(not x["fits"] for x in rows)
     return {
         "model": desc.name,
         "hardware": hardware.name,
@@ -873,6 +891,7 @@ def dry_run(
         "ranks": rows,
         "group_mismatches": mismatches,
         "fits": all(x["fits"] for x in rows),
+        "verdict": memory_verdict(worst["peak"], capacity, hardware.name, over, len(rows)),
         "to_fit": [] if worst["fits"] else _to_fit(worst, layout, parallel, desc),
         "coverage": COVERAGE,
     }
@@ -889,6 +908,11 @@ def _to_fit(
             f"--fsdp (parameters and gradients sharded over --dp {layout.dp}, no bucket "
             f"buffers: about {(mem['params'] + mem['grads'] + mem['buffers']) / 2**30:.1f} GiB "
             "of this rank's shrink by that factor)"
+        )
+    if layout.param_dtype == "fp32":
+        out.append(
+            f"--param-dtype bf16 (every rank's {mem['params'] / 2**30:.1f} GiB of parameters "
+            "halve; fp32 master copies of the owned elements only)"
         )
     out.append(
         f"--pp {layout.pp * 2} (each stage holds half the layers: parameters, gradients, "
@@ -938,6 +962,11 @@ def format_dry_run(d: dict[str, Any]) -> str:
         row(k, lambda r, k=k: r["memory"][k], lambda r, k=k: r["plan"][k])
     row("transient", lambda r: r["transient"], lambda r: r["plan"]["transient"])
     row("peak", lambda r: r["peak"], lambda r: r["plan"]["peak"])
+    cap = d["memory_bytes"]
+    row(
+        "fits", lambda r: r["peak"], lambda r: r["plan"]["peak"],
+        lambda x: "-" if x is None else ("yes" if x <= cap else "no"),
+    )  # fmt: skip
     row("bytes/step (buckets)", lambda r: r["bytes_per_step"], lambda r: r["plan"]["bytes"])
     row(
         "collectives/step", lambda r: r["collectives_per_step"], lambda r: None,
@@ -962,17 +991,10 @@ def format_dry_run(d: dict[str, Any]) -> str:
         if not d["group_mismatches"]
         else "collectives MISMATCH (NCCL would hang): " + "; ".join(d["group_mismatches"])
     )
-    cap = d["memory_bytes"]
-    worst = max(r["peak"] for r in d["ranks"])
     if d["fits"]:
-        lines.append(
-            f"fits: peak {worst / 2**30:.1f} GiB of {cap / 2**30:.1f} GiB ({d['hardware']})"
-        )
+        lines.append(f"{d['verdict']} (measured)")
     else:
-        lines.append(
-            f"does NOT fit: peak {worst / 2**30:.1f} GiB of {cap / 2**30:.1f} GiB "
-            f"({d['hardware']}); flags that shrink it:"
-        )
+        lines.append(f"{d['verdict']} (measured); flags that shrink it:")
         lines += [f"  {x}" for x in d["to_fit"]]
     lines.append("covers: " + "; ".join(d["coverage"]["covered"]))
     lines.append("does not cover: " + "; ".join(d["coverage"]["not covered"]))

@@ -86,3 +86,14 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
         if f.name not in ("name", "description") and not (isinstance(v, int | float) and v > 0):
             raise ValueError(f"{origin}: {f.name!r} must be a positive number, got {v!r}")
     return hw
+
+
+def memory_verdict(peak: float, capacity: float, name: str, over: int = 0, ranks: int = 1) -> str:
+    """Whether a rank's `peak` bytes fit `capacity` bytes of hardware `name`, as one line:
+    "fits: yes — peak 97.3 GiB of 141 GB (h200)"; when not, by how much, and `over` of the
+    `ranks` ranks that do not fit when there are several."""
+    head = f"peak {peak / 2**30:.1f} GiB of {capacity / 1e9:.3g} GB ({name})"
+    if peak <= capacity:
+        return f"fits: yes — {head}"
+    some = f", {over} of {ranks} ranks over" if ranks > 1 else ""
+    return f"fits: no — {head}, {peak / capacity:.2f}x{some}"

@@ -3,16 +3,20 @@
 The categories are those a dry run of the real code measures (`memory_per_rank`):
 
     params     every parameter the rank holds (its stage's, its TP shards, its EP rank's
-               experts), in the parameter dtype
-    grads      their `.grad`, views of the flat gradient buffers (autograd accumulates in
-               place; the owned units' reduced gradients are their regions)
-    masters    a copy of every owned element when the gather dtype rounds (`gather_dtype`)
+               experts), in the parameter dtype (`param_dtype`): the buckets' flat
+               parameter buffers, their padding included (`_padding_bytes`)
+    grads      their gradients, the buckets' flat gradient buffers in the gradient dtype
+               (`grad_dtype`), padding included; a group of one rank (an expert group
+               when ep = dp) makes no flats: its parameters stay the model's and its
+               gradients autograd's, in the parameter dtype
+    masters    an fp32 copy of every owned element where the owners keep one
+               (`Layout.masters`: parameters below fp32, or a gather that rounds them)
     state      the inner optimizers' state of what the rank owns: Muon's momentum (one per
-               element), AdamW's two moments on its runs, in the state dtype (`state_dtype`)
-    buffers    what the buckets hold beyond the parameters and gradients, which are views
-               of each group's flat buffers (`layerwise._Bucket`; the padding of rank-major
-               buckets, at most `MAX_PADDING`, is counted with them): a gather buffer of
-               its own where the gather dtype rounds; a group of one rank holds none
+               element), AdamW's two moments on its runs, fp32
+    buffers    what the buckets hold beyond the parameters and gradients: a gather buffer
+               (the bucket's elements in the gather dtype, padding included) on every rank
+               of a group of several where the gather dtype differs from the parameters';
+               nothing else
     transient  the step's own peak above that: Muon's Nesterov updates of every owned
                matrix (alive through the whole batched call), the orthogonalized outputs
                of the batches done so far, and the batch in flight (its fp32 stack when
@@ -20,9 +24,7 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
                copy X and one step's X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
                (foreach on CUDA: a square root of every owned second moment); whichever
                is larger, or the non-finite check of the widest gradient shard
-    peak       params + grads + masters + state + buffers + transient: an upper bound by
-               the owned whole parameters' gradients, which the step re-points at views of
-               the buckets (freeing autograd's copies)
+    peak       params + grads + masters + state + buffers + transient
 
 `Layout.device` picks the paths: same-shape matrices stacked except on "cpu"
 (`stacking_pays`), the Gram form where `ns_path` takes it, foreach AdamW on "cuda" only.
@@ -35,7 +37,9 @@ against the dry run of the real code).
 
 What is not modelled: SOAP's first step (a full `eigh` per factor) and its refresh steps
 (every `precondition_frequency`), Muon's `split` blocks of fused matrices, FSDP2's forward
-and backward beyond the `fsdp_gather` estimate, and the model's activations.
+and backward beyond the `fsdp_gather` estimate, autograd's gradient of a parameter at its
+hook while it is copied into a flat of another dtype (in backward), and the model's
+activations.
 """
 
 from __future__ import annotations
@@ -84,42 +88,63 @@ def _gram_iterate(x: int, square: int, steps: int, into_out: bool) -> int:
     return peak
 
 
-def _bucket_buffers(
-    g: Group, pb: int, gb: int, rounds: bool
-) -> tuple[list[int], list[int], list[int]]:
-    """Per rank of `g`'s world: the bytes of bucket buffers it holds beyond the parameters
-    and gradients (`layerwise._Bucket`: a gather buffer of its own where the gather dtype
-    rounds), with `pb` the parameter (gradient) element size and `gb` the gather's; the
-    widest gradient region it checks for non-finite values; and the padding elements of
-    rank-major buckets (held in the flat parameter and gradient buffers)."""
+def _shares(g: Group, bucket: int) -> list[int]:
+    """The elements each rank of `g` owns in bucket `bucket` (an index into
+    `g.assignment.buckets`): its whole units and its run of the sharded AdamW elements."""
+    a, n = g.assignment, g.world
+    share = [0] * n
+    for i in a.buckets[bucket]:
+        if a.owners[i] >= 0:
+            share[a.owners[i]] += math.prod(g.units[i].shape)
+    if bucket < len(a.adamw_split) and a.adamw_split[bucket]:
+        share = [s + x for s, x in zip(share, a.adamw_split[bucket], strict=True)]
+    return share
+
+
+def _padding_bytes(g: Group, bucket: int, element_bytes: int) -> int:
+    """Bytes of padding bucket `bucket` of `g` adds to each of its flat buffers of
+    `element_bytes`-byte elements on every rank of `g` (the flat parameters, the flat
+    gradients and a gather buffer): a rank-major bucket pads every shard to the largest (at
+    most `MAX_PADDING` of its bytes, `Assignment.rank_major`); any other is unpadded."""
+    if g.world == 1 or not g.assignment.rank_major(bucket, [u.name for u in g.units]):
+        return 0
+    share = _shares(g, bucket)
+    return (g.world * max(share) - sum(share)) * element_bytes
+
+
+def _flats(
+    g: Group, param_b: int, grad_b: int, gather_b: int | None
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per rank of `g`'s world, what its buckets hold beyond the parameters' and gradients'
+    own elements: the padding of the flat parameters (`param_b`-byte elements) and of the
+    flat gradients (`grad_b`), the gather buffer when the gather dtype (`gather_b`) differs
+    from the parameters' (None: it does not), and the bytes of the non-finite check of the
+    widest gradient region the rank checks (a rank-major bucket's shard, else the rank's
+    own region). A group of one rank makes no flat: its gradients are checked where
+    autograd left them, in the parameter dtype."""
     a, n = g.assignment, g.world
     numels = [math.prod(u.shape) for u in g.units]
-    out = [0] * n
-    widest = [0] * n
-    padding = [0] * n
+    params, grads, gather, check = [0] * n, [0] * n, [0] * n, [0] * n
     for b, bucket in enumerate(a.buckets):
-        share = [0] * n
-        for i in bucket:
-            if a.owners[i] >= 0:
-                share[a.owners[i]] += numels[i]
-        if b < len(a.adamw_split) and a.adamw_split[b]:
-            share = [s + x for s, x in zip(share, a.adamw_split[b], strict=True)]
+        share = _shares(g, b)
         holders = [r for r in range(n) if share[r]]
         if not holders:
             continue  # no slot has elements: the optimizer makes no bucket
         if n == 1:
-            # nothing is sent: the gradients are used (and checked) where autograd left them
-            widest[0] = max(widest[0], *(numels[i] for i in bucket))
+            # isfinite(x) is composite, (x == x) * (x.abs() != inf), all four alive at once
+            check[0] = max(check[0], *(numels[i] * (param_b + 3) for i in bucket))
             continue
-        rank_major = a.rank_major(b)
-        width = max(share)
-        flat = n * width if rank_major else sum(share)
+        rank_major = a.rank_major(b, [u.name for u in g.units])
+        for r in holders:
+            region = max(share) if rank_major else share[r]
+            check[r] = max(check[r], region * (grad_b + 3))
         for r in range(n):
-            if share[r]:
-                widest[r] = max(widest[r], width if rank_major else share[r])
-            padding[r] += flat - sum(share)
-            out[r] += flat * gb if rounds else 0
-    return out, widest, padding
+            params[r] += _padding_bytes(g, b, param_b)
+            grads[r] += _padding_bytes(g, b, grad_b)
+            if gather_b is not None:
+                elements = sum(numels[i] for i in bucket)
+                gather[r] += elements * gather_b + _padding_bytes(g, b, gather_b)
+    return params, grads, gather, check
 
 
 def _muon_transient(
@@ -239,39 +264,45 @@ def memory_per_rank(
     dtype_bytes: dict[str, int],
 ) -> dict[str, Any]:
     """Bytes per category on every (stage, DP rank) of the layout, as the layer-wise
-    optimizer (or with `layout.fsdp` the FSDP one, `fsdp_rows`) holds them (module
-    docstring), with rank 0's, the last rank's and the maximum over ranks of each category,
-    and every rank's state and master copies (`state_per_rank`, `masters_per_rank`)."""
-    pb = dtype_bytes[layout.grad_dtype]  # parameters and gradients: the reduced dtype
-    gather = layout.gather_dtype or layout.grad_dtype
-    gb = dtype_bytes[gather]
-    sb = max(pb, 4)  # `state_dtype`: float32 for half-precision parameters
+    optimizer (or with `layout.fsdp` the FSDP one, `fsdp_rows`) holds them in its flat
+    layout (module docstring), with rank 0's, the last rank's and the maximum over ranks of
+    each category, and every rank's state and master copies (`state_per_rank`,
+    `masters_per_rank`)."""
+    pb = dtype_bytes[layout.param_dtype]
+    grad_b = dtype_bytes[layout.grad_dtype]
+    gather = layout.gather
+    gb = dtype_bytes[gather] if gather != layout.param_dtype else None
+    sb = dtype_bytes["fp32"]  # optimizer state and master copies
     cb = dtype_bytes[layout.ns_dtype]
     position = {m: i for i, m in enumerate(matrices)}
     if layout.fsdp:
-        return _finish(fsdp_rows(by_stage, position, layout, pb, sb, cb), gather)
+        return _finish(fsdp_rows(by_stage, position, layout, pb, grad_b, sb, cb), gather)
     masters = layout.masters
     dealt = {}
-    buffers: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    flats: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
     for stage_groups in by_stage:
         for g in stage_groups:
             for s in g.siblings or [g]:
                 d = s.dealt(masters)
                 dealt[id(s)] = d
-                buffers[id(s)] = _bucket_buffers(d, pb, gb, masters)
+                flats[id(s)] = _flats(d, pb, grad_b, gb)
     rows: list[dict[str, int]] = []
     for slot in slots:
         # every unit of the rank's groups, in its local (TP-shard) shape
-        held = sum(math.prod(u.shape) for g, _ in slot for u in g.units)
+        held = {id(g): sum(math.prod(u.shape) for u in g.units) for g, _ in slot}
+        params = sum(held[id(g)] * pb + flats[id(g)][0][gr] for g, gr in slot)
+        # a group of one rank makes no flat gradients: autograd's, in the parameter dtype
+        grads = sum(
+            held[id(g)] * (pb if g.world == 1 else grad_b) + flats[id(g)][1][gr] for g, gr in slot
+        )
         owned_elements, state = 0, 0
         owned: list[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]] = []
         adamw: list[int] = []
-        buf, widest = 0, 0
+        buf, check = 0, 0
         for g, gr in slot:
             d = dealt[id(g)]
-            buf += buffers[id(g)][0][gr]
-            widest = max(widest, buffers[id(g)][1][gr])
-            held += buffers[id(g)][2][gr]
+            buf += flats[id(g)][2][gr]
+            check = max(check, flats[id(g)][3][gr])
             for i in d.owned(gr):
                 m, u = d.matrices[i], d.units[i]
                 numel = math.prod(u.shape)
@@ -289,17 +320,15 @@ def memory_per_rank(
             adamw += runs
         rows.append(
             {
-                "params": held * pb,
-                "grads": held * pb,
-                "masters": owned_elements * pb if masters else 0,
+                "params": params,
+                "grads": grads,
+                "masters": owned_elements * sb if masters else 0,
                 "state": state,
                 "buffers": buf,
                 "transient": max(
                     _matrix_transient(owned, layout, sb, cb),
                     _adamw_transient(adamw, layout, sb),
-                    # the non-finite check of a gradient shard: isfinite(x) is composite,
-                    # (x == x) * (x.abs() != inf), all four alive at once
-                    widest * (pb + 3),
+                    check,
                 ),
                 "fsdp_gather": 0,
             }
@@ -329,15 +358,20 @@ def fsdp_rows(
     by_stage: Sequence[Sequence[Group]],
     position: dict[Matrix, int],
     layout: Layout,
-    pb: int,
+    compute_b: int,
+    reduce_b: int,
     sb: int,
     cb: int,
 ) -> list[dict[str, int]]:
-    """Bytes per category on every (stage, DP rank) under `FSDPOptimizer` over FSDP2:
+    """Bytes per category on every (stage, DP rank) under `FSDPOptimizer` over FSDP2, its
+    sharded parameters fp32 (`sb`-byte elements) in any case: with a lower `param_dtype`
+    FSDP2's `MixedPrecisionPolicy` computes in it (`compute_b`-byte elements) and reduces
+    gradients in `grad_dtype` (`reduce_b`), the sharded fp32 parameters being the masters:
 
     params, grads  every parameter's dim-0 shard padded as FSDP2 pads it (⌈d₀/N⌉ rows on
                    every rank, the last ranks' rows partly or wholly padding; gradients are
-                   views of the reduce-scatter's output, padded alike)
+                   views of the reduce-scatter's output, padded alike), fp32
+    masters        none: the fp32 sharded parameters are what the step updates
     state          Muon's momentum and AdamW's moments on the local (unpadded) shards; SOAP's
                    whole-matrix state on each matrix's owner (`assign` over the whole 3-D
                    parameters, default cost, as `FSDPOptimizer`)
@@ -351,13 +385,15 @@ def fsdp_rows(
                    the step and so not of `transient` or `peak` (the step runs after FSDP2
                    has freed them): the root module's parameters (embeddings, head, final
                    norm, unsharded from forward to backward), two adjacent blocks'
-                   parameters (the one computing and the one prefetched) and one block's
-                   unsharded gradients (the reduce-scatter's input). An estimate: FSDP2's
+                   parameters (the one computing and the one prefetched), in the compute
+                   dtype, and one block's unsharded gradients (the reduce-scatter's input)
+                   in the reduce dtype. An estimate: FSDP2's
                    forward and backward cannot run on meta tensors under the fake group.
     """
     from orthoptim.parallel.assignment import Unit, assign
 
     dp = layout.dp
+    pb = sb  # the sharded parameters and their gradients
     rows: list[dict[str, int]] = []
     for stage_groups in by_stage:
         params = _fsdp_params(stage_groups, position)
@@ -373,13 +409,13 @@ def fsdp_rows(
         ]
         a = assign(units, dp, balance="cost", bucket_bytes=int(layout.bucket_mb * 2**20))
         padded = sum(c * rest(p[1]) for c, p in zip(chunk, params, strict=True))
-        unsharded: dict[int | None, int] = {}
+        unsharded: dict[int | None, int] = {}  # elements per block
         for c, p in zip(chunk, params, strict=True):
-            unsharded[p[4]] = unsharded.get(p[4], 0) + dp * c * rest(p[1]) * pb
+            unsharded[p[4]] = unsharded.get(p[4], 0) + dp * c * rest(p[1])
         root = unsharded.pop(None, 0)
         blocks = [unsharded[k] for k in sorted(unsharded)]
         pairs = [x + y for x, y in itertools.pairwise(blocks)] or blocks or [0]
-        gather = root + max(pairs) + (max(blocks) if blocks else 0)
+        gather = (root + max(pairs)) * compute_b + (max(blocks) if blocks else 0) * reduce_b
         for r in range(dp):
             # rank r's rows of every parameter (torch.chunk's: the last ranks' may be fewer)
             rows_here = [

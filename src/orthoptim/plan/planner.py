@@ -44,7 +44,7 @@ from orthoptim.plan.costs import (
     tp_ns_cost,
     zero1_bytes,
 )
-from orthoptim.plan.hardware import Hardware
+from orthoptim.plan.hardware import Hardware, memory_verdict
 from orthoptim.plan.memory import memory_per_rank
 from orthoptim.plan.model import Matrix, ModelDescription, expand, param_counts
 
@@ -77,6 +77,13 @@ PUBLISHED_GB300 = {
 }
 
 
+def keeps_masters(param_dtype: str, gather: str) -> bool:
+    """Whether the layer-wise optimizer's owners keep an fp32 master copy of what they own:
+    the parameters are held below fp32 (`param_dtype`), or gathered in another dtype than
+    theirs (`gather_dtype`, which rounds them)."""
+    return param_dtype != "fp32" or gather != param_dtype
+
+
 @dataclass(frozen=True)
 class Layout:
     """Parallel sizes and numeric choices of one plan."""
@@ -93,6 +100,10 @@ class Layout:
     # the dtype parameters are gathered in (None: the parameters', no master copies): what
     # `LayerwiseDistributedOptimizer(gather_dtype=...)` would be given, for `memory_per_rank`
     gather_dtype: str | None = None
+    # the dtype every rank holds the parameters in, what `LayerwiseDistributedOptimizer(
+    # param_dtype=...)` would be given (under `fsdp`: FSDP2's compute dtype, the sharded
+    # parameters staying fp32); below fp32 the owners keep fp32 masters (`memory_per_rank`)
+    param_dtype: str = "fp32"
     # where Newton-Schulz runs ("cuda": the GPU path, Triton SYRK; "cpu"): `MatrixCost`
     device: str = "cuda"
     # the matrix optimizer (`LayerwiseDistributedOptimizer(model, optimizer)`): its state
@@ -106,10 +117,14 @@ class Layout:
     tp_mode: PlanTPMode = "auto"
 
     @property
+    def gather(self) -> str:
+        """The dtype parameters are gathered in: `gather_dtype`, else the parameters'."""
+        return self.gather_dtype or self.param_dtype
+
+    @property
     def masters(self) -> bool:
-        """Whether the owners keep master copies: the gather rounds to another dtype, as
-        `LayerwiseDistributedOptimizer(gather_dtype=...)` does."""
-        return (self.gather_dtype or self.grad_dtype) != self.grad_dtype
+        """Whether the owners keep fp32 master copies (`keeps_masters`)."""
+        return keeps_masters(self.param_dtype, self.gather)
 
     @property
     def gpus(self) -> int:
@@ -149,7 +164,8 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
     for flag, v in (
         ("--ns-dtype", layout.ns_dtype),
         ("--grad-dtype", layout.grad_dtype),
-        ("--gather-dtype", layout.gather_dtype or layout.grad_dtype),
+        ("--param-dtype", layout.param_dtype),
+        ("--gather-dtype", layout.gather),
     ):
         if v not in DTYPE_BYTES:
             raise ValueError(f"{flag} must be one of {sorted(DTYPE_BYTES)}, got {v!r}")
@@ -167,7 +183,7 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
             f"--fsdp with --tp {layout.tp} --ep {layout.ep}: FSDPOptimizer shards every "
             "parameter over the data-parallel group alone; use --tp 1 --ep 1 with --fsdp"
         )
-    if layout.fsdp and layout.gather_dtype not in (None, layout.grad_dtype):
+    if layout.fsdp and layout.gather_dtype not in (None, layout.param_dtype):
         raise ValueError(
             "--gather-dtype with --fsdp: FSDPOptimizer gathers no parameters (FSDP2 does); "
             "leave --gather-dtype unset"
@@ -272,9 +288,11 @@ class _Group:
         """(sent, received) bytes per rank of this group's world in one step."""
         a = self.assignment
         numels = [math.prod(u.shape) for u in self.units]
+        names = [u.name for u in self.units]
         return layerwise_bytes(
             a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes,
             split=a.adamw_split,
+            rank_major=[a.rank_major(b, names) for b in range(len(a.buckets))],
         )  # fmt: skip
 
     def comm_unpadded(self, grad_bytes: int, gather_bytes: int) -> list[float]:
@@ -534,10 +552,12 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
 
     slots, by_stage = per_balance["cost"]
     held = memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES)
-    # The comparison rows hold what those optimizers would: state in the state dtype, and a
-    # master copy of every element where this layout's gather rounds (as the layer-wise one).
-    state_b = max(grad_b, 4)
-    master = grad_b if layout.masters else 0
+    capacity = hardware.memory_gb * 1e9
+    fits = [peak <= capacity for peak in held["peak_per_rank"]]
+    # The comparison rows hold what those optimizers would: fp32 state, and an fp32 master
+    # copy of every element where this layout keeps them (as the layer-wise one).
+    state_b = DTYPE_BYTES["fp32"]
+    master = DTYPE_BYTES["fp32"] if layout.masters else 0
 
     def numel(m: Matrix) -> int:
         return math.prod(local_shape(m, tp))
@@ -561,9 +581,10 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     bw, _ = hardware.link(dp * tp)
     for gather in ("fp32", "bf16"):
         gb = DTYPE_BYTES[gather]
-        # the optimizer keeps master copies when the gather changes the dtype, and deals its
+        # the optimizer keeps master copies for this gather (`keeps_masters`), and deals its
         # AdamW elements for them: that deal's padding
-        dealt = {id(g): g.dealt(gb != grad_b) for g in all_groups(by_stage)}
+        masters = keeps_masters(layout.param_dtype, gather)
+        dealt = {id(g): g.dealt(masters) for g in all_groups(by_stage)}
         per_group = {
             id(g): (*d.comm(grad_b, gb), d.comm_unpadded(grad_b, gb)) for g, d in
             ((g, dealt[id(g)]) for g in all_groups(by_stage))
@@ -657,7 +678,8 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "optimizer": layout.optimizer,
             "fsdp": layout.fsdp,
             "tp_mode": layout.tp_mode,
-            "gather_dtype": layout.gather_dtype or layout.grad_dtype,
+            "param_dtype": layout.param_dtype,
+            "gather_dtype": layout.gather,
         },
         "hardware": hardware.name,
         "balancing": balancing,
@@ -670,7 +692,12 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
         },
         "memory_per_rank": {
             **held,
-            "hardware_bytes": hardware.memory_gb * 1e9,
+            "hardware_bytes": capacity,
+            "fits_per_rank": fits,
+            "fits": all(fits),
+            "verdict": memory_verdict(
+                held["max"]["peak"], capacity, hardware.name, fits.count(False), len(fits)
+            ),
         },
         "comm": comm,
         "tp": tp_section,
