@@ -343,7 +343,7 @@ def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
         c = plan["comm"][f"{gather}_gather"]
         for rank in range(2):
             comm = layerwise_runs[rank][("cost", gather, 2)]["comm"]
-            assert {"reduce_scatter", "reduce"} <= set(comm)  # shared and single-owner buckets
+            assert "reduce" in set(comm)  # buckets reduced region by region
             sent = sum(comm[x]["sent"] for x in kinds if x in comm)
             received = sum(comm[x]["received"] for x in kinds if x in comm)
             assert sent == c["layerwise_sent_per_rank"][rank]
@@ -355,7 +355,7 @@ def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
     c = plan["comm"]["fp32_gather"]
     for rank in range(4):
         comm = layerwise_runs[rank][("cost", "fp32", 4)]["comm"]
-        assert {"reduce_scatter", "reduce"} <= set(comm)
+        assert "reduce" in set(comm)
         assert sum(comm[x]["sent"] for x in kinds) == c["layerwise_sent_per_rank"][rank]
         assert sum(comm[x]["received"] for x in kinds) == c["layerwise_received_per_rank"][rank]
 

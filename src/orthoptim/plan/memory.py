@@ -298,7 +298,7 @@ def memory_per_rank(
         owned_elements, state = 0, 0
         owned: list[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]] = []
         adamw: list[int] = []
-        buf, check = 0, 0
+        buf, check, converted = 0, 0, 0
         for g, gr in slot:
             d = dealt[id(g)]
             buf += flats[id(g)][2][gr]
@@ -307,6 +307,10 @@ def memory_per_rank(
                 m, u = d.matrices[i], d.units[i]
                 numel = math.prod(u.shape)
                 owned_elements += numel
+                if g.world == 1 and pb != sb:
+                    # a group of one rank's gradients are autograd's: the step hands the
+                    # masters their copies in the state dtype, alive through the step
+                    converted += numel * sb
                 if m.kind != "muon":
                     state += 2 * numel * sb
                     adamw.append(numel)
@@ -325,7 +329,8 @@ def memory_per_rank(
                 "masters": owned_elements * sb if masters else 0,
                 "state": state,
                 "buffers": buf,
-                "transient": max(
+                "transient": converted
+                + max(
                     _matrix_transient(owned, layout, sb, cb),
                     _adamw_transient(adamw, layout, sb),
                     check,
