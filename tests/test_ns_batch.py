@@ -12,6 +12,7 @@ on CPU the optimizers do not stack, and the cap changes nothing there.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 
 import pytest
@@ -262,3 +263,23 @@ def test_compiled_chunked_step_is_one_graph_equal_to_eager(stacked):
             torch.testing.assert_close(p, eager[n], rtol=0, atol=1e-6, msg=n)
     finally:
         torch._dynamo.reset()
+
+
+def test_plan_flag(capsys):
+    """`orthoptim plan --ns-batch-mb MB|none`: the layout's cap, and so the transient."""
+    from orthoptim.cli import main
+
+    transient = {}
+    for flag in ("none", "4", None):
+        argv = ["plan", "--model", "train:base", "--dp", "8", "--json"]
+        assert main(argv + (["--ns-batch-mb", flag] if flag else [])) == 0
+        out = json.loads(capsys.readouterr().out)
+        transient[flag] = out["memory_per_rank"]["rank_0"]["transient"]
+        assert out["layout"]["ns_batch_mb"] == {"none": None, "4": 4.0, None: NS_BATCH_MB}[flag]
+    assert transient["4"] < transient["none"]
+    for bad in ("0", "-1", "inf"):
+        assert main(["plan", "--model", "train:base", "--dp", "8", "--ns-batch-mb", bad]) == 2
+        assert "--ns-batch-mb must be a finite number > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "train:base", "--dp", "8", "--ns-batch-mb", "lots"])
+    assert "--ns-batch-mb: takes a number of MiB or 'none', got 'lots'" in capsys.readouterr().err

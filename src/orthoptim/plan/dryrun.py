@@ -675,6 +675,7 @@ def run_rank(
         kwargs: dict[str, Any] = {"bucket_mb": layout.bucket_mb}
         if optimizer == "muon":
             kwargs["ns_dtype"] = torch.bfloat16  # what "auto" picks on CUDA
+            kwargs["ns_batch_mb"] = layout.ns_batch_mb  # the stacks' chunks the plan models
         if parallel == "fsdp":
             shard_model(model, mesh["dp"])
             fsdp_stats = C.CommStats()
