@@ -180,9 +180,11 @@ def measure(
     gather: str | None,
     optimizer: str = "muon",
     param: str = "fp32",
+    **inner: object,
 ) -> dict[str, int]:
     """Bytes per category the real layer-wise optimizer holds on `rank` of `world`, the
-    model built in fp32 and given to it with `param_dtype` when `param` is not fp32."""
+    model built in fp32 and given to it with `param_dtype` when `param` is not fp32
+    (`inner`: more keyword arguments of the inner optimizer)."""
     dist.init_process_group(BACKEND, rank=rank, world_size=world, store=FakeStore())
     try:
         model, kinds = model_of(desc, ep)
@@ -200,6 +202,7 @@ def measure(
             gather_dtype=DTYPES[gather] if gather else None,
             **({"ns_dtype": DTYPES[ns]} if optimizer == "muon" else {}),
             **({"param_dtype": DTYPES[param]} if param != "fp32" else {}),
+            **inner,
         )
         peak = TransientPeak()
         for step in range(2):
@@ -245,7 +248,7 @@ def _fsdp_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def measure_fsdp(
-    desc: ModelDescription, world: int, rank: int, optimizer: str, monkeypatch
+    desc: ModelDescription, world: int, rank: int, optimizer: str, monkeypatch, **inner: object
 ) -> dict[str, int]:
     """Bytes per category `FSDPOptimizer` holds on `rank` over a model FSDP2 shards (each
     `layers.i` and the root, as `shard_model`). FSDP2's backward cannot run here, so each
@@ -267,7 +270,7 @@ def measure_fsdp(
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = FSDPOptimizer(
-            model, optimizer, lr=0.01, route=lambda n, p: kinds[base_name(n)] == "muon"
+            model, optimizer, lr=0.01, route=lambda n, p: kinds[base_name(n)] == "muon", **inner
         )
         peak = TransientPeak()
         for step in range(2):
@@ -440,6 +443,7 @@ def test_the_state_section_is_memory_per_rank_state():
         (dict(tp_mode="rows"), "--tp-mode"),
         (dict(fsdp=True, ep=2), "--fsdp"),
         (dict(optimizer="soap", tp=2), "--optimizer soap"),
+        (dict(ns_batch_mb=0), "--ns-batch-mb"),
     ],
 )
 def test_layout_choices_are_validated(kwargs, flag):
@@ -565,3 +569,56 @@ def test_the_fits_verdict_flips_below_the_peak(tmp_path, capsys):
     assert out["fits"] is False and out["verdict"].startswith("fits: no")
     assert main(flags) == 0
     assert "fits: yes — peak" in capsys.readouterr().out
+
+
+# -- the capped Newton-Schulz stacks (`Muon(ns_batch_mb=...)`, `Layout.ns_batch_mb`) ----------
+
+# one float32 48×64 matrix (the tiny MoE's expert shape) in MiB
+EXPERT_MB = 48 * 64 * 4 / 2**20
+
+
+@pytest.mark.parametrize("ns", ["fp32", "bf16"])
+@pytest.mark.parametrize("limit", [None, 1, 2, 3, 4, 7])
+def test_muon_transient_models_the_capped_stacks(ns, limit):
+    """`_muon_transient` against the live storages of a real Muon step on meta tensors, the
+    stacks of one shape (2-D and 3-D parameters) in chunks of `limit` matrices, 3-D stacks
+    cut by chunk boundaries among them. The model leaves out the Frobenius norms of the
+    chunk in flight: 4 bytes a matrix."""
+    from orthoptim import Muon
+    from orthoptim.plan.memory import _muon_transient
+
+    shapes = [(5, 48, 64), (48, 64), (3, 48, 64), (4, 64, 48), (2, 48, 64)]
+    mb = None if limit is None else (limit + 0.5) * EXPERT_MB
+    params = [nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+    opt = Muon(params, ns_dtype=DTYPES[ns], ns_batch_mb=mb)
+    peak = TransientPeak()
+    for step in range(2):
+        for p in params:
+            p.grad = torch.empty_like(p)
+        with peak if step == 1 else TransientPeak():
+            opt.step()
+    layout = Layout(dp=1, device="meta", ns_dtype=ns, ns_batch_mb=mb)
+    want = _muon_transient(list(enumerate(shapes)), layout, 4, 4 if ns == "fp32" else 2)
+    matrices = sum(math.prod(s[:-2]) for s in shapes)
+    assert 0 <= peak.peak - want <= 4 * matrices, (peak.peak, want)
+
+
+def test_capped_stacks_per_rank_match_the_real_optimizer(monkeypatch):
+    """The plan's memory per rank with `ns_batch_mb` against the real optimizers given it:
+    the layer-wise one (experts split per expert, so chunks of whole matrices; its transient
+    drops with the cap) and the FSDP one (the owners' whole 3-D expert stacks cut by
+    chunks)."""
+    desc = model_from_dict(MOE)
+    hardware = load_hardware("h200")
+    mb = 2.5 * EXPERT_MB
+    transients = []
+    for cap in (None, mb):
+        layout = Layout(dp=8, ns_dtype="bf16", device="meta", ns_batch_mb=cap)
+        want = make_plan(desc, hardware, layout)["memory_per_rank"]["rank_0"]
+        _check(want, measure(desc, 8, 0, 1, "bf16", None, ns_batch_mb=cap), "rank_0")
+        transients.append(want["transient"])
+    assert transients[1] < 0.7 * transients[0]
+    layout = Layout(dp=8, fsdp=True, device="meta", ns_batch_mb=mb)
+    want = make_plan(desc, hardware, layout)["memory_per_rank"]["rank_0"]
+    with monkeypatch.context() as m:
+        _check(want, measure_fsdp(desc, 8, 0, "muon", m, ns_batch_mb=mb), "rank_0", rel=0.05)

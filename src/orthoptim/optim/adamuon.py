@@ -38,7 +38,8 @@ class AdaMuon(Muon):
     `beta2` (None: equal to `momentum`) is the EMA coefficient of V; `eps` is added to √V and to
     ‖Ô‖_F; `rms` is the RMS of every update before the learning rate (no `lr_scale`: the RMS rescale
     sets the size). `options` are Muon's (`ns_steps`, `coefficients`, `ns_dtype`, `orthogonalizer`,
-    `nonfinite`, `split`), with Muon's defaults; Newton-Schulz's own `eps` stays Muon's.
+    `nonfinite`, `split`, `ns_batch_mb`), with Muon's defaults; Newton-Schulz's own `eps` stays
+    Muon's.
     """
 
     state_kinds: ClassVar[dict[str, StateKind]] = {

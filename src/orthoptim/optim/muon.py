@@ -37,8 +37,11 @@ from orthoptim._validate import (
 )
 from orthoptim.collectives import is_dtensor
 from orthoptim.newton_schulz import (
+    NS_BATCH_MB,
     CoefficientsLike,
     NSDtype,
+    batch_chunks,
+    batch_limit,
     coefficient_schedule,
     newton_schulz,
     stacking_pays,
@@ -107,13 +110,18 @@ def orthogonalize_blocks(
     orthogonalize: Orthogonalizer,
     lr_scale: LRScale,
     stack: Callable[[torch.device], bool] = lambda device: True,
+    batch_mb: float | None = None,
 ) -> list[tuple[int, int | None, Tensor, float]]:
     """Orthogonalize matrix stacks [k, rows, cols], each whole or by row blocks (`split`).
 
     Returns (item index, first row of the block or None for a whole stack, the orthogonalized
     block, the LR-scale factor of the block's shape) per block. Blocks of one shape (and one
     DTensor layout) go through one `orthogonalize` call when `stack(device)` says so, else one
-    call each (no copy into a stack). A list, not a generator: `torch.compile` traces it.
+    call each (no copy into a stack). `batch_mb` caps a stack: its matrices go in consecutive
+    chunks of at most `batch_limit(rows, cols, batch_mb)`, one call each (a block cut by a
+    chunk boundary is put back together in a buffer of its own); None, a DTensor stack, or
+    a lone block where `stack(device)` says no, goes whole. A list, not a generator:
+    `torch.compile` traces it.
     """
     # (rows, cols, device, layout) → [(item, first row, block)]; a DTensor's layout (mesh,
     # placements) is part of the key so a batch never mixes shardings.
@@ -130,18 +138,35 @@ def orthogonalize_blocks(
             batches[(block.shape[-2], mats.shape[-1], mats.device, layout)].append((i, row, block))
             row += block.shape[-2]
     done: list[tuple[int, int | None, Tensor, float]] = []
-    for (rows, cols, device, _), entries in batches.items():
+    for (rows, cols, device, layout), entries in batches.items():
         scale = lr_scale_factor(lr_scale, rows, cols)
         if len(entries) > 1 and not stack(device):
             done += [(i, row, orthogonalize(block), scale) for i, row, block in entries]
             continue
-        blocks = [b for _, _, b in entries]
-        ortho = orthogonalize(torch.cat(blocks) if len(blocks) > 1 else blocks[0])
-        offset = 0
-        for i, row, block in entries:
-            k = block.shape[0]
-            done.append((i, row, ortho[offset : offset + k], scale))
-            offset += k
+        capped = layout[0] is None and stack(device)
+        limit = batch_limit(rows, cols, batch_mb) if capped else None
+        parts: dict[int, Tensor] = {}  # entry → the buffer a block cut by chunks is put into
+        blocks = [block for _, _, block in entries]
+        for chunk in batch_chunks([b.shape[0] for b in blocks], limit):
+            pieces = [
+                blocks[e] if k == blocks[e].shape[0] else blocks[e][first : first + k]
+                for e, first, k in chunk
+            ]
+            ortho = orthogonalize(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+            offset = 0
+            for e, first, k in chunk:
+                i, row, block = entries[e]
+                o = ortho[offset : offset + k]
+                offset += k
+                if k == block.shape[0]:
+                    done.append((i, row, o, scale))
+                    continue
+                if first == 0:
+                    parts[e] = torch.empty(block.shape, dtype=o.dtype, device=o.device)
+                parts[e][first : first + k] = o
+                if first + k == block.shape[0]:
+                    done.append((i, row, parts.pop(e), scale))
+            del ortho, o  # a chunk copied whole into buffers goes before the next one is made
     return done
 
 
@@ -231,6 +256,16 @@ class Muon(MatrixOptimizer):
     float32 elsewhere, float64 parameters stay float64; a torch dtype (e.g. torch.float32)
     forces it; None is float32 on every device (the default before "auto"). A custom
     `orthogonalizer` uses its own (`TensorParallelOrthogonalizer(ns_dtype=...)`).
+    `ns_batch_mb` caps the same-shape stacks Newton-Schulz gets where stacking pays (GPUs,
+    `stacking_pays`): at most `ns_batch_mb` MiB of float32 matrices per call (at least one
+    matrix, `batch_limit`), so that the step's stack and its iteration copies stay that size,
+    not that of every owned matrix of the shape; None: one call per shape.
+    Newton-Schulz is per matrix, so the results do not depend on it (bitwise where the
+    device's batched products do not split their work by batch size: the CPU's on one
+    thread). The default, `NS_BATCH_MB` (1024 MiB), is measured on CPU (where chunks of any
+    size down to one matrix were no slower than one stack) and estimated for GPUs (on an
+    H200 a 1 GiB chunk keeps every product ≈1 ms long; figures at `NS_BATCH_MB`). A custom
+    `orthogonalizer` gets whole stacks.
     """
 
     def __init__(
@@ -249,6 +284,7 @@ class Muon(MatrixOptimizer):
         eps: float = 1e-7,
         split: dict[str, Split] | None = None,
         transposed: Iterable[str] = (),
+        ns_batch_mb: float | None = NS_BATCH_MB,
     ) -> None:
         check_nonnegative("lr", lr)
         check_unit_interval("momentum", momentum)
@@ -274,6 +310,7 @@ class Muon(MatrixOptimizer):
             ns_dtype=ns_dtype,
             eps=eps,
             split=dict(split or {}),
+            ns_batch_mb=ns_batch_mb,
         )
         if isinstance(transposed, str):
             raise TypeError(f"transposed must be a collection of names, got {transposed!r}")
@@ -290,6 +327,8 @@ class Muon(MatrixOptimizer):
         group = self.param_groups[-1]
         group["lr_scale"] = lr_scale_name(group["lr_scale"])
         check_dtype_or_auto("ns_dtype", group["ns_dtype"])
+        if group["ns_batch_mb"] is not None:
+            check_positive("ns_batch_mb", group["ns_batch_mb"])
         me = type(self).__name__
         check_params(me, self.param_groups)
         names = group.get("param_names")
@@ -403,7 +442,7 @@ class Muon(MatrixOptimizer):
         ]
         out: list[Tensor | None] = [None] * len(updates)
         blocks = orthogonalize_blocks(
-            mats, lambda m: self.orthogonalize(m, group), scale, self.stacks
+            mats, lambda m: self.orthogonalize(m, group), scale, self.stacks, self.batch_mb(group)
         )
         for i, row, o, factor in blocks:
             if factor != 1.0:
@@ -423,6 +462,14 @@ class Muon(MatrixOptimizer):
         for a custom one (one call, e.g. one collective, per shape), else where batched
         Newton-Schulz pays (`stacking_pays`)."""
         return self.orthogonalizer is not None or stacking_pays(device)
+
+    def batch_mb(self, group: dict[str, Any]) -> float | None:
+        """The cap on one stacked call (`ns_batch_mb`): Newton-Schulz's; a custom
+        orthogonalizer gets whole stacks (one call, e.g. one collective, per shape)."""
+        if self.orthogonalizer is not None:
+            return None
+        # a group loaded from a torch-format dict saved before the option lacks it
+        return group.get("ns_batch_mb", NS_BATCH_MB)
 
     def orthogonalize(self, mats: Tensor, group: dict[str, Any]) -> Tensor:
         """The orthogonalized stack `mats` [k, rows, cols]: the custom orthogonalizer's, else

@@ -37,8 +37,8 @@ class NorMuon(Muon):
     `beta2`: EMA coefficient of the per-neuron second moment; `eps`: added to its root (and to the
     norm ratio). `lr_scale` is applied after the normalisation (default "keller", the official
     code's max(1, m/n)^½). `options` are Muon's (`ns_steps`, `coefficients`, `ns_dtype`,
-    `orthogonalizer`, `nonfinite`, `split`), with Muon's defaults; Newton-Schulz's own `eps` stays
-    Muon's.
+    `orthogonalizer`, `nonfinite`, `split`, `ns_batch_mb`), with Muon's defaults; Newton-Schulz's
+    own `eps` stays Muon's.
     """
 
     state_kinds: ClassVar[dict[str, StateKind]] = {

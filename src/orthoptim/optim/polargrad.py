@@ -30,8 +30,8 @@ class PolarGrad(Muon):
     """PolarGrad for matrix parameters (as Muon: 2-D, 3-D experts, conv weights; `split`).
 
     `lr_scale` (default "none") multiplies the scaled polar factor. `options` are Muon's
-    (`ns_steps`, `coefficients`, `ns_dtype`, `orthogonalizer`, `nonfinite`, `eps`, `split`), with
-    Muon's defaults.
+    (`ns_steps`, `coefficients`, `ns_dtype`, `orthogonalizer`, `nonfinite`, `eps`, `split`,
+    `ns_batch_mb`), with Muon's defaults.
     """
 
     state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}

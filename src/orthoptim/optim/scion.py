@@ -63,8 +63,8 @@ class Scion(Muon):
     `radius`: ρ, the norm ball's radius; `constrained`: W ← (1 − lr)·W − lr·ρ·lmo(M), else W ← W −
     lr·ρ·lmo(M) (`weight_decay`, when given, replaces the 1 or 0); `norms`: {parameter name: one of
     `NORMS`}; `eps`: the guard of the non-spectral LMOs' divisions (the official 1e-8). `options`
-    are Muon's (`ns_steps`, `coefficients`, `ns_dtype`, `orthogonalizer`, `nonfinite`, `split`),
-    with Muon's defaults; Newton-Schulz's own `eps` stays Muon's.
+    are Muon's (`ns_steps`, `coefficients`, `ns_dtype`, `orthogonalizer`, `nonfinite`, `split`,
+    `ns_batch_mb`), with Muon's defaults; Newton-Schulz's own `eps` stays Muon's.
     """
 
     state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}

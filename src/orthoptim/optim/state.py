@@ -154,8 +154,11 @@ SCHEDULED_HYPERS = frozenset(
 # Implementation switches that do not change the maths, so a checkpoint may differ in them
 # (the optimizer keeps its own). `ns_dtype` is among them: the Newton-Schulz precision does
 # not change what the state means (momentum stays float32), and its default "auto" resolves
-# per device, so a checkpoint resumes across devices and from before "auto" (None).
-IMPLEMENTATION_HYPERS = frozenset({"foreach", "fused", "capturable", "differentiable", "ns_dtype"})
+# per device, so a checkpoint resumes across devices and from before "auto" (None); nor does
+# `ns_batch_mb`, how many matrices one Newton-Schulz call takes.
+IMPLEMENTATION_HYPERS = frozenset(
+    {"foreach", "fused", "capturable", "differentiable", "ns_dtype", "ns_batch_mb"}
+)
 
 # hyper-parameter values an earlier release stored under another name, by what they are now:
 # 0.1.0 stored √max(rows, cols) as lr_scale "spectral" (CHANGELOG.md)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from orthoptim._extras import require_extra
+from orthoptim.newton_schulz import NS_BATCH_MB
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
 from orthoptim.plan.planner import (
@@ -242,6 +243,7 @@ def _cmd(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             fsdp=args.fsdp,
             tp_mode=args.tp_mode,
+            ns_batch_mb=args.ns_batch_mb,
         )
         if args.dry_run:
             return _dry_run_cmd(args, desc, hw, layout)
@@ -281,6 +283,16 @@ def _ranks(values: list[str] | None) -> list[int]:
                     f"--rank takes integers (repeat it or separate by commas), got {part!r}"
                 ) from None
     return out
+
+
+def _batch_mb(text: str) -> float | None:
+    """--ns-batch-mb: a number of MiB (`check_layout` wants it > 0), or "none" for no cap."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of MiB or 'none', got {text!r}") from None
 
 
 def _dry_run_cmd(args: argparse.Namespace, desc: Any, hw: Any, layout: Layout) -> int:
@@ -352,6 +364,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="bf16",
         choices=sorted(DTYPE_BYTES),
         help="dtype Newton-Schulz iterates in (default bf16)",
+    )
+    p.add_argument(
+        "--ns-batch-mb",
+        type=_batch_mb,
+        default=NS_BATCH_MB,
+        metavar="MB|none",
+        help="the most MiB of float32 matrices one stacked Newton-Schulz call takes "
+        "(Muon(ns_batch_mb=...)): a stack of same-shape matrices goes in chunks of that size, "
+        f"for the step's transient memory; none: one call per shape (default {NS_BATCH_MB:g})",
     )
     p.add_argument(
         "--device",

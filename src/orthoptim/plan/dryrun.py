@@ -680,6 +680,7 @@ def run_rank(
         kwargs: dict[str, Any] = {"bucket_mb": layout.bucket_mb}
         if optimizer == "muon":
             kwargs["ns_dtype"] = torch.bfloat16  # what "auto" picks on CUDA
+            kwargs["ns_batch_mb"] = layout.ns_batch_mb  # the stacks' chunks the plan models
         # the model is built in fp32; a lower parameter dtype is the optimizer's (or FSDP2's
         # mixed precision)
         mixed = {}

@@ -19,9 +19,10 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
                nothing else
     transient  the step's own peak above that: Muon's Nesterov updates of every owned
                matrix (alive through the whole batched call), the orthogonalized outputs
-               of the batches done so far, and the batch in flight (its fp32 stack when
-               several same-shape matrices are stacked, its output, the iteration-dtype
-               copy X and one step's X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
+               of the batches done so far, and the batch in flight, a chunk of at most
+               `Layout.ns_batch_mb` of a same-shape stack (its fp32 stack when several
+               blocks are stacked, its output, the iteration-dtype copy X and one step's
+               X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
                (foreach on CUDA: a square root of every owned second moment); whichever
                is larger, or the non-finite check of the widest gradient shard
     peak       params + grads + masters + state + buffers + transient
@@ -49,7 +50,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from orthoptim.newton_schulz import GRAM_FORM_RESTART
+from orthoptim.newton_schulz import GRAM_FORM_RESTART, batch_chunks, batch_limit
 from orthoptim.parallel.assignment import MatrixCost
 from orthoptim.plan.model import Matrix
 
@@ -156,7 +157,11 @@ def _muon_transient(
 ) -> int:
     """Peak bytes of one Muon step over the owned matrices, given as (forward position,
     local shape): `sb` the state (update) element size, `cb` the iteration's; the Nesterov
-    updates counted unless the caller holds them already (`fresh_updates` False)."""
+    updates counted unless the caller holds them already (`fresh_updates` False). A stack
+    goes in chunks of at most `batch_limit(rows, cols, layout.ns_batch_mb)` matrices
+    (`orthogonalize_blocks`): per chunk its concatenation (of several blocks), its output and
+    the iteration; a block cut by a chunk boundary gets a buffer of its own at its first
+    chunk, and a chunk's output stays only while a whole block in it is a view of it."""
     stack = layout.device != "cpu"  # `newton_schulz.stacking_pays`
     price = MatrixCost(layout.device, layout.ns_dtype, layout.ns_steps)
     batches: dict[tuple[int, int], list[int]] = {}
@@ -172,16 +177,22 @@ def _muon_transient(
     for key, blocks in batches.items():
         rows, cols = key[-2:]
         m, n = sorted((rows, cols))
-        k = sum(blocks)
-        out = k * m * n * sb
-        cat = out if len(blocks) > 1 else 0
         form, _ = price.path(m, n)
-        x, square = k * m * n * cb, k * m * m * cb
-        iterate = (_gram_iterate if form == "gram" else _step_iterate)(
-            x, square, layout.ns_steps, cb == sb
-        )
-        peak = max(peak, done + out + cat + iterate)
-        done += out
+        limit = batch_limit(rows, cols, layout.ns_batch_mb) if stack else None
+        for chunk in batch_chunks(blocks, limit):
+            k = sum(take for _, _, take in chunk)
+            out = k * m * n * sb
+            cat = out if len(chunk) > 1 else 0
+            x, square = k * m * n * cb, k * m * m * cb
+            iterate = (_gram_iterate if form == "gram" else _step_iterate)(
+                x, square, layout.ns_steps, cb == sb
+            )
+            peak = max(peak, done + out + cat + iterate)
+            whole = any(take == blocks[e] for e, _, take in chunk)
+            # the buffer of a block cut here, made at its first piece
+            cut = sum(blocks[e] for e, first, take in chunk if take < blocks[e] and first == 0)
+            peak = max(peak, done + out + cut * m * n * sb)
+            done += cut * m * n * sb + (out if whole else 0)
     return (updates if fresh_updates else 0) + peak
 
 

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from orthoptim._validate import check_positive
+from orthoptim.newton_schulz import NS_BATCH_MB
 from orthoptim.parallel.assignment import (
     Assignment,
     MatrixCost,
@@ -115,6 +117,9 @@ class Layout:
     # the tensor-parallel orthogonalizer's mode (`TensorParallelOrthogonalizer(mode=...)`),
     # for its gathers and Gram buffers in `memory_per_rank`
     tp_mode: PlanTPMode = "auto"
+    # the cap on one stacked Newton-Schulz call in MiB of float32 (`Muon(ns_batch_mb=...)`;
+    # None: one call per shape), for the step's transient in `memory_per_rank`
+    ns_batch_mb: float | None = NS_BATCH_MB
 
     @property
     def gather(self) -> str:
@@ -192,6 +197,8 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         raise ValueError(f"--ns-steps must be >= 1, got {layout.ns_steps}")
     if layout.bucket_mb <= 0:
         raise ValueError(f"--bucket-mb must be > 0, got {layout.bucket_mb}")
+    if layout.ns_batch_mb is not None:
+        check_positive("--ns-batch-mb", layout.ns_batch_mb)
     if layout.tokens_per_step < 0:
         raise ValueError(f"--tokens-per-step must be >= 0, got {layout.tokens_per_step}")
 
@@ -680,6 +687,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "tp_mode": layout.tp_mode,
             "param_dtype": layout.param_dtype,
             "gather_dtype": layout.gather,
+            "ns_batch_mb": layout.ns_batch_mb,
         },
         "hardware": hardware.name,
         "balancing": balancing,
