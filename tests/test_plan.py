@@ -356,8 +356,13 @@ def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
     for rank in range(4):
         comm = layerwise_runs[rank][("cost", "fp32", 4)]["comm"]
         assert "reduce" in set(comm)
-        assert sum(comm[x]["sent"] for x in kinds if x in comm) == c["layerwise_sent_per_rank"][rank]
-        assert sum(comm[x]["received"] for x in kinds if x in comm) == c["layerwise_received_per_rank"][rank]
+        assert (
+            sum(comm[x]["sent"] for x in kinds if x in comm) == c["layerwise_sent_per_rank"][rank]
+        )
+        assert (
+            sum(comm[x]["received"] for x in kinds if x in comm)
+            == c["layerwise_received_per_rank"][rank]
+        )
 
 
 # --- planner and CLI -----------------------------------------------------------------------

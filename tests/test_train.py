@@ -22,7 +22,6 @@ from orthoptim.train.data import (
     val_batches,
 )
 from orthoptim.train.model import CONFIGS, GPT, GPTConfig
-from orthoptim.train.runfolder import check_resumable
 
 SEQ = CONFIGS["tiny"].seq_len
 
@@ -304,26 +303,33 @@ def test_train_fsdp_bf16_parameters_trains_and_resumes_at_either_dtype(tmp_path)
     assert mixed[-1]["val_loss"] < vals[1]
 
 
-def test_resume_at_another_param_dtype_is_refused_without_fsdp(tmp_path, capsys):
-    """Without --fsdp a bf16 run's model holds bf16 copies of masters its optimizer keeps:
-    model.pt is not the masters, so the checkpoint resumes at its own --param-dtype only
-    (refused before any rank starts). A checkpoint older than the flag trained in fp32."""
-    out = tmp_path / "run"
-    (out / "checkpoints").mkdir(parents=True)
-    saved = TrainArgs(batch=2, steps=6, out=str(out)).to_dict()
-    (out / "checkpoints" / "latest.json").write_text(
-        json.dumps(dict(args=saved, world_size=2, step=3))
-    )
-    argv = ["train", "--nproc", "2", "--steps", "6", "--batch", "2", "--out", str(out)]
-    assert main([*argv, "--resume", "--param-dtype", "bf16"]) == 2
-    err = capsys.readouterr().err
-    assert "--param-dtype: checkpoint fp32, now bf16" in err and "--param-dtype fp32" in err
-    info = dict(args=dict(saved, fsdp=True), world_size=2, step=3, param_dtype="bf16")
-    check_resumable(info, TrainArgs(batch=2, steps=6, fsdp=True), 2, "fp32")  # allowed
-    info = dict(info, args=saved)
-    check_resumable(info, TrainArgs(batch=2, steps=6), 2, "bf16")
-    with pytest.raises(ValueError, match="--param-dtype: checkpoint bf16, now fp32"):
-        check_resumable(info, TrainArgs(batch=2, steps=6), 2, "fp32")
+def test_train_layerwise_bf16_parameters_resume_exactly_and_at_either_dtype(tmp_path):
+    """`--param-dtype bf16` without --fsdp: the layer-wise optimizer at 2 ranks holds bf16
+    parameters and fp32 masters on their owners. The loss falls; stopped after step 3 and
+    resumed, the run repeats the uninterrupted one bit for bit (the optimizer's checkpoint
+    holds the masters, which the resumed owners step on); the same checkpoint resumes at
+    --param-dtype fp32 too, and a checkpoint without masters resumes at bf16."""
+    bf16 = ("--param-dtype", "bf16")
+    whole, part, other = tmp_path / "whole", tmp_path / "part", tmp_path / "other"
+    assert _train(whole, *bf16) == 0
+    assert _train(part, *bf16, "--stop-after", "3") == 0
+    shutil.copytree(part, other)
+    assert _train(part, *bf16, "--resume") == 0
+    rows, resumed = _metrics(whole), _metrics(part)
+    assert [r["step"] for r in resumed] == list(range(7))
+    assert _losses(resumed) == _losses(rows)
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(vals) == 3 and vals[-1] < vals[0] - 0.5, vals
+    assert {r["param_dtype"] for r in rows} == {"bf16"}
+    assert _train(other, "--param-dtype", "fp32", "--resume") == 0
+    mixed = _metrics(other)
+    assert [r["param_dtype"] for r in mixed] == ["bf16"] * 4 + ["fp32"] * 3
+    assert _losses(mixed[:4]) == _losses(rows[:4])
+    assert mixed[-1]["val_loss"] < vals[1]
+    fp32 = tmp_path / "fp32"
+    assert _train(fp32, "--param-dtype", "fp32", "--stop-after", "3") == 0
+    assert _train(fp32, *bf16, "--resume") == 0
+    assert [r["param_dtype"] for r in _metrics(fp32)] == ["fp32"] * 4 + ["bf16"] * 3
 
 
 def test_resume_refuses_another_run(tmp_path, capsys):

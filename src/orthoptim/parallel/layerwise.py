@@ -1231,8 +1231,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         single-process `build_optimizer` / `Muon` / `SOAP` over the same model): every rank
         keeps the state of what it owns, hyper-parameters go to every group. Every mismatch
         is listed in one `CheckpointMismatchError` before anything changes."""
-        self.wait_for_params()
-        checkpoint.load_full_state_dict(self, state_dict)
+        with self._masters_follow():
+            checkpoint.load_full_state_dict(self, state_dict)
 
     def state_view(self) -> StateView:
         """The state by name for checkpoints: the owners' states, gathered over
@@ -1246,7 +1246,23 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
-        checkpoint.load_sharded_state_dict(self, state_dict)
+        with self._masters_follow():
+            checkpoint.load_sharded_state_dict(self, state_dict)
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def _masters_follow(self) -> Iterator[None]:
+        """Around a load: the masters first take the parameters' current values (the model
+        loaded before, or a checkpoint written without masters, e.g. at another parameter
+        dtype), the checkpoint's masters then replace them, and the owners' parameters are
+        written from the masters (every replica already holds their rounding when the model
+        was saved with the optimizer)."""
+        self.wait_for_params()
+        for name, master in self._master.items():
+            C.local_shard(master).copy_(self._slot_by_name(name).local())
+        yield
+        for name, master in self._master.items():
+            self._slot_by_name(name).local().copy_(C.local_shard(master))
 
 
 def _carried_load(dense: Assignment, dense_group: Any, group: Any) -> list[float]:

@@ -87,11 +87,12 @@ def check_resumable(
 ) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch.
 
-    `param_dtype` is this run's ("bf16" or "fp32"). It may differ from the checkpoint's under
-    --fsdp only: there the checkpoint's model weights are FSDP2's sharded parameters, the
-    fp32 masters, and the optimizer state is fp32, whatever the run computed in. Without
-    --fsdp a bf16 run's model holds bf16 copies and its fp32 masters live in the layer-wise
-    optimizer, so model.pt is not the masters: such a checkpoint resumes at its own dtype."""
+    `param_dtype` is this run's ("bf16" or "fp32") and may differ from the checkpoint's: under
+    --fsdp the checkpoint's model weights are FSDP2's sharded parameters, the fp32 masters;
+    without it a bf16 run's fp32 masters are in the layer-wise optimizer's checkpoint (a
+    bf16 run resumes them exactly; an fp32 run resumed in bf16 takes its masters from the
+    fp32 weights rounded to bf16 on loading, and a bf16 run resumed in fp32 continues from
+    its bf16 weights)."""
     saved = TrainArgs.from_dict(info["args"])  # defaults for flags newer than the checkpoint
     mismatched = [
         f"--{k.replace('_', '-')}: checkpoint {getattr(saved, k)!r}, now {getattr(args, k)!r}"
@@ -100,12 +101,6 @@ def check_resumable(
     ]
     if info["world_size"] != world_size:
         mismatched.append(f"--nproc: checkpoint {info['world_size']}, now {world_size}")
-    before = saved_param_dtype(info)
-    if not args.fsdp and before != param_dtype:
-        mismatched.append(
-            f"--param-dtype: checkpoint {before}, now {param_dtype} (only --fsdp runs resume "
-            f"at another parameter dtype; pass --param-dtype {before})"
-        )
     if mismatched:
         raise ValueError(
             "--resume: the checkpoint does not match this run: " + "; ".join(mismatched)
