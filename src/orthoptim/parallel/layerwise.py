@@ -804,9 +804,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                         f"{spots[0][0].name}: param_dtype with tensor-parallel (DTensor) "
                         "parameters is not supported; build the optimizer without param_dtype"
                     )
-                p._local_tensor.set_(  # type: ignore[attr-defined]  # the DTensor's own shard
-                    values.untyped_storage(), values.storage_offset(), local.shape
-                )
+                # the same Parameter object, its local shard now the view
+                viewed = nn.Parameter(C.wrap_local(values, p), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, viewed)
             else:
                 p.data = values
             if grads.dtype == values.dtype:
