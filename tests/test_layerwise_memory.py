@@ -188,3 +188,43 @@ def test_padding_and_buffers_at_any_world_size(world):
         flat = sum(b.numel for b in opt._buckets if b.n > 1)
         assert held <= flat <= (1 + MAX_PADDING) * held
         assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+@pytest.mark.parametrize(("world", "bucket_mb"), [(8, 0.005), (2, 0.02)])
+def test_split_experts_across_buckets_stay_views(world, bucket_mb):
+    """A MoE model's experts owned per expert, in small buckets: 3-D stacks cut across
+    buckets (at 2 ranks one begins at the end of a rank-major bucket, which is then laid out
+    region by region); every parameter is one piece of its group's flat buffers, none is
+    copied in and out."""
+    from orthoptim.plan.dryrun import build_model
+    from orthoptim.plan.model import model_from_dict
+    from orthoptim.plan.planner import Layout
+    from test_plan_memory import MOE
+
+    with fake_world(0, world):
+        model = build_model(model_from_dict(MOE), Layout(dp=world))
+        opt = LayerwiseDistributedOptimizer(
+            model, "muon", lr=0.01, split_experts=True, bucket_mb=bucket_mb
+        )
+        buckets: dict[int, set[int]] = {}
+        for s in opt._slots:
+            if s.param.ndim == 3:
+                buckets.setdefault(id(s.param), set()).add(id(opt._bucket_of[s.unit]))
+        assert max(len(b) for b in buckets.values()) > 1  # a stack across buckets
+        assert opt._copied == set()
+        assert len(opt._viewed) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_buckets_inside_another_range_go_last_in_the_buffers():
+    """`_adjacent`: buckets by first unit, those whose units lie inside another's range (a
+    unit alone in its bucket, in the middle of one being filled) after all the others, so
+    the buckets of consecutive units are adjacent."""
+    from types import SimpleNamespace
+
+    from orthoptim.parallel.layerwise import _adjacent
+
+    def bucket(*units):
+        return SimpleNamespace(slots=[SimpleNamespace(unit=u) for u in units], units=units)
+
+    a, solo, b, c = bucket(0, 1, 3, 4), bucket(2), bucket(5, 6), bucket(7)
+    assert [x.units for x in _adjacent([a, solo, b, c])] == [a.units, b.units, c.units, (2,)]

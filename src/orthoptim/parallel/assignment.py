@@ -308,26 +308,25 @@ class Assignment:
             shard = [s + x * item for s, x in zip(shard, self.adamw_split[bucket])]
         return shard
 
-    def rank_major(self, bucket: int, names: Sequence[str] | None = None) -> bool:
+    def rank_major(self, bucket: int, units: Sequence[Unit] | None = None) -> bool:
         """Whether bucket `bucket` is laid out in N equal shards (one reduce-scatter, one
         all-gather): it has several owners, padding its shards to the largest costs at most
         `MAX_PADDING` of its bytes, and every parameter can stay in one piece: no sharded
         AdamW unit's run passes a rank that owns whole units or pads (between the first and
-        the last rank holding it), and
-        (given `names`, each unit's parameter name) no parameter's expert slices here have
-        several owners. Otherwise each owner's region is reduced to it and broadcast from
-        it, unpadded."""
+        the last rank holding it), and (given `units`, the units the assignment was made of)
+        every parameter cut into expert slices here has all its slices here, of one owner.
+        Otherwise each owner's region is reduced to it and broadcast from it, unpadded."""
         shard = self.bucket_shard_bytes(bucket)
         total = sum(shard)
         if sum(1 for x in shard if x) < 2 or len(shard) * max(shard) - total > MAX_PADDING * total:
             return False
-        units = self.buckets[bucket]
-        whole = {self.owners[i] for i in units if self.owners[i] >= 0}
+        ids = self.buckets[bucket]
+        whole = {self.owners[i] for i in ids if self.owners[i] >= 0}
         split = self.adamw_split[bucket] if self.adamw_split else []
         if split:
             bounds = list(itertools.accumulate(split, initial=0))
             start = 0
-            for i in units:
+            for i in ids:
                 if self.owners[i] >= 0:
                     continue
                 stop = start + self.unit_bytes[i] // self.adamw_itemsize[bucket]
@@ -338,11 +337,17 @@ class Assignment:
                 if any(r in whole or shard[r] < max(shard) for r in inner):
                     return False
                 start = stop
-        if names is not None:
+        if units is not None:
+            here = set(ids)
             owner_of: dict[str, int] = {}
-            for i in units:
-                r = self.owners[i]
-                if r >= 0 and owner_of.setdefault(names[i], r) != r:
+            for i in ids:
+                if units[i].part is None:
+                    continue
+                # slices of one parameter are consecutive units: all of them here
+                for j in (i - 1, i + 1):
+                    if 0 <= j < len(units) and units[j].name == units[i].name and j not in here:
+                        return False
+                if owner_of.setdefault(units[i].name, self.owners[i]) != self.owners[i]:
                     return False
         return True
 

@@ -225,10 +225,34 @@ def _rank_major(params: list[list[_Slot]], n: int) -> tuple[list[_Slot | int], i
 
 
 def _natural(params: list[list[_Slot]]) -> list[_Slot | int]:
-    """The order of a bucket reduced region by region: parameters by the owners of their
-    first and last slots (so a rank's runs join its whole units), each parameter's slots
-    back to back; no padding."""
-    return [s for ss in sorted(params, key=lambda ss: (ss[0].owner, ss[-1].owner)) for s in ss]
+    """The order of a bucket reduced region by region, each parameter's slots back to back,
+    no padding: first the parameter whose earlier slots are in the bucket before, last the
+    one whose later slots are in the next (so that a parameter across buckets stays in one
+    piece of the group's buffers), the others by the owners of their first and last slots
+    (so a rank's runs join its whole units)."""
+
+    def key(ss: list[_Slot]) -> tuple[int, int, int]:
+        end = _start(ss[-1]) + ss[-1].numel
+        place = 0 if _start(ss[0]) > 0 else 2 if end < C.local_shard(ss[0].param).numel() else 1
+        return place, ss[0].owner, ss[-1].owner
+
+    return [s for ss in sorted(params, key=key) for s in ss]
+
+
+def _adjacent(buckets: list[_Bucket]) -> list[_Bucket]:
+    """The order buckets take in their group's flat buffers: by first unit, except that a
+    bucket whose units lie inside another's range (a unit of at least `bucket_mb` alone,
+    `make_buckets`) goes after all the others, so that buckets continuing one another are
+    adjacent and a parameter across them stays in one piece."""
+    spans = sorted(
+        ((min(s.unit for s in b.slots), max(s.unit for s in b.slots)), i)
+        for i, b in enumerate(buckets)
+    )
+    outer, inner, reach = [], [], -1
+    for (_, hi), i in spans:
+        (inner if hi < reach else outer).append(buckets[i])
+        reach = max(reach, hi)
+    return outer + inner
 
 
 class _Bucket:
@@ -726,10 +750,10 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             for g, (ids, a) in enumerate(zip(self._group_units, self._assignments))
             for b, bucket in enumerate(a.buckets)
         )
-        names = [[self.units[i].name for i in ids] for ids in self._group_units]
+        units = [[self.units[i] for i in ids] for ids in self._group_units]
         for unit_ids, g, index in merged:
             # rank-major where the assignment (and so plan) says so and the layout agrees
-            rank_major = self._assignments[g].rank_major(index, names[g])
+            rank_major = self._assignments[g].rank_major(index, units[g])
             by_dtype: dict[torch.dtype, list[_Slot]] = {}
             for i in unit_ids:
                 for slot in self._slots_by_unit[i]:
@@ -762,6 +786,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 flats.setdefault((id(b.group), b.dtype, b.grad_dtype), []).append(b)
         where: dict[int, list[tuple[_Slot, int, Tensor, Tensor]]] = {}
         for (_, dtype, grad_dtype), buckets in flats.items():
+            buckets = _adjacent(buckets)
             device = buckets[0].slots[0].param.device
             total = sum(b.numel for b in buckets)
             params = torch.zeros(total, dtype=dtype, device=device)

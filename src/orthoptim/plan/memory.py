@@ -107,7 +107,7 @@ def _padding_bytes(g: Group, bucket: int, element_bytes: int) -> int:
     `element_bytes`-byte elements on every rank of `g` (the flat parameters, the flat
     gradients and a gather buffer): a rank-major bucket pads every shard to the largest (at
     most `MAX_PADDING` of its bytes, `Assignment.rank_major`); any other is unpadded."""
-    if g.world == 1 or not g.assignment.rank_major(bucket, [u.name for u in g.units]):
+    if g.world == 1 or not g.assignment.rank_major(bucket, g.units):
         return 0
     share = _shares(g, bucket)
     return (g.world * max(share) - sum(share)) * element_bytes
@@ -135,7 +135,7 @@ def _flats(
             # isfinite(x) is composite, (x == x) * (x.abs() != inf), all four alive at once
             check[0] = max(check[0], *(numels[i] * (param_b + 3) for i in bucket))
             continue
-        rank_major = a.rank_major(b, [u.name for u in g.units])
+        rank_major = a.rank_major(b, g.units)
         for r in holders:
             region = max(share) if rank_major else share[r]
             check[r] = max(check[r], region * (grad_b + 3))

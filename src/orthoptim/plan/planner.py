@@ -295,11 +295,10 @@ class _Group:
         """(sent, received) bytes per rank of this group's world in one step."""
         a = self.assignment
         numels = [math.prod(u.shape) for u in self.units]
-        names = [u.name for u in self.units]
         return layerwise_bytes(
             a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes,
             split=a.adamw_split,
-            rank_major=[a.rank_major(b, names) for b in range(len(a.buckets))],
+            rank_major=[a.rank_major(b, self.units) for b in range(len(a.buckets))],
         )  # fmt: skip
 
     def comm_unpadded(self, grad_bytes: int, gather_bytes: int) -> list[float]:
