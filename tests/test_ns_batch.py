@@ -241,14 +241,16 @@ def test_checkpoints_load_across_caps_and_from_before_the_cap(tmp_path):
         )
 
 
-def test_compiled_chunked_step_is_one_graph_equal_to_eager(stacked):
+@pytest.mark.parametrize("cls", [Muon, NorMuon])  # NorMuon: its `finish` in place too
+def test_compiled_chunked_step_is_one_graph_equal_to_eager(stacked, cls):
+    """Chunks written into the updates, under `torch.compile(fullgraph=True)`."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     try:
-        eager, eager_opt = run(Muon, cap(2), steps=0)
-        comp, comp_opt = run(Muon, cap(2), steps=0)
+        eager, eager_opt = run(cls, cap(2), steps=0)
+        comp, comp_opt = run(cls, cap(2), steps=0)
         step = torch.compile(comp_opt.step, fullgraph=True)
         gen = torch.Generator().manual_seed(3)
         for _ in range(2):
@@ -283,3 +285,111 @@ def test_plan_flag(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "train:base", "--dp", "8", "--ns-batch-mb", "lots"])
     assert "--ns-batch-mb: takes a number of MiB or 'none', got 'lots'" in capsys.readouterr().err
+
+
+# -- the results written into the updates (`Muon.owns_updates`) ------------------------------
+
+
+def in_place_params():
+    """`named_params`' matrices, a 3-D stack of fused matrices split in two uneven blocks, a
+    conv weight and a weight stored [in, out] (`transposed`: its update seen as [out, in] is
+    not contiguous, so it gets a result of its own; a shape of its own, so that it goes to
+    Newton-Schulz as the same strided view in every step compared)."""
+    torch.manual_seed(3)
+    shapes = {"fused3": (3, 2 * ROWS, COLS), "conv": (ROWS, 4, 2, 3), "t": (COLS, 12)}
+    extra = [(n, nn.Parameter(torch.randn(s) * 0.1)) for n, s in shapes.items()]
+    return named_params() + extra
+
+
+SPLIT = {"fused": (ROWS, ROWS), "fused3": (ROWS // 2, ROWS + ROWS // 2)}
+#: what each optimizer takes beyond Muon's options: Scion a radius (its directions scaled
+#: after the LMOs) and a non-spectral norm
+EXTRA = {"scion": {"radius": 0.7, "norms": {"tall": "colnorm"}}}
+
+
+def stepped(name, oracle, steps=3, **options):
+    """Parameters and optimizer after `steps` steps; `oracle`: Newton-Schulz as a custom
+    orthogonalizer, whose results the step keeps apart from the updates (and scales and
+    finishes out of place), stacked whole where stacking pays, else one call per block as
+    Muon's own (a transposed weight's block goes in as the same strided view)."""
+    named = in_place_params()
+    if oracle:
+        options["orthogonalizer"] = lambda x: ns_module.newton_schulz(x)
+    opt = OPTIMIZERS[name](named, split=SPLIT, transposed=["t"], **EXTRA.get(name, {}), **options)
+    if oracle:
+        opt.stacks = lambda device: muon_module.stacking_pays(device)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(steps):
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return dict(named), opt
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "one-by-one"])
+@pytest.mark.parametrize("limit", [None, 1, 3])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_results_written_into_the_updates_are_bitwise_those_kept_apart(
+    monkeypatch, name, nesterov, limit, stack
+):
+    """Every variant, with Nesterov (updates the step owns, written over) and without (the
+    momentum buffer, never written over), stacked in chunks of `limit` matrices or one by one
+    (CPU), split blocks, a conv weight and a transposed one: bitwise the step whose results
+    stay apart (one thread: Newton-Schulz gives each matrix what it gets alone)."""
+    if stack:
+        monkeypatch.setattr(ns_module, "stacking_pays", lambda device: True)
+        monkeypatch.setattr(muon_module, "stacking_pays", lambda device: True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mb = None if limit is None else cap(limit)
+        got, opt = stepped(name, False, nesterov=nesterov, ns_batch_mb=mb)
+        want, want_opt = stepped(name, True, nesterov=nesterov)
+    finally:
+        torch.set_num_threads(threads)
+    for n, p in got.items():
+        assert torch.equal(p, want[n]), n
+        state = opt.state[p]
+        assert state.keys() == want_opt.state[want[n]].keys()
+        for key, value in state.items():
+            assert torch.equal(value, want_opt.state[want[n]][key]), (n, key)
+
+
+#: whether the step writes each variant's results into its updates, with Nesterov and without
+OWNS = {
+    "muon": (True, False),
+    "normuon": (True, False),
+    "scion": (True, False),
+    "adamuon": (True, True),  # its update is the sign of Muon's, a fresh tensor either way
+    "polargrad": (False, False),  # its `finish` reads the update again
+}
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_directions_take_the_updates_storage_where_the_step_owns_them(stacked, name, nesterov):
+    """The step holds the updates or their results, not both: each direction is its update's
+    storage where the update is the step's own (`owns_updates`; a variant's `finish` and
+    Scion's radius in place too), except the transposed weight's (not contiguous) and a
+    non-spectral LMO's; the momentum buffer an update without Nesterov is stays as `prepare`
+    left it."""
+    named, opt = stepped(name, False, steps=0, nesterov=nesterov, ns_batch_mb=cap(2))
+    group = opt.param_groups[0]
+    owns = OWNS[name][not nesterov]
+    gen = torch.Generator().manual_seed(5)
+    items = []
+    for p in named.values():
+        p.grad = torch.randn(p.shape, generator=gen)
+        items.append((opt.prepare(p.grad, opt.state_of(p, group), group), opt.state[p]))
+    before = [u.clone() for u, _ in items]
+    found = opt.directions(items, group, list(named))
+    for n, (u, state), d, u0 in zip(named, items, found, before, strict=True):
+        shared = d.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
+        spectral = n not in EXTRA.get(name, {}).get("norms", {})  # Scion's LMOs read it
+        assert shared is (owns and spectral and n != "t"), n
+        if not owns:
+            assert torch.equal(u, u0), n  # the update (the momentum buffer) read only
+        if name != "adamuon" and not nesterov:
+            assert u is state["momentum_buffer"]
+    assert opt.owns_updates(group) is owns

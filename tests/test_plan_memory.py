@@ -406,9 +406,12 @@ def test_fsdp_memory_per_rank_matches_the_real_optimizer(dp, optimizer, monkeypa
     desc = model_from_dict(DENSE)
     layout = Layout(dp=dp, fsdp=True, optimizer=optimizer, device="meta")
     plan = make_plan(desc, load_hardware("h200"), layout)["memory_per_rank"]
+    # Newton-Schulz in the dtype the plan takes (the layout's "bf16"; "auto" would be fp32
+    # here, off CUDA, and take the Gram form), so that a peak in the iteration is the plan's
+    inner = {"ns_dtype": DTYPES[layout.ns_dtype]} if optimizer == "muon" else {}
     for key, rank in (("rank_0", 0), ("rank_last", dp - 1)):
         with monkeypatch.context() as m:
-            got = measure_fsdp(desc, dp, rank, optimizer, m)
+            got = measure_fsdp(desc, dp, rank, optimizer, m, **inner)
             _check(plan[key], got, key, rel=0.05)
 
 
@@ -621,4 +624,5 @@ def test_capped_stacks_per_rank_match_the_real_optimizer(monkeypatch):
     layout = Layout(dp=8, fsdp=True, device="meta", ns_batch_mb=mb)
     want = make_plan(desc, hardware, layout)["memory_per_rank"]["rank_0"]
     with monkeypatch.context() as m:
-        _check(want, measure_fsdp(desc, 8, 0, "muon", m, ns_batch_mb=mb), "rank_0", rel=0.05)
+        got = measure_fsdp(desc, 8, 0, "muon", m, ns_batch_mb=mb, ns_dtype=DTYPES[layout.ns_dtype])
+        _check(want, got, "rank_0", rel=0.05)

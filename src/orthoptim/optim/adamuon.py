@@ -76,6 +76,9 @@ class AdaMuon(Muon):
     def block_scale(self, group: dict[str, Any]) -> LRScale:
         return "none"
 
+    def owns_updates(self, group: dict[str, Any]) -> bool:
+        return True  # the sign is a fresh tensor, with Nesterov or without
+
     def matrix_state(self, oriented: Tensor) -> dict[str, Tensor]:
         """The second moment per entry of the orthogonalized update, zero."""
         return {"update_moment": torch.zeros_like(oriented)}
@@ -90,7 +93,8 @@ class AdaMuon(Muon):
             state.update(self.matrix_state(o))
         moment = state["update_moment"]
         moment.mul_(beta2).addcmul_(o, o, value=1.0 - beta2)
-        normed = o / (moment.sqrt() + eps)
+        denom = moment.sqrt() + eps
+        normed = o.div_(denom) if self.owns_results() else o / denom
         size = group["rms"] * math.sqrt(o.shape[-2] * o.shape[-1])
         normed *= size / (torch.linalg.vector_norm(normed, dim=(-2, -1), keepdim=True) + eps)
         return normed.reshape(ortho.shape)

@@ -11,7 +11,10 @@ One step of a parameter W with gradient G splits in three::
                                          whole matrices, on the owner only, batched (Newton-
                                          Schulz of same-shape matrices in one call); reads and
                                          writes the "matrix" state; d is u's shape, any
-                                         per-shape LR scale included; None leaves W in place
+                                         per-shape LR scale included; None leaves W in place.
+                                         It may write d into u's storage (Muon, where u is a
+                                         fresh tensor: `Muon.owns_updates`), so a caller reads
+                                         no u after it
     apply(W, d, state, group)            elementwise: W ← (1 − lr·wd)·W − lr·d by default
 
 `state_kinds` declares each state entry, `StateKind`:
@@ -92,7 +95,9 @@ class MatrixOptimizer(GuardedOptimizer):
     def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
         """The whole-matrix part of a step, for every (prepared update, state) of one group:
         each parameter's update direction (its shape, LR scale included), or None to leave it
-        in place this step. `names` label the parameters in errors and fused-matrix splits."""
+        in place this step. `names` label the parameters in errors and fused-matrix splits.
+        An update may come back overwritten (its direction written into it): read none after
+        this."""
         raise NotImplementedError
 
     def moves(self, state: dict[str, Any], shape: torch.Size, group: dict[str, Any]) -> bool:

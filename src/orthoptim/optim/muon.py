@@ -111,6 +111,7 @@ def orthogonalize_blocks(
     lr_scale: LRScale,
     stack: Callable[[torch.device], bool] = lambda device: True,
     batch_mb: float | None = None,
+    in_place: Sequence[bool] | None = None,
 ) -> list[tuple[int, int | None, Tensor, float]]:
     """Orthogonalize matrix stacks [k, rows, cols], each whole or by row blocks (`split`).
 
@@ -120,9 +121,20 @@ def orthogonalize_blocks(
     call each (no copy into a stack). `batch_mb` caps a stack: its matrices go in consecutive
     chunks of at most `batch_limit(rows, cols, batch_mb)`, one call each (a block cut by a
     chunk boundary is put back together in a buffer of its own); None, a DTensor stack, or
-    a lone block where `stack(device)` says no, goes whole. A list, not a generator:
-    `torch.compile` traces it.
+    a lone block where `stack(device)` says no, goes whole. `in_place` (per item; None: for
+    none): each call's result is copied into the blocks of those items it came from as soon
+    as it is made, and those blocks themselves come back, so that the inputs (which the
+    caller gives up) are the outputs and no more than one call's result is alive at a time
+    beside them (local tensors only: a DTensor result may be laid out otherwise). A list,
+    not a generator: `torch.compile` traces it.
     """
+    into = list(in_place) if in_place is not None else [False] * len(items)
+    for (mats, _), flag in zip(items, into, strict=True):
+        if flag and is_dtensor(mats):
+            raise ValueError(
+                "orthogonalize_blocks(in_place=...) writes into local tensors only, got a "
+                "DTensor stack (its result may be laid out otherwise): pass False for it"
+            )
     # (rows, cols, device, layout) → [(item, first row, block)]; a DTensor's layout (mesh,
     # placements) is part of the key so a batch never mixes shardings.
     batches: dict[tuple[Any, ...], list[tuple[int, int | None, Tensor]]] = defaultdict(list)
@@ -141,7 +153,10 @@ def orthogonalize_blocks(
     for (rows, cols, device, layout), entries in batches.items():
         scale = lr_scale_factor(lr_scale, rows, cols)
         if len(entries) > 1 and not stack(device):
-            done += [(i, row, orthogonalize(block), scale) for i, row, block in entries]
+            for i, row, block in entries:
+                o = orthogonalize(block)
+                done.append((i, row, block.copy_(o) if into[i] else o, scale))
+                del o  # in place: the copy goes before the next block's is made
             continue
         capped = layout[0] is None and stack(device)
         limit = batch_limit(rows, cols, batch_mb) if capped else None
@@ -154,10 +169,15 @@ def orthogonalize_blocks(
             ]
             ortho = orthogonalize(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
             offset = 0
-            for e, first, k in chunk:
+            for (e, first, k), piece in zip(chunk, pieces):
                 i, row, block = entries[e]
                 o = ortho[offset : offset + k]
                 offset += k
+                if into[i]:
+                    piece.copy_(o)
+                    if first + k == block.shape[0]:
+                        done.append((i, row, block, scale))
+                    continue
                 if k == block.shape[0]:
                     done.append((i, row, o, scale))
                     continue
@@ -435,20 +455,34 @@ class Muon(MatrixOptimizer):
     ) -> list[Tensor]:
         """Each update orthogonalized as a stack of matrices (by row blocks where `split`
         names it), every block times the LR-scale factor of convention `scale` for its shape;
-        same-shape blocks go through one `orthogonalize` call. Shaped like the updates."""
+        same-shape blocks go through one `orthogonalize` call. Shaped like the updates.
+
+        Newton-Schulz's results are written into the updates themselves where the step owns
+        them (`owns_updates`), chunk by chunk, so that the step holds the updates or their
+        results, not both; the updates are then the results. Only into a contiguous local
+        update: a result is contiguous either way, as a variant's `finish` reduces over it
+        (a transposed weight's update, seen as [out, in], is not: it gets a result of its
+        own)."""
         mats = [
             (matrix_view(u), split_of(group, name) if group["split"] else None)
             for u, name in zip(updates, names)
         ]
-        out: list[Tensor | None] = [None] * len(updates)
+        owned = self.orthogonalizer is None and self.owns_updates(group)
+        in_place = [owned and not is_dtensor(m) and m.is_contiguous() for m, _ in mats]
+        out: list[Tensor | None] = [m if own else None for (m, _), own in zip(mats, in_place)]
         blocks = orthogonalize_blocks(
-            mats, lambda m: self.orthogonalize(m, group), scale, self.stacks, self.batch_mb(group)
+            mats,
+            lambda m: self.orthogonalize(m, group),
+            scale,
+            self.stacks,
+            self.batch_mb(group),
+            in_place=in_place,
         )
         for i, row, o, factor in blocks:
             if factor != 1.0:
-                # Newton-Schulz's output is a fresh tensor: scaled in place; a custom
-                # orthogonalizer's might be its input (the momentum buffer): scaled apart
-                o = o.mul_(factor) if self.orthogonalizer is None else o * factor
+                o = o.mul_(factor) if self.owns_results() else o * factor
+            if in_place[i]:
+                continue  # a view of the update, which `out` holds whole
             if row is None:
                 out[i] = o
                 continue
@@ -456,6 +490,21 @@ class Muon(MatrixOptimizer):
                 out[i] = torch.empty(mats[i][0].shape, dtype=o.dtype, device=o.device)
             out[i][:, row : row + o.shape[-2]] = o
         return [o.reshape(u.shape) for o, u in zip(out, updates)]  # type: ignore[union-attr]
+
+    def owns_updates(self, group: dict[str, Any]) -> bool:
+        """Whether the prepared updates `directions` gets for `group` are the step's own, so
+        that `orthogonalized` may write their results into them: tensors `prepare` made
+        afresh (Muon's Nesterov update; without Nesterov the update is the momentum buffer
+        itself) that nothing reads once they are orthogonalized (a variant whose `finish`
+        reads the update says no). A caller of `directions` reads no update after it
+        (contract: `MatrixOptimizer.directions`)."""
+        return bool(group["nesterov"])
+
+    def owns_results(self) -> bool:
+        """Whether what `orthogonalized` returns is the step's own, to scale and finish in
+        place: Newton-Schulz's output is (fresh, or written into an update the step owns);
+        a custom orthogonalizer's might be its input (the momentum buffer)."""
+        return self.orthogonalizer is None
 
     def stacks(self, device: torch.device) -> bool:
         """Whether same-shape blocks on `device` go to the orthogonalizer as one stack: always

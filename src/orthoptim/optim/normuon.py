@@ -88,8 +88,9 @@ class NorMuon(Muon):
             state.update(self.matrix_state(o))
         moment = state["neuron_moment"]
         moment.lerp_((o * o).mean(dim=-1, keepdim=True), 1.0 - group["beta2"])
-        normed = o / (moment.sqrt() + eps)
         frob = torch.linalg.vector_norm(o, dim=(-2, -1), keepdim=True)
+        denom = moment.sqrt() + eps
+        normed = o.div_(denom) if self.owns_results() else o / denom
         normed *= frob / (torch.linalg.vector_norm(normed, dim=(-2, -1), keepdim=True) + eps)
         normed *= lr_scale_factor(group["lr_scale"], o.shape[-2], o.shape[-1])
         return normed.reshape(ortho.shape)

@@ -54,6 +54,9 @@ class PolarGrad(Muon):
     def block_scale(self, group: dict[str, Any]) -> LRScale:
         return "none"  # the LR scale multiplies the scaled polar factor, not U
 
+    def owns_updates(self, group: dict[str, Any]) -> bool:
+        return False  # `finish` reads the update X again for ⟨X, U⟩
+
     def finish(
         self, ortho: Tensor, update: Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> Tensor:

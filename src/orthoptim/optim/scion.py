@@ -115,4 +115,8 @@ class Scion(Muon):
             if norm != "spectral":
                 out[i] = lmo(items[i][0], norm, group["moment_eps"])
         radius = group["radius"]
-        return [d if radius == 1.0 else d * radius for d in out]  # type: ignore[operator]
+        if radius == 1.0:
+            return out
+        # the non-spectral LMOs' results are fresh; the spectral ones as `owns_results` says
+        own = [self.owns_results() or norm != "spectral" for norm in norms]
+        return [d.mul_(radius) if o else d * radius for d, o in zip(out, own)]  # type: ignore[union-attr]

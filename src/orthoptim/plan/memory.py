@@ -18,8 +18,8 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
                of a group of several where the gather dtype differs from the parameters';
                nothing else
     transient  the step's own peak above that: Muon's Nesterov updates of every owned
-               matrix (alive through the whole batched call), the orthogonalized outputs
-               of the batches done so far, and the batch in flight, a chunk of at most
+               matrix (alive through the step, each taking its own orthogonalized result
+               in place), and the batch in flight, a chunk of at most
                `Layout.ns_batch_mb` of a same-shape stack (its fp32 stack when several
                blocks are stacked, its output, the iteration-dtype copy X and one step's
                X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
@@ -157,11 +157,13 @@ def _muon_transient(
 ) -> int:
     """Peak bytes of one Muon step over the owned matrices, given as (forward position,
     local shape): `sb` the state (update) element size, `cb` the iteration's; the Nesterov
-    updates counted unless the caller holds them already (`fresh_updates` False). A stack
-    goes in chunks of at most `batch_limit(rows, cols, layout.ns_batch_mb)` matrices
-    (`orthogonalize_blocks`): per chunk its concatenation (of several blocks), its output and
-    the iteration; a block cut by a chunk boundary gets a buffer of its own at its first
-    chunk, and a chunk's output stays only while a whole block in it is a view of it."""
+    updates counted unless the caller holds them already (`fresh_updates` False). Each
+    update is a fresh tensor (Muon's default, Nesterov, `Muon.owns_updates`) that takes its
+    own orthogonalized result, so the updates are alive through the step and the results
+    add nothing to them. A stack goes in chunks of at most `batch_limit(rows, cols,
+    layout.ns_batch_mb)` matrices (`orthogonalize_blocks`): per chunk its concatenation (of
+    several blocks), its output and the iteration, gone once the output is copied into the
+    updates, before the next chunk's are made."""
     stack = layout.device != "cpu"  # `newton_schulz.stacking_pays`
     price = MatrixCost(layout.device, layout.ns_dtype, layout.ns_steps)
     batches: dict[tuple[int, int], list[int]] = {}
@@ -173,7 +175,7 @@ def _muon_transient(
             batches.setdefault(shape[-2:], []).append(k)
         else:
             batches.setdefault((len(batches), *shape[-2:]), []).append(k)
-    done, peak = 0, 0
+    peak = 0
     for key, blocks in batches.items():
         rows, cols = key[-2:]
         m, n = sorted((rows, cols))
@@ -187,12 +189,7 @@ def _muon_transient(
             iterate = (_gram_iterate if form == "gram" else _step_iterate)(
                 x, square, layout.ns_steps, cb == sb
             )
-            peak = max(peak, done + out + cat + iterate)
-            whole = any(take == blocks[e] for e, _, take in chunk)
-            # the buffer of a block cut here, made at its first piece
-            cut = sum(blocks[e] for e, first, take in chunk if take < blocks[e] and first == 0)
-            peak = max(peak, done + out + cut * m * n * sb)
-            done += cut * m * n * sb + (out if whole else 0)
+            peak = max(peak, out + cat + iterate)
     return (updates if fresh_updates else 0) + peak
 
 
@@ -393,10 +390,10 @@ def fsdp_rows(
                    parameters, default cost, as `FSDPOptimizer`)
     transient      the step: every shard's Nesterov update, each bucket's forward send and
                    receive buffers, the owner's whole matrices, then the owner's directions
-                   (Newton-Schulz of the whole matrices, or SOAP's), or the directions with
-                   the back exchange's buffers (every bucket's, the size of what it sent, and
-                   one bucket's return buffer at a time); or AdamW's, or the non-finite check
-                   of the widest gradient shard
+                   (Newton-Schulz of the whole matrices, written into them, or SOAP's, apart),
+                   or the directions with the back exchange's buffers (every bucket's, the
+                   size of what it sent, and one bucket's return buffer at a time); or
+                   AdamW's, or the non-finite check of the widest gradient shard
     fsdp_gather    FSDP2's own unsharded buffers during forward and backward, not part of
                    the step and so not of `transient` or `peak` (the step runs after FSDP2
                    has freed them): the root module's parameters (embeddings, head, final
@@ -442,16 +439,18 @@ def fsdp_rows(
             state = sum(2 * local[i] * sb for i, p in enumerate(params) if p[2] != "muon")
             owned = [(params[matrices[j]][3], params[matrices[j]][1])
                      for j, o in enumerate(a.owners) if o == r]  # fmt: skip
+            whole = sum(math.prod(shape) for _, shape in owned) * sb
             if layout.optimizer == "soap":
                 state += sum(_soap_state(shape, sb) for _, shape in owned)
                 # SOAP's prepare is the gradient itself in the state dtype
                 updates = 0 if pb == sb else sum(local[i] for i in matrices) * sb
                 directions = _soap_transient(owned, sb)
+                apart = whole  # SOAP's directions, tensors of their own
             else:
                 state += sum(local[i] for i in matrices) * sb
                 updates = sum(local[i] for i in matrices) * sb  # the Nesterov updates
                 directions = _muon_transient(owned, layout, sb, cb, fresh_updates=False)
-            whole = sum(math.prod(shape) for _, shape in owned) * sb
+                apart = 0  # Muon's are written into the whole matrices (`Muon.owns_updates`)
             send = sum(local[i] for i in matrices) * sb
             # a bucket's back exchange: what its owners return (the size they received)
             back = max(
@@ -462,9 +461,10 @@ def fsdp_rows(
                 default=0,
             )
             # held through the step: the updates, the send and receive buffers, the whole
-            # matrices; then the directions, or those with the back exchange's send buffer
-            # (one bucket's at a time) and every bucket's receive buffer
-            step = updates + send + 2 * whole + max(directions, whole + back + send)
+            # matrices; then the directions, or those (held `apart` from the whole matrices
+            # or in them) with the back exchange's send buffer (one bucket's at a time) and
+            # every bucket's receive buffer
+            step = updates + send + 2 * whole + max(directions, apart + back + send)
             widest = max((local[i] for i in range(len(params))), default=0)
             adamw = [local[i] for i, p in enumerate(params) if p[2] != "muon"]
             rows.append(
