@@ -64,6 +64,9 @@ class MatrixOptimizer(GuardedOptimizer):
     #: the whole-matrix work, for cost-balanced ownership (`orthoptim.parallel.assignment`):
     #: "newton_schulz" (Muon and its variants) or "eigenbasis" (SOAP)
     work: ClassVar[str] = "newton_schulz"
+    #: the gradients are the caller's scratch (the layer-wise optimizer's reduced buffers):
+    #: `prepare` may compute the update in their storage instead of a tensor of its own
+    consumes_grads: bool = False
 
     @classmethod
     def state_numel(cls, shape: Sequence[int]) -> int:

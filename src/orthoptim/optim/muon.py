@@ -388,7 +388,11 @@ class Muon(MatrixOptimizer):
         buf = state["momentum_buffer"]
         grad = grad.to(buf.dtype)
         buf.lerp_(grad, 1.0 - group["momentum"])
-        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        if not group["nesterov"]:
+            return buf
+        if self.consumes_grads:  # the gradient's storage takes the update
+            return grad.lerp_(buf, group["momentum"])
+        return grad.lerp(buf, group["momentum"])
 
     def directions(self, items: Prepared, group: Group, names: Sequence[str]) -> Directions:
         """`oriented_directions` of every matrix seen as [out, in]: a weight stored [in, out]

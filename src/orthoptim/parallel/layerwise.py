@@ -56,7 +56,8 @@ from orthoptim.optim.base import (
     enforce_nonfinite_policy,
     step_checked,
 )
-from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
+from orthoptim.optim.contract import MatrixOptimizer
+from orthoptim.optim.hybrid import HybridOptimizer, RoutePredicate, build_optimizer, default_route
 from orthoptim.optim.registry import OptimizerName, is_elementwise, state_kinds_of
 from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import FORMAT_VERSION, StateView, flat_label, hypers
@@ -452,12 +453,12 @@ class _Bucket:
         return self.grad_slice(s).view_as(s.local())
 
     def shards(self) -> list[Tensor]:
-        """Every reduced gradient this rank owns here, as few tensors as hold them: its
-        regions of the buffer, or in a group of one rank the gradients themselves."""
+        """Every reduced gradient this rank owns here, one per owned slot (so that checking
+        them costs at most the largest slot's temporaries): its slices of the buffer, or in a
+        group of one rank the gradients themselves."""
         if self.n == 1:
             return [g for g in self.own.values() if g is not None]
-        assert self.grads is not None
-        return [self.grads[a:b] for a, b, _ in self.mine_regions()]
+        return [self.grad_slice(s) for s in self.mine]
 
     def reduced_grad(self, s: _Slot) -> Tensor:
         """`shard_view` as the unit's gradient: a DTensor sharded like a DTensor parameter."""
@@ -557,8 +558,14 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
     `process_group`, ZeRO-1 style, inside the same buckets and collectives: each rank steps
     AdamW on its run of every bucket's AdamW elements, sized to level the optimizer state
     per rank (`assignment.deal_adamw`); `owner_of` gives -1 for them. False: owned whole like
-    the matrices. Tensor-parallel (DTensor) models keep them whole); other keyword arguments
-    go to `build_optimizer`.
+    the matrices. Tensor-parallel (DTensor) models keep them whole), `param_dtype` (e.g.
+    torch.bfloat16: the model's parameters and the gathers in it, fp32 masters and state on
+    the owners), `grad_dtype` (the reduction's; fp32 under `param_dtype` by default); other
+    keyword arguments go to `build_optimizer`.
+
+    Parameters and gradients are views of flat buffers (nothing model-sized is held twice).
+    `step()` uses the reduced gradients as its scratch space (Muon's Nesterov updates are
+    computed in them): read or clip gradients before `step()`, not after.
     """
 
     def __init__(
@@ -715,6 +722,11 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             if owned
             else None
         )
+
+        if not self.tp_groups:  # the reduced gradients are the buckets': the step's scratch
+            for part in _parts(self.inner):
+                if isinstance(part, MatrixOptimizer):
+                    part.consumes_grads = True
 
         groups: list[dict[str, Any]] = []
         inner_groups = list(self.inner.param_groups) if self.inner is not None else []
@@ -1288,6 +1300,13 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         yield
         for name, master in self._master.items():
             self._slot_by_name(name).local().copy_(C.local_shard(master))
+
+
+def _parts(opt: Any) -> list[Any]:
+    """The optimizers a built optimizer steps with: a hybrid's inner ones, else itself."""
+    if opt is None:
+        return []
+    return list(opt.inner.values()) if isinstance(opt, HybridOptimizer) else [opt]
 
 
 def _carried_load(dense: Assignment, dense_group: Any, group: Any) -> list[float]:

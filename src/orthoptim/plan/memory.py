@@ -102,6 +102,30 @@ def _shares(g: Group, bucket: int) -> list[int]:
     return share
 
 
+def _widest_slots(g: Group, bucket: int) -> list[int]:
+    """Per rank of `g`, the elements of the largest slot it owns in bucket `bucket` (a whole
+    unit, or its piece of a sharded AdamW unit's run): what checking its gradients for
+    non-finite values at once costs (`_Bucket.shards`)."""
+    a, n = g.assignment, g.world
+    widest = [0] * n
+    for i in a.buckets[bucket]:
+        if a.owners[i] >= 0:
+            widest[a.owners[i]] = max(widest[a.owners[i]], math.prod(g.units[i].shape))
+    split = a.adamw_split[bucket] if bucket < len(a.adamw_split) else []
+    if split:
+        bounds = list(itertools.accumulate(split, initial=0))
+        start = 0
+        for i in a.buckets[bucket]:
+            if a.owners[i] >= 0:
+                continue
+            stop = start + math.prod(g.units[i].shape)
+            for r in range(n):
+                piece = min(stop, bounds[r + 1]) - max(start, bounds[r])
+                widest[r] = max(widest[r], piece)
+            start = stop
+    return widest
+
+
 def _padding_bytes(g: Group, bucket: int, element_bytes: int) -> int:
     """Bytes of padding bucket `bucket` of `g` adds to each of its flat buffers of
     `element_bytes`-byte elements on every rank of `g` (the flat parameters, the flat
@@ -120,9 +144,8 @@ def _flats(
     own elements: the padding of the flat parameters (`param_b`-byte elements) and of the
     flat gradients (`grad_b`), the gather buffer when the gather dtype (`gather_b`) differs
     from the parameters' (None: it does not), and the bytes of the non-finite check of the
-    widest gradient region the rank checks (a rank-major bucket's shard, else the rank's
-    own region). A group of one rank makes no flat: its gradients are checked where
-    autograd left them, in the parameter dtype."""
+    largest gradient slot the rank checks (`_widest_slots`). A group of one rank makes no
+    flat: its gradients are checked where autograd left them, in the parameter dtype."""
     a, n = g.assignment, g.world
     numels = [math.prod(u.shape) for u in g.units]
     params, grads, gather, check = [0] * n, [0] * n, [0] * n, [0] * n
@@ -135,10 +158,8 @@ def _flats(
             # isfinite(x) is composite, (x == x) * (x.abs() != inf), all four alive at once
             check[0] = max(check[0], *(numels[i] * (param_b + 3) for i in bucket))
             continue
-        rank_major = a.rank_major(b, g.units)
-        for r in holders:
-            region = max(share) if rank_major else share[r]
-            check[r] = max(check[r], region * (grad_b + 3))
+        for r, widest in enumerate(_widest_slots(g, b)):
+            check[r] = max(check[r], widest * (grad_b + 3))
         for r in range(n):
             params[r] += _padding_bytes(g, b, param_b)
             grads[r] += _padding_bytes(g, b, grad_b)
@@ -242,7 +263,10 @@ def _matrix_transient(
         return _soap_transient([(pos, shape) for pos, shape, _, _ in owned], sb)
     if layout.tp > 1:
         return _tp_transient(owned, layout, sb, cb)
-    return _muon_transient([(pos, shape) for pos, shape, _, _ in owned], layout, sb, cb)
+    # the layer-wise optimizer's reduced gradients take the Nesterov updates
+    # (`MatrixOptimizer.consumes_grads`)
+    pairs = [(pos, shape) for pos, shape, _, _ in owned]
+    return _muon_transient(pairs, layout, sb, cb, fresh_updates=False)
 
 
 def _finish(rows: list[dict[str, int]], gather: str) -> dict[str, Any]:
