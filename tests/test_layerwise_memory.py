@@ -228,3 +228,25 @@ def test_buckets_inside_another_range_go_last_in_the_buffers():
 
     a, solo, b, c = bucket(0, 1, 3, 4), bucket(2), bucket(5, 6), bucket(7)
     assert [x.units for x in _adjacent([a, solo, b, c])] == [a.units, b.units, c.units, (2,)]
+
+
+def test_a_muon_that_consumes_its_gradients_steps_the_same():
+    """`consumes_grads` (what the layer-wise optimizer sets on its inner Muon): the Nesterov
+    update is computed in the gradient's storage, and the parameters are bitwise those of a
+    Muon that keeps the gradients."""
+    from orthoptim import Muon
+
+    torch.manual_seed(0)
+    keep = [nn.Parameter(torch.randn(8, 16)) for _ in range(3)]
+    eat = [nn.Parameter(p.detach().clone()) for p in keep]
+    a, b = Muon(keep, lr=0.02), Muon(eat, lr=0.02)
+    b.consumes_grads = True
+    for _ in range(3):
+        grads = [torch.randn(8, 16) for _ in keep]
+        for p, q, g in zip(keep, eat, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+        assert all(torch.equal(p, q) for p, q in zip(keep, eat))
+        assert all(torch.equal(p.grad, g) for p, g in zip(keep, grads))
+        assert not any(torch.equal(q.grad, g) for q, g in zip(eat, grads))

@@ -263,16 +263,19 @@ def _losses(rows: list[dict]) -> list[tuple]:
     return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rows]
 
 
-def test_train_fsdp_bf16_parameters_trains_and_resumes_at_either_dtype(tmp_path):
-    """`--fsdp --param-dtype bf16`: FSDP2's mixed precision at 2 ranks (bf16 forward and
-    backward, fp32 master shards and optimizer state, gradients reduced in fp32). The loss
-    falls; stopped after step 3 and resumed, the run repeats the uninterrupted one bit for bit
-    (the checkpoint holds every fp32 master shard and state tensor, and the resumed ranks redo
-    the same arithmetic); the same checkpoint resumes at --param-dtype fp32 too (its weights
-    are the masters either way), each metrics row naming the dtype it ran with."""
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_train_bf16_parameters_resume_exactly_and_at_either_dtype(tmp_path, fsdp):
+    """`--param-dtype bf16` at 2 ranks: under --fsdp FSDP2's mixed precision (bf16 forward
+    and backward, fp32 master shards and optimizer state, gradients reduced in fp32), without
+    it the layer-wise optimizer (bf16 parameters, fp32 masters and state on their owners).
+    The loss falls; stopped after step 3 and resumed, the run repeats the uninterrupted one
+    bit for bit (the checkpoint holds every fp32 master and state tensor, and the resumed
+    ranks redo the same arithmetic); the same checkpoint resumes at --param-dtype fp32 too,
+    and an fp32 checkpoint at bf16, each metrics row naming the dtype it ran with."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    bf16 = ("--fsdp", "--param-dtype", "bf16")
+    mode = ("--fsdp",) if fsdp else ()
+    bf16 = (*mode, "--param-dtype", "bf16")
     whole, part, other = tmp_path / "whole", tmp_path / "part", tmp_path / "other"
     assert _train(whole, *bf16) == 0
     assert _train(part, *bf16, "--stop-after", "3") == 0
@@ -288,46 +291,22 @@ def test_train_fsdp_bf16_parameters_trains_and_resumes_at_either_dtype(tmp_path)
     assert result["param_dtype"] == "bf16" and result["args"]["param_dtype"] == "bf16"
     record = json.loads((part / "checkpoints/latest.json").read_text())
     assert record["param_dtype"] == "bf16"
-    meta = FileSystemReader(str(part / "checkpoints/step_000006/dcp")).read_metadata()
-    dtypes = {
-        (key.split("/")[0], v.properties.dtype)
-        for key, v in meta.state_dict_metadata.items()
-        if hasattr(v, "properties")
-    }
-    assert dtypes == {("model", torch.float32), ("optim", torch.float32)}, dtypes
-    # The same checkpoint at fp32 parameters: allowed under --fsdp, and it trains on.
-    assert _train(other, "--fsdp", "--param-dtype", "fp32", "--resume") == 0
-    mixed = _metrics(other)
-    assert [r["param_dtype"] for r in mixed] == ["bf16"] * 4 + ["fp32"] * 3
-    assert _losses(mixed[:4]) == _losses(rows[:4])
-    assert mixed[-1]["val_loss"] < vals[1]
-
-
-def test_train_layerwise_bf16_parameters_resume_exactly_and_at_either_dtype(tmp_path):
-    """`--param-dtype bf16` without --fsdp: the layer-wise optimizer at 2 ranks holds bf16
-    parameters and fp32 masters on their owners. The loss falls; stopped after step 3 and
-    resumed, the run repeats the uninterrupted one bit for bit (the optimizer's checkpoint
-    holds the masters, which the resumed owners step on); the same checkpoint resumes at
-    --param-dtype fp32 too, and a checkpoint without masters resumes at bf16."""
-    bf16 = ("--param-dtype", "bf16")
-    whole, part, other = tmp_path / "whole", tmp_path / "part", tmp_path / "other"
-    assert _train(whole, *bf16) == 0
-    assert _train(part, *bf16, "--stop-after", "3") == 0
-    shutil.copytree(part, other)
-    assert _train(part, *bf16, "--resume") == 0
-    rows, resumed = _metrics(whole), _metrics(part)
-    assert [r["step"] for r in resumed] == list(range(7))
-    assert _losses(resumed) == _losses(rows)
-    vals = [r["val_loss"] for r in rows if "val_loss" in r]
-    assert len(vals) == 3 and vals[-1] < vals[0] - 0.5, vals
-    assert {r["param_dtype"] for r in rows} == {"bf16"}
-    assert _train(other, "--param-dtype", "fp32", "--resume") == 0
+    if fsdp:
+        meta = FileSystemReader(str(part / "checkpoints/step_000006/dcp")).read_metadata()
+        dtypes = {
+            (key.split("/")[0], v.properties.dtype)
+            for key, v in meta.state_dict_metadata.items()
+            if hasattr(v, "properties")
+        }
+        assert dtypes == {("model", torch.float32), ("optim", torch.float32)}, dtypes
+    # The same checkpoint at fp32 parameters trains on.
+    assert _train(other, *mode, "--param-dtype", "fp32", "--resume") == 0
     mixed = _metrics(other)
     assert [r["param_dtype"] for r in mixed] == ["bf16"] * 4 + ["fp32"] * 3
     assert _losses(mixed[:4]) == _losses(rows[:4])
     assert mixed[-1]["val_loss"] < vals[1]
     fp32 = tmp_path / "fp32"
-    assert _train(fp32, "--param-dtype", "fp32", "--stop-after", "3") == 0
+    assert _train(fp32, *mode, "--param-dtype", "fp32", "--stop-after", "3") == 0
     assert _train(fp32, *bf16, "--resume") == 0
     assert [r["param_dtype"] for r in _metrics(fp32)] == ["fp32"] * 4 + ["bf16"] * 3
 
