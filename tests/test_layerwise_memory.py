@@ -90,6 +90,20 @@ def _views_and_bf16(rank, world_size):
     }
     out["bf16"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["masters"] = {n: m.detach().clone() for n, m in opt.masters().items()}
+
+    # what Trainer and accelerate do under torchrun: model.to(device index) after the
+    # optimizer is built replaces every parameter's storage
+    for move in (False, True):
+        model = make_model()
+        opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.03)
+        if move:
+            model.to("cpu:0")
+        _train(rank, world_size, model, opt)
+        out[f"moved={move}"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        flats = [b.params for b in opt._buckets if b.n > 1]
+        out[f"moved={move} views"] = all(
+            any(_shares(p, f) for f in flats) for p in model.parameters()
+        )
     return out
 
 
@@ -250,3 +264,18 @@ def test_a_muon_that_consumes_its_gradients_steps_the_same():
         assert all(torch.equal(p, q) for p, q in zip(keep, eat))
         assert all(torch.equal(p.grad, g) for p, g in zip(keep, grads))
         assert not any(torch.equal(q.grad, g) for q, g in zip(eat, grads))
+
+
+def test_a_model_moved_after_the_optimizer_is_followed(two_ranks):
+    """`model.to("cpu:0")` after the optimizer is built (each parameter gets new storage):
+    the next forward re-points the buffers at the parameters, so training is bitwise the
+    run without the move (before, the optimizer stepped and gathered into the old storage
+    and the moved model never changed)."""
+    for res in two_ranks:
+        assert res["moved=True views"] and res["moved=False views"]
+        for n, p in res["moved=False"].items():
+            assert torch.equal(res["moved=True"][n], p), n
+        assert any(
+            not torch.equal(p, q)
+            for p, q in zip(res["moved=True"].values(), make_model().parameters())
+        )

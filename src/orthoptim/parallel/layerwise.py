@@ -785,12 +785,15 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self._next_launch = 0
 
     @torch.no_grad()
-    def _point(self) -> None:
+    def _point(self, again: bool = False) -> None:
         """Allocate each group's flat parameter and gradient buffers (bucket after bucket) and
         make every parameter that lies in one piece there a view of them (`_viewed`), in the
         parameter dtype; the others keep their storage and are copied in and out. A group of
-        one rank has no buffers: its parameters only change dtype."""
+        one rank has no buffers: its parameters only change dtype. `again`: the parameters'
+        storage was replaced since (`_follow`); the slots' tensors are re-pointed in place
+        (the inner optimizer knows them)."""
         self._viewed: dict[int, Tensor] = {}  # id(param) → its view of the gradient buffer
+        self._homes: list[tuple[Tensor, Tensor]] = []  # (viewed param, its flat buffer)
         self._copied: set[int] = set()  # id(param) of parameters copied to and from buffers
         flats: dict[tuple[int, torch.dtype, torch.dtype], list[_Bucket]] = {}
         for b in self._buckets:
@@ -808,7 +811,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 b.attach(grads[base : base + b.numel], params[base : base + b.numel])
                 for s in b.slots:
                     where.setdefault(id(s.param), []).append((s, base + s.offset, params, grads))
-                    b.param_slice(s).copy_(C.local_shard(s.data).reshape(-1))
+                    values = s.param if s.data is s.param else s.view()
+                    b.param_slice(s).copy_(C.local_shard(values).reshape(-1))
                 base += b.numel
         for s in self._slots:
             p = s.param
@@ -846,12 +850,40 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 torch.utils.swap_tensors(p, viewed)
             else:
                 p.data = values
+            self._homes.append((p, params))
             if grads.dtype == values.dtype:
                 view = grads[first : first + numel].view(local.shape)
                 self._viewed[pid] = C.wrap_local(view, p) if C.is_dtensor(p) else view
         for s in self._slots:  # the slices and runs view the parameters' new storage
             if s.data is not s.param:
-                s.data = s.view().requires_grad_(True)
+                if again:
+                    s.rebind()
+                else:
+                    s.data = s.view().requires_grad_(True)
+
+    def _follow(self) -> None:
+        """Re-point the buffers at the parameters if their storage was replaced since they
+        were laid out (`model.to(...)` of another device index, `to_empty`,
+        `load_state_dict(assign=True)`), taking the parameters' current values, so the
+        optimizer never steps a dead copy; a move to another device is refused (the masters
+        and state stay where they were)."""
+        moved = [
+            p
+            for p, flat in self._homes
+            if C.local_shard(p).untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+        ]
+        if not moved:
+            return
+        device = self._homes[0][1].device
+        for p in moved:
+            if C.local_shard(p).device != device:
+                raise RuntimeError(
+                    f"the model's parameters moved from {device} to {p.device} after "
+                    "LayerwiseDistributedOptimizer was built; move the model first, then "
+                    "build the optimizer"
+                )
+        self.wait_for_params()
+        self._point(again=True)
 
     def _index_slots(self) -> None:
         """id(param) → its units that communicate (one slot each); the gradient hooks look
@@ -884,6 +916,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         return runs
 
     def _register_hooks(self) -> None:
+        if self._homes:  # buffers to keep the parameters in: follow a model that moved
+            self._hooks.append(self.model.register_forward_pre_hook(self._follow_hook))
         if self.overlap_grad_reduce:
             for slots in self._slots_of.values():
                 hook = slots[0].param.register_post_accumulate_grad_hook(self._grad_hook)
@@ -933,6 +967,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
     def _wait_hook(self, module: nn.Module, args: Any) -> None:
         if self._gathering:
             self.wait_for_params()
+
+    def _follow_hook(self, module: nn.Module, args: Any) -> None:
+        self._follow()
 
     def remove_hooks(self) -> None:
         """Detach every hook this optimizer put on the model (after waiting for parameters)."""
