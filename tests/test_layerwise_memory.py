@@ -279,3 +279,28 @@ def test_a_model_moved_after_the_optimizer_is_followed(two_ranks):
             not torch.equal(p, q)
             for p, q in zip(res["moved=True"].values(), make_model().parameters())
         )
+
+
+def test_a_load_without_masters_takes_them_from_the_loaded_weights():
+    """An fp32 run's checkpoint (no masters) into a bf16-parameter optimizer whose model was
+    loaded after the optimizer was built (what a resume at another --param-dtype does): the
+    masters follow the loaded weights, not the weights at construction; a bf16 run's own
+    checkpoint restores its fp32 masters exactly."""
+    trained = make_model()
+    opt = LayerwiseDistributedOptimizer(trained, **CONFIGS["hybrid"])
+    _train(0, 1, trained, opt, steps=1)
+    saved = opt.state_dict()
+    model = make_model(seed=1)  # other weights at construction
+    bf16 = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], param_dtype=torch.bfloat16)
+    model.load_state_dict(trained.state_dict())
+    bf16.load_state_dict(saved)
+    params = dict(model.named_parameters())
+    for name, master in bf16.masters().items():
+        assert torch.equal(master, params[name].detach().float()), name
+    _train(0, 1, model, bf16, steps=1)
+    again = LayerwiseDistributedOptimizer(
+        make_model(), **CONFIGS["hybrid"], param_dtype=torch.bfloat16
+    )
+    again.load_state_dict(bf16.state_dict())
+    for name, master in again.masters().items():
+        assert torch.equal(master, bf16.masters()[name]), name
