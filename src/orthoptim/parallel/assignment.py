@@ -308,6 +308,27 @@ class Assignment:
             shard = [s + x * item for s, x in zip(shard, self.adamw_split[bucket])]
         return shard
 
+    def adamw_runs(self, bucket: int) -> dict[int, list[tuple[int, int, int]]]:
+        """Each sharded AdamW unit of bucket `bucket` (its index) → (rank, lo, hi) of every
+        rank's run of it, elements lo:hi of the unit: the bucket's AdamW units back to back,
+        rank r holding the r-th `adamw_split[bucket]` elements."""
+        split = self.adamw_split[bucket] if bucket < len(self.adamw_split) else []
+        runs: dict[int, list[tuple[int, int, int]]] = {}
+        if not split:
+            return runs
+        bounds = list(itertools.accumulate(split, initial=0))
+        start = 0
+        for i in self.buckets[bucket]:
+            if self.owners[i] >= 0:
+                continue
+            numel = self.unit_bytes[i] // self.adamw_itemsize[bucket]
+            for r in range(len(split)):
+                lo, hi = max(start, bounds[r]), min(start + numel, bounds[r + 1])
+                if lo < hi:
+                    runs.setdefault(i, []).append((r, lo - start, hi - start))
+            start += numel
+        return runs
+
     def rank_major(self, bucket: int, units: Sequence[Unit] | None = None) -> bool:
         """Whether bucket `bucket` is laid out in N equal shards (one reduce-scatter, one
         all-gather): it has several owners, padding its shards to the largest costs at most
@@ -322,21 +343,11 @@ class Assignment:
             return False
         ids = self.buckets[bucket]
         whole = {self.owners[i] for i in ids if self.owners[i] >= 0}
-        split = self.adamw_split[bucket] if self.adamw_split else []
-        if split:
-            bounds = list(itertools.accumulate(split, initial=0))
-            start = 0
-            for i in ids:
-                if self.owners[i] >= 0:
-                    continue
-                stop = start + self.unit_bytes[i] // self.adamw_itemsize[bucket]
-                held = [r for r in range(len(split)) if bounds[r] < stop and start < bounds[r + 1]]
-                # a rank between the first and the last holding it is all of it: no whole
-                # unit, no padding
-                inner = range(held[0] + 1, held[-1]) if held else range(0)
-                if any(r in whole or shard[r] < max(shard) for r in inner):
-                    return False
-                start = stop
+        for runs in self.adamw_runs(bucket).values():
+            # a rank between the first and the last holding it is all of it: no whole unit,
+            # no padding
+            if any(r in whole or shard[r] < max(shard) for r in range(runs[0][0] + 1, runs[-1][0])):
+                return False
         if units is not None:
             here = set(ids)
             owner_of: dict[str, int] = {}

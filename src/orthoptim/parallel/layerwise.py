@@ -263,7 +263,7 @@ class _Bucket:
     Every parameter of the group lives in two flat buffers of the group, laid out bucket by
     bucket: its values (`params`, the parameter dtype) and its gradient (`grads`, the
     gradient dtype); the parameter and its `.grad` are views of them wherever the layout
-    keeps the parameter in one piece (`LayerwiseDistributedOptimizer._pointing`), so nothing
+    keeps the parameter in one piece (`LayerwiseDistributedOptimizer._point`), so nothing
     model-sized is held twice. Two layouts:
 
     rank-major (`width` set): N equal shards, shard r holding what rank r owns (its whole
@@ -311,6 +311,7 @@ class _Bucket:
         self.ready: set[int] = set()  # units whose gradients are in (for this step)
         self.present: set[int] = set()  # units that had a gradient on this rank
         self.added: set[int] = set()  # units added into a buffer of another dtype
+        # ids of the parameters not viewing the group's buffers, copied to and from them
         self.copied: set[int] = set()
         self.launched = False
         self.pending = False
@@ -472,15 +473,13 @@ class _Bucket:
         self.own = {}
 
     # -- parameters --------------------------------------------------------------------
-    def launch_gather(self, stats: C.CommStats, async_op: bool, copied: set[int]) -> None:
-        """Send the owners' parameters to every rank; `copied`: ids of the parameters that
-        are not views of the buffer (their owned values are copied in first)."""
+    def launch_gather(self, stats: C.CommStats, async_op: bool) -> None:
+        """Send the owners' parameters to every rank (the owned values of parameters that are
+        not views of the buffer, `copied`, copied in first)."""
         with C.phase(self.gather_phase(), self.group):
-            self._launch_gather(self.group, stats, async_op, copied)
+            self._launch_gather(self.group, stats, async_op)
 
-    def _launch_gather(
-        self, group: Any, stats: C.CommStats, async_op: bool, copied: set[int]
-    ) -> None:
+    def _launch_gather(self, group: Any, stats: C.CommStats, async_op: bool) -> None:
         if self.n == 1:
             if self.rounds:  # the one replica holds the rounded value
                 for s in self.mine:
@@ -489,7 +488,7 @@ class _Bucket:
             return
         assert self.params is not None
         for s in self.mine:
-            if id(s.param) in copied:
+            if id(s.param) in self.copied:
                 self.param_slice(s).copy_(s.local().reshape(-1))
         buf = self.params
         if self.gathered is not None:
@@ -509,7 +508,6 @@ class _Bucket:
                 )
                 self.works.append((work, self.gather_phase()))
         self.pending = True
-        self.copied = copied
         if not async_op:
             self.finish_gather()
 
@@ -795,6 +793,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self._viewed: dict[int, Tensor] = {}  # id(param) → its view of the gradient buffer
         self._homes: list[tuple[Tensor, Tensor]] = []  # (viewed param, its flat buffer)
         self._copied: set[int] = set()  # id(param) of parameters copied to and from buffers
+        for b in self._buckets:
+            b.copied = self._copied
         flats: dict[tuple[int, torch.dtype, torch.dtype], list[_Bucket]] = {}
         for b in self._buckets:
             if b.n > 1:
@@ -894,26 +894,14 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 self._slots_of.setdefault(id(slots[0].param), []).append(slots[0])
 
     def _adamw_runs(self) -> dict[int, list[tuple[int, int, int]]]:
-        """Unit → (rank, lo, hi) of every rank's run of a sharded AdamW unit: bucket by bucket
-        the AdamW units back to back, rank r holding the r-th `adamw_split` elements."""
-        runs: dict[int, list[tuple[int, int, int]]] = {}
-        for ids, a in zip(self._group_units, self._assignments):
-            for b, bucket in enumerate(a.buckets):
-                split = a.adamw_split[b] if a.adamw_split else []
-                if not split:
-                    continue
-                bounds = list(itertools.accumulate(split, initial=0))
-                start = 0
-                for j in bucket:
-                    if a.owners[j] >= 0:
-                        continue
-                    numel = self.units[ids[j]].numel
-                    for r in range(len(split)):
-                        lo, hi = max(start, bounds[r]), min(start + numel, bounds[r + 1])
-                        if lo < hi:
-                            runs.setdefault(ids[j], []).append((r, lo - start, hi - start))
-                    start += numel
-        return runs
+        """Unit → (rank, lo, hi) of every rank's run of a sharded AdamW unit
+        (`Assignment.adamw_runs`, bucket by bucket)."""
+        return {
+            ids[j]: runs
+            for ids, a in zip(self._group_units, self._assignments)
+            for b in range(len(a.buckets))
+            for j, runs in a.adamw_runs(b).items()
+        }
 
     def _register_hooks(self) -> None:
         if self._homes:  # buffers to keep the parameters in: follow a model that moved
@@ -1176,7 +1164,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             self._next_launch = 0
             self._reduced = False
         for b in reversed(self._buckets):  # forward order: the first layers arrive first
-            b.launch_gather(self._stats, async_op=self.overlap_param_gather, copied=self._copied)
+            b.launch_gather(self._stats, async_op=self.overlap_param_gather)
         self._gathering = self.overlap_param_gather
         self._last_stats = self._stats
         self._stats = C.CommStats()

@@ -111,18 +111,9 @@ def _widest_slots(g: Group, bucket: int) -> list[int]:
     for i in a.buckets[bucket]:
         if a.owners[i] >= 0:
             widest[a.owners[i]] = max(widest[a.owners[i]], math.prod(g.units[i].shape))
-    split = a.adamw_split[bucket] if bucket < len(a.adamw_split) else []
-    if split:
-        bounds = list(itertools.accumulate(split, initial=0))
-        start = 0
-        for i in a.buckets[bucket]:
-            if a.owners[i] >= 0:
-                continue
-            stop = start + math.prod(g.units[i].shape)
-            for r in range(n):
-                piece = min(stop, bounds[r + 1]) - max(start, bounds[r])
-                widest[r] = max(widest[r], piece)
-            start = stop
+    for runs in a.adamw_runs(bucket).values():
+        for r, lo, hi in runs:
+            widest[r] = max(widest[r], hi - lo)
     return widest
 
 
