@@ -38,6 +38,8 @@ KINDS = ("replicated", "layerwise", "fsdp")
 KW = dict(lr=0.02, adamw_lr=3e-3, weight_decay=0.01, adamw_weight_decay=0.01)
 KIND_KW = {"replicated": {}, "layerwise": {"bucket_mb": 0.0005}, "fsdp": {"bucket_mb": 0.01}}
 RESHARD_TOL = 1e-10
+# a collective that one rank misses (a rank-dependent zero-gradient step) fails, not hangs
+COLLECTIVE_TIMEOUT = 60
 
 
 class Stage0(nn.Module):
@@ -52,6 +54,17 @@ class Stage0(nn.Module):
     def forward(self, idx):
         x = self.emb(idx)
         return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class Lone(nn.Module):
+    """A stage of one matrix (Muon): under "layerwise" one rank owns it, the other nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.lone = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lone(x))
 
 
 class Stage1(nn.Module):
@@ -69,7 +82,7 @@ class Stage1(nn.Module):
 
 def make_parts(kind, seed=0):
     torch.manual_seed(seed)
-    parts = [Stage0().double(), Stage1().double()]
+    parts = [Stage0().double(), Lone().double(), Stage1().double()]
     return [shard_model(p) for p in parts] if kind == "fsdp" else parts
 
 
@@ -104,7 +117,7 @@ def train(kind, parts, container, schedulers, steps, rank, world_size):
     """`steps` training steps; for "replicated" the test averages the gradients, as DDP would."""
     for step in steps:
         idx = batch(step, rank, world_size)
-        out = parts[1](parts[0](idx[:, :-1]))
+        out = parts[2](parts[1](parts[0](idx[:, :-1])))
         F.cross_entropy(out.flatten(0, 1), idx[:, 1:].flatten()).backward()
         if kind == "replicated" and world_size > 1:
             for part in parts:
@@ -191,6 +204,7 @@ def _two_ranks(rank, world_size, root):
         r["factor"] = [schedulers.schedulers[0].lr_lambdas[0](s) for s in (0, BEFORE)]
         checkpointer.save(curr_step=BEFORE)
         r["keys"] = sorted(c.state_dict())
+        r["holds_state"] = [bool(opt.state) for opt in c]
 
         # round trip: state_dict() → load_state_dict() of a fresh container → the same dict
         parts2 = make_parts(kind, seed=1)
@@ -249,8 +263,8 @@ def rel_err(got, want):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("torchtitan"))
-    two = run_ranks(_two_ranks, 2, args=(root,))
-    one = run_ranks(_one_rank, 1, args=(root,))[0]
+    two = run_ranks(_two_ranks, 2, args=(root,), timeout=COLLECTIVE_TIMEOUT)
+    one = run_ranks(_one_rank, 1, args=(root,), timeout=COLLECTIVE_TIMEOUT)[0]
     return two, one
 
 
@@ -282,11 +296,14 @@ def test_checkpoint_keys_name_no_rank(runs, kind):
     # one layout entry and one fresh flag per model part, keyed by its first parameter
     assert {k for k in keys if k.startswith(("optim/meta/", "optim/fresh/"))} == {
         "optim/meta/emb.weight", "optim/fresh/emb.weight",
+        "optim/meta/lone.weight", "optim/fresh/lone.weight",
         "optim/meta/mid.weight", "optim/fresh/mid.weight",
     }  # fmt: skip
     assert "optim/state/fc1.weight/momentum_buffer" in keys
     assert "optim/state/head.weight/exp_avg" in keys
     assert not any("rank" in k for k in keys)
+    if kind == "layerwise":  # the lone matrix's state is on its owner only
+        assert sorted(two[rank][kind]["holds_state"][1] for rank in range(2)) == [False, True]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -320,7 +337,7 @@ def test_lr_schedulers_move_every_group(runs, kind):
         r = two[rank][kind]
         start, end = r["factor"]
         assert start != end
-        assert len(r["lr_saved"]) == 2 and all(len(g) == 2 for g in r["lr_saved"])  # muon, adamw
+        assert [len(g) for g in r["lr_saved"]] == [2, 1, 2]  # muon and adamw; muon; both
         for opt_lrs, opt_initial in zip(r["lr_saved"], r["initial_lr"]):
             for lr, initial in zip(opt_lrs, opt_initial):
                 assert lr == initial * end
@@ -338,7 +355,7 @@ def test_config_is_torchtitans_and_errors_name_the_fix():
     c = OrthoptimOptimizersContainer.Config(name="muon", distributed="replicated", lr=0.02).build(
         model_parts=parts
     )
-    assert isinstance(c, OrthoptimOptimizersContainer) and len(c) == 2
+    assert isinstance(c, OrthoptimOptimizersContainer) and len(c) == 3
     with pytest.raises(ValueError, match="distributed must be one of"):
         build_optimizers(parts, distributed="ddp")
     with pytest.raises(ValueError, match="optimizer name must be one of"):
