@@ -346,6 +346,30 @@ def test_lr_schedulers_move_every_group(runs, kind):
                 assert lr == initial * start
 
 
+def test_torchtitans_command_line_sets_the_config():
+    """torchtitan's ConfigManager parses `--optimizer.<field>` with tyro over the config's
+    default (here ours: `config.optimizer = OrthoptimOptimizersContainer.Config(...)` in a
+    config_registry function); the optimizer's part of that parse, without importing the
+    Trainer (seconds)."""
+    import tyro
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.config.manager import custom_registry
+
+    default = OrthoptimOptimizersContainer.Config(lr=0.02, optimizer_kwargs={"adamw_lr": 8e-4})
+
+    def parse(*args):
+        return tyro.cli(
+            OptimizersContainer.Config, args=list(args), default=default, registry=custom_registry
+        )
+
+    config = parse("--lr", "0.01", "--distributed", "layerwise", "--name", "normuon")
+    assert isinstance(config, OrthoptimOptimizersContainer.Config)
+    assert (config.name, config.distributed, config.lr) == ("normuon", "layerwise", 0.01)
+    assert config.optimizer_kwargs == {"adamw_lr": 8e-4}
+    with pytest.raises(SystemExit):  # tyro lists the Literal's choices
+        parse("--name", "sgd")
+
+
 def test_config_is_torchtitans_and_errors_name_the_fix():
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 

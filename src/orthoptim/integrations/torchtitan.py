@@ -14,9 +14,15 @@ One orthoptim optimizer per model part (pipeline stages give several parts), cho
                   (torchtitan's parallelize functions always apply it; or
                   `orthoptim.parallel.fsdp.shard_model`)
     "layerwise"   `orthoptim.LayerwiseDistributedOptimizer`: plain replicated parameters;
-                  the optimizer reduces the gradients itself (no DDP, no FSDP)
+                  the optimizer reduces the gradients itself (or uses DDP's, under DDP)
     "replicated"  `orthoptim.build_optimizer` (matrices → Muon etc., the rest → AdamW) on
                   every rank, over gradients something else has averaged (DDP), or one process
+
+torchtitan's `Trainer` shards every model with `fully_shard` and clips with torch's
+`clip_grad_norm_` on the model's parameters, so under it use "fsdp" (the default); the other
+two are for training loops of your own that use torchtitan's components (a layer-wise
+optimizer without DDP refuses a step after torch's clipping: clip with its
+`clip_grad_norm_`).
 
 `state_dict()` is orthoptim's sharded DCP format (`orthoptim.checkpoint.sharded_state_dict`)
 for every kind: what this rank owns under `optim/state/<name>/<key>` and `optim/master/<name>`
@@ -84,7 +90,8 @@ class OrthoptimOptimizersContainer(OptimizersContainer):
         "layerwise" (plain parameters, the optimizer reduces gradients) or "replicated"."""
 
         lr: float | None = None
-        """The matrix optimizer's learning rate (None: its default; "adamw": AdamW's)."""
+        """The learning rate of the matrix optimizer (of AdamW with name="adamw"); None: the
+        optimizer's default."""
 
         optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
         """Further keyword arguments of `build_optimizer` / `LayerwiseDistributedOptimizer` /
