@@ -990,6 +990,15 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 "tensor-parallel weights over the wrong ranks; train the unwrapped model (the "
                 "optimizer reduces the gradients itself)"
             )
+        if type(ddp.module).__module__.split(".")[0] in ("lightning", "pytorch_lightning"):
+            # Lightning's DDP strategy clips the parameters of `param_groups`, which here are
+            # only what this rank owns: every rank would clip by another, wrong norm
+            raise RuntimeError(
+                "LayerwiseDistributedOptimizer under Lightning's DDP strategy: Lightning would "
+                "clip only the parameters this rank owns; use "
+                "Trainer(strategy=orthoptim.integrations.lightning.LayerwiseStrategy()) "
+                '(or strategy="layerwise")'
+            )
         if C.world(ddp.process_group)[1] != self.world_size:
             raise RuntimeError(
                 f"LayerwiseDistributedOptimizer runs over {self.world_size} ranks but the "
@@ -1011,6 +1020,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         slots = self._slots_of[id(p)]
+        if self.world_size == 1:  # nothing to reduce: accumulation needs no no_sync()
+            return
         if self._ddp is not None or not self.overlap_grad_reduce:
             # DDP reduces (its no_sync accumulates), or step() does: only make a `.grad` that
             # autograd made anew the parameter's view of the buffer
