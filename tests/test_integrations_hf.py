@@ -142,3 +142,10 @@ def test_trainer_layerwise_equals_replicated(tmp_path):
     assert_state_close(
         written, {k: r0["replicated_params"][k] for k in written}, "save_model() file"
     )
+
+
+def test_unknown_kind_is_refused():
+    from orthoptim.integrations.hf import optimizer_cls_and_kwargs
+
+    with pytest.raises(ValueError, match="kind must be one of"):
+        optimizer_cls_and_kwargs("zero")  # type: ignore[arg-type]
