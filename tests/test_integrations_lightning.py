@@ -67,7 +67,16 @@ def _module(kind: str):
         def configure_optimizers(self):
             if kind == "replicated":
                 return orthoptim.build_optimizer(self, optimizer="muon", lr=LR)
-            return orthoptim.LayerwiseDistributedOptimizer(self, optimizer="muon", lr=LR)
+            opt = orthoptim.LayerwiseDistributedOptimizer(self, optimizer="muon", lr=LR)
+            clip = opt.clip_grad_norm_
+
+            def recorded(*args, **kw):  # what the strategy's clipping calls, and its norm
+                norm = clip(*args, **kw)
+                self.norms.append(float(norm))
+                return norm
+
+            opt.clip_grad_norm_ = recorded
+            return opt
 
         def train_dataloader(self):
             data = byte_data(n=len(byte_data()) // EPOCHS)  # one epoch: SAVE_AT steps
@@ -80,7 +89,7 @@ def _fit(
     kind: str, strategy, root: Path | None = None, ckpt: Path | None = None, **trainer_kw
 ) -> dict:
     """One `Trainer.fit`: its per-step losses (mean over micro-batches and ranks), pre-clip
-    gradient norms (replicated only) and final weights. `root`: checkpoint there every
+    gradient norms and final weights. `root`: checkpoint there every
     SAVE_AT steps; `ckpt`: resume from that file."""
     import lightning
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -140,6 +149,7 @@ def test_lightning_layerwise_equals_replicated(tmp_path):
     for r in (r0, r1):
         got = r["layerwise"]["losses"]
         assert_losses_close(got, want["losses"], "layer-wise against replicated")
+        assert_losses_close(r["layerwise"]["norms"], want["norms"], "opt.clip_grad_norm_ norms")
         assert_losses_close(
             [*got[:SAVE_AT], *r["resumed"]["losses"]], got, "resumed against uninterrupted"
         )

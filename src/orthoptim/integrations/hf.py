@@ -86,7 +86,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
     communication. Does nothing for any other optimizer. Add it to `Trainer(callbacks=[...])`.
 
     With `save_strategy="best"` Trainer decides to save only after evaluating, so the state
-    is gathered at every evaluation step then."""
+    is gathered at every evaluation step then; with `save_only_model=True`, never."""
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -101,7 +101,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
     @staticmethod
     def _prepare(args: TrainingArguments, control: TrainerControl, optimizer: Any) -> None:
         opt = unwrap_optimizer(optimizer)
-        if not isinstance(opt, LayerwiseDistributedOptimizer):
+        if not isinstance(opt, LayerwiseDistributedOptimizer) or args.save_only_model:
             return
         best = str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"
         if control.should_save or (best and control.should_evaluate):
