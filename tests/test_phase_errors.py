@@ -5,7 +5,8 @@ full state-dict gather, a bug in local code) must come out as that exception, sa
 the phase named in a note, and must not tell the user another rank died. Only a failure
 raised by a collective itself (gloo's "Connection closed by peer", a timeout, NCCL's
 `DistBackendError`) becomes the `CollectiveError` that does. Planted on 2 real gloo ranks in
-the layer-wise optimizer's full state-dict gather, then a real dead peer in the same gather.
+the layer-wise optimizer's full state-dict gather, then a real dead peer, which the state dict's
+rendezvous notices before any gather starts.
 """
 
 import datetime
@@ -27,6 +28,8 @@ from distributed import free_port, run_ranks
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 139.8 GiB total capacity)"
 GATHER = "full state dict gather"
 COPY = "full state dict (unshard and copy to the CPU)"
+# a state dict first waits for every rank to enter it
+RENDEZVOUS = "LayerwiseDistributedOptimizer.state_dict()"
 
 
 def _described(exc: BaseException) -> dict:
@@ -98,6 +101,7 @@ def _dead_peer(rank, port, outdir):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
+    C.RENDEZVOUS_TIMEOUT_S = 3.0  # the state dict's rendezvous notices the dead peer
     model = make_model()
     opt = LayerwiseDistributedOptimizer(model, **KW)
     train(model, opt, range(1), rank, 2)
@@ -128,7 +132,8 @@ def test_a_dead_peer_in_a_state_dict_gather_says_another_rank_died(tmp_path):
             p.join()
     err = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert err is not None and err["is_collective_error"], err
-    assert f"rank 0 of 2: {GATHER} (" in err["message"], err
+    assert f"rank 0 of 2: {RENDEZVOUS} (rendezvous) failed" in err["message"], err
+    assert "only 1 of the 2 ranks" in err["message"], err
     assert "Another rank probably died or stalled" in err["message"], err
 
 

@@ -743,6 +743,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
         self._sync = True
+        self._ddp: Any = None  # the DistributedDataParallel wrap the last forward ran in
         self._hooks: list[Any] = []
         self._register_hooks()
 
@@ -793,6 +794,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self._viewed: dict[int, Tensor] = {}  # id(param) → its view of the gradient buffer
         self._homes: list[tuple[Tensor, Tensor]] = []  # (viewed param, its flat buffer)
         self._copied: set[int] = set()  # id(param) of parameters copied to and from buffers
+        self._grad_flats: list[Tensor] = []  # every group's flat gradient buffer
         for b in self._buckets:
             b.copied = self._copied
         flats: dict[tuple[int, torch.dtype, torch.dtype], list[_Bucket]] = {}
@@ -806,6 +808,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             total = sum(b.numel for b in buckets)
             params = torch.zeros(total, dtype=dtype, device=device)
             grads = torch.zeros(total, dtype=grad_dtype, device=device)
+            self._grad_flats.append(grads)
             base = 0
             for b in buckets:
                 b.attach(grads[base : base + b.numel], params[base : base + b.numel])
@@ -904,9 +907,10 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         }
 
     def _register_hooks(self) -> None:
-        if self._homes:  # buffers to keep the parameters in: follow a model that moved
-            self._hooks.append(self.model.register_forward_pre_hook(self._follow_hook))
-        if self.overlap_grad_reduce:
+        if self._homes or self.world_size > 1:
+            # follow a model that moved; notice a DistributedDataParallel wrap
+            self._hooks.append(self.model.register_forward_pre_hook(self._forward_hook))
+        if self.overlap_grad_reduce or self.world_size > 1:
             for slots in self._slots_of.values():
                 hook = slots[0].param.register_post_accumulate_grad_hook(self._grad_hook)
                 self._hooks.append(hook)
@@ -925,6 +929,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             ]
             for module in modules:
                 self._hooks.append(module.register_forward_pre_hook(self._wait_hook))
+                # model.state_dict() right after step() (a trainer saving the model) returns
+                # the updated values
+                self._hooks.append(module.register_state_dict_pre_hook(self._wait_hook))
 
     # -- copies ------------------------------------------------------------------------
     def copy_refusal(self) -> str | None:
@@ -939,6 +946,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         del state["_hooks"]  # handles of hooks on the original model
+        state["_ddp"] = None  # the original's wrap, noticed again at the copy's forward
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -952,12 +960,43 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
 
     _gathering = False  # parameter gathers launched and not yet waited for
 
-    def _wait_hook(self, module: nn.Module, args: Any) -> None:
+    def _wait_hook(self, module: nn.Module, *args: Any) -> None:
         if self._gathering:
             self.wait_for_params()
 
-    def _follow_hook(self, module: nn.Module, args: Any) -> None:
-        self._follow()
+    def _forward_hook(self, module: nn.Module, args: Any) -> None:
+        if self._homes:
+            self._follow()
+        if torch.is_grad_enabled():
+            self._notice_ddp(nn.parallel.DistributedDataParallel._active_ddp_module)
+
+    def _notice_ddp(self, ddp: Any) -> None:
+        """Note whether this forward runs inside a `DistributedDataParallel` wrap of the model
+        (HF Trainer, accelerate and Lightning wrap it after the optimizer is built): DDP then
+        all-reduces the gradients, and the step uses them as they are instead of reducing
+        them again."""
+        if ddp is None or self.world_size == 1:
+            self._ddp = None
+            return
+        if ddp is self._ddp:
+            return
+        if not any(m is self.model for m in ddp.module.modules()):
+            self._ddp = None
+            return
+        if self.expert_group is not None or self.tp_groups:
+            raise RuntimeError(
+                "LayerwiseDistributedOptimizer: the model is wrapped in "
+                "DistributedDataParallel, whose all-reduce would average the expert or "
+                "tensor-parallel weights over the wrong ranks; train the unwrapped model (the "
+                "optimizer reduces the gradients itself)"
+            )
+        if C.world(ddp.process_group)[1] != self.world_size:
+            raise RuntimeError(
+                f"LayerwiseDistributedOptimizer runs over {self.world_size} ranks but the "
+                f"model's DistributedDataParallel wrap over {C.world(ddp.process_group)[1]}; "
+                "give both the same process group"
+            )
+        self._ddp = ddp
 
     def remove_hooks(self) -> None:
         """Detach every hook this optimizer put on the model (after waiting for parameters)."""
@@ -968,7 +1007,18 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
 
     # -- gradient path -----------------------------------------------------------------
     def _grad_hook(self, p: Tensor) -> None:
+        if not self._backward_queued:  # once per backward: note the gradients at its end
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         slots = self._slots_of[id(p)]
+        if self._ddp is not None or not self.overlap_grad_reduce:
+            # DDP reduces (its no_sync accumulates), or step() does: only make a `.grad` that
+            # autograd made anew the parameter's view of the buffer
+            view = self._viewed.get(id(p))
+            if view is not None and p.grad is not None and p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
+            return
         if not self._sync:
             self._take_grad(p, slots, final=False)
             return
@@ -1025,6 +1075,47 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 b.put_grad(s, add=slot.unit in b.added)
             b.added.add(slot.unit)
         p.grad = None
+
+    _backward_queued = False
+    _grad_versions: list[int] | None = None  # of the gradient buffers when backward ended
+
+    def _backward_end(self) -> None:
+        self._backward_queued = False
+        self._grad_versions = [g._version for g in self._grad_flats]
+
+    def _check_untouched(self) -> None:
+        """Raise if the gradient buffers changed in place since the last backward ended:
+        `torch.nn.utils.clip_grad_norm_(model.parameters())` (HF `max_grad_norm`,
+        `accelerator.clip_grad_norm_`, Lightning `gradient_clip_val` without its strategy)
+        scaled this rank's unreduced gradients, racing the reductions in flight, by a norm
+        that is not the model's. Under DistributedDataParallel every rank holds the averaged
+        gradients and such clipping is right."""
+        if self._ddp is not None or self._grad_versions is None:
+            return
+        if [g._version for g in self._grad_flats] != self._grad_versions:
+            self._grad_versions = None
+            self._reduce_all()  # every collective of this step done: the next one starts clean
+            self._reset_buckets()
+            raise RuntimeError(
+                "the gradients were changed in place between backward() and step(), e.g. by "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...): with "
+                "LayerwiseDistributedOptimizer each rank holds only its share of the reduced "
+                "gradients, so that clips by a wrong norm while they are being reduced; clip "
+                "with opt.clip_grad_norm_(max_norm) instead (it returns the model's norm), or "
+                "wrap the model in DistributedDataParallel"
+            )
+
+    def _reduce_grads(self) -> None:
+        """The gradients of this step, averaged, where the owners read them: reduced here,
+        or, under DistributedDataParallel (which averaged them on every rank), taken into
+        the buffers as they are."""
+        self._check_untouched()
+        self._grad_versions = None
+        if self._ddp is None:
+            self._reduce_all()
+            return
+        for slots in self._slots_of.values():
+            self._take_grad(slots[0].param, slots, final=True)
 
     def _launch_ready(self) -> None:
         """Launch, strictly in bucket order (the same order on every rank), every bucket
@@ -1114,7 +1205,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         p = clip.check_norm_type(norm_type)
         self.wait_for_params()  # a gather may still own a bucket's buffer
         if not self._reduced:
-            self._reduce_all()
+            self._reduce_grads()
             self._reduced = True
         like = self._slots[0].param.device if self._slots else None
         return clip.clip_(
@@ -1151,24 +1242,28 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self.wait_for_params()
+        self._prepared = None
         if not self._reduced:  # clip_grad_norm_ has reduced them already
-            self._reduce_all()
+            self._reduce_grads()
         present, bad = self._agree()
         try:
             if enforce_nonfinite_policy(self.nonfinite, bad, self.world_size):
                 return loss
             self._step_owned(present)
         finally:
-            for b in self._buckets:
-                b.reset()
-            self._next_launch = 0
-            self._reduced = False
+            self._reset_buckets()
         for b in reversed(self._buckets):  # forward order: the first layers arrive first
             b.launch_gather(self._stats, async_op=self.overlap_param_gather)
         self._gathering = self.overlap_param_gather
         self._last_stats = self._stats
         self._stats = C.CommStats()
         return loss
+
+    def _reset_buckets(self) -> None:
+        for b in self._buckets:
+            b.reset()
+        self._next_launch = 0
+        self._reduced = False
 
     def _step_owned(self, present: list[bool]) -> None:
         for b in self._buckets:
@@ -1275,17 +1370,38 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         return out
 
     # -- state -------------------------------------------------------------------------
+    _prepared: dict[str, Any] | None = None  # prepare_state_dict()'s, until the next step
+
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state in the format of `build_optimizer(model, ...)`'s
         `state_dict()` (a single-process optimizer loads it as is; so does this optimizer at
         any world size), gathered from the owners to every rank, or with
         `state_dict_to="rank0"` to rank 0 only (the others get {}). Collective: call it on
-        every rank. For per-rank DCP checkpoints use `sharded_state_dict()`."""
+        every rank, or `prepare_state_dict()` on every rank first. A call that some rank does
+        not make fails within `orthoptim.collectives.RENDEZVOUS_TIMEOUT_S` seconds. For
+        per-rank DCP checkpoints use `sharded_state_dict()`."""
+        if self._prepared is not None:
+            return self._prepared
         return self.full_state_dict(to_rank0=self.state_dict_to == "rank0")
+
+    def prepare_state_dict(self) -> None:
+        """Gather the full state dict to rank 0 now (collective: call it on every rank), so
+        that `state_dict()` called by rank 0 alone returns it without communicating, until the
+        next `step()` or load (the other ranks' `state_dict()` then returns {}). For trainers
+        that save the optimizer from rank 0 only, as Hugging Face Trainer does."""
+        self._prepared = None
+        self._prepared = self.full_state_dict(to_rank0=True)
 
     def full_state_dict(self, to_rank0: bool = False) -> dict[str, Any]:
         """`state_dict()` with the destination given here instead of by `state_dict_to`;
         see `orthoptim.checkpoint.full_state_dict`. Collective."""
+        C.rendezvous(
+            "LayerwiseDistributedOptimizer.state_dict()",
+            "call it on every rank, or call opt.prepare_state_dict() on every rank first "
+            "(after which state_dict() on rank 0 alone returns the gathered dict; see "
+            "docs/integrations.md for Hugging Face Trainer, which saves from rank 0 only)",
+            group=self.process_group,
+        )
         return checkpoint.full_state_dict(self, to_rank0=to_rank0)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1293,6 +1409,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         single-process `build_optimizer` / `Muon` / `SOAP` over the same model): every rank
         keeps the state of what it owns, hyper-parameters go to every group. Every mismatch
         is listed in one `CheckpointMismatchError` before anything changes."""
+        self._prepared = None
         with self._masters_follow():
             checkpoint.load_full_state_dict(self, state_dict)
 
@@ -1308,6 +1425,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
+        self._prepared = None
         with self._masters_follow():
             checkpoint.load_sharded_state_dict(self, state_dict)
 
