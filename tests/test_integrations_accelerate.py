@@ -42,8 +42,9 @@ def _train(
     kind: str, save_to: Path | None = None, resume_from: Path | None = None
 ) -> tuple[list, list, dict]:
     """One run of accelerate's documented loop: (losses, gradient norms, final model state).
-    `kind` is "replicated" or "layerwise"; `save_to`: `save_state` there at step SAVE_AT;
-    `resume_from`: `load_state` from there and run the steps after SAVE_AT."""
+    `kind` is "replicated" or "layerwise"; `save_to`: `save_state` there at step SAVE_AT
+    and `save_model` at the end; `resume_from`: `load_state` from there and run the steps
+    after SAVE_AT."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -60,7 +61,7 @@ def _train(
     model, opt, loader = accelerator.prepare(model, opt, loader)
     step, losses, norms, total = 0, [], [], 0.0
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        accelerator.load_state(str(resume_from / "state"))
         loader = accelerator.skip_first_batches(loader, SAVE_AT * ACCUM)
         step = SAVE_AT
     for x in loader:
@@ -77,8 +78,11 @@ def _train(
             losses.append(total)
             total = 0.0
             if step == SAVE_AT and save_to is not None:
-                accelerator.save_state(str(save_to))
+                accelerator.save_state(str(save_to / "state"), safe_serialization=False)
     state = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    if save_to is not None:  # the trained model, as a torch file and as safetensors
+        accelerator.save_model(model, str(save_to / "bin"), safe_serialization=False)
+        accelerator.save_model(model, str(save_to / "safetensors"))
     return losses, norms, state
 
 
@@ -87,7 +91,7 @@ KIND = "layerwise"
 
 def _legs(rank: int, world_size: int, base: str) -> dict:
     set_rank_env(rank, world_size)
-    ckpt = Path(base) / "state"
+    ckpt = Path(base)
     return {
         "replicated": _train("replicated"),
         "layerwise": _train(KIND, save_to=ckpt),
@@ -95,8 +99,14 @@ def _legs(rank: int, world_size: int, base: str) -> dict:
     }
 
 
-def test_accelerate_layerwise_equals_replicated(tmp_path):
-    r0, r1 = run_ranks(_legs, 2, args=(str(tmp_path),))
+@pytest.fixture(scope="module")
+def legs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("accelerate")
+    return base, run_ranks(_legs, 2, args=(str(base),))
+
+
+def test_accelerate_layerwise_equals_replicated(legs):
+    base, (r0, r1) = legs
     want, norms, params = r0["replicated"]
     assert all(n > MAX_NORM for n in norms), norms  # every step clipped
     assert want[-1] < want[0] - 0.3, want  # it trains
@@ -108,3 +118,20 @@ def test_accelerate_layerwise_equals_replicated(tmp_path):
         resumed, _, resumed_params = r["resumed"]
         assert_losses_close([*losses[:SAVE_AT], *resumed], losses, "resumed against uninterrupted")
         assert_state_close(resumed_params, got_params, "resumed model")
+    # save_model(safe_serialization=False) wrote the trained weights (the tied head too)
+    written = torch.load(base / "bin" / "pytorch_model.bin", weights_only=True)
+    assert_state_close(written, params, "save_model() file")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="accelerate's safetensors save (save_model, save_state) keeps one tensor per "
+    "storage; after the first step every parameter of the layer-wise model is a view of one "
+    "flat buffer, so only transformer.wte.weight is written: pass safe_serialization=False",
+)
+def test_accelerate_safetensors_save_of_the_layerwise_model(legs):
+    from safetensors.torch import load_file
+
+    base, (r0, _) = legs
+    written = load_file(base / "safetensors" / "model.safetensors")
+    assert written.keys() == r0["replicated"][2].keys() - {"lm_head.weight"}

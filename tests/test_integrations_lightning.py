@@ -128,6 +128,7 @@ def _legs(rank: int, world_size: int, base: str) -> dict:
         "replicated": _fit("replicated", "ddp"),
         "layerwise": _fit("layerwise", LayerwiseStrategy(), root=root),
         "resumed": _fit("layerwise", "layerwise", ckpt=root / f"step={SAVE_AT}.ckpt"),
+        "plain ddp": _fit("layerwise", "ddp"),
     }
     refusals = {
         "replicated optimizer": dict(kind="replicated"),
@@ -141,8 +142,14 @@ def _legs(rank: int, world_size: int, base: str) -> dict:
     return out
 
 
-def test_lightning_layerwise_equals_replicated(tmp_path):
-    r0, r1 = run_ranks(_legs, 2, args=(str(tmp_path),))
+@pytest.fixture(scope="module")
+def legs(tmp_path_factory):
+    return run_ranks(_legs, 2, args=(str(tmp_path_factory.mktemp("lightning")),))
+
+
+def test_lightning_layerwise_equals_replicated(legs):
+    r0, r1 = legs
+    init = gpt2().state_dict()
     want = r0["replicated"]
     assert all(n > MAX_NORM for n in want["norms"]), want["norms"]  # every step clipped
     assert want["losses"][-1] < want["losses"][0] - 0.3, want["losses"]  # it trains
@@ -153,8 +160,20 @@ def test_lightning_layerwise_equals_replicated(tmp_path):
         assert_losses_close(
             [*got[:SAVE_AT], *r["resumed"]["losses"]], got, "resumed against uninterrupted"
         )
-        assert_state_close(r["layerwise"]["params"], want["params"], "layer-wise model")
-        assert_state_close(r["resumed"]["params"], want["params"], "resumed model")
+        assert_state_close(r["layerwise"]["params"], want["params"], "layer-wise model", init)
+        assert_state_close(r["resumed"]["params"], r["layerwise"]["params"], "resumed model")
         # what the strategy cannot do right is refused, naming the fix
         assert 'strategy="ddp"' in r["replicated optimizer"]
         assert "gradient_clip_algorithm='norm'" in r["value clipping"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason='under plain strategy="ddp" Lightning clips torch\'s way over '
+    "precision_plugin.main_params(optimizer), the parameters of optimizer.param_groups: for "
+    "the layer-wise optimizer only what this rank owns, so each rank clips by another, wrong "
+    "norm; LayerwiseStrategy clips through opt.clip_grad_norm_",
+)
+def test_lightning_plain_ddp_clipping_of_the_layerwise_optimizer(legs):
+    r0, _ = legs
+    assert_losses_close(r0["plain ddp"]["losses"], r0["replicated"]["losses"], "plain ddp")
