@@ -968,7 +968,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         if self._homes:
             self._follow()
         if torch.is_grad_enabled():
-            self._notice_ddp(nn.parallel.DistributedDataParallel._active_ddp_module)
+            self._notice_ddp(torch.nn.parallel.DistributedDataParallel._active_ddp_module)
 
     def _notice_ddp(self, ddp: Any) -> None:
         """Note whether this forward runs inside a `DistributedDataParallel` wrap of the model
