@@ -28,11 +28,11 @@ are; `max_grad_norm` clipping, gradient accumulation (`no_sync`), `save_model()`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
-from torch import nn
 
+from orthoptim._validate import check_choice
 from orthoptim.optim import build_optimizer
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 
@@ -43,11 +43,13 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
         "orthoptim.integrations.hf needs Hugging Face transformers: pip install 'orthoptim[hf]'"
     ) from exc
 
+__all__ = ["KINDS", "LayerwiseCheckpointCallback", "OptimizerKind", "optimizer_cls_and_kwargs"]
+
 OptimizerKind = Literal["replicated", "layerwise"]
-KINDS: tuple[OptimizerKind, ...] = ("replicated", "layerwise")
+KINDS: tuple[OptimizerKind, ...] = get_args(OptimizerKind)
 
 
-def unwrap_optimizer(optimizer: Any) -> Any:
+def _unwrap_optimizer(optimizer: Any) -> Any:
     """The optimizer inside accelerate's `AcceleratedOptimizer` wrappers (what Trainer hands
     its callbacks), or `optimizer` itself when it is not wrapped."""
     from accelerate.optimizer import AcceleratedOptimizer  # a dependency of Trainer
@@ -65,18 +67,13 @@ def optimizer_cls_and_kwargs(
     `"layerwise"` is `orthoptim.LayerwiseDistributedOptimizer(model, **kwargs)` (add
     `LayerwiseCheckpointCallback()` to the Trainer's callbacks). `kwargs` are the builder's
     (`optimizer="muon"`, `lr`, ...)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    check_choice("kind", kind, KINDS)
     builder: Callable[..., torch.optim.Optimizer] = (
         build_optimizer if kind == "replicated" else LayerwiseDistributedOptimizer
     )
-
-    def build(model: nn.Module, **kw: Any) -> torch.optim.Optimizer:
-        return builder(model, **kw)
-
-    # Trainer calls a factory that is not an Optimizer class with no arguments and the result
-    # with (model, **kwargs).
-    return (lambda: build), dict(kwargs)
+    # Trainer calls a factory that is not an Optimizer class with no arguments, and what it
+    # returns with (model, **kwargs).
+    return (lambda: builder), dict(kwargs)
 
 
 class LayerwiseCheckpointCallback(TrainerCallback):
@@ -100,7 +97,7 @@ class LayerwiseCheckpointCallback(TrainerCallback):
 
     @staticmethod
     def _prepare(args: TrainingArguments, control: TrainerControl, optimizer: Any) -> None:
-        opt = unwrap_optimizer(optimizer)
+        opt = _unwrap_optimizer(optimizer)
         if not isinstance(opt, LayerwiseDistributedOptimizer) or args.save_only_model:
             return
         best = str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"

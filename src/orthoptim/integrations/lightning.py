@@ -46,11 +46,13 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
         "orthoptim.integrations.lightning needs Lightning: pip install 'orthoptim[lightning]'"
     ) from exc
 
+__all__ = ["STRATEGY_NAME", "LayerwiseStrategy"]
+
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 STRATEGY_NAME = "layerwise"
 
 
-def unwrap_optimizer(optimizer: Any) -> Any:
+def _unwrap_optimizer(optimizer: Any) -> Any:
     """The optimizer inside Lightning's `LightningOptimizer` (or `optimizer` itself)."""
     while isinstance(optimizer, pl.core.optimizer.LightningOptimizer):
         optimizer = optimizer.optimizer
@@ -102,10 +104,10 @@ class LayerwiseStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         for opt in self.optimizers:
-            if not isinstance(unwrap_optimizer(opt), LayerwiseDistributedOptimizer):
+            if not isinstance(_unwrap_optimizer(opt), LayerwiseDistributedOptimizer):
                 raise ValueError(
                     "LayerwiseStrategy: configure_optimizers returned "
-                    f"{type(unwrap_optimizer(opt)).__name__}; this strategy does not average "
+                    f"{type(_unwrap_optimizer(opt)).__name__}; this strategy does not average "
                     "gradients itself. Return orthoptim.LayerwiseDistributedOptimizer(...), or "
                     'use strategy="ddp" for any other optimizer'
                 )
@@ -123,19 +125,19 @@ class LayerwiseStrategy(DDPStrategy):
         every rank, added up, until the last micro-batch's backward reduces them."""
         with ExitStack() as stack:
             for opt in self.optimizers:
-                stack.enter_context(unwrap_optimizer(opt).no_sync())
+                stack.enter_context(_unwrap_optimizer(opt).no_sync())
             yield
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The full state on rank 0 (which alone writes the checkpoint), {} on the others;
         a collective: Lightning calls it on every rank."""
-        opt = unwrap_optimizer(optimizer)
+        opt = _unwrap_optimizer(optimizer)
         opt.prepare_state_dict()
         return opt.state_dict() if self.is_global_zero else {}
 
 
 def _clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-    unwrap_optimizer(optimizer).clip_grad_norm_(float(clip_val))
+    _unwrap_optimizer(optimizer).clip_grad_norm_(float(clip_val))
 
 
 def _clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
