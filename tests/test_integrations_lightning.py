@@ -128,8 +128,11 @@ def _legs(rank: int, world_size: int, base: str) -> dict:
         "replicated": _fit("replicated", "ddp"),
         "layerwise": _fit("layerwise", LayerwiseStrategy(), root=root),
         "resumed": _fit("layerwise", "layerwise", ckpt=root / f"step={SAVE_AT}.ckpt"),
-        "plain ddp": _fit("layerwise", "ddp"),
     }
+    try:
+        _fit("layerwise", "ddp")
+    except RuntimeError as exc:
+        out["plain ddp"] = str(exc)
     refusals = {
         "replicated optimizer": dict(kind="replicated"),
         "value clipping": dict(kind="layerwise", gradient_clip_algorithm="value"),
@@ -167,13 +170,10 @@ def test_lightning_layerwise_equals_replicated(legs):
         assert "gradient_clip_algorithm='norm'" in r["value clipping"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='under plain strategy="ddp" Lightning clips torch\'s way over '
-    "precision_plugin.main_params(optimizer), the parameters of optimizer.param_groups: for "
-    "the layer-wise optimizer only what this rank owns, so each rank clips by another, wrong "
-    "norm; LayerwiseStrategy clips through opt.clip_grad_norm_",
-)
-def test_lightning_plain_ddp_clipping_of_the_layerwise_optimizer(legs):
-    r0, _ = legs
-    assert_losses_close(r0["plain ddp"]["losses"], r0["replicated"]["losses"], "plain ddp")
+def test_lightning_plain_ddp_strategy_with_the_layerwise_optimizer_is_refused(legs):
+    """Under plain `strategy="ddp"` Lightning would clip torch's way over
+    `precision_plugin.main_params(optimizer)`, the parameters of `optimizer.param_groups`: for
+    the layer-wise optimizer only what each rank owns, so every rank would clip by another,
+    wrong norm. The optimizer notices Lightning's DDP wrap and refuses, naming the strategy."""
+    for r in legs:
+        assert "LayerwiseStrategy" in r.get("plain ddp", ""), r.get("plain ddp")

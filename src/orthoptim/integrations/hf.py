@@ -23,9 +23,7 @@ Everything else works as Trainer does it: Trainer (through accelerate) wraps the
 `DistributedDataParallel`, whose all-reduced gradients the layer-wise optimizer uses as they
 are; `max_grad_norm` clipping, gradient accumulation (`no_sync`), `save_model()` and
 `resume_from_checkpoint` (every rank loads the full optimizer dict) need nothing more.
-On one process there is nothing to distribute: use `kind="replicated"` (Trainer's accumulation
-there has no DDP `no_sync` to call, and the layer-wise optimizer refuses a second backward
-outside `opt.no_sync()`).
+On one process the layer-wise optimizer steps as `kind="replicated"` does (nothing to reduce).
 """
 
 from __future__ import annotations

@@ -907,31 +907,30 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         }
 
     def _register_hooks(self) -> None:
-        if self._homes or self.world_size > 1:
-            # follow a model that moved; notice a DistributedDataParallel wrap
-            self._hooks.append(self.model.register_forward_pre_hook(self._forward_hook))
         if self.overlap_grad_reduce or self.world_size > 1:
             for slots in self._slots_of.values():
                 hook = slots[0].param.register_post_accumulate_grad_hook(self._grad_hook)
                 self._hooks.append(hook)
-        if self.overlap_param_gather and self.world_size > 1:
-            # Every pending gather lands at the first forward pre-hook of the model: a forward
-            # may read any parameter (a parent's F.linear(x, self.child.weight), weights tied
-            # by hand), so waiting module by module for the module's own parameters let such
-            # reads see the old values. The root's hook fires first; the hooks on the modules
-            # holding parameters serve a forward that enters a submodule directly, and find
-            # nothing to do otherwise (one flag test).
-            modules = [self.model] + [
-                m
-                for m in self.model.modules()
-                if m is not self.model
-                and any(id(p) in self._slots_of for p in m.parameters(recurse=False))
-            ]
-            for module in modules:
-                self._hooks.append(module.register_forward_pre_hook(self._wait_hook))
-                # model.state_dict() right after step() (a trainer saving the model) returns
-                # the updated values
-                self._hooks.append(module.register_state_dict_pre_hook(self._wait_hook))
+        if not (self._homes or self.world_size > 1):
+            return
+        # Forward pre-hooks on the model and on every module holding parameters: the first
+        # to fire in a step lands every pending gather (a forward may read any parameter: a
+        # parent's F.linear(x, self.child.weight), weights tied by hand, so waiting module by
+        # module for the module's own parameters let such reads see the old values), follows
+        # a model that moved and notices a DistributedDataParallel wrap. The submodules'
+        # hooks serve a forward that enters a submodule directly (Lightning calls
+        # `training_step`, not the module) and find nothing to do otherwise (flag tests).
+        modules = [self.model] + [
+            m
+            for m in self.model.modules()
+            if m is not self.model
+            and any(id(p) in self._slots_of for p in m.parameters(recurse=False))
+        ]
+        for module in modules:
+            self._hooks.append(module.register_forward_pre_hook(self._forward_hook))
+            # model.state_dict() right after step() (a trainer saving the model) returns the
+            # updated values
+            self._hooks.append(module.register_state_dict_pre_hook(self._wait_hook))
 
     # -- copies ------------------------------------------------------------------------
     def copy_refusal(self) -> str | None:
@@ -964,11 +963,19 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         if self._gathering:
             self.wait_for_params()
 
+    _followed = False  # the parameters' storage checked since the last step
+
     def _forward_hook(self, module: nn.Module, args: Any) -> None:
-        if self._homes:
-            self._follow()
+        if self._gathering:
+            self.wait_for_params()
+        if not self._followed:
+            self._followed = True
+            if self._homes:
+                self._follow()
         if torch.is_grad_enabled():
-            self._notice_ddp(torch.nn.parallel.DistributedDataParallel._active_ddp_module)
+            ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+            if ddp is not self._ddp:
+                self._notice_ddp(ddp)
 
     def _notice_ddp(self, ddp: Any) -> None:
         """Note whether this forward runs inside a `DistributedDataParallel` wrap of the model
@@ -977,8 +984,6 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         them again."""
         if ddp is None or self.world_size == 1:
             self._ddp = None
-            return
-        if ddp is self._ddp:
             return
         if not any(m is self.model for m in ddp.module.modules()):
             self._ddp = None
@@ -990,7 +995,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                 "tensor-parallel weights over the wrong ranks; train the unwrapped model (the "
                 "optimizer reduces the gradients itself)"
             )
-        if type(ddp.module).__module__.split(".")[0] in ("lightning", "pytorch_lightning"):
+        lightning = ("lightning", "pytorch_lightning")
+        if any(c.__module__.split(".")[0] in lightning for c in type(ddp.module).__mro__):
             # Lightning's DDP strategy clips the parameters of `param_groups`, which here are
             # only what this rank owns: every rank would clip by another, wrong norm
             raise RuntimeError(
@@ -1266,6 +1272,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         for b in reversed(self._buckets):  # forward order: the first layers arrive first
             b.launch_gather(self._stats, async_op=self.overlap_param_gather)
         self._gathering = self.overlap_param_gather
+        self._followed = False
         self._last_stats = self._stats
         self._stats = C.CommStats()
         return loss
