@@ -29,6 +29,7 @@ from orthoptim.integrations.torchtitan import (
     build_optimizers,
 )
 from orthoptim.parallel.fsdp import shard_model
+from test_safe_load import same
 
 from distributed import run_ranks
 
@@ -157,16 +158,6 @@ def local(v):
     if isinstance(v, bytes):  # orthoptim's packed meta
         return torch.load(io.BytesIO(v), weights_only=True)
     return v
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def frozen(container):
