@@ -1128,6 +1128,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         the buffers as they are."""
         self._check_untouched()
         self._grad_versions = None
+        self._backward_queued = False  # (a backward that raised never ran its callback)
         if self._ddp is None:
             self._reduce_all()
             return
