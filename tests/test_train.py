@@ -154,7 +154,29 @@ def layerwise_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return full
 
 
-def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run, capsys):
+def _rewind(run: Path, step: int, dest: Path) -> Path:
+    """A copy of the finished `run` as it stood once its checkpoint of `step` was committed:
+    the later step folders removed and latest.json naming that one. Resumed, it redoes the
+    steps after `step` from the checkpoint the uninterrupted run itself wrote, as a run
+    stopped there (which saves that step's checkpoint the same way) would; one run is then
+    both the oracle and the interrupted run (`--stop-after` itself: the tests that use it)."""
+    shutil.copytree(run, dest)
+    ckpts = dest / "checkpoints"
+    kept = ckpts / f"step_{step:06d}"
+    for later in ckpts.glob("step_*"):
+        if later.name > kept.name:
+            shutil.rmtree(later)
+    shutil.copyfile(kept / "checkpoint.json", ckpts / "latest.json")
+    return dest
+
+
+def _cold(rows: list[dict]) -> list[int]:
+    """The steps logged as the first two after a start or a resume: [1, 2, 4, 5] for a run
+    resumed at step 3 (so a rewound copy was really trained on, not found finished)."""
+    return [r["step"] for r in rows if r.get("cold")]
+
+
+def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
     full = layerwise_run
     step6 = "checkpoints/step_000006"
     for f in ("metrics.jsonl", "result.json", "logs/rank0.log", "logs/rank1.log",
@@ -169,19 +191,19 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run, capsys):
     assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
 
     part = tmp_path / "part"
-    assert _train(part, "--stop-after", "3") == 0
-    assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3]
-    # Every rank refuses a checkpoint whose bytes changed (rank 0 checks, all follow).
-    damaged = tmp_path / "damaged"
-    shutil.copytree(part, damaged)
-    optim = damaged / "checkpoints/step_000003/optim.pt"
+    assert _train(part, "--stop-after", "4") == 0  # checkpoints of steps 3 and 4 (the stop)
+    assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3, 4]
+    # Every rank passes over a checkpoint whose bytes changed (rank 0 checks, all follow) and
+    # resumes from the newest intact one. (No intact one left: test_resume's refusal.)
+    optim = part / "checkpoints/step_000004/optim.pt"
     data = bytearray(optim.read_bytes())
     data[-100] ^= 1
     optim.write_bytes(bytes(data))
-    assert _train(damaged, "--resume") != 0
-    err = capsys.readouterr().err
-    assert "no intact checkpoint" in err and "optim.pt fails its SHA-256 check" in err, err
     assert _train(part, "--resume") == 0
+    for rank in (0, 1):
+        log = (part / f"logs/rank{rank}.log").read_text()
+        assert "passed over step_000004: optim.pt fails its SHA-256 check" in log, (rank, log)
+        assert "resuming from step_000003 (step 3)" in log, (rank, log)
     resumed = _metrics(part)
     assert [r["step"] for r in resumed] == list(range(7))
     for a, b in zip(rows[4:], resumed[4:]):
@@ -191,8 +213,8 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run, capsys):
 
 def test_train_tensor_parallel_and_resume(tmp_path):
     """--nproc 2 --tp 2: one data-parallel rank of two tensor-parallel ranks (the GPT's
-    matrices DTensors, Newton-Schulz by the TP orthogonalizer); it trains, and a run stopped
-    at step 3 and resumed follows the uninterrupted one."""
+    matrices DTensors, Newton-Schulz by the TP orthogonalizer); it trains, and resumed from its
+    step-3 checkpoint (`_rewind`) it follows the uninterrupted run."""
     full = tmp_path / "full"
     assert _train(full, "--tp", "2") == 0
     rows = _metrics(full)
@@ -203,26 +225,25 @@ def test_train_tensor_parallel_and_resume(tmp_path):
     assert result["args"]["tp"] == 2 and result["tokens_per_step"] == 2 * SEQ  # one dp rank
     assert (full / "checkpoints/step_000006/dcp/.metadata").is_file()
 
-    part = tmp_path / "part"
-    assert _train(part, "--tp", "2", "--stop-after", "3") == 0
+    part = _rewind(full, 3, tmp_path / "part")
     assert _train(part, "--tp", "2", "--resume") == 0
     resumed = _metrics(part)
-    assert [r["step"] for r in resumed] == list(range(7))
+    assert [r["step"] for r in resumed] == list(range(7)) and _cold(resumed) == [1, 2, 4, 5]
     for a, b in zip(rows[4:], resumed[4:]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6), (a, b)
 
 
 def test_train_a_muon_variant_with_lion_under_fsdp_resumes_as_one_stretch(tmp_path, capsys):
-    """`--optimizer normuon --elementwise lion --fsdp`: both through the one contract, stopped
-    after step 3 and resumed from its DCP checkpoint, the same losses as one stretch (rtol
+    """`--optimizer normuon --elementwise lion --fsdp`: both through the one contract, resumed
+    from the run's step-3 DCP checkpoint (`_rewind`), the same losses as one stretch (rtol
     1e-6: the same ranks and sums); the non-matrix part's optimizer must match on resume."""
     flags = ("--optimizer", "normuon", "--elementwise", "lion", "--fsdp")
-    whole, part = tmp_path / "whole", tmp_path / "part"
+    whole = tmp_path / "whole"
     assert _train(whole, *flags) == 0
-    assert _train(part, *flags, "--stop-after", "3") == 0
+    part = _rewind(whole, 3, tmp_path / "part")
     assert _train(part, *flags, "--resume") == 0
     a, b = _metrics(whole), _metrics(part)
-    assert [r["step"] for r in b] == list(range(7))
+    assert [r["step"] for r in b] == list(range(7)) and _cold(b) == [1, 2, 4, 5]
     for x, y in zip(a, b):
         for key in ("train_loss", "val_loss"):
             assert (key in x) == (key in y), (key, x, y)  # step 0 logs no train_loss
@@ -268,21 +289,20 @@ def test_train_bf16_parameters_resume_exactly_and_at_either_dtype(tmp_path, fsdp
     """`--param-dtype bf16` at 2 ranks: under --fsdp FSDP2's mixed precision (bf16 forward
     and backward, fp32 master shards and optimizer state, gradients reduced in fp32), without
     it the layer-wise optimizer (bf16 parameters, fp32 masters and state on their owners).
-    The loss falls; stopped after step 3 and resumed, the run repeats the uninterrupted one
-    bit for bit (the checkpoint holds every fp32 master and state tensor, and the resumed
-    ranks redo the same arithmetic); the same checkpoint resumes at --param-dtype fp32 too,
-    each metrics row naming its dtype."""
+    The loss falls; resumed from its step-3 checkpoint (`_rewind`), the run repeats the
+    uninterrupted one bit for bit (the checkpoint holds every fp32 master and state tensor,
+    and the resumed ranks redo the same arithmetic); the same checkpoint resumes at
+    --param-dtype fp32 too, each metrics row naming its dtype."""
     from torch.distributed.checkpoint import FileSystemReader
 
     mode = ("--fsdp",) if fsdp else ()
     bf16 = (*mode, "--param-dtype", "bf16")
-    whole, part, other = tmp_path / "whole", tmp_path / "part", tmp_path / "other"
+    whole = tmp_path / "whole"
     assert _train(whole, *bf16) == 0
-    assert _train(part, *bf16, "--stop-after", "3") == 0
-    shutil.copytree(part, other)
+    part, other = _rewind(whole, 3, tmp_path / "part"), _rewind(whole, 3, tmp_path / "other")
     assert _train(part, *bf16, "--resume") == 0
     rows, resumed = _metrics(whole), _metrics(part)
-    assert [r["step"] for r in resumed] == list(range(7))
+    assert [r["step"] for r in resumed] == list(range(7)) and _cold(resumed) == [1, 2, 4, 5]
     assert _losses(resumed) == _losses(rows)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 3 and vals[-1] < vals[0] - 0.5, vals
@@ -303,6 +323,7 @@ def test_train_bf16_parameters_resume_exactly_and_at_either_dtype(tmp_path, fsdp
     assert _train(other, *mode, "--param-dtype", "fp32", "--resume") == 0
     mixed = _metrics(other)
     assert [r["param_dtype"] for r in mixed] == ["bf16"] * 4 + ["fp32"] * 3
+    assert _cold(mixed) == [1, 2, 4, 5]
     assert _losses(mixed[:4]) == _losses(rows[:4])
     assert mixed[-1]["val_loss"] < vals[1]
 
@@ -342,7 +363,7 @@ def test_train_rejects_bad_flags(tmp_path, capsys):
 def test_compare_writes_summary_and_plot(tmp_path):
     out = tmp_path / "cmp"
     argv = ["compare", "--nproc", "1", "--steps", "4", "--batch", "2", "--eval-every", "2",
-            "--out", str(out), "--no-progress"]  # fmt: skip
+            "--segments", "2", "--out", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["runs"]) == {"adamw", "muon"}
@@ -365,16 +386,20 @@ def test_compare_writes_summary_and_plot(tmp_path):
     report = (out / "report.md").read_text()
     assert "| final validation loss (nats/byte) |" in report and "target" not in report
     # The report's figures are taken over the rows the loop's throughput uses.
+    from orthoptim.train.compare import segment_ends
     from orthoptim.train.loop import timed_rows, upper_median
     from orthoptim.train.runfolder import read_metrics
 
     for name, run in summary["runs"].items():
         timed = timed_rows(read_metrics(out / name / "metrics.jsonl"))
         assert run["median_step_time_s"] == upper_median([r["step_time_s"] for r in timed])
-    # The runs took turns in 4 segments, each resumed: the same losses as one stretch each.
-    assert summary["segments"] == 4
+    # The runs took turns in 2 segments, the second resumed: the same losses as one stretch
+    # each. (One resume per run shows it; more segments are more of the same launches, and
+    # where they end is `segment_ends`: at most one per step.)
+    assert summary["segments"] == 2
+    assert segment_ends(4, 5) == [1, 2, 3, 4] and segment_ends(4, 2) == [2, 4]
     whole = tmp_path / "whole"
-    assert main([*argv[:-3], "--out", str(whole), "--no-progress", "--segments", "1"]) == 0
+    assert main([*argv[:-5], "--out", str(whole), "--no-progress", "--segments", "1"]) == 0
     once = json.loads((whole / "summary.json").read_text())
     for name, run in summary["runs"].items():
         assert [v for *_, v in run["val_curve"]] == [v for *_, v in once["runs"][name]["val_curve"]]
@@ -425,7 +450,7 @@ def test_compare_several_optimizers_reports_each_against_the_baseline(tmp_path, 
 def test_compare_sweep_keeps_each_optimizers_best_lr(tmp_path):
     out = tmp_path / "sweep"
     argv = ["compare", "--nproc", "1", "--steps", "2", "--batch", "2", "--eval-every", "2",
-            "--segments", "2", "--sweep", "--muon-lr", "0.05", "--out", str(out),
+            "--segments", "1", "--sweep", "--muon-lr", "0.05", "--out", str(out),
             "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
