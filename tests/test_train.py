@@ -148,9 +148,10 @@ def _train(out: Path, *extra: str) -> int:
 
 @pytest.fixture(scope="module")
 def layerwise_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 6-step 2-rank run of the layer-wise optimizer: the reference of the other runs."""
+    """A 6-step 2-rank run of the layer-wise optimizer: the reference of the other runs. It
+    keeps the checkpoints of steps 2, 4 and 6 (a run to rewind with two behind it)."""
     full = tmp_path_factory.mktemp("layerwise") / "full"
-    assert _train(full) == 0
+    assert _train(full, "--ckpt-every", "2", "--keep-checkpoints", "3") == 0
     return full
 
 
@@ -172,7 +173,7 @@ def _rewind(run: Path, step: int, dest: Path) -> Path:
 
 def _cold(rows: list[dict]) -> list[int]:
     """The steps logged as the first two after a start or a resume: [1, 2, 4, 5] for a run
-    resumed at step 3 (so a rewound copy was really trained on, not found finished)."""
+    resumed at step 3 (so a rewound copy really trained on)."""
     return [r["step"] for r in rows if r.get("cold")]
 
 
@@ -190,11 +191,10 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
     assert result["world_size"] == 2 and len(result["peak_memory_bytes_per_rank"]) == 2
     assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
 
-    part = tmp_path / "part"
-    assert _train(part, "--stop-after", "4") == 0  # checkpoints of steps 3 and 4 (the stop)
-    assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3, 4]
-    # Every rank passes over a checkpoint whose bytes changed (rank 0 checks, all follow) and
-    # resumes from the newest intact one. (No intact one left: test_resume's refusal.)
+    # The run as it stood after step 4, with step 4's checkpoint damaged: every rank passes
+    # over it (rank 0 checks, all follow), resumes from step 2's and repeats the run. (No
+    # intact checkpoint left: test_resume's refusal. --stop-after: the FSDP test's.)
+    part = _rewind(full, 4, tmp_path / "part")
     optim = part / "checkpoints/step_000004/optim.pt"
     data = bytearray(optim.read_bytes())
     data[-100] ^= 1
@@ -203,10 +203,10 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
     for rank in (0, 1):
         log = (part / f"logs/rank{rank}.log").read_text()
         assert "passed over step_000004: optim.pt fails its SHA-256 check" in log, (rank, log)
-        assert "resuming from step_000003 (step 3)" in log, (rank, log)
+        assert "resuming from step_000002 (step 2)" in log, (rank, log)
     resumed = _metrics(part)
-    assert [r["step"] for r in resumed] == list(range(7))
-    for a, b in zip(rows[4:], resumed[4:]):
+    assert [r["step"] for r in resumed] == list(range(7)) and _cold(resumed) == [1, 2, 3, 4]
+    for a, b in zip(rows[3:], resumed[3:]):
         assert a["train_loss"] == b["train_loss"], (a, b)
     assert rows[-1]["val_loss"] == resumed[-1]["val_loss"]
 
@@ -262,6 +262,7 @@ def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run):
     ref = _metrics(layerwise_run)
     part = tmp_path / "fsdp"
     assert _train(part, "--fsdp", "--stop-after", "3") == 0
+    assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3]
     assert (part / "checkpoints/step_000003/dcp/.metadata").is_file()
     assert not list((part / "checkpoints/step_000003").glob("*.pt"))
     assert _train(part, "--fsdp", "--resume") == 0
