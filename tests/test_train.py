@@ -146,12 +146,18 @@ def _train(out: Path, *extra: str) -> int:
     )  # fmt: skip
 
 
+# The layer-wise reference run's optimizers: a Muon variant, and Lion for the non-matrix
+# part (the default Muon and AdamW: the tensor-parallel and bf16 runs).
+VARIANT = ("--optimizer", "normuon", "--elementwise", "lion")
+
+
 @pytest.fixture(scope="module")
 def layerwise_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 6-step 2-rank run of the layer-wise optimizer: the reference of the other runs. It
-    keeps the checkpoints of steps 2, 4 and 6 (a run to rewind with two behind it)."""
+    """A 6-step 2-rank run of the layer-wise optimizer (`VARIANT`): the reference of the
+    other runs. It keeps the checkpoints of steps 2, 4 and 6 (a run to rewind with two
+    behind it)."""
     full = tmp_path_factory.mktemp("layerwise") / "full"
-    assert _train(full, "--ckpt-every", "2", "--keep-checkpoints", "3") == 0
+    assert _train(full, *VARIANT, "--ckpt-every", "2", "--keep-checkpoints", "3") == 0
     return full
 
 
@@ -199,7 +205,7 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
     data = bytearray(optim.read_bytes())
     data[-100] ^= 1
     optim.write_bytes(bytes(data))
-    assert _train(part, "--resume") == 0
+    assert _train(part, *VARIANT, "--resume") == 0
     for rank in (0, 1):
         log = (part / f"logs/rank{rank}.log").read_text()
         assert "passed over step_000004: optim.pt fails its SHA-256 check" in log, (rank, log)
@@ -233,52 +239,39 @@ def test_train_tensor_parallel_and_resume(tmp_path):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6), (a, b)
 
 
-def test_train_a_muon_variant_with_lion_under_fsdp_resumes_as_one_stretch(tmp_path, capsys):
-    """`--optimizer normuon --elementwise lion --fsdp`: both through the one contract, resumed
-    from the run's step-3 DCP checkpoint (`_rewind`), the same losses as one stretch (rtol
-    1e-6: the same ranks and sums); the non-matrix part's optimizer must match on resume."""
-    flags = ("--optimizer", "normuon", "--elementwise", "lion", "--fsdp")
-    whole = tmp_path / "whole"
-    assert _train(whole, *flags) == 0
-    part = _rewind(whole, 3, tmp_path / "part")
-    assert _train(part, *flags, "--resume") == 0
-    a, b = _metrics(whole), _metrics(part)
-    assert [r["step"] for r in b] == list(range(7)) and _cold(b) == [1, 2, 4, 5]
-    for x, y in zip(a, b):
-        for key in ("train_loss", "val_loss"):
-            assert (key in x) == (key in y), (key, x, y)  # step 0 logs no train_loss
-            if key in x:
-                assert x[key] == pytest.approx(y[key], rel=1e-6), (key, x, y)
-    result = json.loads((whole / "result.json").read_text())
-    assert (result["args"]["optimizer"], result["args"]["elementwise"]) == ("normuon", "lion")
-    assert _train(part, "--optimizer", "normuon", "--fsdp", "--resume") == 2
-    assert "--elementwise: checkpoint 'lion', now 'adamw'" in capsys.readouterr().err
-
-
-def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run):
+def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run, capsys):
     """`--fsdp`: the model sharded by FSDP2 and stepped by FSDPOptimizer, interrupted after
     step 3 and resumed from its DCP checkpoint, follows the layer-wise run (same model, data
-    and routing) step for step; the ranks only sum in another order (rtol 1e-5)."""
+    and routing) step for step; the ranks only sum in another order (rtol 1e-5). The run is
+    `--optimizer normuon --elementwise lion`: both through the one contract, Lion's state
+    carried by the DCP checkpoint (a resume with it zeroed leaves the reference by 1e-3), and
+    the non-matrix part's optimizer must match on resume."""
     ref = _metrics(layerwise_run)
     part = tmp_path / "fsdp"
-    assert _train(part, "--fsdp", "--stop-after", "3") == 0
+    assert _train(part, *VARIANT, "--fsdp", "--stop-after", "3") == 0
     assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3]
     assert (part / "checkpoints/step_000003/dcp/.metadata").is_file()
     assert not list((part / "checkpoints/step_000003").glob("*.pt"))
-    assert _train(part, "--fsdp", "--resume") == 0
+    assert _train(part, *VARIANT, "--fsdp", "--resume") == 0
     rows = _metrics(part)
     assert [r["step"] for r in rows] == list(range(7))
     for a, b in zip(rows, ref):
         for key in ("train_loss", "val_loss"):
+            assert (key in a) == (key in b), (key, a, b)  # step 0 logs no train_loss
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (key, a, b)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 3 and vals[-1] < vals[0]
     result = json.loads((part / "result.json").read_text())
     assert result["optimizer_class"] == "FSDPOptimizer" and result["args"]["fsdp"]
+    assert (result["args"]["optimizer"], result["args"]["elementwise"]) == ("normuon", "lion")
     assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
-    # A sharded checkpoint resumes only as a sharded run.
-    assert _train(part, "--resume") == 2
+    # A sharded checkpoint resumes only as a sharded run, and only with its elementwise part.
+    capsys.readouterr()
+    assert _train(part, *VARIANT, "--resume") == 2
+    assert "--fsdp: checkpoint True, now False" in capsys.readouterr().err
+    assert _train(part, "--optimizer", "normuon", "--fsdp", "--resume") == 2
+    assert "--elementwise: checkpoint 'lion', now 'adamw'" in capsys.readouterr().err
 
 
 def _losses(rows: list[dict]) -> list[tuple]:
