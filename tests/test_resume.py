@@ -127,6 +127,23 @@ def test_corrupted_byte_falls_back_to_the_newest_intact_checkpoint(runs, tmp_pat
     assert (out / "checkpoints" / "step_000004.damaged" / "optim.pt").read_bytes() == bytes(data)
 
 
+def test_no_intact_checkpoint_is_refused_naming_each(runs, tmp_path, capsys):
+    """With every checkpoint's bytes changed --resume fails, naming each one and the way out
+    (at 2 ranks test_train shows every rank following rank 0's check)."""
+    out = shutil.copytree(runs["partial"], tmp_path / "A")
+    for step in ("step_000002", "step_000004"):
+        path = out / "checkpoints" / step / "optim.pt"
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x01
+        path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(_argv(out, "--resume")) != 0
+    err = capsys.readouterr().err
+    assert "no intact checkpoint" in err and "pass --overwrite" in err, err
+    for step in ("step_000002", "step_000004"):
+        assert f"{step}: optim.pt fails its SHA-256 check" in err, err
+
+
 def test_nonfinite_model_falls_back(runs, tmp_path, capsys):
     """Issue case 5: NaN in model.pt used to surface as a gradient problem at the next step."""
     out = shutil.copytree(runs["partial"], tmp_path / "A")

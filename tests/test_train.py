@@ -146,15 +146,44 @@ def _train(out: Path, *extra: str) -> int:
     )  # fmt: skip
 
 
+# The layer-wise reference run's optimizers: a Muon variant, and Lion for the non-matrix
+# part (the default Muon and AdamW: the tensor-parallel and bf16 runs).
+VARIANT = ("--optimizer", "normuon", "--elementwise", "lion")
+
+
 @pytest.fixture(scope="module")
 def layerwise_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 6-step 2-rank run of the layer-wise optimizer: the reference of the other runs."""
+    """A 6-step 2-rank run of the layer-wise optimizer (`VARIANT`): the reference of the
+    other runs. It keeps the checkpoints of steps 2, 4 and 6 (a run to rewind with two
+    behind it)."""
     full = tmp_path_factory.mktemp("layerwise") / "full"
-    assert _train(full) == 0
+    assert _train(full, *VARIANT, "--ckpt-every", "2", "--keep-checkpoints", "3") == 0
     return full
 
 
-def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run, capsys):
+def _rewind(run: Path, step: int, dest: Path) -> Path:
+    """A copy of the finished `run` as it stood once its checkpoint of `step` was committed:
+    the later step folders removed and latest.json naming that one. Resumed, it redoes the
+    steps after `step` from the checkpoint the uninterrupted run itself wrote, as a run
+    stopped there (which saves that step's checkpoint the same way) would; one run is then
+    both the oracle and the interrupted run (`--stop-after` itself: the tests that use it)."""
+    shutil.copytree(run, dest)
+    ckpts = dest / "checkpoints"
+    kept = ckpts / f"step_{step:06d}"
+    for later in ckpts.glob("step_*"):
+        if later.name > kept.name:
+            shutil.rmtree(later)
+    shutil.copyfile(kept / "checkpoint.json", ckpts / "latest.json")
+    return dest
+
+
+def _cold(rows: list[dict]) -> list[int]:
+    """The steps logged as the first two after a start or a resume: [1, 2, 4, 5] for a run
+    resumed at step 3 (so a rewound copy really trained on)."""
+    return [r["step"] for r in rows if r.get("cold")]
+
+
+def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run):
     full = layerwise_run
     step6 = "checkpoints/step_000006"
     for f in ("metrics.jsonl", "result.json", "logs/rank0.log", "logs/rank1.log",
@@ -168,31 +197,30 @@ def test_train_two_ranks_end_to_end_and_resume(tmp_path, layerwise_run, capsys):
     assert result["world_size"] == 2 and len(result["peak_memory_bytes_per_rank"]) == 2
     assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
 
-    part = tmp_path / "part"
-    assert _train(part, "--stop-after", "3") == 0
-    assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3]
-    # Every rank refuses a checkpoint whose bytes changed (rank 0 checks, all follow).
-    damaged = tmp_path / "damaged"
-    shutil.copytree(part, damaged)
-    optim = damaged / "checkpoints/step_000003/optim.pt"
+    # The run as it stood after step 4, with step 4's checkpoint damaged: every rank passes
+    # over it (rank 0 checks, all follow), resumes from step 2's and repeats the run. (No
+    # intact checkpoint left: test_resume's refusal. --stop-after: the FSDP test's.)
+    part = _rewind(full, 4, tmp_path / "part")
+    optim = part / "checkpoints/step_000004/optim.pt"
     data = bytearray(optim.read_bytes())
     data[-100] ^= 1
     optim.write_bytes(bytes(data))
-    assert _train(damaged, "--resume") != 0
-    err = capsys.readouterr().err
-    assert "no intact checkpoint" in err and "optim.pt fails its SHA-256 check" in err, err
-    assert _train(part, "--resume") == 0
+    assert _train(part, *VARIANT, "--resume") == 0
+    for rank in (0, 1):
+        log = (part / f"logs/rank{rank}.log").read_text()
+        assert "passed over step_000004: optim.pt fails its SHA-256 check" in log, (rank, log)
+        assert "resuming from step_000002 (step 2)" in log, (rank, log)
     resumed = _metrics(part)
-    assert [r["step"] for r in resumed] == list(range(7))
-    for a, b in zip(rows[4:], resumed[4:]):
+    assert [r["step"] for r in resumed] == list(range(7)) and _cold(resumed) == [1, 2, 3, 4]
+    for a, b in zip(rows[3:], resumed[3:]):
         assert a["train_loss"] == b["train_loss"], (a, b)
     assert rows[-1]["val_loss"] == resumed[-1]["val_loss"]
 
 
 def test_train_tensor_parallel_and_resume(tmp_path):
     """--nproc 2 --tp 2: one data-parallel rank of two tensor-parallel ranks (the GPT's
-    matrices DTensors, Newton-Schulz by the TP orthogonalizer); it trains, and a run stopped
-    at step 3 and resumed follows the uninterrupted one."""
+    matrices DTensors, Newton-Schulz by the TP orthogonalizer); it trains, and resumed from its
+    step-3 checkpoint (`_rewind`) it follows the uninterrupted run."""
     full = tmp_path / "full"
     assert _train(full, "--tp", "2") == 0
     rows = _metrics(full)
@@ -203,60 +231,47 @@ def test_train_tensor_parallel_and_resume(tmp_path):
     assert result["args"]["tp"] == 2 and result["tokens_per_step"] == 2 * SEQ  # one dp rank
     assert (full / "checkpoints/step_000006/dcp/.metadata").is_file()
 
-    part = tmp_path / "part"
-    assert _train(part, "--tp", "2", "--stop-after", "3") == 0
+    part = _rewind(full, 3, tmp_path / "part")
     assert _train(part, "--tp", "2", "--resume") == 0
     resumed = _metrics(part)
-    assert [r["step"] for r in resumed] == list(range(7))
+    assert [r["step"] for r in resumed] == list(range(7)) and _cold(resumed) == [1, 2, 4, 5]
     for a, b in zip(rows[4:], resumed[4:]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6), (a, b)
 
 
-def test_train_a_muon_variant_with_lion_under_fsdp_resumes_as_one_stretch(tmp_path, capsys):
-    """`--optimizer normuon --elementwise lion --fsdp`: both through the one contract, stopped
-    after step 3 and resumed from its DCP checkpoint, the same losses as one stretch (rtol
-    1e-6: the same ranks and sums); the non-matrix part's optimizer must match on resume."""
-    flags = ("--optimizer", "normuon", "--elementwise", "lion", "--fsdp")
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    assert _train(whole, *flags) == 0
-    assert _train(part, *flags, "--stop-after", "3") == 0
-    assert _train(part, *flags, "--resume") == 0
-    a, b = _metrics(whole), _metrics(part)
-    assert [r["step"] for r in b] == list(range(7))
-    for x, y in zip(a, b):
-        for key in ("train_loss", "val_loss"):
-            assert (key in x) == (key in y), (key, x, y)  # step 0 logs no train_loss
-            if key in x:
-                assert x[key] == pytest.approx(y[key], rel=1e-6), (key, x, y)
-    result = json.loads((whole / "result.json").read_text())
-    assert (result["args"]["optimizer"], result["args"]["elementwise"]) == ("normuon", "lion")
-    assert _train(part, "--optimizer", "normuon", "--fsdp", "--resume") == 2
-    assert "--elementwise: checkpoint 'lion', now 'adamw'" in capsys.readouterr().err
-
-
-def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run):
+def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run, capsys):
     """`--fsdp`: the model sharded by FSDP2 and stepped by FSDPOptimizer, interrupted after
     step 3 and resumed from its DCP checkpoint, follows the layer-wise run (same model, data
-    and routing) step for step; the ranks only sum in another order (rtol 1e-5)."""
+    and routing) step for step; the ranks only sum in another order (rtol 1e-5). The run is
+    `--optimizer normuon --elementwise lion`: both through the one contract, Lion's state
+    carried by the DCP checkpoint (a resume with it zeroed leaves the reference by 1e-3), and
+    the non-matrix part's optimizer must match on resume."""
     ref = _metrics(layerwise_run)
     part = tmp_path / "fsdp"
-    assert _train(part, "--fsdp", "--stop-after", "3") == 0
+    assert _train(part, *VARIANT, "--fsdp", "--stop-after", "3") == 0
+    assert [r["step"] for r in _metrics(part)] == [0, 1, 2, 3]
     assert (part / "checkpoints/step_000003/dcp/.metadata").is_file()
     assert not list((part / "checkpoints/step_000003").glob("*.pt"))
-    assert _train(part, "--fsdp", "--resume") == 0
+    assert _train(part, *VARIANT, "--fsdp", "--resume") == 0
     rows = _metrics(part)
     assert [r["step"] for r in rows] == list(range(7))
     for a, b in zip(rows, ref):
         for key in ("train_loss", "val_loss"):
+            assert (key in a) == (key in b), (key, a, b)  # step 0 logs no train_loss
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5), (key, a, b)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 3 and vals[-1] < vals[0]
     result = json.loads((part / "result.json").read_text())
     assert result["optimizer_class"] == "FSDPOptimizer" and result["args"]["fsdp"]
+    assert (result["args"]["optimizer"], result["args"]["elementwise"]) == ("normuon", "lion")
     assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
-    # A sharded checkpoint resumes only as a sharded run.
-    assert _train(part, "--resume") == 2
+    # A sharded checkpoint resumes only as a sharded run, and only with its elementwise part.
+    capsys.readouterr()
+    assert _train(part, *VARIANT, "--resume") == 2
+    assert "--fsdp: checkpoint True, now False" in capsys.readouterr().err
+    assert _train(part, "--optimizer", "normuon", "--fsdp", "--resume") == 2
+    assert "--elementwise: checkpoint 'lion', now 'adamw'" in capsys.readouterr().err
 
 
 def _losses(rows: list[dict]) -> list[tuple]:
@@ -268,21 +283,20 @@ def test_train_bf16_parameters_resume_exactly_and_at_either_dtype(tmp_path, fsdp
     """`--param-dtype bf16` at 2 ranks: under --fsdp FSDP2's mixed precision (bf16 forward
     and backward, fp32 master shards and optimizer state, gradients reduced in fp32), without
     it the layer-wise optimizer (bf16 parameters, fp32 masters and state on their owners).
-    The loss falls; stopped after step 3 and resumed, the run repeats the uninterrupted one
-    bit for bit (the checkpoint holds every fp32 master and state tensor, and the resumed
-    ranks redo the same arithmetic); the same checkpoint resumes at --param-dtype fp32 too,
-    each metrics row naming its dtype."""
+    The loss falls; resumed from its step-3 checkpoint (`_rewind`), the run repeats the
+    uninterrupted one bit for bit (the checkpoint holds every fp32 master and state tensor,
+    and the resumed ranks redo the same arithmetic); the same checkpoint resumes at
+    --param-dtype fp32 too, each metrics row naming its dtype."""
     from torch.distributed.checkpoint import FileSystemReader
 
     mode = ("--fsdp",) if fsdp else ()
     bf16 = (*mode, "--param-dtype", "bf16")
-    whole, part, other = tmp_path / "whole", tmp_path / "part", tmp_path / "other"
+    whole = tmp_path / "whole"
     assert _train(whole, *bf16) == 0
-    assert _train(part, *bf16, "--stop-after", "3") == 0
-    shutil.copytree(part, other)
+    part, other = _rewind(whole, 3, tmp_path / "part"), _rewind(whole, 3, tmp_path / "other")
     assert _train(part, *bf16, "--resume") == 0
     rows, resumed = _metrics(whole), _metrics(part)
-    assert [r["step"] for r in resumed] == list(range(7))
+    assert [r["step"] for r in resumed] == list(range(7)) and _cold(resumed) == [1, 2, 4, 5]
     assert _losses(resumed) == _losses(rows)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 3 and vals[-1] < vals[0] - 0.5, vals
@@ -303,6 +317,7 @@ def test_train_bf16_parameters_resume_exactly_and_at_either_dtype(tmp_path, fsdp
     assert _train(other, *mode, "--param-dtype", "fp32", "--resume") == 0
     mixed = _metrics(other)
     assert [r["param_dtype"] for r in mixed] == ["bf16"] * 4 + ["fp32"] * 3
+    assert _cold(mixed) == [1, 2, 4, 5]
     assert _losses(mixed[:4]) == _losses(rows[:4])
     assert mixed[-1]["val_loss"] < vals[1]
 
@@ -342,7 +357,7 @@ def test_train_rejects_bad_flags(tmp_path, capsys):
 def test_compare_writes_summary_and_plot(tmp_path):
     out = tmp_path / "cmp"
     argv = ["compare", "--nproc", "1", "--steps", "4", "--batch", "2", "--eval-every", "2",
-            "--out", str(out), "--no-progress"]  # fmt: skip
+            "--segments", "2", "--out", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["runs"]) == {"adamw", "muon"}
@@ -365,16 +380,20 @@ def test_compare_writes_summary_and_plot(tmp_path):
     report = (out / "report.md").read_text()
     assert "| final validation loss (nats/byte) |" in report and "target" not in report
     # The report's figures are taken over the rows the loop's throughput uses.
+    from orthoptim.train.compare import segment_ends
     from orthoptim.train.loop import timed_rows, upper_median
     from orthoptim.train.runfolder import read_metrics
 
     for name, run in summary["runs"].items():
         timed = timed_rows(read_metrics(out / name / "metrics.jsonl"))
         assert run["median_step_time_s"] == upper_median([r["step_time_s"] for r in timed])
-    # The runs took turns in 4 segments, each resumed: the same losses as one stretch each.
-    assert summary["segments"] == 4
+    # The runs took turns in 2 segments, the second resumed: the same losses as one stretch
+    # each. (One resume per run shows it; more segments are more of the same launches, and
+    # where they end is `segment_ends`: at most one per step.)
+    assert summary["segments"] == 2
+    assert segment_ends(4, 5) == [1, 2, 3, 4] and segment_ends(4, 2) == [2, 4]
     whole = tmp_path / "whole"
-    assert main([*argv[:-3], "--out", str(whole), "--no-progress", "--segments", "1"]) == 0
+    assert main([*argv[:-5], "--out", str(whole), "--no-progress", "--segments", "1"]) == 0
     once = json.loads((whole / "summary.json").read_text())
     for name, run in summary["runs"].items():
         assert [v for *_, v in run["val_curve"]] == [v for *_, v in once["runs"][name]["val_curve"]]
@@ -425,7 +444,7 @@ def test_compare_several_optimizers_reports_each_against_the_baseline(tmp_path, 
 def test_compare_sweep_keeps_each_optimizers_best_lr(tmp_path):
     out = tmp_path / "sweep"
     argv = ["compare", "--nproc", "1", "--steps", "2", "--batch", "2", "--eval-every", "2",
-            "--segments", "2", "--sweep", "--muon-lr", "0.05", "--out", str(out),
+            "--segments", "1", "--sweep", "--muon-lr", "0.05", "--out", str(out),
             "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
