@@ -7,7 +7,8 @@ Each rank runs `fn` after `init_process_group(backend)` (default "gloo"); with a
 `device` it first calls `torch.cuda.set_device(device)`, so every rank can share one GPU
 ("cuda:gloo": CUDA tensors only, as under NCCL, which refuses two ranks on one GPU). Its
 return value (picklable) comes back in rank order. An exception on any rank fails the caller
-with that rank's traceback.
+with that rank's traceback. Ranks are forks of one server process (the "forkserver" start
+method) that imported torch once, each given the caller's environment as it is at the call.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ import torch.multiprocessing as mp
 
 from orthoptim.collectives import backend_devices
 
+# Ranks start as forks of one server process that has imported these already (torch's
+# import and the torch._dynamo import its first optimizer triggers cost seconds per rank).
+mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "orthoptim"])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,7 +49,11 @@ def _worker(
     backend: str = "gloo",
     device: str | None = None,
     timeout: float | None = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
+    if environ is not None:  # the caller's environment now, not the fork server's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     path = os.path.join(outdir, f"rank{rank}.pt")
@@ -98,11 +107,22 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
         try:
-            mp.spawn(
+            mp.start_processes(
                 _worker,
-                args=(world_size, port, outdir, fn, args, backend, device, timeout),
+                args=(
+                    world_size,
+                    port,
+                    outdir,
+                    fn,
+                    args,
+                    backend,
+                    device,
+                    timeout,
+                    dict(os.environ),
+                ),
                 nprocs=world_size,
                 join=True,
+                start_method="forkserver",
             )
         except Exception as exc:
             errors = []
