@@ -81,6 +81,19 @@ def _torch_clip_unwrapped(rank, world_size):
     return message
 
 
+def _twice_without_no_sync(rank, world_size):
+    """Two backwards before step() on the unwrapped model, the first outside no_sync()."""
+    model = make_model()
+    LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.03)
+    (x0, y0), (x1, y1) = _micro(rank, world_size, 0)
+    loss_fn(model, x0, y0).backward()
+    try:
+        loss_fn(model, x1, y1).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def _rank0_state_dict(rank, world_size):
     """state_dict() by rank 0 alone: how long until it fails, and the message; then
     prepare_state_dict() on every rank and state_dict() by rank 0 alone, against the
@@ -129,6 +142,7 @@ def _legs(rank, world_size):
     return {
         "ddp": {lw: _ddp_run(rank, world_size, lw) for lw in (False, True)},
         "clip": _torch_clip_unwrapped(rank, world_size),
+        "twice": _twice_without_no_sync(rank, world_size),
         "rank0": _rank0_state_dict(rank, world_size),
         "model_sd": _model_state_after_step(rank, world_size),
     }
@@ -159,6 +173,13 @@ def test_torch_clipping_of_the_unwrapped_model_is_refused(legs):
     the model's: step() raises naming opt.clip_grad_norm_, and the next step runs."""
     for res in legs:
         assert res["clip"] is not None and "opt.clip_grad_norm_" in res["clip"], res["clip"]
+
+
+def test_accumulation_without_no_sync_is_refused_unwrapped(legs):
+    """Unwrapped, at 2 ranks, the first backward's gradients are being reduced when the
+    second arrives: it raises, naming opt.no_sync()."""
+    for res in legs:
+        assert res["twice"] is not None and "opt.no_sync()" in res["twice"], res["twice"]
 
 
 def test_a_rank0_state_dict_fails_fast_or_works_when_prepared(legs):
