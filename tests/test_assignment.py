@@ -273,10 +273,9 @@ def test_ns_flops_equal_the_flops_newton_schulz_does(shape):
     its diagonal blocks' overhead (a triangle plus full diagonal blocks: ≤ 20 % more)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from orthoptim.newton_schulz import newton_schulz
-
     from orthoptim import kernels
     from orthoptim.kernels import syrk_cpu
+    from orthoptim.newton_schulz import newton_schulz
 
     X = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:

@@ -107,7 +107,7 @@ def test_dispatch_falls_back_to_matmul() -> None:
             assert kernels.backend_for(torch.randn(600, 60, requires_grad=True)) == "cpu_syrk"
     bf = torch.randn(40, 30, dtype=torch.bfloat16)
     assert torch.equal(kernels.gram(bf), bf @ bf.mT)
-    with pytest.raises(ValueError, match="force_path.*gram_form_syrk"):
+    with pytest.raises(ValueError, match="force_path.*gram_form_syrk"):  # noqa: SIM117
         with kernels.force_path("blocked"):  # type: ignore[arg-type]
             pass
 

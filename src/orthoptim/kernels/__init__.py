@@ -114,9 +114,7 @@ def force_path(path: PathName) -> Iterator[None]:
     n >= GRAM_FORM_ASPECT·m, else its step-form counterpart), unmeasured. Nestable, the
     innermost wins; `force_matmul` still overrides it."""
     if path not in calibration.PATHS:
-        raise ValueError(
-            f"force_path: path {path!r} is not one of {', '.join(calibration.PATHS)}"
-        )
+        raise ValueError(f"force_path: path {path!r} is not one of {', '.join(calibration.PATHS)}")
     _forced_paths.append(path)
     try:
         yield

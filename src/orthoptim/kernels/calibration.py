@@ -31,6 +31,7 @@ with `orthoptim bench syrk --tune`, on every machine of the job), else the plain
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -130,6 +131,7 @@ def cache_path() -> Path:
     return Path(root) / "orthoptim" / CACHE_NAME
 
 
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
     try:
@@ -343,7 +345,11 @@ def read_cache(path: Path) -> dict[str, dict[str, Any]]:
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
         return {}
     entries = data.get("entries")
-    return {k: v for k, v in entries.items() if isinstance(v, dict)} if isinstance(entries, dict) else {}
+    return (
+        {k: v for k, v in entries.items() if isinstance(v, dict)}
+        if isinstance(entries, dict)
+        else {}
+    )
 
 
 def write_cache(path: Path, entries: dict[str, dict[str, Any]]) -> None:

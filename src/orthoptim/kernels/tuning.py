@@ -43,8 +43,9 @@ TABLE_DIR = Path(__file__).with_name("tables")
 TABLE_FORMAT = 1
 MATMUL = "matmul"
 # Without a table: the Triton SYRK only on FALLBACK_DEVICES, in FALLBACK_DTYPE and from this many
-# rows; every other GPU model takes torch's product until measured. Measured on one H200 (bf16, triton 3.6, the 128×128×64 tile of `default_config`): Gram of 2048² 0.033 ms
-# against torch X@Xᵀ 0.027 (slower), 4096² 0.124 against 0.177 (faster); see docs/benchmarks.md.
+# rows; every other GPU model takes torch's product until measured. Measured on one H200 (bf16,
+# triton 3.6, the 128×128×64 tile of `default_config`): Gram of 2048² 0.033 ms against
+# torch X@Xᵀ 0.027 (slower), 4096² 0.124 against 0.177 (faster); see docs/benchmarks.md.
 FALLBACK_MIN_ROWS = 4096
 FALLBACK_DTYPE = torch.bfloat16
 FALLBACK_DEVICES = ("NVIDIA H200",)
