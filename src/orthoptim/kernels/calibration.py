@@ -262,7 +262,8 @@ class Calibrator:
 
     def decide(self, X: Tensor, remeasure: bool = False) -> Decision:
         """The path for Newton-Schulz on X ([..., m, n], CPU), decided once per shape class.
-        `remeasure` races even a class decided or cached (when measuring is enabled)."""
+        `remeasure` races even a class decided or cached, whatever `measuring_enabled` says
+        (an explicit request: `orthoptim bench syrk --tune`), and rewrites its cache entry."""
         m, n = X.shape[-2], X.shape[-1]
         batch = math.prod(X.shape[:-2])
         threads = torch.get_num_threads()
@@ -287,7 +288,7 @@ class Calibrator:
         cached = None if remeasure else self._read().get(key)
         if cached is not None and cached.get("path") in paths:
             return Decision(cached["path"], "cached", key, shape, dtype, dict(cached.get("ms", {})))
-        if not measuring_enabled():
+        if not remeasure and not measuring_enabled():
             return Decision("matmul", "default", key, shape, dtype)
         start = time.perf_counter()
         with torch.no_grad():
