@@ -212,3 +212,25 @@ def test_small_and_half_precision_matrices_are_not_raced(measuring: Path) -> Non
     assert cal.decide(torch.randn(40, 60, dtype=torch.bfloat16)).reason == "not raced"
     with kernels.force_matmul():
         assert kernels.path_for(torch.randn(40, 60)).reason == "forced"
+
+
+def test_the_race_stops_timing_a_path_that_cannot_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first round a path over PRUNE times the best is timed no further; the close
+    ones are repeated up to REPEATS times, within the budget."""
+    sleeps = {"gram_matmul": 2, "poly_matmul": 1, "apply": 2, "sym_matmul": 0.6}
+    sleeps |= {"gram_syrk": 40, "poly_syrk": 1}
+    calls = dict.fromkeys(sleeps, 0)
+
+    def product(name: str):
+        def run() -> None:
+            calls[name] += 1
+            time.sleep(sleeps[name] * 1e-3)
+
+        return run
+
+    monkeypatch.setattr(calibration, "_products", lambda X, paths: {n: product(n) for n in sleeps})
+    ms = calibration.race(torch.zeros(4, 8), ("matmul", "cpu_syrk", "gram_form"))
+    assert calls["gram_syrk"] == calls["poly_syrk"] == 1
+    assert calls["gram_matmul"] == calls["sym_matmul"] == 1 + calibration.REPEATS
+    assert calibration.winner(ms) == "gram_form"
+    assert ms["cpu_syrk"] >= 3 * 40

@@ -9,9 +9,9 @@ A *path* is how the symmetric products of one Newton-Schulz iteration are comput
 
 Without a measurement the path is "matmul": it never loses to itself. The first time a *shape
 class* is met, the products each path is made of are raced side by side on the matrix itself
-(a warm call, then round-robin repeats while the budget `BUDGET_S` lasts, at most `REPEATS`;
-minimum time per product; no repeat is begun that would end past the budget) and the path
-whose run of `RUN_STEPS` steps adds up fastest wins;
+(a first call, then round-robin repeats while the budget `BUDGET_S` lasts, at most `REPEATS`,
+of the products of the paths still within `PRUNE` of the best; minimum time per product) and
+the path whose run of `RUN_STEPS` steps adds up fastest wins;
 a path other than "matmul" has to win by `MARGIN`. A shape class is (CPU model, torch
 version, thread count, dtype, one matrix or a stack, rows and columns rounded to the nearest
 half octave): the first shape met speaks for its class.
@@ -58,9 +58,12 @@ Reason = Literal["measured", "cached", "default", "forced", "not raced"]
 PATHS: tuple[PathName, ...] = ("matmul", "cpu_syrk", "gram_form", "gram_form_syrk")
 SYRK_PATHS = ("cpu_syrk", "gram_form_syrk")
 GRAM_PATHS = ("gram_form", "gram_form_syrk")
-# Seconds of racing per shape class, warm calls included: no repeat is begun that would end
-# past it (one is always timed, so a shape whose products take longer than this overruns).
+# Seconds of racing per shape class, first calls included: no repeat is begun that would end
+# past it (every product is called once, so a shape whose products take longer overruns).
 BUDGET_S = 0.9
+# A path whose time is more than this many times the best path's after a round is raced no
+# further.
+PRUNE = 1.5
 REPEATS = 5
 # A path other than the plain product wins only by this fraction (timing noise on a shared
 # machine is a few per cent).
@@ -197,6 +200,13 @@ def _products(X: Tensor, paths: tuple[PathName, ...]) -> dict[str, Callable[[], 
     return calls
 
 
+def _needs(path: PathName) -> tuple[str, ...]:
+    """The products `path_times` adds up for `path`."""
+    impl = "syrk" if path in SYRK_PATHS else "matmul"
+    sym = ("sym_syrk" if impl == "syrk" else "sym_matmul",) if path in GRAM_PATHS else ()
+    return (f"gram_{impl}", f"poly_{impl}", "apply", *sym)
+
+
 def path_times(t: dict[str, float], paths: tuple[PathName, ...]) -> dict[str, float]:
     """Each path's time for RUN_STEPS steps from its products' times `t`: the step form takes
     a Gram, a polynomial and an apply per step; the Gram form one Gram, a polynomial per step,
@@ -204,12 +214,11 @@ def path_times(t: dict[str, float], paths: tuple[PathName, ...]) -> dict[str, fl
     r = RUN_STEPS
     out: dict[str, float] = {}
     for p in paths:
-        impl = "syrk" if p in SYRK_PATHS else "matmul"
+        gram, poly, apply, *sym = (t[name] for name in _needs(p))
         if p in GRAM_PATHS:
-            sym = t["sym_syrk" if impl == "syrk" else "sym_matmul"]
-            out[p] = t[f"gram_{impl}"] + r * t[f"poly_{impl}"] + 3 * (r - 1) * sym + t["apply"]
+            out[p] = gram + r * poly + 3 * (r - 1) * sym[0] + apply
         else:
-            out[p] = r * (t[f"gram_{impl}"] + t[f"poly_{impl}"] + t["apply"])
+            out[p] = r * (gram + poly + apply)
     return out
 
 
@@ -218,21 +227,27 @@ Racer = Callable[[Tensor, tuple[PathName, ...]], dict[str, float]]
 
 def race(X: Tensor, paths: tuple[PathName, ...]) -> dict[str, float]:
     """Milliseconds per path (RUN_STEPS steps) on X, from its products timed side by side:
-    one warm call each, then round-robin repeats (min time) while BUDGET_S lasts."""
+    the first call of each is a sample too, then round-robin repeats (min time per product)
+    while BUDGET_S lasts, of the products of the paths still within PRUNE of the best (a
+    path's time only falls with more samples, so one that far behind cannot win)."""
     calls = _products(X, paths)
     start = time.perf_counter()
-    for fn in calls.values():
+    best: dict[str, float] = {}
+    for name, fn in calls.items():
+        t0 = time.perf_counter()
         fn()
-    best = dict.fromkeys(calls, math.inf)
+        best[name] = (time.perf_counter() - t0) * 1e3
     for _ in range(REPEATS):
-        begun = time.perf_counter()
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
-        now = time.perf_counter()
-        if now + (now - begun) - start > BUDGET_S:
+        ms = path_times(best, paths)
+        live = [p for p in paths if ms[p] <= PRUNE * min(ms.values())]
+        names = {n for p in live for n in _needs(p)}
+        cost = sum(best[n] for n in names) * 1e-3
+        if len(live) == 1 or time.perf_counter() + cost - start > BUDGET_S:
             break
+        for name in (n for n in calls if n in names):
+            t0 = time.perf_counter()
+            calls[name]()
+            best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
     return path_times(best, paths)
 
 
