@@ -11,8 +11,8 @@ Without a measurement the path is "matmul": it never loses to itself. The first 
 class* is met, the products each path is made of are raced side by side on the matrix itself
 (a first call, then round-robin repeats while the budget `BUDGET_S` lasts, at most `REPEATS`,
 of the products of the paths still within `PRUNE` of the best; minimum time per product) and
-the path whose run of `RUN_STEPS` steps adds up fastest wins;
-a path other than "matmul" has to win by `MARGIN`. A shape class is (CPU model, torch
+the path whose run of `RUN_STEPS` steps adds up fastest wins; a path other than "matmul" has
+to win by `MARGIN`. A shape class is (CPU model, torch
 version, thread count, dtype, one matrix or a stack, rows and columns rounded to the nearest
 half octave): the first shape met speaks for its class.
 
@@ -27,6 +27,9 @@ Measuring is off with `ORTHOPTIM_KERNEL_CALIBRATION=0`, and inside a distributed
 could decide differently, and the layering keeps process groups out of this package. There
 the cache file decides (all ranks on a machine read the same file: fill it before the job
 with `orthoptim bench syrk --tune`, on every machine of the job), else the plain product.
+No collective is added for this: a rank-consistent race (rank 0 measures and broadcasts)
+would have to live in `orthoptim.collectives`, which this package does not import. Under
+`torch.compile` nothing is measured either (`kernels.path_for` takes the plain product).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ BUDGET_S = 0.9
 # A path whose time is more than this many times the best path's after a round is raced no
 # further.
 PRUNE = 1.5
+# At most this many round-robin repeats after the first calls.
 REPEATS = 5
 # A path other than the plain product wins only by this fraction (timing noise on a shared
 # machine is a few per cent).
