@@ -1,5 +1,16 @@
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+# Kernel paths are the same on every machine under test: no racing (the plain product unless a
+# test forces or plants one), and no user's cache file read or written.
+os.environ["ORTHOPTIM_KERNEL_CALIBRATION"] = "0"
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="orthoptim-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 
 @pytest.fixture(autouse=True)

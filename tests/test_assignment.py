@@ -36,7 +36,9 @@ def test_unit_cost_formulas():
         m * m * n + 2 * m * m * n + 2 * m**3 + 3 * 2 * m**3
     )
     # the CPU SYRK also halves the Gram form's m×m products: 6m²n + 14m³ for 5 steps
-    assert MatrixCost("cpu").of((768, 3072), "muon") == 6 * m * m * n + 14 * m**3
+    assert ns_flops(768, 3072, 5, ("gram", "cpu_syrk")) == 6 * m * m * n + 14 * m**3
+    # on CPU, unmeasured, every matrix takes the plain product (`kernels.calibration`)
+    assert MatrixCost("cpu").of((768, 3072), "muon") == plain.of((768, 3072), "muon")
     assert unit_cost((64, 32), "soap") == 64**3 + 32**3
     assert unit_cost((4, 64, 32), "soap") == 4 * (64**3 + 32**3)
     assert unit_cost((64, 32), "adamw") == 64 * 32
@@ -271,6 +273,8 @@ def test_ns_flops_equal_the_flops_newton_schulz_does(shape):
     its diagonal blocks' overhead (a triangle plus full diagonal blocks: ≤ 20 % more)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from orthoptim import kernels
+    from orthoptim.kernels import syrk_cpu
     from orthoptim.newton_schulz import newton_schulz
 
     X = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
@@ -278,12 +282,23 @@ def test_ns_flops_equal_the_flops_newton_schulz_does(shape):
         newton_schulz(X, steps=5)
     path = ns_path(*shape, "cpu", torch.float32)
     formula = ns_flops(*shape, 5, path)
-    assert formula == MatrixCost("cpu").flops(*shape)
-    if path[1] == "matmul":
-        assert counter.get_total_flops() == formula, path
-    else:
-        assert formula <= counter.get_total_flops() <= 1.2 * formula, path
-    assert formula <= ns_flops(*shape, 5)  # never above the plain-matmul count
+    assert formula == MatrixCost("cpu").flops(*shape) == counter.get_total_flops()
+    # every path the CPU calibration can pick, forced: its formula against the counter
+    forms = {"matmul": ("step", "matmul"), "cpu_syrk": ("step", "cpu_syrk"),
+             "gram_form": ("gram", "matmul"), "gram_form_syrk": ("gram", "cpu_syrk")}  # fmt: skip
+    Z = X if shape[0] <= shape[1] else X.mT
+    for forced in forms:
+        with kernels.force_path(forced), FlopCounterMode(display=False) as counter:
+            taken = forms[kernels.path_for(Z).path]
+            newton_schulz(X, steps=5)
+        if min(shape) <= syrk_cpu.LEAF_ROWS:  # one diagonal block: the plain product
+            taken = (taken[0], "matmul")
+        formula = ns_flops(*shape, 5, taken)
+        if taken[1] == "matmul":
+            assert counter.get_total_flops() == formula, taken
+        else:
+            assert formula <= counter.get_total_flops() <= 1.2 * formula, taken
+        assert formula <= ns_flops(*shape, 5)  # never above the plain-matmul count
 
 
 def _max_load(a: Assignment) -> float:

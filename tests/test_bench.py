@@ -402,3 +402,44 @@ def test_bench_compile_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_compile_rejects_unknown_optimizer() -> None:
     with pytest.raises(SystemExit, match="hybrid_normuon"):
         cli.main(["bench", "compile", "--optimizers", "muon,soap", "--layers", "1"])
+
+
+def test_bench_syrk_tune_fills_the_cpu_cache_and_bench_step_says_why(
+    capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench syrk --tune` on CPU races the Newton-Schulz paths even with measuring off and
+    writes them to the decisions file; `bench step` and `bench ns` then report each shape's
+    path as cached, and an unlisted one as the default."""
+    from orthoptim import kernels
+    from orthoptim.kernels import calibration, syrk_cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibration, "CALIBRATOR", calibration.Calibrator())
+    monkeypatch.setattr(calibration, "MIN_ROWS", 8)
+    monkeypatch.setattr(syrk_cpu, "LEAF_ROWS", 8)
+    assert not calibration.measuring_enabled()  # the tests turn measuring off
+    argv = ["bench", "syrk", "--shapes", "16x64", "--repeats", "1", "--threads", "1"]
+    report = _run_json(capsys, [*argv, "--tune", "--json"])
+    (path,) = report["kernel_paths"]
+    assert path["reason"] == "measured" and path["shape"] == [1, 16, 64]
+    assert set(path["ms"]) == set(calibration.PATHS)
+    entries = calibration.read_cache(calibration.cache_path())
+    assert [e["path"] for e in entries.values()] == [path["path"]]
+
+    kernels.forget()  # a new process
+    step = ["bench", "step", "--layers", "1", "--width", "16", "--repeats", "1", "--warmup", "0"]
+    report = _run_json(capsys, [*step, "--threads", "1", "--json"])
+    paths = {tuple(p["shape"]): p for p in report["kernel_paths"]}
+    assert paths[(1, 16, 64)]["reason"] == "cached"
+    assert paths[(1, 16, 64)]["path"] == path["path"]
+    assert paths[(1, 16, 16)]["reason"] == "default"  # never measured: the plain product
+    assert paths[(1, 16, 16)]["path"] == "matmul"
+    ns = ["bench", "ns", "--shapes", "64x16", "--dtypes", "float32", "--repeats", "1"]
+    report = _run_json(capsys, [*ns, "--warmup", "0", "--threads", "1", "--json"])
+    (res,) = report["results"]
+    assert [p["reason"] for p in res["kernel_paths"]] == ["cached"]
+    names = {c["name"]: c for c in res["cases"]}
+    assert names["orthoptim"]["note"] == f"kernels: {path['path']}"
+    assert cli.main([*ns, "--warmup", "0", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert f"16x64 float32: {path['path']} (cached" in text and "kernel paths" in text

@@ -86,37 +86,46 @@ def test_blocked_syrk_recurses_and_mirrors() -> None:
 @pytest.mark.parametrize("shape", [(512, 300), (513, 257), (2, 600, 100)])
 def test_dispatch_uses_cpu_syrk_and_matches(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     X = torch.randn(*shape, dtype=dtype)
-    assert kernels.backend_for(X) == "cpu_syrk"
-    assert _rel_err(kernels.gram(X), X @ X.mT) < TOL[dtype]
-    A = kernels.gram(X) / X.shape[-1]
-    assert _rel_err(kernels.sym_square(A), A @ A) < TOL[dtype]
-    assert _rel_err(kernels.sym_poly(A, -2.0, 0.5), -2.0 * A + 0.5 * (A @ A)) < TOL[dtype]
+    with kernels.force_path("cpu_syrk"):
+        assert kernels.backend_for(X) == "cpu_syrk"
+        assert _rel_err(kernels.gram(X), X @ X.mT) < TOL[dtype]
+        A = kernels.gram(X) / X.shape[-1]
+        assert _rel_err(kernels.sym_square(A), A @ A) < TOL[dtype]
+        assert _rel_err(kernels.sym_poly(A, -2.0, 0.5), -2.0 * A + 0.5 * (A @ A)) < TOL[dtype]
 
 
 def test_dispatch_falls_back_to_matmul() -> None:
-    small = torch.randn(kernels.CPU_SYRK_MIN_ROWS - 1, 600)
-    assert kernels.backend_for(small) == "matmul"
-    assert kernels.backend_for(torch.randn(600, 600, dtype=torch.bfloat16)) == "matmul"
-    assert kernels.backend_for(torch.randn(600, 60, requires_grad=True)) == "matmul"
-    with torch.no_grad():
-        assert kernels.backend_for(torch.randn(600, 60, requires_grad=True)) == "cpu_syrk"
+    # unmeasured (the tests turn measuring off), every CPU shape takes the plain product
+    for shape in ((600, 600), (1024, 4096), (2, 600, 100)):
+        X = torch.randn(*shape)
+        assert kernels.backend_for(X) == "matmul" and not kernels.gram_form_pays(X)
+        assert kernels.path_for(X).reason == "default"
+    with kernels.force_path("cpu_syrk"):
+        assert kernels.backend_for(torch.randn(600, 600, dtype=torch.bfloat16)) == "matmul"
+        assert kernels.backend_for(torch.randn(600, 60, requires_grad=True)) == "matmul"
+        with torch.no_grad():
+            assert kernels.backend_for(torch.randn(600, 60, requires_grad=True)) == "cpu_syrk"
     bf = torch.randn(40, 30, dtype=torch.bfloat16)
     assert torch.equal(kernels.gram(bf), bf @ bf.mT)
+    with pytest.raises(ValueError, match="force_path.*gram_form_syrk"):  # noqa: SIM117
+        with kernels.force_path("blocked"):  # type: ignore[arg-type]
+            pass
 
 
 def test_force_matmul_and_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     X = torch.randn(600, 64)
     assert kernels.kernel_mode() == "auto"
-    with kernels.force_matmul():
-        with kernels.force_matmul(False):
-            assert kernels.backend_for(X) == "matmul"  # the outer block still forces
-        assert kernels.kernel_mode() == "matmul"
-    assert kernels.backend_for(X) == "cpu_syrk"
-    monkeypatch.setenv(kernels.ENV_VAR, "matmul")
-    assert kernels.backend_for(X) == "matmul"
-    monkeypatch.setenv(kernels.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=kernels.ENV_VAR):
-        kernels.gram(X)
+    with kernels.force_path("cpu_syrk"):
+        with kernels.force_matmul():
+            with kernels.force_matmul(False):
+                assert kernels.backend_for(X) == "matmul"  # the outer block still forces
+            assert kernels.kernel_mode() == "matmul"
+        assert kernels.backend_for(X) == "cpu_syrk"
+        monkeypatch.setenv(kernels.ENV_VAR, "matmul")
+        assert kernels.backend_for(X) == "matmul"
+        monkeypatch.setenv(kernels.ENV_VAR, "fast")
+        with pytest.raises(ValueError, match=kernels.ENV_VAR):
+            kernels.gram(X)
 
 
 def test_bad_shapes_are_named() -> None:
@@ -128,8 +137,7 @@ def test_bad_shapes_are_named() -> None:
 
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the blocked SYRK kick in at small sizes so Newton-Schulz tests stay fast."""
-    monkeypatch.setattr(kernels, "CPU_SYRK_MIN_ROWS", 32)
+    """Make the blocked SYRK split at small sizes so Newton-Schulz tests stay fast."""
     monkeypatch.setattr(syrk_cpu, "LEAF_ROWS", 16)
 
 
@@ -139,8 +147,9 @@ def test_newton_schulz_with_kernels_matches_matmul(
     shape: tuple[int, ...], dtype: torch.dtype, small_blocks: None
 ) -> None:
     G = torch.randn(*shape, dtype=dtype)
-    assert kernels.backend_for(G.mT if shape[-2] > shape[-1] else G) == "cpu_syrk"
-    fast = newton_schulz(G, steps=5)
+    with kernels.force_path("cpu_syrk"):
+        assert kernels.backend_for(G.mT if shape[-2] > shape[-1] else G) == "cpu_syrk"
+        fast = newton_schulz(G, steps=5)
     with kernels.force_matmul():
         plain = newton_schulz(G, steps=5)
     tol = 1e-4 if dtype == torch.float32 else 1e-11
@@ -152,49 +161,46 @@ def test_newton_schulz_with_kernels_matches_matmul(
     assert ((fast.double() - P).norm() / P.norm()).item() < 0.35
 
 
+@pytest.mark.parametrize("path", ["gram_form", "gram_form_syrk"])
 @pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
 @pytest.mark.parametrize("shape", [(48, 130), (130, 48), (2, 40, 96)])
 def test_gram_form_matches_matmul_and_svd(
-    shape: tuple[int, ...], coefficients: str, small_blocks: None
+    shape: tuple[int, ...], coefficients: str, path: str, small_blocks: None
 ) -> None:
     X, U, V, _ = ill_conditioned(shape[-2], shape[-1], cond=1e3)
     if len(shape) == 3:
         X = torch.stack([X, X.flip(0)])
     G = X.float()
     wide = G.mT if shape[-2] > shape[-1] else G
-    assert kernels.gram_form_pays(wide)
-    fast = newton_schulz(G, steps=5, coefficients=coefficients)
-    with kernels.force_matmul():
-        assert not kernels.gram_form_pays(wide)
-        plain = newton_schulz(G, steps=5, coefficients=coefficients)
+    with kernels.force_path(path):  # type: ignore[arg-type]
+        assert kernels.gram_form_pays(wide)
+        assert kernels.backend_for(wide) == ("cpu_syrk" if path == "gram_form_syrk" else "matmul")
+        fast = newton_schulz(G, steps=5, coefficients=coefficients)
+        with kernels.force_matmul():
+            assert not kernels.gram_form_pays(wide)
+            plain = newton_schulz(G, steps=5, coefficients=coefficients)
     assert (fast - plain).abs().max().item() < 1e-4
     # same singular vectors as the input (the test of tests/test_newton_schulz.py)
     D = U.T @ fast[0 if len(shape) == 3 else ...].double() @ V
     assert (D - torch.diag(torch.diagonal(D))).abs().max() < 1e-4
 
 
-def test_gram_form_only_where_it_pays(small_blocks: None) -> None:
-    assert kernels.gram_form_pays(torch.randn(40, 80))
-    assert not kernels.gram_form_pays(torch.randn(40, 79))  # n < 2m: step form is cheaper
-    assert not kernels.gram_form_pays(torch.randn(40, 96, dtype=torch.bfloat16))
-    assert not kernels.gram_form_pays(torch.randn(16, 96))  # below the kernels' row threshold
+def test_gram_form_only_where_it_applies(small_blocks: None) -> None:
+    assert not kernels.gram_form_pays(torch.randn(40, 80))  # unmeasured: the plain product
+    with kernels.force_path("gram_form_syrk"):
+        assert kernels.gram_form_pays(torch.randn(40, 80))
+        assert not kernels.gram_form_pays(torch.randn(40, 79))  # n < 2m: step form is cheaper
+        assert kernels.path_for(torch.randn(40, 79)).path == "cpu_syrk"
+        assert not kernels.gram_form_pays(torch.randn(40, 96, dtype=torch.bfloat16))
+    with kernels.force_path("gram_form"):
+        assert kernels.path_for(torch.randn(40, 79)).path == "matmul"
 
 
-def test_gram_form_below_the_syrk_threshold_needs_a_wider_aspect() -> None:
-    m = kernels.GRAM_FORM_MIN_ROWS_CPU
-    assert m < kernels.CPU_SYRK_MIN_ROWS
-    assert kernels.gram_form_pays(torch.randn(m, int(kernels.GRAM_FORM_ASPECT_SMALL * m)))
-    assert not kernels.gram_form_pays(torch.randn(m, int(kernels.GRAM_FORM_ASPECT * m)))
-    assert not kernels.gram_form_pays(torch.randn(m - 1, 4 * m))
-    X = torch.randn(m, 4 * m)
-    with kernels.force_matmul():
-        plain = newton_schulz(X)
-    assert (newton_schulz(X) - plain).abs().max().item() < 1e-4
-
-
-def test_newton_schulz_default_sizes_match_matmul() -> None:
-    G = torch.randn(520, 600)
-    fast = newton_schulz(G, steps=2)
+@pytest.mark.parametrize("path", ["matmul", "cpu_syrk", "gram_form", "gram_form_syrk"])
+def test_newton_schulz_default_sizes_match_matmul(path: str) -> None:
+    G = torch.randn(260, 600)
+    with kernels.force_path(path):  # type: ignore[arg-type]
+        fast = newton_schulz(G, steps=2)
     with kernels.force_matmul():
         plain = newton_schulz(G, steps=2)
     assert (fast - plain).abs().max().item() < 1e-4

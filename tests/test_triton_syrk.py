@@ -78,14 +78,38 @@ def test_table_round_trip_and_choice_on_its_device(
     try:
         assert tuning.choose(torch.zeros(600, 700), has_c=False) == cfg
         assert tuning.choose(torch.zeros(50, 70), has_c=False) == MATMUL
-        # nothing measured with the epilogue: the measured row threshold decides
+        # nothing measured with the epilogue on this device: torch's product
         assert tuning.choose(torch.zeros(600, 600), has_c=True) == MATMUL
         big = torch.zeros(1, tuning.FALLBACK_MIN_ROWS, 1, dtype=torch.bfloat16)
-        assert tuning.choose(big, has_c=True) == tuning.default_config(torch.bfloat16)
-        # the threshold was measured in bf16 only: other dtypes keep torch's product
-        assert tuning.choose(big.half(), has_c=True) == MATMUL
+        assert tuning.choose(big, has_c=True) == MATMUL
     finally:
         monkeypatch.delenv(tuning.TABLE_ENV)
+        tuning.forget()
+
+
+def test_a_gpu_model_without_a_table_takes_the_plain_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No shipped table and no tuning: torch's product on every shape of a planted GPU model;
+    the row threshold serves only the model it was measured on, in bf16 only."""
+    big = torch.zeros(1, tuning.FALLBACK_MIN_ROWS, 1, dtype=torch.bfloat16)
+    monkeypatch.delenv(tuning.TABLE_ENV, raising=False)
+    monkeypatch.delenv(tuning.TUNE_ENV, raising=False)
+    try:
+        for name in ("NVIDIA B300 (planted)", "NVIDIA GeForce RTX 5090 (planted)"):
+            monkeypatch.setattr(tuning, "device_name", lambda device, name=name: name)
+            tuning.forget()
+            assert tuning._entries_for(name, tuple(tuning.table_paths())) == ()
+            for X in (big, big.float(), torch.zeros(2, 8192, 64, dtype=torch.bfloat16)):
+                for has_c in (False, True):
+                    assert tuning.choose(X, has_c=has_c) == MATMUL
+        monkeypatch.setattr(tuning, "device_name", lambda device: tuning.FALLBACK_DEVICES[0])
+        tuning.forget()
+        assert tuning.choose(big, has_c=True) == tuning.default_config(torch.bfloat16)
+        assert tuning.choose(big.half(), has_c=True) == MATMUL  # measured in bf16 only
+        small = torch.zeros(tuning.FALLBACK_MIN_ROWS // 2, 8, dtype=torch.bfloat16)
+        assert tuning.choose(small, has_c=False) == MATMUL
+    finally:
         tuning.forget()
 
 
@@ -139,8 +163,9 @@ def test_candidates_fit_shared_memory_and_the_matrix() -> None:
 
 def test_cpu_dispatch_is_untouched_by_the_cuda_choice() -> None:
     X = torch.randn(600, 700)
-    assert kernels.backend_for(X) == "cpu_syrk"
-    assert kernels.syrk_for(X) is not kernels._cuda_syrk
+    with kernels.force_path("cpu_syrk"):
+        assert kernels.backend_for(X) == "cpu_syrk"
+        assert kernels.syrk_for(X) is not kernels._cuda_syrk
 
 
 @pytest.mark.skipif(

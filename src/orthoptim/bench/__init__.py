@@ -337,3 +337,72 @@ def environment() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def kernel_paths(
+    shapes: Sequence[tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
+    remeasure: bool = False,
+) -> list[dict[str, Any]]:
+    """Which path serves Newton-Schulz on each distinct shape ([batch,] rows, cols) and why,
+    decided here, before any timing, so a first-sight race never lands in a timed call.
+
+    On CPU `kernels.path_for` on a random matrix of the shape as Newton-Schulz iterates on it
+    (rows <= columns, one matrix at a time): measured / cached / default / forced / not raced,
+    with the timings of the race (`remeasure`: race again and rewrite the cache entry). On
+    CUDA the per-product dispatch (`kernels.backend_for`, choices from `kernels.tuning`).
+    """
+    from orthoptim import kernels
+    from orthoptim.kernels import calibration
+
+    found: list[dict[str, Any]] = []
+    seen: set[tuple[int, int, int]] = set()
+    gen = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        *lead, rows, cols = shape
+        batch = math.prod(lead) if device.type == "cuda" else 1  # CPU iterates one by one
+        key = (batch, min(rows, cols), max(rows, cols))
+        if key in seen:
+            continue
+        seen.add(key)
+        Z = torch.randn(*key, generator=gen).to(device=device, dtype=dtype)
+        Z = Z[0] if batch == 1 else Z
+        Z /= torch.linalg.matrix_norm(Z.float(), keepdim=True).to(dtype)
+        if device.type != "cpu":
+            line = (
+                f"{'x'.join(map(str, key[1:] if batch == 1 else key))} "
+                f"{str(dtype).removeprefix('torch.')}: {kernels.backend_for(Z)} (per product: "
+                "a kernels.tuning table, ORTHOPTIM_SYRK_TUNE, else torch's product)"
+            )
+            found.append({"shape": list(key), "backend": kernels.backend_for(Z), "line": line})
+            continue
+        if remeasure and kernels.kernel_mode() == "auto":
+            d = calibration.CALIBRATOR.decide(Z, remeasure=True)
+        else:
+            d = kernels.path_for(Z)
+        found.append(
+            {
+                "shape": list(d.shape),
+                "dtype": d.dtype,
+                "path": d.path,
+                "reason": d.reason,
+                "ms": d.ms,
+                "seconds": d.seconds,
+                "line": d.describe(),
+            }
+        )
+    return found
+
+
+def describe_kernel_paths(paths: Sequence[dict[str, Any]]) -> list[str]:
+    """The text lines of `kernel_paths`' result."""
+    if not paths:
+        return []
+    from orthoptim.kernels import calibration
+
+    return [
+        "kernel paths (Newton-Schulz per shape; measured = raced here, cached = "
+        f"{calibration.cache_path()}, default = the plain product):",
+        *(f"  {p['line']}" for p in paths),
+    ]

@@ -27,11 +27,13 @@ from orthoptim.bench import (
     add_common_arguments,
     add_peak_argument,
     add_skip_argument,
+    describe_kernel_paths,
     describe_peak,
     emerging_syrk_skip,
     emit,
     environment,
     import_optional,
+    kernel_paths,
     matmul_peak,
     parse_dtypes,
     rate_against_peak,
@@ -253,7 +255,9 @@ def _gemm_cases(X: Tensor, dtype: torch.dtype) -> list[Case]:
     ]
 
 
-def _candidates(X: Tensor, dtype: torch.dtype, steps: int, coefficients: str) -> list[Case]:
+def _candidates(
+    X: Tensor, dtype: torch.dtype, steps: int, coefficients: str, path: str = ""
+) -> list[Case]:
     Xn = X[0] if X.shape[0] == 1 else X
 
     def ours() -> Tensor:
@@ -277,7 +281,7 @@ def _candidates(X: Tensor, dtype: torch.dtype, steps: int, coefficients: str) ->
         return [zp(x, abc, steps, 1e-7) for x in X.to(dtype)]
 
     return [
-        Case("orthoptim", ours, note=f"kernels: {kernels.backend_for(X.to(dtype))}"),
+        Case("orthoptim", ours, note=f"kernels: {path or kernels.backend_for(X.to(dtype))}"),
         Case(BASELINE, plain, note="same newton_schulz, matmul path forced"),
         Case("torch_muon", torch_muon, note=torch_note, extra={"peer": True}),
         *_peer_cases(X, dtype, steps, coefficients),
@@ -310,7 +314,9 @@ def run(
             shrink = bf16_shrink if low else 1
             r, c = max(1, rows // shrink), max(1, cols // shrink)
             X = torch.randn(batch, r, c, generator=gen).to(device)
-            cases = _candidates(X, dtype, steps, coefficients) + _gemm_cases(X, dtype)
+            paths = kernel_paths([(batch, r, c)], dtype, device)
+            path = paths[0].get("path") or paths[0].get("backend", "")
+            cases = _candidates(X, dtype, steps, coefficients, path) + _gemm_cases(X, dtype)
             reps = min(repeats, bf16_repeats) if low and bf16_repeats else repeats
             warm = 0 if low and bf16_repeats else warmup
             times = time_side_by_side(cases, device, reps, warm, skip)
@@ -340,6 +346,7 @@ def run(
                     "repeats": reps,
                     "plain_flops": flops,
                     "matmul_gflops": matmul,
+                    "kernel_paths": paths,
                     "cases": rows_out,
                 }
             )
@@ -376,6 +383,7 @@ def render(report: dict[str, Any]) -> str:
             f"\n{shape} {res['dtype']}{scaled}, {res['repeats']} repeats, "
             f"matmul {res['matmul_gflops']:.1f} GFLOP/s"
         )
+        lines += describe_kernel_paths(res.get("kernel_paths", []))
         for row in res["cases"]:
             if "skipped" in row:
                 lines.append(f"  {row['name']:<25} skipped: {row['skipped']}")

@@ -31,11 +31,13 @@ from orthoptim.bench import (
     add_common_arguments,
     add_peak_argument,
     add_skip_argument,
+    describe_kernel_paths,
     describe_peak,
     emerging_syrk_skip,
     emit,
     environment,
     import_optional,
+    kernel_paths,
     matmul_peak,
     rate_against_peak,
     setup_device,
@@ -46,6 +48,7 @@ from orthoptim.bench import (
     torch_muon_fp32,
 )
 from orthoptim.bench.ns import ns_flops
+from orthoptim.newton_schulz import resolve_ns_dtype
 
 Params = list[torch.nn.Parameter]
 Builder = Callable[[Params], torch.optim.Optimizer]
@@ -340,6 +343,8 @@ def run(
     shapes = gpt_matrix_shapes(args.layers, args.width)
     peak = matmul_peak(args, device)
     weights, grads = _make_params(shapes, device, args.seed)
+    # Muon's paths (every suite times it), decided before timing: a race is no step's time
+    paths = kernel_paths(shapes, resolve_ns_dtype("auto", device, torch.float32), device)
     cases = []
     candidates = suite.candidates(args)
     for cand in candidates:
@@ -398,6 +403,7 @@ def run(
         "environment": environment(),
         "step_flops": step_flops,
         "matmul_peak": peak,
+        "kernel_paths": paths,
         "cases": rows,
         "headline": headline,
         "median_of_all_s": statistics.median(medians.values()) if medians else None,
@@ -432,6 +438,7 @@ def render(report: dict[str, Any]) -> str:
             f"  {row['name']:<29} {row['median_s'] * 1e3:10.1f} ms  "
             f"x{row['speedup_vs_baseline']:.2f}{rate}  {row['note']}"
         )
+    lines += describe_kernel_paths(report.get("kernel_paths", []))
     h = report["headline"]
     if h:
         rounds = h["per_round_speedups"]

@@ -13,6 +13,11 @@ has it). Each result is checked against the float32 product; times are CUDA-even
 `--write FILE` (with `--tune`) writes the fastest correct candidate of every product,
 the plain product among them, as a table `kernels.tuning` reads (ORTHOPTIM_SYRK_TABLE or
 `src/orthoptim/kernels/tables/`).
+
+On CPU, `--tune` races the Newton-Schulz paths of every shape afresh
+(`kernels.calibration`: plain product, blocked SYRK, Gram form) and writes the winners to
+the CPU decisions file, `$XDG_CACHE_HOME/orthoptim/kernels-cpu.json`, which later processes
+and the ranks of a distributed job read instead of measuring.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from orthoptim.bench import (
     Case,
     add_common_arguments,
     add_peak_argument,
+    describe_kernel_paths,
     describe_peak,
     emit,
     environment,
     import_optional,
+    kernel_paths,
     matmul_peak,
     parse_dtypes,
     rate_against_peak,
@@ -57,6 +64,8 @@ DEFAULT_SHAPES = {
     ),
     "cpu": "256x1024,512x2048,1024x1024",
 }
+# On CPU with --tune: also the shapes of `bench step`'s GPT (width 768) and `bench ns`.
+CPU_TUNE_SHAPES = "256x1024,512x2048,768x768,768x3072,1024x1024,1024x4096"
 BASELINE = "torch"
 # The fused epilogue's coefficients: any b, c exercise it; these are quintic's first step.
 POLY_B, POLY_C = -4.7750, 2.0315
@@ -213,6 +222,8 @@ def run(
     peers: bool = True,
 ) -> dict[str, Any]:
     """Benchmark the Gram and the epilogue of every shape; return the report."""
+    # decided (on CPU with `tune`: raced afresh and cached) before timing `kernels.gram`
+    paths = kernel_paths(shapes, dtype, device, remeasure=tune and device.type == "cpu")
     gen = torch.Generator().manual_seed(0)
     results = []
     seen_poly: set[tuple[int, int]] = set()
@@ -235,6 +246,7 @@ def run(
         "matmul_peak": peak,
         "rounds": rounds,
         "environment": environment(),
+        "kernel_paths": paths,
         "results": results,
     }
 
@@ -268,6 +280,7 @@ def render(report: dict[str, Any]) -> str:
     ]
     if report["matmul_peak"]:
         lines.append(describe_peak(report["matmul_peak"]))
+    lines += describe_kernel_paths(report.get("kernel_paths", []))
     for res in report["results"]:
         shape = "x".join(map(str, res["shape"]))
         label = "X·Xᵀ" if res["product"] == "gram" else "b·A + c·A·A"
@@ -288,12 +301,13 @@ def render(report: dict[str, Any]) -> str:
 
 def _cmd(args: argparse.Namespace) -> int:
     device = setup_device(args)
-    dtypes = parse_dtypes(args.dtype)
+    dtypes = parse_dtypes(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if len(dtypes) != 1:
         raise SystemExit("--dtype names one dtype")
     if args.write and not args.tune:
         raise SystemExit("--write needs --tune: a table records the fastest of every candidate")
-    shapes = parse_shapes(args.shapes or DEFAULT_SHAPES[device.type])
+    default = CPU_TUNE_SHAPES if args.tune and device.type == "cpu" else DEFAULT_SHAPES[device.type]
+    shapes = parse_shapes(args.shapes or default)
     with thread_count(args.threads):
         peak = matmul_peak(args, device)
         report = run(shapes, dtypes[0], device, args.tune, args.repeats, peak, args.peers)
@@ -318,8 +332,15 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     add_common_arguments(p, repeats=3)
     p.add_argument("--shapes", default=None, help="default: a sweep for the device")
-    p.add_argument("--dtype", default="bfloat16", help="one dtype (default bfloat16)")
-    p.add_argument("--tune", action="store_true", help="time every Triton config too (CUDA)")
+    p.add_argument(
+        "--dtype", default=None, help="one dtype (default bfloat16 on cuda, float32 on cpu)"
+    )
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="time every Triton config too (CUDA); on cpu race the Newton-Schulz paths and "
+        "write the winners to the CPU decisions file",
+    )
     p.add_argument(
         "--no-peers",
         dest="peers",

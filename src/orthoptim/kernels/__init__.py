@@ -5,47 +5,56 @@ All three results are symmetric, so only one triangle needs computing (a SYRK): 
 the flops of the general product. These entry points are where the device/dtype dispatch
 lives; every caller goes through them:
 
-- CPU, float32/float64, at least `CPU_SYRK_MIN_ROWS` rows: a recursive blocked SYRK over
-  torch matmuls (`orthoptim.kernels.syrk_cpu`); below that size plain matmul is faster.
+- CPU, float32/float64: the path of the shape (`path_for`): the plain product unless
+  another was measured faster on this machine (`orthoptim.kernels.calibration`: raced on
+  first sight of a shape class, cached in `$XDG_CACHE_HOME/orthoptim/kernels-cpu.json`): the
+  recursive blocked SYRK over torch matmuls (`orthoptim.kernels.syrk_cpu`) and, for wide
+  matrices, the Gram form of Newton-Schulz (`gram_form_pays`).
 - CUDA, float16/bfloat16/float32, when `triton` imports: per shape, whichever of a Triton
   kernel that computes only the tiles on one side of the diagonal
   (`orthoptim.kernels.triton_syrk`) and torch's general product was measured faster on this
-  GPU model (`orthoptim.kernels.tuning`: a table of measurements, tuning on first sight, or
-  the row threshold `tuning.FALLBACK_MIN_ROWS` measured in bf16).
-- anything else (and whenever autograd needs to flow through): plain matmul.
+  GPU model (`orthoptim.kernels.tuning`: a table of measurements, tuning on first sight;
+  without either, torch's product).
+- anything else (and whenever autograd needs to flow through, or under `torch.compile`):
+  plain matmul.
 
 `ORTHOPTIM_KERNELS=matmul` in the environment, or the `force_matmul()` context manager,
-forces the matmul path everywhere (for benchmarks and for checking results).
+forces the matmul path everywhere (for benchmarks and for checking results); `force_path`
+forces one CPU path where it applies (for tests and benchmarks of each path).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
-from orthoptim.kernels import syrk_cpu, tuning
+from orthoptim.kernels import calibration, syrk_cpu, tuning
+from orthoptim.kernels.calibration import Decision, PathName
 
 ENV_VAR = "ORTHOPTIM_KERNELS"
 MODES = ("auto", "matmul")
-# Below this many rows the blocked SYRK's extra launches cost more than the flops it saves
-# (measured with `orthoptim bench ns`: 256×1024 was no faster, 512×2048 ≈ 1.1×).
-CPU_SYRK_MIN_ROWS = 512
-# Newton-Schulz iterates on the m×m Gram matrix when columns >= this many times rows.
-GRAM_FORM_ASPECT = 2.0
-# Below CPU_SYRK_MIN_ROWS (plain matmul everywhere) the Gram form still pays on CPU from this
-# many rows and a wider aspect (measured at 1 thread: 128×512 1.2–1.5×, 256×640 1.25×,
-# 128×256 0.87×, 96×192 0.75×).
-GRAM_FORM_MIN_ROWS_CPU = 128
+# The shape-only CPU rules without a measurement (what `parallel.assignment.ns_path` models):
+# the blocked SYRK and the Gram form serve no shape until measured faster on this machine, so
+# both thresholds are "never". On the AVX2 EPYC machines they were 512 rows for the SYRK and
+# 128 rows (aspect 2.5) for the Gram form; on an AVX-512 Xeon the same rules made a Muon step
+# 0.3x the plain product's speed, hence `calibration`.
+CPU_SYRK_MIN_ROWS = sys.maxsize
+GRAM_FORM_MIN_ROWS_CPU = sys.maxsize
 GRAM_FORM_ASPECT_SMALL = 2.5
+# Newton-Schulz may iterate on the m×m Gram matrix when columns >= this many times rows.
+GRAM_FORM_ASPECT = calibration.GRAM_FORM_ASPECT
 
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _forced_matmul = 0
+_forced_paths: list[PathName] = []
 
 __all__ = [
     "CPU_SYRK_MIN_ROWS",
@@ -54,11 +63,16 @@ __all__ = [
     "GRAM_FORM_ASPECT_SMALL",
     "GRAM_FORM_MIN_ROWS_CPU",
     "MODES",
+    "Decision",
     "backend_for",
+    "decisions",
     "force_matmul",
+    "force_path",
+    "forget",
     "gram",
     "gram_form_pays",
     "kernel_mode",
+    "path_for",
     "sym_matmul_for",
     "sym_poly",
     "sym_square",
@@ -93,6 +107,21 @@ def force_matmul(enabled: bool = True) -> Iterator[None]:
         _forced_matmul -= step
 
 
+@contextmanager
+def force_path(path: PathName) -> Iterator[None]:
+    """Within the block CPU Newton-Schulz takes `path` ("matmul", "cpu_syrk", "gram_form",
+    "gram_form_syrk") wherever it applies (the Gram form to float32/float64 matrices with
+    n >= GRAM_FORM_ASPECT·m, else its step-form counterpart), unmeasured. Nestable, the
+    innermost wins; `force_matmul` still overrides it."""
+    if path not in calibration.PATHS:
+        raise ValueError(f"force_path: path {path!r} is not one of {', '.join(calibration.PATHS)}")
+    _forced_paths.append(path)
+    try:
+        yield
+    finally:
+        _forced_paths.pop()
+
+
 @functools.cache
 def triton_available() -> bool:
     """True when the optional `triton` package imports (install with `.[triton]`)."""
@@ -103,34 +132,66 @@ def triton_available() -> bool:
     return True
 
 
+def path_for(X: Tensor) -> Decision:
+    """The Newton-Schulz path of X ([..., m, n], m <= n, the iterand) on CPU and why (see
+    `calibration.Decision`): forced ("matmul" under `force_matmul` or when autograd flows,
+    `force_path`), else the shape class's decision, raced on first sight where measuring is
+    enabled. Off the CPU, and for dtypes other than float32/float64, "matmul" (the CUDA
+    dispatch is per product: `backend_for`)."""
+    dtype = str(X.dtype).removeprefix("torch.")
+    shape = (math.prod(X.shape[:-2]), X.shape[-2], X.shape[-1])
+    if kernel_mode() == "matmul" or (X.requires_grad and torch.is_grad_enabled()):
+        return Decision("matmul", "forced", shape=shape, dtype=dtype)
+    if X.device.type != "cpu" or X.dtype not in _CPU_DTYPES:
+        return Decision("matmul", "not raced", shape=shape, dtype=dtype)
+    if _forced_paths:
+        path = _forced_paths[-1]
+        if path in calibration.GRAM_PATHS and X.shape[-1] < GRAM_FORM_ASPECT * X.shape[-2]:
+            path = "cpu_syrk" if path == "gram_form_syrk" else "matmul"
+        return Decision(path, "forced", shape=shape, dtype=dtype)
+    if torch.compiler.is_compiling():
+        return Decision("matmul", "default", shape=shape, dtype=dtype)
+    return calibration.CALIBRATOR.decide(X)
+
+
+def decisions() -> list[Decision]:
+    """The CPU shape classes decided in this process (first met first), with why."""
+    return calibration.CALIBRATOR.decisions()
+
+
+def forget() -> None:
+    """Drop every decision (CPU paths and CUDA choices): they are made again on demand."""
+    calibration.CALIBRATOR.forget()
+    tuning.forget()
+
+
 def backend_for(X: Tensor) -> str:
     """Which implementation a symmetric product of the rows of `X` ([..., m, n]) uses:
     "triton", "cpu_syrk" or "matmul". "triton" is the CUDA dispatch: per shape the Triton
-    SYRK or torch's product, whichever `tuning.choose` says was measured faster."""
+    SYRK or torch's product, whichever `tuning.choose` says was measured faster; "cpu_syrk"
+    where `path_for(X)` is a SYRK path."""
     if kernel_mode() == "matmul" or (X.requires_grad and torch.is_grad_enabled()):
         return "matmul"
     if X.device.type == "cuda" and X.dtype in _CUDA_DTYPES and triton_available():
         return "triton"
-    if X.device.type == "cpu" and X.dtype in _CPU_DTYPES and X.shape[-2] >= CPU_SYRK_MIN_ROWS:
+    if X.device.type == "cpu" and path_for(X).path in calibration.SYRK_PATHS:
         return "cpu_syrk"
     return "matmul"
 
 
 def gram_form_pays(X: Tensor) -> bool:
     """Whether Newton-Schulz on `X` ([..., m, n], m <= n) should iterate on its m×m Gram
-    matrix (`newton_schulz_gram_form`): float32/float64 and n >= GRAM_FORM_ASPECT·m; on CPU
-    either m >= CPU_SYRK_MIN_ROWS or m >= GRAM_FORM_MIN_ROWS_CPU with
-    n >= GRAM_FORM_ASPECT_SMALL·m (smaller products run too far below the BLAS peak for the
-    saved flops to show). Half precision is left alone (the Gram form squares the condition
-    number)."""
+    matrix (`newton_schulz_gram_form`): float32/float64 with n >= GRAM_FORM_ASPECT·m, and on
+    CPU only where `path_for(X)` is a Gram-form path (measured faster, cached or forced).
+    Half precision is left alone (the Gram form squares the condition number)."""
     m, n = X.shape[-2], X.shape[-1]
     if kernel_mode() == "matmul" or X.dtype not in _CPU_DTYPES or n < GRAM_FORM_ASPECT * m:
         return False
     if X.requires_grad and torch.is_grad_enabled():
         return False
-    if X.device.type != "cpu" or m >= CPU_SYRK_MIN_ROWS:
+    if X.device.type != "cpu":
         return True
-    return m >= GRAM_FORM_MIN_ROWS_CPU and n >= GRAM_FORM_ASPECT_SMALL * m
+    return path_for(X).path in calibration.GRAM_PATHS
 
 
 def _check(name: str, T: Tensor, square: bool) -> None:

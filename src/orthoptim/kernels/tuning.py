@@ -13,8 +13,9 @@ stages and launch order of the Triton SYRK). Choices come from, in order:
 2. with `ORTHOPTIM_SYRK_TUNE=1`, timing the candidates on first sight of a shape in this
    process (`triton_syrk.tune`). Each rank times for itself, so ranks may decide
    differently: use it to explore, and a table to train;
-3. otherwise, for bfloat16 (the dtype it was measured in), `FALLBACK_MIN_ROWS`: the plain
-   product below it, `default_config` above; for other dtypes the plain product.
+3. otherwise torch's product: a GPU model no table covers takes the one candidate that never
+   loses to itself. The one exception is the model the row threshold `FALLBACK_MIN_ROWS`
+   was measured on (`FALLBACK_DEVICES`, in bfloat16): `default_config` from that many rows.
 
 This module does not import triton: tables and choices are plain data.
 """
@@ -41,11 +42,13 @@ TUNE_ENV = "ORTHOPTIM_SYRK_TUNE"
 TABLE_DIR = Path(__file__).with_name("tables")
 TABLE_FORMAT = 1
 MATMUL = "matmul"
-# Without a table: the Triton SYRK only in FALLBACK_DTYPE and from this many rows. Measured on
-# one H200 (bf16, triton 3.6, the 128×128×64 tile of `default_config`): Gram of 2048² 0.033 ms
-# against torch X@Xᵀ 0.027 (slower), 4096² 0.124 against 0.177 (faster); see docs/benchmarks.md.
+# Without a table: the Triton SYRK only on FALLBACK_DEVICES, in FALLBACK_DTYPE and from this many
+# rows; every other GPU model takes torch's product until measured. Measured on one H200 (bf16,
+# triton 3.6, the 128×128×64 tile of `default_config`): Gram of 2048² 0.033 ms against
+# torch X@Xᵀ 0.027 (slower), 4096² 0.124 against 0.177 (faster); see docs/benchmarks.md.
 FALLBACK_MIN_ROWS = 4096
 FALLBACK_DTYPE = torch.bfloat16
+FALLBACK_DEVICES = ("NVIDIA H200",)
 
 
 @dataclass(frozen=True)
@@ -292,14 +295,17 @@ def choose(X: Tensor, has_c: bool, tuner: Tuner | None = None) -> Choice:
         return found
     if min(batch, m, n) == 0:
         return MATMUL  # nothing to compute
-    entries = _entries_for(device_name(X.device), tuple(table_paths()))
+    device = device_name(X.device)
+    entries = _entries_for(device, tuple(table_paths()))
     choice = lookup(entries, X.dtype, batch, m, n, has_c)
     if choice is None and tuner is not None and tuning_requested():
         X3 = X.reshape(-1, m, n)
         C3 = torch.zeros(X3.shape[0], m, m, dtype=X.dtype, device=X.device) if has_c else None
         choice, _ = tuner(X3, C3)
     if choice is None:
-        measured = X.dtype == FALLBACK_DTYPE and m >= FALLBACK_MIN_ROWS
+        measured = (
+            device in FALLBACK_DEVICES and X.dtype == FALLBACK_DTYPE and m >= FALLBACK_MIN_ROWS
+        )
         choice = default_config(X.dtype) if measured else MATMUL
     _decided[key] = choice
     return choice
