@@ -72,6 +72,7 @@ from orthoptim.optim.state import (
 )
 
 __all__ = [
+    "META_KEY",
     "SCHEDULED_HYPERS",
     "STATE_DICT_TO",
     "CheckpointLoadError",
@@ -86,6 +87,7 @@ __all__ = [
     "load_full_state_dict",
     "load_sharded",
     "load_sharded_state_dict",
+    "parse_sharded_key",
     "save_sharded",
     "sharded_state_dict",
 ]
@@ -94,7 +96,21 @@ __all__ = [
 # every rank, or rank 0 only (the others get {}).
 StateDictTo = Literal["all", "rank0"]
 STATE_DICT_TO: tuple[StateDictTo, ...] = get_args(StateDictTo)
-_META_KEY = "optim/meta"
+# The keys of `sharded_state_dict`: the layout, and each owned parameter's state entries and
+# master copy under its name.
+META_KEY = "optim/meta"
+_STATE_PREFIX, _MASTER_PREFIX = "optim/state/", "optim/master/"
+
+
+def parse_sharded_key(key: str) -> tuple[Literal["state", "master"], str, str] | None:
+    """(kind, parameter name, state entry; "" for a master) of a `sharded_state_dict` key
+    `optim/state/<name>/<entry>` or `optim/master/<name>`; None for any other key."""
+    if key.startswith(_STATE_PREFIX):
+        name, _, entry = key[len(_STATE_PREFIX) :].rpartition("/")
+        return "state", name, entry
+    if key.startswith(_MASTER_PREFIX):
+        return "master", key[len(_MASTER_PREFIX) :], ""
+    return None
 
 
 class CheckpointLoadError(Exception):
@@ -396,7 +412,7 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
     view = state_view(opt)
     view.sync()
     meta = view.layout()
-    out: dict[str, Any] = {_META_KEY: _pack(meta)}
+    out: dict[str, Any] = {META_KEY: _pack(meta)}
 
     def value(name: str, v: Any) -> tuple[str, Any]:
         # a run of a sharded parameter: its boxes of the full-size tensor, under its key
@@ -408,26 +424,29 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
     for n, st in view.owned_state().items():
         for k, v in st.items():
             base, v = value(n, v)
-            out[f"optim/state/{base}/{k}"] = v
+            out[f"{_STATE_PREFIX}{base}/{k}"] = v
     for n, m in view.masters().items():
         base, m = value(n, m)
-        out[f"optim/master/{base}"] = m
+        out[f"{_MASTER_PREFIX}{base}"] = m
     return out
 
 
 def load_sharded_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Install a dict read with DCP (keys as `sharded_state_dict`, for the parameters this
     rank owns now, whatever world size wrote them); validates first, lists every mismatch."""
-    saved_meta = _unpack(sd[_META_KEY], f"the state dict's {_META_KEY!r} entry")
+    saved_meta = _unpack(sd[META_KEY], f"the state dict's {META_KEY!r} entry")
     validate(opt, saved_meta)
     state: dict[str, dict[str, Any]] = {}
     masters: dict[str, Tensor] = {}
     for key, v in sd.items():
-        if key.startswith("optim/state/"):
-            name, _, k = key[len("optim/state/") :].rpartition("/")
+        parsed = parse_sharded_key(key)
+        if parsed is None:
+            continue
+        kind, name, k = parsed
+        if kind == "state":
             state.setdefault(name, {})[k] = v
-        elif key.startswith("optim/master/"):
-            masters[key[len("optim/master/") :]] = v
+        else:
+            masters[name] = v
     # runs read as `FlatShard`s go under their run's name
     for name in list(state):
         run = next((v for v in state[name].values() if isinstance(v, FlatShard)), None)
@@ -808,9 +827,9 @@ def load_sharded(
             f"could not read the metadata of checkpoint {path}: {type(exc).__name__}: {exc}"
         ) from exc
     with C.phase("checkpoint load (metadata)", group):
-        head: dict[str, Any] = {_META_KEY: None}
+        head: dict[str, Any] = {META_KEY: None}
         dcp_load(head, path, group)
-    saved_meta = _unpack(head[_META_KEY], f"{_META_KEY!r} of checkpoint {path}")
+    saved_meta = _unpack(head[META_KEY], f"{META_KEY!r} of checkpoint {path}")
     mismatches = compare(saved_meta, describe(opt))
     model_sd = model.state_dict() if model is not None else {}
     if model is not None:
@@ -840,20 +859,16 @@ def load_sharded(
     runs = dict(_flat_range(n) for n in owned_params if _flat_range(n)[1] is not None)
     want: dict[str, Any] = {}
     for key, md in stored.items():
-        entry = None
-        if key.startswith("optim/state/"):
-            name, _, entry = key[len("optim/state/") :].rpartition("/")
-            needed = need_state
-            if not view.keeps(name, entry):
-                continue
-        elif key.startswith("optim/master/"):
-            name = key[len("optim/master/") :]
-            needed = need_master
-        elif key.startswith("extra/"):
+        if key.startswith("extra/"):
             want[key] = None
             continue
-        else:
+        parsed = parse_sharded_key(key)
+        if parsed is None:
             continue
+        kind, name, entry = parsed
+        if kind == "state" and not view.keeps(name, entry):
+            continue
+        needed = need_state if kind == "state" else need_master
         if base_name(name) not in needed:
             continue
         if isinstance(md, BytesStorageMetadata):
@@ -864,7 +879,7 @@ def load_sharded(
             want[key] = FlatShard(run, tuple(md.size), lo)
         else:
             like = owned_params.get(name, named.get(name))
-            if entry is not None and not view.elementwise(name, entry):
+            if kind == "state" and not view.elementwise(name, entry):
                 like = None  # whole-matrix state: read whole
             want[key] = _template(md, like)
     fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}
@@ -880,7 +895,7 @@ def load_sharded(
     with torch.no_grad():
         for k, v in model_sd.items():
             v.copy_(fresh_model[f"model/{k}"])
-    load_sharded_state_dict(opt, {**want, _META_KEY: head[_META_KEY]})
+    load_sharded_state_dict(opt, {**want, META_KEY: head[META_KEY]})
     return extra
 
 

@@ -61,8 +61,7 @@ __all__ = ["DISTRIBUTED", "Distributed", "OrthoptimOptimizersContainer", "build_
 Distributed = Literal["fsdp", "layerwise", "replicated"]
 DISTRIBUTED: tuple[Distributed, ...] = get_args(Distributed)
 
-_META = "optim/meta"  # orthoptim's key of one optimizer's layout in a sharded dict
-_STATE, _MASTER = "optim/state/", "optim/master/"
+_META = checkpoint.META_KEY  # orthoptim's key of one optimizer's layout in a sharded dict
 
 
 class OrthoptimOptimizersContainer(OptimizersContainer):
@@ -173,9 +172,9 @@ class OrthoptimOptimizersContainer(OptimizersContainer):
         first (`CheckpointMismatchError` lists every difference). Collective."""
         parts: list[dict[str, Any]] = [{} for _ in self.optimizers]
         for key, v in state_dict.items():
-            name = _param_of(key)
-            if name is not None and name in self._part_of:
-                parts[self._part_of[name]][key] = v
+            parsed = checkpoint.parse_sharded_key(key)
+            if parsed is not None and parsed[1] in self._part_of:
+                parts[self._part_of[parsed[1]]][key] = v
         for i, opt in enumerate(self.optimizers):
             tag = self._tags[i]
             meta_key = f"{_META}/{tag}"
@@ -280,15 +279,6 @@ def _trainable(part: nn.Module) -> list[str]:
     if not names:
         raise ValueError(f"model part {type(part).__name__} has no trainable parameter")
     return names
-
-
-def _param_of(key: str) -> str | None:
-    """The parameter a state key belongs to: `optim/state/<name>/<entry>`, `optim/master/<name>`."""
-    if key.startswith(_STATE):
-        return key[len(_STATE) :].rpartition("/")[0]
-    if key.startswith(_MASTER):
-        return key[len(_MASTER) :]
-    return None
 
 
 def _load_sharded(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
