@@ -131,9 +131,7 @@ class LayerwiseStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The full state on rank 0 (which alone writes the checkpoint), {} on the others;
         a collective: Lightning calls it on every rank."""
-        opt = _unwrap_optimizer(optimizer)
-        opt.prepare_state_dict()
-        return opt.state_dict() if self.is_global_zero else {}
+        return _unwrap_optimizer(optimizer).full_state_dict(to_rank0=True)
 
 
 def _clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
