@@ -370,12 +370,13 @@ def kernel_paths(
         Z = Z[0] if batch == 1 else Z
         Z /= torch.linalg.matrix_norm(Z.float(), keepdim=True).to(dtype)
         if device.type != "cpu":
+            backend = kernels.backend_for(Z)
             line = (
                 f"{'x'.join(map(str, key[1:] if batch == 1 else key))} "
-                f"{str(dtype).removeprefix('torch.')}: {kernels.backend_for(Z)} (per product: "
+                f"{str(dtype).removeprefix('torch.')}: {backend} (per product: "
                 "a kernels.tuning table, ORTHOPTIM_SYRK_TUNE, else torch's product)"
             )
-            found.append({"shape": list(key), "backend": kernels.backend_for(Z), "line": line})
+            found.append({"shape": list(key), "backend": backend, "line": line})
             continue
         if remeasure and kernels.kernel_mode() == "auto":
             d = calibration.CALIBRATOR.decide(Z, remeasure=True)
