@@ -129,15 +129,20 @@ OPTIMIZERS = {
 }
 
 
-def run(cls, ns_batch_mb, steps=3):
-    named = named_params()
-    opt = cls(named, split={"fused": (ROWS, ROWS)}, ns_batch_mb=ns_batch_mb)
-    gen = torch.Generator().manual_seed(2)
+def _steps(named, opt, seed, steps):
+    """`steps` steps of `opt` on seeded random gradients; the parameters by name, and `opt`."""
+    gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for _, p in named:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
     return dict(named), opt
+
+
+def run(cls, ns_batch_mb, steps=3):
+    named = named_params()
+    opt = cls(named, split={"fused": (ROWS, ROWS)}, ns_batch_mb=ns_batch_mb)
+    return _steps(named, opt, seed=2, steps=steps)
 
 
 @pytest.mark.parametrize("limit", [1, 2, 3])
@@ -318,12 +323,7 @@ def stepped(name, oracle, steps=3, **options):
     opt = OPTIMIZERS[name](named, split=SPLIT, transposed=["t"], **EXTRA.get(name, {}), **options)
     if oracle:
         opt.stacks = lambda device: muon_module.stacking_pays(device)
-    gen = torch.Generator().manual_seed(4)
-    for _ in range(steps):
-        for _, p in named:
-            p.grad = torch.randn(p.shape, generator=gen)
-        opt.step()
-    return dict(named), opt
+    return _steps(named, opt, seed=4, steps=steps)
 
 
 @pytest.mark.parametrize("stack", [True, False], ids=["stacked", "one-by-one"])
