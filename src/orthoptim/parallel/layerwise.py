@@ -1031,10 +1031,8 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         if self._ddp is not None or not self.overlap_grad_reduce:
             # DDP reduces (its no_sync accumulates), or step() does: only make a `.grad` that
             # autograd made anew the parameter's view of the buffer
-            view = self._viewed.get(id(p))
-            if view is not None and p.grad is not None and p.grad is not view:
-                view.copy_(p.grad)
-                p.grad = view
+            if p.grad is not None:
+                self._into_view(p)
             return
         if not self._sync:
             self._take_grad(p, slots, final=False)
@@ -1074,11 +1072,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         bucket = self._bucket_of[slots[0].unit]
         if bucket.n == 1:
             return
-        view = self._viewed.get(id(p))
-        if view is not None:
-            if p.grad is not view:
-                view.copy_(p.grad)
-                p.grad = view
+        if self._into_view(p):
             return
         if id(p) in self._copied:
             if final:
@@ -1134,6 +1128,18 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             return
         for slots in self._slots_of.values():
             self._take_grad(slots[0].param, slots, final=True)
+
+    @torch.no_grad()
+    def _into_view(self, p: Tensor) -> bool:
+        """Whether `p` (with a `.grad`) is a view of the buffers; if so, its `.grad` is made
+        its view of the gradient buffer (copied in when autograd made a tensor anew)."""
+        view = self._viewed.get(id(p))
+        if view is None:
+            return False
+        if p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+        return True
 
     def _launch_ready(self) -> None:
         """Launch, strictly in bucket order (the same order on every rank), every bucket
