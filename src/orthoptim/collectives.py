@@ -768,8 +768,9 @@ def rendezvous(name: str, fix: str, group: Any = None, timeout_s: float | None =
         return
     ranks = dist.get_process_group_ranks(group) if group is not None else range(n)
     members = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
-    _rendezvous_calls[f"{members}/{name}"] += 1
-    key = f"orthoptim/rendezvous/{members}/{name}/{_rendezvous_calls[f'{members}/{name}']}"
+    calls = f"{members}/{name}"
+    _rendezvous_calls[calls] += 1
+    key = f"orthoptim/rendezvous/{calls}/{_rendezvous_calls[calls]}"
     if store.add(key, 1) == n:
         store.set(f"{key}/all", "1")
         return
@@ -779,7 +780,7 @@ def rendezvous(name: str, fix: str, group: Any = None, timeout_s: float | None =
     except RuntimeError:
         # withdraw, so that the next call (made by every rank) meets the others' first one
         came = store.add(key, -1) + 1
-        _rendezvous_calls[f"{members}/{name}"] -= 1
+        _rendezvous_calls[calls] -= 1
         late = f"only {came} of the {n} ranks entered it within {timeout:g} s"
         err = _collective_error("rendezvous", RuntimeError(late), group, name)
         err.args = (
