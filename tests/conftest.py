@@ -29,3 +29,14 @@ def ill_conditioned(
     k = min(m, n)
     s = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), k, dtype=torch.float64)
     return (U[:, :k] * s) @ V[:, :k].T, U[:, :k], V[:, :k], s
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `probe` (repeated fault probes that give a report's figures, minutes each)
+    run only when selected with `-m probe`."""
+    if "probe" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="a repeated fault probe: select with -m probe")
+    for item in items:
+        if "probe" in item.keywords:
+            item.add_marker(skip)
