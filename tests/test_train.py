@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -100,6 +101,18 @@ def test_empty_or_binary_data_is_a_clear_error(tmp_path):
     short.write_text("tiny")
     with pytest.raises(DataError, match="fewer than"):
         load_corpus(short, min_bytes=SEQ + 1)
+
+
+def test_data_that_is_neither_file_nor_folder_is_named_as_such(tmp_path, capsys):
+    """`--data /dev/zero` or a FIFO used to be refused as "the folder holds no files"."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (Path("/dev/zero"), fifo):
+        assert main(["train", "--data", str(path), "--out", str(tmp_path / "run")]) == 2
+        assert capsys.readouterr().err == (
+            f"orthoptim: error: --data: {path} is neither a regular file nor a folder (a "
+            "device, FIFO or socket); pass a text file or a folder of them\n"
+        )
 
 
 def test_batches_are_a_function_of_seed_step_rank():
