@@ -176,6 +176,47 @@ def test_bad_argument_is_named(call, exc, needles):
         assert needle in msg, (needle, msg)
 
 
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8, sparse=True)
+        self.proj = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.emb(x)).square().sum()
+
+
+SPARSE_CASES = {
+    "muon": lambda m: Muon([m.emb.weight, m.proj.weight], lr=0.01),
+    **{
+        name: lambda m, name=name: build_optimizer(m, optimizer=name, lr=0.01)
+        for name in ("muon", "adamw", "soap", "normuon", "scion")
+    },
+    "lion": lambda m: build_optimizer(m, lr=0.01, elementwise="lion"),
+    "layerwise": lambda m: LayerwiseDistributedOptimizer(m, lr=0.01),
+    "layerwise, reduced in step": lambda m: LayerwiseDistributedOptimizer(
+        m, lr=0.01, overlap_grad_reduce=False
+    ),
+}
+
+
+@pytest.mark.parametrize("make", list(SPARSE_CASES.values()), ids=list(SPARSE_CASES))
+def test_sparse_gradient_is_refused_naming_the_parameter(make):
+    """A sparse gradient used to fail with torch's "Could not run 'aten::ne.Scalar' with
+    arguments from the 'SparseCPU' backend", naming no parameter."""
+    m = _SparseEmbedding()
+    opt = make(m)
+    before = m.emb.weight.detach().clone()
+    with pytest.raises(ValueError, match="sparse") as info:
+        m(torch.tensor([1, 2, 3])).backward()  # the layer-wise gradient hook may refuse here
+        opt.step()
+    msg = str(info.value)
+    name = "param_groups[0]['params'][0]" if isinstance(opt, Muon) else "emb.weight"
+    assert name in msg and "take dense gradients only" in msg and "sparse=False" in msg, msg
+    assert torch.equal(m.emb.weight, before)
+
+
 def _outside_group(rank, world_size):
     """Rank 1 passes a group holding rank 0 only: refused, naming the argument."""
     import torch.distributed as dist
