@@ -246,6 +246,7 @@ class Run:
     param_dtype: str  # "bf16" (fp32 masters) or "fp32"
     dp_rank: int
     dp_size: int
+    saved_step: int | None = None  # the newest checkpoint's step, once resumed or saved
 
     @property
     def tokens_per_step(self) -> int:
@@ -362,6 +363,20 @@ def resume(
     return start, info["train_time_s"]
 
 
+def _advice(run: Run) -> str:
+    """What to do about a run that diverged: resume its checkpoint, or, with none saved yet,
+    start it again."""
+    if run.saved_step is None:
+        return (
+            "no checkpoint was saved yet: start again with --overwrite and a lower --lr or "
+            "--grad-clip"
+        )
+    return (
+        f"the checkpoint of step {run.saved_step} is intact: --resume it with a lower --lr or "
+        "--grad-clip"
+    )
+
+
 def train_step(
     run: Run, args: TrainArgs, step: int, device: torch.device, world_size: int
 ) -> dict[str, Any]:
@@ -393,8 +408,7 @@ def train_step(
         opt.step()
     except NonFiniteGradientError as exc:
         raise FloatingPointError(
-            f"non-finite gradient at step {step}; the last checkpoint is intact: "
-            f"--resume it with a lower --lr or --grad-clip (in {', '.join(exc.names)})"
+            f"non-finite gradient at step {step}; {_advice(run)} (in {', '.join(exc.names)})"
         ) from exc
     opt.zero_grad(set_to_none=True)
     clipped = run.clip.step() if run.clip is not None else {}
@@ -404,7 +418,7 @@ def train_step(
     sent, received = _comm_totals(opt)
     (train_loss,) = collectives.sum_floats([loss.item() / world_size])
     if not math.isfinite(train_loss):
-        raise FloatingPointError(f"training loss is {train_loss} at step {step}; lower --lr")
+        raise FloatingPointError(f"training loss is {train_loss} at step {step}; {_advice(run)}")
     row: dict[str, Any] = dict(
         step=step,
         train_loss=train_loss,
@@ -449,6 +463,7 @@ def train(
     start, train_time = 0, 0.0
     if args.resume:
         start, train_time = resume(run, ckpt, args, changes, rank, log, metrics_path)
+        run.saved_step = start
     elif rank == 0:
         metrics_path.write_text("")
     collectives.barrier()
@@ -511,6 +526,7 @@ def train(
                 )
                 _params_ready(opt)
                 ckpt.save(step, run.model, opt, meta)
+                run.saved_step = step
                 log.info("checkpoint at step %d", step)
     finally:
         if bar is not None:
