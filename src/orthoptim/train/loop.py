@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -332,8 +333,9 @@ def resume(
     metrics_path: Path,
 ) -> tuple[int, float]:
     """Load the newest intact checkpoint into the run (this run's LRs and decay, which the
-    checkpoint's must not replace, kept), say so, and cut the metrics back to its step.
-    Returns (step, training time so far)."""
+    checkpoint's must not replace, kept), say so, and cut the metrics back to its step (its
+    row restored from the checkpoint when the file lost it). Returns (step, training time so
+    far)."""
     wanted = [(g["initial_lr"], g.get("weight_decay")) for g in run.opt.param_groups]
     info = ckpt.load(run.model, run.opt, args, run.param_dtype)
     start = info["step"]
@@ -359,6 +361,10 @@ def resume(
         )
     if rank == 0:
         kept = read_metrics(metrics_path, upto=start)
+        saved_row = info.get("metrics_row")  # the row of the checkpoint's step, kept with it
+        if saved_row is not None and all(r["step"] != start for r in kept):
+            kept.append(saved_row)
+            _notice(log, rank, f"{metrics_path} lacked the row of step {start}: restored it")
         atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
     return start, info["train_time_s"]
 
@@ -523,7 +529,10 @@ def train(
                     train_time_s=train_time,
                     precision=run.precision,
                     param_dtype=run.param_dtype,
+                    metrics_row=row,
                 )
+                if metrics_file:  # the rows up to the checkpoint on disk before it commits
+                    os.fsync(metrics_file.fileno())
                 _params_ready(opt)
                 ckpt.save(step, run.model, opt, meta)
                 run.saved_step = step
