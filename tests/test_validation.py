@@ -34,6 +34,17 @@ def W():
     return [nn.Parameter(torch.randn(4, 4))]
 
 
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8, sparse=True)
+        self.proj = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.emb(x)).square().sum()
+
+
 NAN = float("nan")
 # (what, call, exception, words the message must contain: the argument, the bad value and,
 # for a name chosen from a list, an allowed one)
@@ -130,6 +141,8 @@ CASES = [
     ("fsdp state_dict_to", lambda: FSDPOptimizer(model(), state_dict_to="0"), ValueError,
      ["state_dict_to", "'0'", "all"]),
     ("fsdp lr", lambda: FSDPOptimizer(model(), lr=NAN), ValueError, ["lr", "nan"]),
+    ("fsdp sparse embedding", lambda: FSDPOptimizer(_SparseEmbedding()), ValueError,
+     ["FSDPOptimizer: emb is an Embedding with sparse=True", "sparse=False"]),
     ("fsdp ns_dtype", lambda: FSDPOptimizer(model(), ns_dtype="half"), ValueError,
      ["ns_dtype", "'half'", "'auto'"]),
     ("fsdp weight_decay", lambda: FSDPOptimizer(model(), weight_decay=-1.0), ValueError,
@@ -174,17 +187,6 @@ def test_bad_argument_is_named(call, exc, needles):
     msg = str(info.value)
     for needle in needles:
         assert needle in msg, (needle, msg)
-
-
-class _SparseEmbedding(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(10, 8, sparse=True)
-        self.proj = nn.Linear(8, 8, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.emb(x)).square().sum()
 
 
 SPARSE_CASES = {
