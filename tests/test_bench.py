@@ -279,9 +279,25 @@ def test_bench_step_rejects_unknown_optimizer(capsys: pytest.CaptureFixture[str]
         cli.main(["bench", "step", "--optimizer", "nope", "--layers", "1", "--width", "8"])
 
 
-def test_bench_ns_rejects_bad_shape() -> None:
-    with pytest.raises(SystemExit, match="--shapes"):
-        cli.main(["bench", "ns", "--shapes", "12by4"])
+@pytest.mark.parametrize(
+    ("bench", "shapes", "why"),
+    [
+        ("ns", "12by4", "'12by4' is not ROWSxCOLS or BATCHxROWSxCOLS"),
+        # a size of 0 used to be refused as "not ROWSxCOLS", and crashed bench tp
+        ("ns", "0x5", "'0x5': every size must be >= 1"),
+        ("syrk", "2x4x0", "'2x4x0': every size must be >= 1"),
+        ("tp", "0x5", "'0x5': every size must be >= 1"),
+        ("tp", "2x3x4", "'2x3x4' is not ROWSxCOLS"),
+    ],
+)
+def test_bench_rejects_bad_shapes_naming_them(
+    bench: str, shapes: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", bench, "--shapes", shapes])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"orthoptim bench {bench}: error: argument --shapes: {why}", last
 
 
 def test_torch_muon_fp32_patch_is_float32_newton_schulz() -> None:

@@ -144,8 +144,8 @@ def _one_line_report(err: str, out: Path) -> re.Match:
     line = err.splitlines()[-1]
     found = re.fullmatch(
         r"orthoptim: error: rank (\d) failed (.+?): FloatingPointError: non-finite gradient at "
-        r"step \d; the last checkpoint is intact: --resume it with a lower --lr or --grad-clip "
-        r"\(in .*…? \(full traceback: (.+)\)",
+        r"step \d; no checkpoint was saved yet: start again with --overwrite and a lower --lr or "
+        r"--grad-clip \(in .*…? \(full traceback: (.+)\)",
         line,
     )
     assert found, line
@@ -164,6 +164,20 @@ def test_a_failing_rank_in_process_is_one_line_and_in_its_log(tmp_path, capsys):
     found = _one_line_report(capsys.readouterr().err, out)
     assert found[1] == "0"
     assert re.fullmatch(r"in the optimizer step of step \d", found[2])
+
+
+def test_divergence_after_a_checkpoint_says_which_one_to_resume(tmp_path, capsys):
+    """The advice to resume "the last checkpoint" used to be given before any was saved (the
+    runs above); once one is saved, or the run resumed one, it is named."""
+    out = tmp_path / "run"
+    argv = ["train", *TINY, *DIVERGING, "--steps", "3", "--ckpt-every", "1", "--nproc", "1"]
+    for resume in ([], ["--resume"]):  # saved at step 1, then resumed from it
+        assert main([*argv, "--out", str(out), *resume]) == 2
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert (
+            "FloatingPointError: non-finite gradient at step 2; the checkpoint of step 1 is "
+            "intact: --resume it with a lower --lr or --grad-clip (in "
+        ) in line, line
 
 
 @pytest.mark.slow

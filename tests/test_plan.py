@@ -488,6 +488,37 @@ def test_cli_json_plot_and_errors(tmp_path, capsys) -> None:
         assert words in capsys.readouterr().err
 
 
+def test_cli_refuses_sizes_below_one_and_plots_into_a_folder(tmp_path, capsys) -> None:
+    """`--bucket-mb nan` used to fail with "cannot convert float NaN to integer" (inf with a
+    traceback), an explicit `--tokens-per-step 0` was taken as the model's default, and
+    `--plot DIR` wrote DIR.png beside the folder while reporting "plot: DIR"."""
+    argv = ["plan", "--model", "gpt-small", "--dp", "4"]
+    for flags, error in (
+        (["--bucket-mb", "nan"], "--bucket-mb must be a finite number > 0, got nan"),
+        (["--bucket-mb", "inf"], "--bucket-mb must be a finite number > 0, got inf"),
+        (
+            ["--tokens-per-step", "0"],
+            "--tokens-per-step must be >= 1, got 0; leave it off for the model file's default",
+        ),
+        (
+            ["--plot", str(tmp_path / "load.xyz")],
+            f"--plot {tmp_path / 'load.xyz'}: matplotlib cannot write .xyz files; end the name "
+            "with one of ",
+        ),
+    ):
+        assert main([*argv, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"orthoptim plan: error: {error}") and err.count("\n") == 1, err
+    for given, written in (
+        (tmp_path, tmp_path / "plan.png"),
+        (tmp_path / "load", tmp_path / "load.png"),
+    ):
+        assert main([*argv, "--plot", str(given)]) == 0
+        assert capsys.readouterr().out.endswith(f"\nplot: {written}\n")
+        assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["load.png", "plan.png"]
+
+
 def test_bad_description_names_the_key() -> None:
     raw = tiny_gpt_description()
     with pytest.raises(ValueError, match="hidden_sise"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -183,6 +184,32 @@ def test_leftovers_and_a_cut_metrics_line_do_not_block_resume(runs, tmp_path, ca
     capsys.readouterr()
     assert main(_argv(bad, "--resume")) == 2
     assert f"{bad / 'metrics.jsonl'}, line 2, is not a JSON row" in capsys.readouterr().err
+
+
+def test_metrics_are_synced_at_checkpoints_and_the_checkpoint_row_is_restored(
+    runs, tmp_path, monkeypatch, capsys
+):
+    """metrics.jsonl was never fsynced, and a resumed run whose file had lost the row of the
+    checkpoint's step (with the page cache, in a crash) went on without it."""
+    out = shutil.copytree(runs["partial"], tmp_path / "A")
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == 4
+    metrics.write_text("\n".join(lines[:-1]) + "\n")  # the checkpoint's row lost
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))
+    )
+    capsys.readouterr()
+    assert main(_argv(out, "--resume")) == 0
+    assert f"{metrics} lacked the row of step 4: restored it" in capsys.readouterr().err
+    rows = _rows(out)
+    assert sorted(rows) == list(range(STEPS + 1))
+    assert rows[4] == json.loads(lines[-1])  # the row as the run had written it
+    assert _losses(out) == _losses(runs["whole"])
+    # Synced once, at the checkpoint of step 6, not at every step (5 and 6).
+    assert synced.count(str(metrics)) == 1, synced
 
 
 @pytest.fixture

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from orthoptim.cli import main
+from orthoptim.cli import build_parser, main
 from orthoptim.optim.hybrid import build_optimizer, routing_table
 from orthoptim.train.args import TrainArgs
+from orthoptim.train.cli import train_args_from
 from orthoptim.train.data import (
     DataError,
     get_batch,
@@ -100,6 +102,18 @@ def test_empty_or_binary_data_is_a_clear_error(tmp_path):
     short.write_text("tiny")
     with pytest.raises(DataError, match="fewer than"):
         load_corpus(short, min_bytes=SEQ + 1)
+
+
+def test_data_that_is_neither_file_nor_folder_is_named_as_such(tmp_path, capsys):
+    """`--data /dev/zero` or a FIFO used to be refused as "the folder holds no files"."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (Path("/dev/zero"), fifo):
+        assert main(["train", "--data", str(path), "--out", str(tmp_path / "run")]) == 2
+        assert capsys.readouterr().err == (
+            f"orthoptim: error: --data: {path} is neither a regular file nor a folder (a "
+            "device, FIFO or socket); pass a text file or a folder of them\n"
+        )
 
 
 def test_batches_are_a_function_of_seed_step_rank():
@@ -336,6 +350,29 @@ def test_resume_refuses_another_run(tmp_path, capsys):
     assert "--nproc: checkpoint 2, now 1" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "none"), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_resume_refusing_min_lr_ratio_names_a_flag_train_has(tmp_path, capsys):
+    """The refusal named `--min-lr-ratio`, which `orthoptim train` did not take."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    saved = TrainArgs(batch=2, steps=6, out=str(out), min_lr_ratio=0.2).to_dict()
+    record = dict(args=saved, world_size=1, step=3)
+    (out / "checkpoints" / "latest.json").write_text(json.dumps(record))
+    argv = ["train", "--nproc", "1", "--batch", "2", "--steps", "6", "--out", str(out), "--resume"]
+    assert main(argv) == 2
+    assert "--min-lr-ratio: checkpoint 0.2, now 0.1" in capsys.readouterr().err
+    assert main([*argv, "--min-lr-ratio", "0.2", "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--seed: checkpoint 0, now 1" in err and "--min-lr-ratio" not in err, err
+    ns = build_parser().parse_args(["train", "--min-lr-ratio", "0.25"])
+    assert train_args_from(ns).min_lr_ratio == 0.25
+    for bad in ("1.5", "-0.1", "nan"):
+        assert main(["train", "--min-lr-ratio", bad, "--out", str(tmp_path / "x")]) == 2
+        assert capsys.readouterr().err == (
+            f"orthoptim: error: --min-lr-ratio must be in [0, 1] (the LR at --steps over the "
+            f"peak), got {float(bad)}\n"
+        )
 
 
 def test_train_rejects_bad_flags(tmp_path, capsys):

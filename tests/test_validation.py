@@ -34,6 +34,17 @@ def W():
     return [nn.Parameter(torch.randn(4, 4))]
 
 
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8, sparse=True)
+        self.proj = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.emb(x)).square().sum()
+
+
 NAN = float("nan")
 # (what, call, exception, words the message must contain: the argument, the bad value and,
 # for a name chosen from a list, an allowed one)
@@ -130,6 +141,8 @@ CASES = [
     ("fsdp state_dict_to", lambda: FSDPOptimizer(model(), state_dict_to="0"), ValueError,
      ["state_dict_to", "'0'", "all"]),
     ("fsdp lr", lambda: FSDPOptimizer(model(), lr=NAN), ValueError, ["lr", "nan"]),
+    ("fsdp sparse embedding", lambda: FSDPOptimizer(_SparseEmbedding()), ValueError,
+     ["FSDPOptimizer: emb is an Embedding with sparse=True", "sparse=False"]),
     ("fsdp ns_dtype", lambda: FSDPOptimizer(model(), ns_dtype="half"), ValueError,
      ["ns_dtype", "'half'", "'auto'"]),
     ("fsdp weight_decay", lambda: FSDPOptimizer(model(), weight_decay=-1.0), ValueError,
@@ -174,6 +187,36 @@ def test_bad_argument_is_named(call, exc, needles):
     msg = str(info.value)
     for needle in needles:
         assert needle in msg, (needle, msg)
+
+
+SPARSE_CASES = {
+    "muon": lambda m: Muon([m.emb.weight, m.proj.weight], lr=0.01),
+    **{
+        name: lambda m, name=name: build_optimizer(m, optimizer=name, lr=0.01)
+        for name in ("muon", "adamw", "soap", "normuon", "scion")
+    },
+    "lion": lambda m: build_optimizer(m, lr=0.01, elementwise="lion"),
+    "layerwise": lambda m: LayerwiseDistributedOptimizer(m, lr=0.01),
+    "layerwise, reduced in step": lambda m: LayerwiseDistributedOptimizer(
+        m, lr=0.01, overlap_grad_reduce=False
+    ),
+}
+
+
+@pytest.mark.parametrize("make", list(SPARSE_CASES.values()), ids=list(SPARSE_CASES))
+def test_sparse_gradient_is_refused_naming_the_parameter(make):
+    """A sparse gradient used to fail with torch's "Could not run 'aten::ne.Scalar' with
+    arguments from the 'SparseCPU' backend", naming no parameter."""
+    m = _SparseEmbedding()
+    opt = make(m)
+    before = m.emb.weight.detach().clone()
+    with pytest.raises(ValueError, match="sparse") as info:
+        m(torch.tensor([1, 2, 3])).backward()  # the layer-wise gradient hook may refuse here
+        opt.step()
+    msg = str(info.value)
+    name = "param_groups[0]['params'][0]" if isinstance(opt, Muon) else "emb.weight"
+    assert name in msg and "take dense gradients only" in msg and "sparse=False" in msg, msg
+    assert torch.equal(m.emb.weight, before)
 
 
 def _outside_group(rank, world_size):

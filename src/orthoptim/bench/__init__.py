@@ -80,6 +80,27 @@ def thread_count(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def parse_shapes(text: str, batched: bool = True) -> list[tuple[int, ...]]:
+    """`--shapes` as an argparse type: '1024x4096,8x768x3072' → [(batch, rows, cols)] (batch 1
+    when omitted), or with `batched` False 'ROWSxCOLS,...' → [(rows, cols)]. A bad item is an
+    ArgumentTypeError naming it and the fix (argparse exits 2 naming --shapes)."""
+    form = "ROWSxCOLS or BATCHxROWSxCOLS" if batched else "ROWSxCOLS"
+    shapes: list[tuple[int, ...]] = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        try:
+            dims = tuple(int(d) for d in item.lower().split("x"))
+        except ValueError:
+            dims = ()
+        if len(dims) not in ((2, 3) if batched else (2,)):
+            raise argparse.ArgumentTypeError(f"{item!r} is not {form}")
+        if min(dims) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: every size must be >= 1")
+        shapes.append((1, *dims) if batched and len(dims) == 2 else dims)
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"name at least one shape ({form})")
+    return shapes
+
+
 def parse_dtypes(text: str) -> list[torch.dtype]:
     """'float32,bfloat16' → dtypes, with a clear error naming the bad entry."""
     out = []

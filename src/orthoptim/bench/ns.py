@@ -36,6 +36,7 @@ from orthoptim.bench import (
     kernel_paths,
     matmul_peak,
     parse_dtypes,
+    parse_shapes,
     rate_against_peak,
     setup_device,
     summarize,
@@ -53,22 +54,6 @@ HEAVYBALL_BF16 = (
     "heavyball's Newton-Schulz rounds its input to bfloat16 (float64 excepted): "
     "timed in the bfloat16 rows only"
 )
-
-
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    """'1024x4096,8x768x3072' → [(batch, rows, cols)] (batch 1 when omitted)."""
-    shapes = []
-    for item in (s.strip() for s in text.split(",") if s.strip()):
-        try:
-            dims = [int(d) for d in item.lower().split("x")]
-        except ValueError:
-            dims = []
-        if len(dims) not in (2, 3) or min(dims) < 1:
-            raise SystemExit(f"--shapes: {item!r} is not ROWSxCOLS or BATCHxROWSxCOLS")
-        shapes.append((1, *dims) if len(dims) == 2 else tuple(dims))  # type: ignore[arg-type]
-    if not shapes:
-        raise SystemExit("--shapes must name at least one shape")
-    return shapes
 
 
 def ns_flops(batch: int, rows: int, cols: int, steps: int) -> float:
@@ -426,7 +411,7 @@ def _cmd(args: argparse.Namespace) -> int:
     )
     if shrink < 1:
         raise SystemExit(f"--bf16-shrink must be >= 1, got {shrink}")
-    shapes, dtypes = parse_shapes(args.shapes), parse_dtypes(args.dtypes)
+    shapes, dtypes = args.shapes, parse_dtypes(args.dtypes)
     with thread_count(args.threads):
         peak = matmul_peak(args, device)
         report = run(
@@ -454,7 +439,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     add_common_arguments(p, repeats=5)
     add_peak_argument(p)
     add_skip_argument(p)
-    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"default {DEFAULT_SHAPES}")
+    p.add_argument(
+        "--shapes", type=parse_shapes, default=DEFAULT_SHAPES, help=f"default {DEFAULT_SHAPES}"
+    )
     p.add_argument("--dtypes", default="float32,bfloat16", help="default float32,bfloat16")
     p.add_argument("--steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
     p.add_argument(

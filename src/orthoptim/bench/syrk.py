@@ -46,12 +46,12 @@ from orthoptim.bench import (
     kernel_paths,
     matmul_peak,
     parse_dtypes,
+    parse_shapes,
     rate_against_peak,
     setup_device,
     thread_count,
     time_side_by_side,
 )
-from orthoptim.bench.ns import parse_shapes
 from orthoptim.kernels import tuning
 
 # On CUDA: square and wide from 256 to 16384 rows, stacks, and the stacks of `bench step`'s
@@ -307,7 +307,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.write and not args.tune:
         raise SystemExit("--write needs --tune: a table records the fastest of every candidate")
     default = CPU_TUNE_SHAPES if args.tune and device.type == "cpu" else DEFAULT_SHAPES[device.type]
-    shapes = parse_shapes(args.shapes or default)
+    shapes = args.shapes or parse_shapes(default)
     with thread_count(args.threads):
         peak = matmul_peak(args, device)
         report = run(shapes, dtypes[0], device, args.tune, args.repeats, peak, args.peers)
@@ -331,7 +331,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         help="X·Xᵀ and b·A + c·A·A: torch vs kernels vs Triton configs vs peers; --write a table",
     )
     add_common_arguments(p, repeats=3)
-    p.add_argument("--shapes", default=None, help="default: a sweep for the device")
+    p.add_argument(
+        "--shapes", type=parse_shapes, default=None, help="default: a sweep for the device"
+    )
     p.add_argument(
         "--dtype", default=None, help="one dtype (default bfloat16 on cuda, float32 on cpu)"
     )

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from torch.utils.flop_counter import FlopCounterMode
 
 from orthoptim import collectives, kernels
+from orthoptim.bench import parse_shapes
 from orthoptim.checkpoint import load_file
 from orthoptim.collectives import CommStats
 from orthoptim.newton_schulz import newton_schulz
@@ -48,17 +49,8 @@ VARIANTS = (
 )
 
 
-def _parse_shapes(text: str) -> list[tuple[int, int]]:
-    shapes = []
-    for item in text.split(","):
-        try:
-            r, c = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"--shapes wants ROWSxCOLS[,ROWSxCOLS...], got {item!r}"
-            ) from None
-        shapes.append((r, c))
-    return shapes
+def _parse_shapes(text: str) -> list[tuple[int, ...]]:
+    return parse_shapes(text, batched=False)
 
 
 def _timed(fn: Any, repeats: int, group: Any) -> float:

@@ -58,6 +58,24 @@ def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
     return names
 
 
+def sparse_gradient_error(owner: str, name: str, grad: Tensor) -> ValueError:
+    """The error for a sparse gradient of parameter `name` reaching optimizer `owner`."""
+    return ValueError(
+        f"{owner}: the gradient of {name} is sparse ({grad.layout}), and orthoptim's optimizers "
+        "take dense gradients only; give that parameter dense gradients (for an nn.Embedding, "
+        "sparse=False, the default)"
+    )
+
+
+def check_dense_grads(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:
+    """Refuse a sparse gradient among `params` of `optimizer`, naming its parameter (torch's own
+    error, from the first elementwise op on it, names neither)."""
+    for p in params:
+        if p.grad is not None and p.grad.layout != torch.strided:
+            name = param_names(optimizer).get(id(p), f"shape {tuple(p.shape)}")
+            raise sparse_gradient_error(type(optimizer).__name__, name, p.grad)
+
+
 def nonfinite_params(params: Iterable[Tensor]) -> list[Tensor]:
     """The parameters whose gradient holds NaN or Inf (one host read for all of them, through
     `orthoptim.host`; a norm that overflows from finite entries costs one more)."""
@@ -391,6 +409,7 @@ class GuardedOptimizer(CopyableOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_dense_grads(self, self._params())
         if torch.compiler.is_compiling():
             self._compiled_step()
             return loss

@@ -132,11 +132,6 @@ class MatrixOptimizer(GuardedOptimizer):
         names = param_names(self)
         for group in self.param_groups:
             live = [p for p in group["params"] if p.grad is not None]
-            for p in live:
-                if p.grad.is_sparse:
-                    raise ValueError(
-                        f"{type(self).__name__} does not support sparse gradients ({names[id(p)]})"
-                    )
             self.step_params(live, group, [names[id(p)] for p in live])
 
     @torch.no_grad()

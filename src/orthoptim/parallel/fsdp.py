@@ -216,6 +216,13 @@ class FSDPOptimizer(CompositeOptimizer):
         check_float_dtype("comm_dtype", comm_dtype)
         self.state_dict_to = check_choice("state_dict_to", state_dict_to, checkpoint.STATE_DICT_TO)
         self.nonfinite = check_nonfinite_policy(nonfinite)
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+                raise ValueError(
+                    f"FSDPOptimizer: {name or 'the model'} is an {type(module).__name__} with "
+                    "sparse=True, whose sparse gradients FSDP2 cannot reduce and orthoptim's "
+                    "optimizers do not take; build it with sparse=False (the default)"
+                )
         self.model = model
         self.comm_dtype = comm_dtype
         rule = route if route is not None else default_route(model)

@@ -54,6 +54,7 @@ from orthoptim.optim.base import (
     NonfinitePolicy,
     check_nonfinite_policy,
     enforce_nonfinite_policy,
+    sparse_gradient_error,
     step_checked,
 )
 from orthoptim.optim.contract import MatrixOptimizer
@@ -1021,7 +1022,14 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         self._hooks.clear()
 
     # -- gradient path -----------------------------------------------------------------
+    def _check_dense(self, p: Tensor) -> None:
+        """Refuse a sparse `.grad` of `p` by name: the buffers hold dense gradients."""
+        if p.grad is not None and p.grad.layout != torch.strided:
+            name = self.units[self._slots_of[id(p)][0].unit].name
+            raise sparse_gradient_error(type(self).__name__, name, p.grad)
+
     def _grad_hook(self, p: Tensor) -> None:
+        self._check_dense(p)
         if not self._backward_queued:  # once per backward: note the gradients at its end
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
@@ -1067,6 +1075,7 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         backward (`final`). A group of one rank leaves the gradient where it is."""
         if p.grad is None:
             return
+        self._check_dense(p)
         for slot in slots:
             self._bucket_of[slot.unit].present.add(slot.unit)
         bucket = self._bucket_of[slots[0].unit]

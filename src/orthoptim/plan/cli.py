@@ -221,10 +221,40 @@ def plot_plan(p: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
+# The file `--plot DIR` writes inside an existing folder DIR.
+PLOT_NAME = "plan.png"
+
+
+def plot_path(text: str) -> Path:
+    """The file `--plot` writes: PLOT_NAME inside an existing folder, a name without a suffix
+    given matplotlib's .png (which it would add unasked), and one with a suffix matplotlib
+    cannot write refused naming the ones it can."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(text)
+    if path.is_dir():
+        return path / PLOT_NAME
+    if not path.suffix:
+        return path.with_name(path.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise ValueError(
+            f"--plot {text}: matplotlib cannot write {path.suffix} files; end the name with "
+            f"one of {', '.join('.' + f for f in sorted(formats))}"
+        )
+    return path
+
+
 def _cmd(args: argparse.Namespace) -> int:
     if args.plot:
         require_extra("matplotlib", "orthoptim plan --plot")
     try:
+        plot = plot_path(args.plot) if args.plot else None
+        if args.tokens_per_step is not None and args.tokens_per_step < 1:
+            raise ValueError(
+                f"--tokens-per-step must be >= 1, got {args.tokens_per_step}; leave it off for "
+                "the model file's default"
+            )
         desc = hf_model(args.hf_config) if args.hf_config else load_model(args.model)
         hw = load_hardware(args.hardware)
         layout = Layout(
@@ -232,7 +262,7 @@ def _cmd(args: argparse.Namespace) -> int:
             tp=args.tp,
             ep=args.ep,
             pp=args.pp,
-            tokens_per_step=args.tokens_per_step,
+            tokens_per_step=args.tokens_per_step or 0,  # 0: the model file's
             ns_steps=args.ns_steps,
             ns_dtype=args.ns_dtype,
             grad_dtype=args.grad_dtype,
@@ -251,12 +281,12 @@ def _cmd(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"orthoptim plan: error: {exc}", file=sys.stderr)
         return 2
-    if args.plot:
+    if plot is not None:
         try:
-            plot_plan(plan, args.plot)
+            plot_plan(plan, plot)
         except OSError as exc:
             print(
-                f"orthoptim plan: error: --plot {args.plot}: cannot write it "
+                f"orthoptim plan: error: --plot {plot}: cannot write it "
                 f"({exc.strerror or exc}); pass a path in a writable folder",
                 file=sys.stderr,
             )
@@ -266,8 +296,8 @@ def _cmd(args: argparse.Namespace) -> int:
         print()
     else:
         print(format_report(plan))
-        if args.plot:
-            print(f"\nplot: {args.plot}")
+        if plot is not None:
+            print(f"\nplot: {plot}")
     return 0
 
 
@@ -350,7 +380,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokens-per-step",
         type=int,
-        default=0,
+        default=None,
         help="global tokens per optimizer step (default: the model file's)",
     )
     p.add_argument(
@@ -443,5 +473,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--stage", type=int, default=0, help="with --dry-run and --pp: the stage the ranks hold"
     )
     p.add_argument("--json", action="store_true", help="print the full plan as JSON")
-    p.add_argument("--plot", metavar="OUT.png", help="write per-rank load bars per balancing")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="write per-rank load bars per balancing (its suffix sets the format; a folder: "
+        f"{PLOT_NAME} in it; no suffix: .png)",
+    )
     p.set_defaults(func=_cmd)

@@ -195,8 +195,7 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         )
     if layout.ns_steps < 1:
         raise ValueError(f"--ns-steps must be >= 1, got {layout.ns_steps}")
-    if layout.bucket_mb <= 0:
-        raise ValueError(f"--bucket-mb must be > 0, got {layout.bucket_mb}")
+    check_positive("--bucket-mb", layout.bucket_mb)
     if layout.ns_batch_mb is not None:
         check_positive("--ns-batch-mb", layout.ns_batch_mb)
     if layout.tokens_per_step < 0:

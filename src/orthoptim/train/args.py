@@ -53,7 +53,7 @@ class TrainArgs:
     adamw_lr: float | None = None  # None → DEFAULT_ADAMW_LR (embeddings, head, gains)
     weight_decay: float | None = None  # None → 0, or with --resume the checkpoint's
     warmup: int = 10
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the cosine schedule's last LR over its peak
     eval_every: int = 10
     eval_batches: int = 8
     ckpt_every: int = 50
@@ -118,6 +118,11 @@ class TrainArgs:
             )
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not 0 <= self.min_lr_ratio <= 1:  # NaN fails too
+            raise ValueError(
+                f"--min-lr-ratio must be in [0, 1] (the LR at --steps over the peak), got "
+                f"{self.min_lr_ratio}"
+            )
         for name in ("lr", "adamw_lr"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v > 0):

@@ -128,6 +128,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear LR warmup steps")
     p.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=d.min_lr_ratio,
+        help="the LR the cosine decay reaches at --steps, over the peak (default %(default)g)",
+    )
+    p.add_argument(
         "--eval-every",
         type=int,
         default=d.eval_every,

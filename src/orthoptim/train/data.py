@@ -128,8 +128,9 @@ def load_corpus(
     """Load the corpus: the stdlib source (data=None), a text file, or a folder of text files.
 
     Each split must hold at least `min_bytes` bytes (the loop passes seq_len + 1); a file
-    that is empty (given on its own) or binary, an empty folder, or a split too short to
-    cut one training window is a DataError that says what to change.
+    that is empty (given on its own) or binary, an empty folder, a path that is neither a
+    regular file nor a folder (a device, a FIFO), or a split too short to cut one training
+    window is a DataError that says what to change.
     """
     if data is None:
         root = stdlib_root()
@@ -146,6 +147,11 @@ def load_corpus(
             raise DataError(f"--data: {root} does not exist; pass a text file or a folder")
         if root.is_file():
             paths = [root]
+        elif not root.is_dir():
+            raise DataError(
+                f"--data: {root} is neither a regular file nor a folder (a device, FIFO or "
+                "socket); pass a text file or a folder of them"
+            )
         else:
             paths = _walk(root, None)
             if not paths:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -246,6 +247,7 @@ class Run:
     param_dtype: str  # "bf16" (fp32 masters) or "fp32"
     dp_rank: int
     dp_size: int
+    saved_step: int | None = None  # the newest checkpoint's step, once resumed or saved
 
     @property
     def tokens_per_step(self) -> int:
@@ -331,8 +333,9 @@ def resume(
     metrics_path: Path,
 ) -> tuple[int, float]:
     """Load the newest intact checkpoint into the run (this run's LRs and decay, which the
-    checkpoint's must not replace, kept), say so, and cut the metrics back to its step.
-    Returns (step, training time so far)."""
+    checkpoint's must not replace, kept), say so, and cut the metrics back to its step (its
+    row restored from the checkpoint when the file lost it). Returns (step, training time so
+    far)."""
     wanted = [(g["initial_lr"], g.get("weight_decay")) for g in run.opt.param_groups]
     info = ckpt.load(run.model, run.opt, args, run.param_dtype)
     start = info["step"]
@@ -358,8 +361,26 @@ def resume(
         )
     if rank == 0:
         kept = read_metrics(metrics_path, upto=start)
+        saved_row = info.get("metrics_row")  # the row of the checkpoint's step, kept with it
+        if saved_row is not None and all(r["step"] != start for r in kept):
+            kept.append(saved_row)
+            _notice(log, rank, f"{metrics_path} lacked the row of step {start}: restored it")
         atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
     return start, info["train_time_s"]
+
+
+def _advice(run: Run) -> str:
+    """What to do about a run that diverged: resume its checkpoint, or, with none saved yet,
+    start it again."""
+    if run.saved_step is None:
+        return (
+            "no checkpoint was saved yet: start again with --overwrite and a lower --lr or "
+            "--grad-clip"
+        )
+    return (
+        f"the checkpoint of step {run.saved_step} is intact: --resume it with a lower --lr or "
+        "--grad-clip"
+    )
 
 
 def train_step(
@@ -393,8 +414,7 @@ def train_step(
         opt.step()
     except NonFiniteGradientError as exc:
         raise FloatingPointError(
-            f"non-finite gradient at step {step}; the last checkpoint is intact: "
-            f"--resume it with a lower --lr or --grad-clip (in {', '.join(exc.names)})"
+            f"non-finite gradient at step {step}; {_advice(run)} (in {', '.join(exc.names)})"
         ) from exc
     opt.zero_grad(set_to_none=True)
     clipped = run.clip.step() if run.clip is not None else {}
@@ -404,7 +424,7 @@ def train_step(
     sent, received = _comm_totals(opt)
     (train_loss,) = collectives.sum_floats([loss.item() / world_size])
     if not math.isfinite(train_loss):
-        raise FloatingPointError(f"training loss is {train_loss} at step {step}; lower --lr")
+        raise FloatingPointError(f"training loss is {train_loss} at step {step}; {_advice(run)}")
     row: dict[str, Any] = dict(
         step=step,
         train_loss=train_loss,
@@ -449,6 +469,7 @@ def train(
     start, train_time = 0, 0.0
     if args.resume:
         start, train_time = resume(run, ckpt, args, changes, rank, log, metrics_path)
+        run.saved_step = start
     elif rank == 0:
         metrics_path.write_text("")
     collectives.barrier()
@@ -508,9 +529,13 @@ def train(
                     train_time_s=train_time,
                     precision=run.precision,
                     param_dtype=run.param_dtype,
+                    metrics_row=row,
                 )
+                if metrics_file:  # the rows up to the checkpoint on disk before it commits
+                    os.fsync(metrics_file.fileno())
                 _params_ready(opt)
                 ckpt.save(step, run.model, opt, meta)
+                run.saved_step = step
                 log.info("checkpoint at step %d", step)
     finally:
         if bar is not None:
