@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from orthoptim.cli import main
+from orthoptim.train import runfolder
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.loop import lr_multiplier
 
@@ -61,7 +62,7 @@ def _rerecord(folder: Path, name: str) -> None:
     record = json.loads((folder / "checkpoint.json").read_text())
     record["files"][name] = dict(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     for path in (folder / "checkpoint.json", folder.parent / "latest.json"):
-        path.write_text(json.dumps(record))
+        path.write_text(json.dumps(runfolder.sealed(record)))
 
 
 def test_keeps_the_newest_checkpoints(runs, tmp_path):
