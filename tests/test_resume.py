@@ -384,6 +384,69 @@ def test_records_are_durable_and_damaged_folders_pruned(tmp_path, monkeypatch):
     assert synced == []
 
 
+def _byte_classes(text: str) -> dict[str, list[int]]:
+    """The byte positions of a record's parts: its step's digits, its args, its folder's
+    name, its SHA-256 hex digits, and its braces and quotes."""
+
+    def value_at(key: str) -> range:
+        start = text.index(f'"{key}": ') + len(f'"{key}": ')
+        end = start
+        while text[end] not in ",\n}":
+            end += 1
+        return range(start, end)
+
+    args_start = text.index('"args": {')
+    hashes = [
+        i
+        for key in ('"sha256": "', '"record_sha256": "')
+        for at in range(len(text))
+        if text.startswith(key, at)
+        for i in range(at + len(key), at + len(key) + 64)
+    ]
+    return {
+        "step": list(value_at("step")),
+        "args": list(range(args_start, text.index("\n }", args_start) + 3)),
+        "folder": [i for i in value_at("folder") if text[i] != '"'],
+        "hashes": hashes,
+        "braces/quotes": [i for i, c in enumerate(text) if c in '{}"'],
+    }
+
+
+@pytest.mark.probe
+def test_probe_bit_flips_in_the_commit_records(runs, tmp_path, capsys):
+    """Issue 32's figure: 20 seeded bit flips, two in each byte class of latest.json and of
+    the newest checkpoint.json. None may give an rc-0 run that skips or changes training:
+    each resumes bit-identically to the uninterrupted run or refuses in one line naming the
+    file. Run: pytest -m probe tests/test_resume.py -k probe -s"""
+    import random
+
+    rng = random.Random(32)
+    whole = _losses(runs["whole"])
+    report = []
+    for name in ("latest.json", "step_000004/checkpoint.json"):
+        text = (runs["partial"] / "checkpoints" / name).read_text()
+        for cls, where in _byte_classes(text).items():
+            for index, bit in rng.sample([(i, b) for i in where for b in range(8)], 2):
+                out = shutil.copytree(runs["partial"], tmp_path / f"flip{len(report)}")
+                _flip(out / "checkpoints" / name, index, bit)
+                capsys.readouterr()
+                rc = main(_argv(out, "--resume"))
+                got = capsys.readouterr()
+                if rc == 0:
+                    assert "nothing to do" not in got.out, (name, cls, index, bit, got)
+                    assert _losses(out) == whole, (name, cls, index, bit, got.err)
+                    resumed = [line for line in got.err.splitlines() if "resuming from" in line]
+                    verdict = f"rc 0, bitwise, {resumed[0].split('resuming from ')[1]}"
+                else:
+                    lines = got.err.strip().splitlines()
+                    assert len(lines) == 1 and Path(name).name in lines[0], (name, cls, got.err)
+                    verdict = f"rc {rc}: {lines[0]}"
+                report.append(f"{name:28} {cls:14} byte {index:4} bit {bit}: {verdict}")
+    with capsys.disabled():
+        print("\n" + "\n".join(report))
+    assert len(report) == 20
+
+
 def test_nonfinite_model_falls_back(runs, tmp_path, capsys):
     """Issue case 5: NaN in model.pt used to surface as a gradient problem at the next step."""
     out = shutil.copytree(runs["partial"], tmp_path / "A")

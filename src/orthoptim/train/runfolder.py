@@ -486,7 +486,7 @@ class Checkpointer:
                 damaged.append((folder, why[0]))
                 continue
             check_resumable(info, args, self.world_size, param_dtype)
-            failed = self._agreed(lambda: self._read(folder, model, opt))  # noqa: B023
+            failed = self._agreed_read(folder, model, opt)
             if failed is not None:
                 damaged.append((folder, failed))
                 continue
@@ -513,13 +513,13 @@ class Checkpointer:
             + "; pass --overwrite instead of --resume to start the run afresh"
         )
 
-    def _agreed(self, read: Any) -> str | None:
-        """Run this rank's part of a (collective) load; None when it worked on every rank,
+    def _agreed_read(self, folder: Path, model: nn.Module, opt: Any) -> str | None:
+        """`_read` this rank's part of `folder` (collective); None when it worked on every rank,
         else the first failing rank's reason in one line, on every rank. A checkpoint that
         does not match the model (`CheckpointMismatchError`, the same on every rank) is
         raised as it is: no older folder would match either."""
         try:
-            read()
+            self._read(folder, model, opt)
             mine = None
         except checkpoint.CheckpointMismatchError:
             raise
