@@ -126,13 +126,13 @@ ONE_LINE_CHARS = 300
 
 def one_line(exc: BaseException) -> str:
     """`exc` as "Type: message" on one line (whitespace runs joined, cut to ONE_LINE_CHARS);
-    "Type" alone when it has no message (an `EOFError()` of a file cut short), the message
-    alone for a `CheckpointLoadError` (which says what it is)."""
+    "Type" alone when it has no message (an `EOFError()` of a file cut short); a
+    `CheckpointLoadError` (which says what it is and what to do) as its whole message."""
     message = " ".join(str(exc).split())
-    if len(message) > ONE_LINE_CHARS:
-        message = message[: ONE_LINE_CHARS - 1] + "…"
     if isinstance(exc, CheckpointLoadError) and message:
         return message
+    if len(message) > ONE_LINE_CHARS:
+        message = message[: ONE_LINE_CHARS - 1] + "…"
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
