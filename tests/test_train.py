@@ -24,6 +24,7 @@ from orthoptim.train.data import (
     val_batches,
 )
 from orthoptim.train.model import CONFIGS, GPT, GPTConfig
+from orthoptim.train.runfolder import sealed
 
 SEQ = CONFIGS["tiny"].seq_len
 
@@ -341,7 +342,10 @@ def test_resume_refuses_another_run(tmp_path, capsys):
     ckpt = out / "checkpoints"
     ckpt.mkdir(parents=True)
     saved = TrainArgs(batch=2, steps=6, out=str(out)).to_dict()
-    (ckpt / "latest.json").write_text(json.dumps(dict(args=saved, world_size=2, step=3)))
+    record = sealed(dict(args=saved, world_size=2, step=3, folder="step_000003", files={}))
+    (ckpt / "step_000003").mkdir()
+    for path in (ckpt / "step_000003" / "checkpoint.json", ckpt / "latest.json"):
+        path.write_text(json.dumps(record))
     argv = ["train", "--nproc", "2", "--steps", "6", "--out", str(out), "--resume"]
     assert main([*argv, "--batch", "3"]) == 2
     err = capsys.readouterr().err

@@ -120,10 +120,28 @@ class CheckpointLoadError(Exception):
     `except Exception` would not catch; the original is its `__cause__`."""
 
 
+# An exception's message in `one_line` is cut to this many characters.
+ONE_LINE_CHARS = 300
+
+
+def one_line(exc: BaseException) -> str:
+    """`exc` as "Type: message" on one line (whitespace runs joined, cut to ONE_LINE_CHARS);
+    "Type" alone when it has no message (an `EOFError()` of a file cut short); a
+    `CheckpointLoadError` (which says what it is and what to do) as its whole message."""
+    message = " ".join(str(exc).split())
+    if isinstance(exc, CheckpointLoadError) and message:
+        return message
+    if len(message) > ONE_LINE_CHARS:
+        message = message[: ONE_LINE_CHARS - 1] + "…"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
 @contextlib.contextmanager
 def _reading(path: str) -> Iterator[None]:
-    """Turn a failed DCP read of checkpoint `path` into a `CheckpointLoadError` that names
-    every rank's failure (KeyboardInterrupt, SystemExit and the like pass unchanged)."""
+    """Turn a failed DCP read of checkpoint `path` into a one-line `CheckpointLoadError`
+    that names every rank's failure (KeyboardInterrupt, SystemExit and the like pass
+    unchanged). DCP keeps each failure as (exception, stack summary): only the exception is
+    told."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -131,8 +149,9 @@ def _reading(path: str) -> Iterator[None]:
     except CheckpointException as exc:
         failures = getattr(exc, "failures", {}) or {}
         why = "; ".join(
-            f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items())
-        ) or str(exc)
+            f"rank {r}: {one_line(e[0] if isinstance(e, tuple) else e)}"
+            for r, e in sorted(failures.items())
+        ) or one_line(exc)
         raise CheckpointLoadError(f"could not read checkpoint {path}: {why}") from exc
 
 
@@ -592,6 +611,8 @@ def _safe_load(f: str | IO[bytes], source: str, map_location: Any = None) -> Any
     names `source` and the globals it wanted."""
     try:
         return torch.load(f, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError) as exc:  # torch's reader: a file cut short or not a zip
+        raise CheckpointLoadError(f"could not load {source}: {one_line(exc)}") from exc
     except pickle.UnpicklingError as exc:
         if not isinstance(f, str):
             f.seek(0)

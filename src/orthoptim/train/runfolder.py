@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -38,11 +39,20 @@ from orthoptim import checkpoint, collectives
 from orthoptim.train.args import TrainArgs
 
 
-def atomic_write_text(text: str, path: Path) -> None:
-    """Replace `path` with `text` at once: written aside to `path.tmp`, then renamed."""
+def atomic_write_text(text: str, path: Path, durable: bool = False) -> None:
+    """Replace `path` with `text` at once: written aside to `path.tmp`, then renamed. With
+    `durable` (checkpoint records) the file is flushed to disk before the rename and its
+    folder after it, so a power loss leaves the old text or the new, never an empty file;
+    without it (heartbeats, every second) nothing waits for the disk."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if durable:
+        checkpoint._fsync_dir(str(path.parent))
 
 
 def read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
@@ -173,6 +183,92 @@ def damage(folder: Path, record: dict[str, Any]) -> str | None:
     return None
 
 
+# A record's own checksum: the SHA-256 of its canonical JSON without this key. Records of
+# runs older than it have none and are taken as they are (as `damage` takes those without
+# file checksums); the step-folder name check below still applies to them.
+RECORD_SHA256 = "record_sha256"
+# The only folders a record may name: step folders directly under checkpoints/.
+STEP_FOLDER = re.compile(r"step_\d{6,}")
+# Step folders passed over as damaged are renamed `*.damaged` for inspection; the newest
+# this many (by step) are kept, older ones removed after the next save.
+DAMAGED_KEPT = 2
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _body(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != RECORD_SHA256}
+
+
+def sealed(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with its own checksum (`RECORD_SHA256`), which `record_problem` checks."""
+    digest = hashlib.sha256(_canonical(_body(record)).encode()).hexdigest()
+    return dict(_body(record), **{RECORD_SHA256: digest})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _confined(name: Any) -> bool:
+    """Whether `name` (a file name from a record) stays inside its step folder."""
+    parts = Path(name).parts if isinstance(name, str) and name else ("..",)
+    return not Path(name).is_absolute() and ".." not in parts
+
+
+def record_problem(record: Any) -> str | None:
+    """What is wrong with a checkpoint record read from JSON (its checksum fails, a field
+    is missing or of the wrong type, it names a folder other than its step's), in words
+    that follow "which" ("fails its own SHA-256 check ..."), or None when nothing is."""
+    if not isinstance(record, dict):
+        return "is not a JSON object"
+    if RECORD_SHA256 in record and sealed(record)[RECORD_SHA256] != record[RECORD_SHA256]:
+        return "fails its own SHA-256 check (its bytes changed after it was written)"
+    step, folder = record.get("step"), record.get("folder")
+    if not _is_int(step) or step < 0:
+        return f"holds no valid step ({step!r})"
+    if folder != f"step_{step:06d}":
+        return (
+            f"names folder {folder!r} for step {step}, not step_{step:06d} (a record may "
+            "only name its step's folder under checkpoints/)"
+        )
+    if not isinstance(record.get("args"), dict):
+        return "holds no valid args"
+    if not _is_int(record.get("world_size")) or record["world_size"] < 1:
+        return f"holds no valid world_size ({record.get('world_size')!r})"
+    files = record.get("files", {})
+    if not isinstance(files, dict) or not all(
+        _confined(name)
+        and isinstance(want, dict)
+        and _is_int(want.get("bytes"))
+        and isinstance(want.get("sha256"), str)
+        for name, want in files.items()
+    ):
+        return "holds a malformed file list"
+    return None
+
+
+def read_record(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The checkpoint record at `path` and None, or None and what is wrong with it (in
+    words that follow "which": "is missing", "is not valid JSON (...)", `record_problem`)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, "is missing"
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    except UnicodeDecodeError:
+        return None, "is not valid JSON (it holds bytes that are not UTF-8)"
+    try:
+        record = json.loads(text)
+    except ValueError as exc:
+        return None, f"is not valid JSON ({exc})"
+    why = record_problem(record)
+    return (None, why) if why else (record, None)
+
+
 def _free_bytes(path: Path) -> int:
     for p in (path, *path.parents):
         with contextlib.suppress(OSError):
@@ -240,31 +336,73 @@ class Checkpointer:
         self.keep = keep
 
     def latest(self) -> dict[str, Any]:
-        """The committed checkpoint's metadata; a clear error if there is none."""
+        """The committed checkpoint's record: latest.json's when it verifies (`read_record`)
+        and agrees with its folder's own `checkpoint.json`; else (latest.json missing,
+        damaged, naming a folder outside checkpoints/ or disagreeing) the newest step
+        folder's record that verifies, with what was wrong in `self.notices` (`load` reports
+        it and rebuilds latest.json). A clear error if there is none."""
         path = self.dir / "latest.json"
-        if not path.exists():
-            out = self.dir.parent
+        self.notices: list[str] = []
+        latest, why = read_record(path)
+        if latest is not None:
+            own, own_why = read_record(self.dir / latest["folder"] / STEP_RECORD)
+            if own is None:
+                why = f"names {latest['folder']}, whose {STEP_RECORD} {own_why}"
+            else:
+                a, b = _body(latest), _body(own)
+                keys = [
+                    k for k in sorted(a.keys() | b.keys())
+                    if _canonical(a.get(k)) != _canonical(b.get(k))
+                ]  # fmt: skip
+                if not keys:
+                    return latest
+                why = f"disagrees with {latest['folder']}/{STEP_RECORD} ({', '.join(keys)})"
+        records, _ = self._step_records()
+        if records:
+            self.notices.append(f"checkpoints/latest.json, which {why}")
+            return records[0]
+        out = self.dir.parent
+        if _holds_run(out):
             advice = (
-                f"--out {out} holds a run with no checkpoint to continue; pass --overwrite "
-                "instead of --resume to replace it"
-                if held_run(out)
-                else f"--out {out} holds no run: drop --resume to start one there"
+                f"--out {out} holds a run with no verified checkpoint to continue; pass "
+                "--overwrite instead of --resume to replace it"
             )
+        else:
+            advice = f"--out {out} holds no run: drop --resume to start one there"
+        if why == "is missing":
             raise FileNotFoundError(
                 f"--resume: no checkpoint in {self.dir} (latest.json is missing); {advice}"
             )
-        return json.loads(path.read_text())
+        raise FileNotFoundError(
+            f"--resume: no checkpoint to continue in {self.dir}: {path} {why}, and no step "
+            f"folder holds a record that verifies; {advice}"
+        )
+
+    def _step_records(self) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+        """The verified records of the step folders, newest first, and (folder, what is
+        wrong) for each whose record does not verify. Folders without a record (a save in
+        progress or never committed: `clean_leftovers`) are neither."""
+        good, bad = [], []
+        for folder in sorted(self.dir.glob("step_*")):
+            if not (STEP_FOLDER.fullmatch(folder.name) and (folder / STEP_RECORD).is_file()):
+                continue
+            record, why = read_record(folder / STEP_RECORD)
+            if record is not None and record["folder"] != folder.name:
+                record, why = None, f"names {record['folder']}"
+            if record is None:
+                bad.append((folder.name, f"{STEP_RECORD} {why}"))
+            else:
+                good.append(record)
+        return sorted(good, key=lambda r: -r["step"]), bad
 
     def committed(self) -> list[dict[str, Any]]:
         """The records of the committed step folders, newest first: the one latest.json names
-        and every older one with a record."""
+        (or `latest`'s fallback) and every older one whose record verifies; those whose
+        record does not are in `self.unverified` as (folder, why)."""
         latest = self.latest()
         records = {latest["folder"]: latest}
-        for path in self.dir.glob(f"step_*/{STEP_RECORD}"):
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                record = json.loads(path.read_text())
-                if record["folder"] == path.parent.name and record["step"] < latest["step"]:
-                    records[record["folder"]] = record
+        good, self.unverified = self._step_records()
+        records.update((r["folder"], r) for r in good if r["step"] < latest["step"])
         return sorted(records.values(), key=lambda r: -r["step"])
 
     def save(self, step: int, model: nn.Module, opt: Any, meta: dict[str, Any]) -> None:
@@ -280,9 +418,9 @@ class Checkpointer:
         def commit() -> None:
             if self.rank == 0:
                 info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
-                record = json.dumps(dict(info, files=_record_files(folder)), indent=1)
-                atomic_write_text(record, folder / STEP_RECORD)
-                atomic_write_text(record, self.dir / "latest.json")
+                record = json.dumps(sealed(dict(info, files=_record_files(folder))), indent=1)
+                atomic_write_text(record, folder / STEP_RECORD, durable=True)
+                atomic_write_text(record, self.dir / "latest.json", durable=True)
 
         self._together(step, folder, last_good, commit)
         if self.rank == 0:
@@ -317,43 +455,82 @@ class Checkpointer:
                 checkpoint.atomic_save(optim, folder / "optim.pt")
 
     def _prune(self, newest: str) -> None:
-        """Keep the newest `keep` committed step folders (`newest` among them)."""
+        """Keep the newest `keep` committed step folders (`newest` among them) and the newest
+        `DAMAGED_KEPT` `*.damaged` ones."""
         kept = [r["folder"] for r in self.committed()][: self.keep]
         for old in self.dir.glob("step_*"):
             if old.is_dir() and old.name not in (*kept, newest) and old.suffix != ".damaged":
                 shutil.rmtree(old, ignore_errors=True)
+        damaged = sorted(
+            self.dir.glob("step_*.damaged"), key=lambda p: int(p.name[5:].split(".")[0] or 0)
+        )[::-1]
+        for old in damaged[DAMAGED_KEPT:]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def load(self, model: nn.Module, opt: Any, args: TrainArgs, param_dtype: str) -> dict[str, Any]:
         """Load the newest intact committed checkpoint into `model` and `opt` (collective) and
-        return its record, with "passed_over": what was skipped and why. Rank 0 checks the
-        files against their record; every rank checks the model it loaded is finite.
-        `param_dtype`: this run's (`check_resumable`)."""
+        return its record, with "passed_over": what was skipped and why (a damaged
+        latest.json, step folders whose record does not verify, whose files do not match it,
+        cannot be loaded on some rank, or hold a non-finite model). Rank 0 checks the files
+        against their record; every rank agrees on whether its load worked and checks the
+        model it loaded is finite. latest.json is rebuilt from the record loaded if
+        anything was passed over. `param_dtype`: this run's (`check_resumable`)."""
         damaged: list[tuple[Path, str]] = []
-        for info in self.committed():
+        candidates = self.committed()
+        notices = list(self.notices)
+        damaged += [(self.dir / name, why) for name, why in self.unverified]
+        for info in candidates:
             folder = self.dir / info["folder"]
             why = collectives.all_gather_object(damage(folder, info) if self.rank == 0 else None)
             if why[0] is not None:
                 damaged.append((folder, why[0]))
                 continue
             check_resumable(info, args, self.world_size, param_dtype)
-            self._read(folder, model, opt)
+            failed = self._agreed_read(folder, model, opt)
+            if failed is not None:
+                damaged.append((folder, failed))
+                continue
             names = [n for n in collectives.all_gather_object(_first_nonfinite(model)) if n]
             if names:
                 damaged.append((folder, f"the model holds NaN or inf ({names[0]})"))
                 continue
-            if self.rank == 0 and damaged:
-                # the damaged folders kept aside (never loaded or pruned), this one committed
+            if self.rank == 0 and (damaged or notices):
+                # the damaged folders kept aside (never loaded; `_prune` keeps the newest
+                # DAMAGED_KEPT), this one committed
                 for bad, _ in damaged:
+                    aside = bad.with_name(bad.name + ".damaged")
                     with contextlib.suppress(OSError):
-                        os.replace(bad, bad.with_name(bad.name + ".damaged"))
-                atomic_write_text(json.dumps(info, indent=1), self.dir / "latest.json")
+                        shutil.rmtree(aside, ignore_errors=True)
+                        os.replace(bad, aside)
+                record = json.dumps(sealed(info), indent=1)
+                atomic_write_text(record, self.dir / "latest.json", durable=True)
             collectives.barrier()
-            return dict(info, passed_over=[f"{f.name}: {why}" for f, why in damaged])
+            passed = [*notices, *(f"{f.name}: {why}" for f, why in damaged)]
+            return dict(info, passed_over=passed)
         raise checkpoint.CheckpointLoadError(
             f"--resume: no intact checkpoint in {self.dir}: "
-            + "; ".join(f"{f.name}: {why}" for f, why in damaged)
+            + "; ".join([*notices, *(f"{f.name}: {why}" for f, why in damaged)])
             + "; pass --overwrite instead of --resume to start the run afresh"
         )
+
+    def _agreed_read(self, folder: Path, model: nn.Module, opt: Any) -> str | None:
+        """`_read` this rank's part of `folder` (collective); None when it worked on every rank,
+        else the first failing rank's reason in one line, on every rank. A checkpoint that
+        does not match the model (`CheckpointMismatchError`, the same on every rank) is
+        raised as it is: no older folder would match either."""
+        try:
+            self._read(folder, model, opt)
+            mine = None
+        except checkpoint.CheckpointMismatchError:
+            raise
+        except Exception as exc:
+            mine = checkpoint.one_line(exc)
+        failures = [(r, w) for r, w in enumerate(collectives.all_gather_object(mine)) if w]
+        if not failures:
+            return None
+        rank, why = failures[0]
+        where = "" if self.world_size == 1 else f" on rank {rank}"
+        return f"cannot be loaded{where} ({why})"
 
     def _read(self, folder: Path, model: nn.Module, opt: Any) -> None:
         if self.tp > 1 or self.sharded:
@@ -366,8 +543,9 @@ class Checkpointer:
 
 def clean_leftovers(out: Path) -> list[str]:
     """Remove what an interrupted run left half-written under `out` (call with the lock held,
-    before any rank starts): `*.tmp` and `*.tmp.PID` files and step folders that were never
-    committed (no record, not named by latest.json). Returns what was removed."""
+    before any rank starts): `*.tmp` and `*.tmp.PID` files (of checkpoints and logs/ too) and
+    step folders that were never committed (no record, not named by latest.json). Returns
+    what was removed. (`*.damaged` folders are pruned after each save: `Checkpointer._prune`.)"""
     removed = []
     ckpts = out / "checkpoints"
     named = (latest_record(out) or {}).get("folder")
@@ -375,7 +553,9 @@ def clean_leftovers(out: Path) -> list[str]:
         if path.is_dir() and path.name != named and not (path / STEP_RECORD).exists():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
-    for path in [*out.glob("*.tmp"), *ckpts.rglob("*.tmp"), *ckpts.rglob("*.tmp.*")]:
+    logs = out / "logs"
+    leftovers = [*out.glob("*.tmp"), *logs.glob("*.tmp"), *logs.glob("*.tmp.*")]
+    for path in [*leftovers, *ckpts.rglob("*.tmp"), *ckpts.rglob("*.tmp.*")]:
         with contextlib.suppress(OSError):
             path.unlink()
             removed.append(str(path))
@@ -393,23 +573,27 @@ LOCK_FILE = ".lock"
 _log = logging.getLogger(__name__)
 
 
+def _holds_run(out: Path) -> bool:
+    return any((out / name).exists() for name in RUN_FILES[:3])
+
+
 def held_run(out: Path) -> str | None:
     """The run `out` holds, in words ("checkpoint at step 10"), or None when it holds none
     (no metrics.jsonl, result.json or checkpoints/)."""
-    if not any((out / name).exists() for name in RUN_FILES[:3]):
+    if not _holds_run(out):
         return None
     record = latest_record(out)
     return f"checkpoint at step {record['step']}" if record else "no checkpoint"
 
 
 def latest_record(out: Path) -> dict[str, Any] | None:
-    """The committed checkpoint's record (`checkpoints/latest.json`: its step, folder and
-    metadata), or None when there is none or it cannot be read."""
+    """The committed checkpoint's record (its step, folder and metadata: `Checkpointer.latest`,
+    latest.json's or, if that does not verify, the newest step folder's that does), or None
+    when no record verifies."""
     try:
-        record = json.loads((out / "checkpoints" / "latest.json").read_text())
-    except (OSError, ValueError):
+        return Checkpointer(out, 0, 1).latest()
+    except FileNotFoundError:
         return None
-    return record if isinstance(record, dict) and "step" in record else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -513,13 +697,18 @@ def claim_out(args: TrainArgs, world_size: int, device_type: str) -> str | None:
     if args.resume:
         for path in clean_leftovers(out):
             _log.warning("--out %s: removed %s, left by an interrupted save", out, path)
-        info = Checkpointer(out, 0, world_size).latest()
+        ckpt = Checkpointer(out, 0, world_size)
+        info = ckpt.latest()
+        for notice in ckpt.notices:
+            _log.warning("--out %s: passed over %s", out, notice)
         check_resumable(info, args, world_size, args.param_dtype_on(device_type))
         read_metrics(out / "metrics.jsonl")  # a damaged row is refused before any rank starts
         step, last = info["step"], args.stop_after or args.steps
-        if step >= args.steps:
-            return f"--out {out} finished at step {step}; nothing to do"
-        if step >= last:
+        if step >= last and damage(ckpt.dir / info["folder"], info) is None:
+            # only a verified record and its intact files say there is nothing left to do;
+            # otherwise the ranks pass it over for an older checkpoint and train on
+            if step >= args.steps:
+                return f"--out {out} finished at step {step}; nothing to do"
             return f"--out {out} is at step {step}, --stop-after {last}; nothing to do"
         return None
     held = held_run(out)
