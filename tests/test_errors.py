@@ -407,9 +407,9 @@ def _kill_in_save(proc: subprocess.Popen, out: Path, rank: int, step: int, delay
 
 
 def _save_kill(tmp_path: Path, rank: int, delay: float, *extra: str) -> tuple[int, str, str]:
-    """A --nproc 2 run whose `rank` is killed during the save of step 3: (rc, last line of
-    stderr, where the survivor's collective failed)."""
-    out = tmp_path / f"run-{rank}-{delay}-{'-'.join(extra)}"
+    """A --nproc 2 run (in a new folder under `tmp_path`) whose `rank` is killed during the
+    save of step 3: (rc, last line of stderr, the survivor's recorded message)."""
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
     argv = ["--steps", "40", "--ckpt-every", "3", "--nproc", "2", "--out", str(out), *extra]
     proc = _orthoptim("train", *TINY, *argv)
     _kill_in_save(proc, out, rank, 3, delay)

@@ -39,6 +39,7 @@ from orthoptim.train.runfolder import (
     latest_record,
     no_space,
     nothing_to_do,
+    raised_from,
     release_lock,
 )
 
@@ -322,7 +323,7 @@ class _Heartbeat:
         self._stop = threading.Event()
         self._writing = threading.Lock()  # the thread and the step hook share path.tmp
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._write()
+        self._beat_once()
         progress.on_step = self._beat_once
         self._thread = threading.Thread(target=self._beat, name="orthoptim-heartbeat", daemon=True)
         self._thread.start()
@@ -386,14 +387,10 @@ def _is_knock_on(exc: BaseException) -> bool:
         return True
     if getattr(exc, "knock_on", False) is True:
         return True
-    seen: set[int] = set()
-    at: BaseException | None = exc
-    while at is not None and id(at) not in seen:
-        seen.add(id(at))
-        if isinstance(at, RuntimeError) and any(m in str(at) for m in _PEER_GONE):
-            return True
-        at = at.__cause__ or at.__context__
-    return False
+    return any(
+        isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_GONE)
+        for e in raised_from(exc)
+    )
 
 
 def _record_failure(out: Path, rank: int, exc: Exception, phase: str) -> None:

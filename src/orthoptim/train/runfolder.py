@@ -191,17 +191,22 @@ def no_space(path: Path) -> str:
     return f"no space left on {path} ({_free_bytes(path)} bytes free)"
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc`, or an exception it was raised from, is the OS saying the disk (or the
-    user's quota) is full."""
+def raised_from(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, the exception it was raised from (or while handling), that one's, and so on."""
     seen: set[int] = set()
     at: BaseException | None = exc
     while at is not None and id(at) not in seen:
         seen.add(id(at))
-        if isinstance(at, OSError) and at.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+        yield at
         at = at.__cause__ or at.__context__
-    return False
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, is the OS saying the disk (or the
+    user's quota) is full."""
+    return any(
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in raised_from(exc)
+    )
 
 
 class DiskFullError(OSError):
@@ -378,8 +383,8 @@ class Checkpointer:
                 work()
         except CheckpointSaveError as exc:
             error = exc
-        with collectives.phase(f"checkpoint of step {step}: agreeing that every rank's {what} "
-                               "succeeded"):  # fmt: skip
+        agreeing = f"checkpoint of step {step}: agreeing that every rank's {what} succeeded"
+        with collectives.phase(agreeing):
             failed = collectives.sum_floats([float(error is not None)])[0]
         if failed:
             if self.rank == 0:
@@ -593,8 +598,11 @@ def _remove_stale(path: Path, holder: dict[str, Any]) -> None:
 def acquire_lock(out: Path) -> Path:
     """Take `out/.lock` (created atomically; it holds this host, pid and start time) and
     return its path. A lock left by a process of this host that is no longer running is stale:
-    taken over with a logged notice. A live holder, or one on another host (whose liveness
-    cannot be checked from here), is refused with a ValueError naming it."""
+    taken over with a logged notice, and so is one still naming no holder LOCK_WRITE_S after
+    it was created (its run crashed between creating and writing it). A live holder, or one on
+    another host (whose liveness cannot be checked from here), is refused with a ValueError
+    naming it; a live pid that cannot be the holder (`_not_a_run`: a pid reused after a
+    restart) is refused saying so. A lock whose write fails (a full disk) is removed."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
     host = socket.gethostname()
