@@ -323,6 +323,18 @@ def test_a_save_a_dead_peer_broke_is_its_knock_on_and_every_save_collective_is_n
         ckpt._together(3, folder, "intact", "write", full)
     assert not launcher._is_knock_on(e.value)
 
+    # What a collective torch issues itself (FSDP2's gathers) raises when the peer is gone.
+    gone = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
+    assert launcher._is_knock_on(gone)
+
+    def reset():
+        raise gone
+
+    with pytest.raises(CheckpointSaveError) as e:
+        ckpt._together(3, folder, "intact", "write", reset)
+    assert launcher._is_knock_on(e.value)
+    assert not launcher._is_knock_on(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
 
 def test_the_report_ranks_a_rank_s_own_failure_and_a_dead_rank_above_knock_ons(tmp_path):
     """The one-line report across ranks: a rank's own error (disk full) outranks another's
