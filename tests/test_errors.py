@@ -10,19 +10,25 @@ status 130; every refused flag is named as the user typed it. The multi-rank cas
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import test_resume
 from orthoptim.cli import main
-from orthoptim.train import launcher
+from orthoptim.train import launcher, runfolder
+from orthoptim.train.loop import setup_logging
 
 TINY = ["--config", "tiny", "--batch", "2", "--eval-batches", "1", "--no-progress"]
 # Learning rates that blow the tiny model up within two steps: a real failure a user can
@@ -255,3 +261,375 @@ def test_ctrl_c_stops_the_ranks_with_one_line(tmp_path):
     assert err.endswith("orthoptim: interrupted\n"), err
     assert "orthoptim" not in err[: -len("orthoptim: interrupted\n")], err
     assert not (out / ".lock").exists()
+
+
+# ---------------------------------------------------------------- the right rank blamed (issue 32)
+
+
+def _child_failure(tmp_path: Path, rank: int, exitcode: int, exception: str | None = None):
+    """torch's record of a failed rank: killed by a signal (`exitcode` < 0) or ended with
+    `exception` ("Type: message") in its error file, as torch's `record` writes it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"torch-error-{rank}.json"
+    if exception is not None:
+        data = {"message": {"message": exception, "extraInfo": {"timestamp": "1"}}}
+        error_file.write_text(json.dumps(data))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode,
+                          error_file=str(error_file))  # fmt: skip
+
+
+def _children_failed(*failures):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    return ChildFailedError("orthoptim", {f.local_rank: f for f in failures})
+
+
+def _beat(logs: Path, rank: int, step: int) -> None:
+    beat = dict(pid=1000 + rank, step=step, time=time.time())
+    (logs / launcher.HEARTBEAT_FILE.format(rank=rank)).write_text(json.dumps(beat))
+
+
+def _peer_gone() -> Exception:
+    from orthoptim import collectives
+
+    cause = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+    return collectives._collective_error("all_reduce", cause, None)
+
+
+def test_a_save_a_dead_peer_broke_is_its_knock_on_and_every_save_collective_is_named(
+    tmp_path, monkeypatch
+):
+    """A save's own collectives (the state-dict gather inside its write, the agreement after
+    it) failing because a peer died are knock-on failures, named by their phase; a rank whose
+    part was written while another's failed says so as a knock-on; the failing rank's own
+    error (disk full) is what it is."""
+    from orthoptim import collectives
+    from orthoptim.train.runfolder import Checkpointer, CheckpointSaveError
+
+    folder = tmp_path / "checkpoints" / "step_000003"
+
+    def broken():
+        raise _peer_gone()
+
+    ckpt = Checkpointer(tmp_path, 1, 2)
+    with pytest.raises(collectives.CollectiveError) as e:
+        ckpt._together(3, folder, "intact", "write", broken)
+    assert launcher._is_knock_on(e.value)
+
+    def agreement_fails(values, group=None):
+        raise _peer_gone()
+
+    monkeypatch.setattr(collectives, "sum_floats", agreement_fails)
+    with pytest.raises(collectives.CollectiveError) as e:
+        ckpt._together(3, folder, "intact", "write", lambda: None)
+    assert "checkpoint of step 3: agreeing that every rank's write succeeded" in str(e.value)
+
+    monkeypatch.setattr(collectives, "sum_floats", lambda values, group=None: [1.0])
+    with pytest.raises(CheckpointSaveError, match="another rank failed") as e:
+        ckpt._together(3, folder, "intact", "write", lambda: None)
+    assert launcher._is_knock_on(e.value)
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointSaveError, match=r"no space left on .*\(\d+ bytes free\)") as e:
+        ckpt._together(3, folder, "intact", "write", full)
+    assert not launcher._is_knock_on(e.value)
+
+    # What a collective torch issues itself (FSDP2's gathers) raises when the peer is gone.
+    gone = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
+    assert launcher._is_knock_on(gone)
+
+    def reset():
+        raise gone
+
+    with pytest.raises(CheckpointSaveError) as e:
+        ckpt._together(3, folder, "intact", "write", reset)
+    assert launcher._is_knock_on(e.value)
+    assert not launcher._is_knock_on(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_the_report_ranks_a_rank_s_own_failure_and_a_dead_rank_above_knock_ons(tmp_path):
+    """The one-line report across ranks: a rank's own error (disk full) outranks another's
+    "another rank failed" though that one came first; a rank killed without a record
+    outranks the survivors' knock-on records, whether torch's launcher saw it die (SIGKILL)
+    or only its heartbeat file is left; a rank whose own error torch kept (its record could
+    not be written: disk full) outranks a knock-on record; the dead rank's step is its
+    heartbeat's."""
+    from orthoptim.train.runfolder import CheckpointSaveError
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    echo = CheckpointSaveError("could not save the checkpoint of step 3: another rank failed")
+    echo.knock_on = True
+    launcher._record_failure(tmp_path, 1, echo, "after step 3")
+    full = CheckpointSaveError("could not save the checkpoint of step 3: no space left on X")
+    launcher._record_failure(tmp_path, 0, full, "after step 3")
+    msg = launcher._failure_message(logs, 2, 60.0)
+    assert msg.startswith("rank 0 failed after step 3: CheckpointSaveError: could not save the "
+                          "checkpoint of step 3: no space left on X")  # fmt: skip
+
+    launcher._clear_records(logs)
+    launcher._record_failure(tmp_path, 0, _peer_gone(), "after step 5")
+    _beat(logs, 1, 5)  # rank 1 never ended its run: killed before torch's launcher saw it
+    survivor = _child_failure(tmp_path, 0, 1, "CollectiveError: rank 0 of 2: all_reduce failed")
+    assert launcher._failure_message(logs, 2, 60.0, _children_failed(survivor)) == (
+        f"rank 1 died after step 5 (it left no record and its heartbeat behind: killed?); "
+        f"logs: {logs}"
+    )
+    killed = _child_failure(tmp_path, 1, -signal.SIGKILL)
+    assert launcher._failure_message(logs, 2, 60.0, _children_failed(killed)) == (
+        f"rank 1 died after step 5 (SIGKILL); logs: {logs}"
+    )
+
+    (logs / launcher.HEARTBEAT_FILE.format(rank=1)).unlink()
+    kept = _child_failure(tmp_path, 1, 1, "DiskFullError: no space left on /x (0 bytes free)")
+    assert launcher._failure_message(logs, 2, 60.0, _children_failed(kept)) == (
+        f"rank 1 failed: DiskFullError: no space left on /x (0 bytes free); logs: {logs}"
+    )
+    echoed = _child_failure(tmp_path, 1, 1, "CollectiveError: rank 1 of 2: all_reduce failed")
+    assert launcher._failure_message(logs, 2, 60.0, _children_failed(echoed)).startswith(
+        "rank 0 failed after step 5: CollectiveError: "
+    )
+
+
+def test_the_heartbeat_carries_the_step_just_done(tmp_path, monkeypatch):
+    """The heartbeat is written at the end of each optimizer step, not only every HEARTBEAT_S,
+    so "died after step N" names the step the rank was in."""
+    monkeypatch.setattr(launcher, "HEARTBEAT_S", 3600.0)  # the thread alone would lag
+    path = tmp_path / "logs" / launcher.HEARTBEAT_FILE.format(rank=0)
+    progress = launcher._Progress(10)
+    beat = launcher._Heartbeat(path, progress)
+    try:
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=0.1)
+        for done in range(1, 4):
+            w.grad = torch.ones(2)
+            opt.step()
+            assert json.loads(path.read_text())["step"] == 10 + done
+    finally:
+        beat.stop()
+        progress.close()
+    assert not path.exists()
+
+
+def _kill_in_save(proc: subprocess.Popen, out: Path, rank: int, step: int, delay: float) -> None:
+    """SIGKILL `rank` `delay` s after the save of `step` began (its folder appeared)."""
+    folder = out / "checkpoints" / f"step_{step:06d}"
+    deadline = time.monotonic() + GUARD_S
+    pid = None
+    while not folder.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no save of step {step}: {proc.communicate()[1]}")
+        if pid is None and (out / "logs" / launcher.HEARTBEAT_FILE.format(rank=rank)).exists():
+            with contextlib.suppress(ValueError, OSError, AssertionError):
+                pid = _rank_pid(out, proc.pid, rank)
+        time.sleep(0.0005)
+    if delay:
+        time.sleep(delay)
+    os.kill(pid or _rank_pid(out, proc.pid, rank), signal.SIGKILL)
+
+
+def _save_kill(tmp_path: Path, rank: int, delay: float, *extra: str) -> tuple[int, str, str]:
+    """A --nproc 2 run (in a new folder under `tmp_path`) whose `rank` is killed during the
+    save of step 3: (rc, last line of stderr, the survivor's recorded message)."""
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+    argv = ["--steps", "40", "--ckpt-every", "3", "--nproc", "2", "--out", str(out), *extra]
+    proc = _orthoptim("train", *TINY, *argv)
+    _kill_in_save(proc, out, rank, 3, delay)
+    err = _finish(proc)
+    survivor = launcher._read_json(out / "logs" / launcher.FAILURE_FILE.format(rank=1 - rank))
+    return proc.returncode, err.splitlines()[-1] if err else "", (survivor or {}).get("message", "")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_a_save_is_the_one_named_with_its_step(tmp_path):
+    rc, line, _ = _save_kill(tmp_path, 1, 0.0)
+    assert rc == 2
+    assert re.fullmatch(r"orthoptim: error: rank 1 died after step 3 \(.+\); logs: .+", line), line
+
+
+@pytest.mark.probe
+@pytest.mark.parametrize("fsdp", [False, True], ids=["layerwise", "fsdp"])
+def test_probe_save_time_kills_name_the_killed_rank(tmp_path, fsdp):
+    """Issue 32's figure: 10 save-time SIGKILLs of each rank (at 0-8 ms into the save), the
+    report names the killed rank every time. Prints the figures and where the survivor was."""
+    extra = ("--fsdp",) if fsdp else ()
+    named, phases = {0: 0, 1: 0}, []
+    for trial in range(10):
+        for rank in (0, 1):
+            rc, line, survivor = _save_kill(tmp_path, rank, (trial % 5) * 0.002, *extra)
+            ok = rc == 2 and line.startswith(f"orthoptim: error: rank {rank} died after step 3")
+            named[rank] += ok
+            where = re.search(r"of 2: (.+?) failed", survivor)
+            phases.append(where[1] if where else survivor[:60])
+            print(f"kill rank {rank}: rc {rc} {'named' if ok else 'WRONG'}: {line}")
+    print(f"{'--fsdp' if fsdp else 'layer-wise'}: killed rank named {named[0]}/10 (rank 0), "
+          f"{named[1]}/10 (rank 1); survivors failed in: {sorted(set(phases))}")  # fmt: skip
+    assert named == {0: 10, 1: 10}
+
+
+# ---------------------------------------------------------------- a full disk anywhere (issue 32)
+
+
+def _fill(disk: Path) -> None:
+    """Fill `disk` to its last byte."""
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+NO_SPACE = r"no space left on {} \(\d+ bytes free\)"
+small_disk = test_resume.small_disk  # a fixture: a tmpfs mount of a given size
+
+
+def test_a_full_disk_before_the_start_is_one_line_and_leaves_no_lock(small_disk, capsys):
+    disk = small_disk(64 * 1024)
+    out = disk / "run"
+    out.mkdir()
+    _fill(disk)
+    assert main(["train", *TINY, "--nproc", "1", "--steps", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        rf"orthoptim: error: --out {re.escape(str(out))}: {NO_SPACE.format(re.escape(str(out)))}"
+        r"; free space there or pass another --out\n",
+        err,
+    ), err
+    # The lock's own write failing (where the probe got through) leaves no lock behind.
+    with pytest.raises(ValueError, match=rf"cannot write its lock {re.escape(str(out))}/\.lock "
+                       rf"\({NO_SPACE.format(re.escape(str(out)))}\)"):  # fmt: skip
+        runfolder.acquire_lock(out)
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_a_lock_left_empty_or_naming_another_process_says_what_to_do(tmp_path, caplog):
+    """An empty lock (a run crashed between creating and writing it) blocks only while its
+    writer could still be at work (LOCK_WRITE_S); a lock whose pid is alive but is no run (the
+    pid was reused after a restart: it started after the lock, or runs no Python) is refused
+    naming that, and how to proceed."""
+    out = tmp_path / "A"
+    out.mkdir()
+    lock = out / ".lock"
+    lock.write_text("")
+    with pytest.raises(ValueError, match=r"locked \(.*\.lock unreadable\)"):
+        runfolder.acquire_lock(out)
+    old = time.time() - runfolder.LOCK_WRITE_S - 1
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="orthoptim.train.runfolder"):
+        path = runfolder.acquire_lock(out)
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert "crashed while taking it" in caplog.text
+    runfolder.release_lock(path)
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    while not Path(f"/proc/{sleeper.pid}/cmdline").read_bytes():  # a moment after its exec
+        time.sleep(0.01)
+    try:
+        holder = dict(host=socket.gethostname(), pid=sleeper.pid, started="2026-01-01T00:00:00")
+        lock.write_text(json.dumps(holder))
+        with pytest.raises(ValueError) as e:
+            runfolder.acquire_lock(out)
+        assert f"is locked by pid {sleeper.pid}" in str(e.value)
+        assert "is no orthoptim run: it runs 'sleep 60'" in str(e.value)
+        assert f"if no run is using the folder, remove {lock}" in str(e.value)
+        # A process started after the lock was taken cannot be the run that took it.
+        holder["started"] = "2020-01-01T00:00:00+0000"
+        lock.write_text(json.dumps(holder))
+        with pytest.raises(ValueError, match=r"is no orthoptim run: it started at 20"):
+            runfolder.acquire_lock(out)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert json.loads(lock.read_text()) == holder  # left alone
+
+
+def test_a_full_disk_under_a_log_is_one_line(small_disk, capsys):
+    disk = small_disk(64 * 1024)
+    log = setup_logging(disk, 0)
+    try:
+        _fill(disk)
+        for i in range(200):
+            log.info("line %d %s", i, "x" * 100)
+    finally:
+        launcher._close(log)
+    err = capsys.readouterr().err
+    assert err == (
+        f"orthoptim: no space left on {disk}/logs/rank0.log (0 bytes free); its log lines are "
+        "dropped from here on\n"
+    ), err
+
+
+def test_a_disk_filled_mid_run_is_one_line_and_the_resume_cleans_up(small_disk, capsys):
+    """The disk fills after step 2 (a metrics row, a log line or the save of step 4 is the
+    first write to fail): one line naming the path and the bytes free, exit status 2, the
+    checkpoint of step 2 intact; with room again, --resume finishes the run and leaves no
+    half-written file behind."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    disk = small_disk(24 * 2**20)
+    out = disk / "run"
+    argv = ["train", *TINY, "--nproc", "1", "--steps", "4", "--ckpt-every", "2", "--out",
+            str(out)]  # fmt: skip
+
+    def fill_after_step_2(opt, *_):
+        rows = out / "metrics.jsonl"
+        if rows.read_text().count("train_loss") == 2 and not (disk / "filler").exists():
+            _fill(disk)
+
+    hook = register_optimizer_step_post_hook(fill_after_step_2)
+    try:
+        assert main(argv) == 2
+    finally:
+        hook.remove()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Logging error" not in err, err
+    under_out = NO_SPACE.format(re.escape(str(out)) + r"\S*")
+    assert re.fullmatch(
+        rf"orthoptim: error: rank 0 failed.*: .*Error: .*{under_out}.*", err.splitlines()[-1]
+    ), err
+    assert len(err.splitlines()) <= 2, err  # the report, and a log's own line at most
+    (disk / "filler").unlink()
+    assert main([*argv, "--resume"]) == 0
+    left = [p for p in out.rglob("*") if p.name.endswith(".tmp") or ".tmp." in p.name]
+    assert left == [] and not (out / ".lock").exists()
+
+
+@pytest.mark.probe
+@pytest.mark.parametrize("fsdp", [False, True], ids=["layerwise", "fsdp"])
+def test_probe_a_full_disk_at_nproc_2_is_one_line_naming_the_path(small_disk, fsdp):
+    """Issue 32's figure: a disk with room for the run but not its first checkpoint (3 times),
+    and a disk filled after step 2 (twice), at --nproc 2: rc 2 and one line, "no space left
+    on PATH (N bytes free)"; in a layer-wise save rank 0's, the one writing the files."""
+    extra = ("--fsdp",) if fsdp else ()
+    good = 0
+    for trial in range(5):
+        disk = small_disk(4 * 2**20 if trial < 3 else 24 * 2**20)
+        out = disk / "run"
+        argv = ["--steps", "4" if trial < 3 else "400", "--ckpt-every", "2" if trial < 3 else
+                "1000", "--nproc", "2", "--out", str(out), *extra]  # fmt: skip
+        proc = _orthoptim("train", *TINY, *argv)
+        if trial >= 3:
+            _wait_for_steps(proc, out, 2)
+            _fill(disk)
+        err = _finish(proc)
+        line = err.splitlines()[-1] if err else ""
+        where = re.escape(str(out / "checkpoints" / "step_000002") if trial < 3 else str(out))
+        pattern = rf"orthoptim: error: rank {'0' if trial < 3 and not fsdp else '[01]'} .*"
+        ok = (
+            proc.returncode == 2
+            and len(err.splitlines()) <= 2  # the report, and a log's own line at most
+            and "Traceback" not in err
+            and re.fullmatch(pattern + NO_SPACE.format(where + r"\S*") + ".*", line) is not None
+        )
+        good += ok
+        print(f"{'in a save' if trial < 3 else 'mid-run'}: rc {proc.returncode}, "
+              f"{len(err.splitlines())} line(s), {'OK' if ok else 'WRONG'}: {err!r}")  # fmt: skip
+    print(f"{'--fsdp' if fsdp else 'layer-wise'}: {good}/5 one clear line")
+    assert good == 5

@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +30,16 @@ from orthoptim.train.devices import plan_ranks
 from orthoptim.train.loop import setup_logging, train
 from orthoptim.train.model import get_config
 from orthoptim.train.runfolder import (
+    RunLogHandler,
     acquire_lock,
     atomic_write_text,
     claim_out,
+    disk_full_error,
+    is_disk_full,
     latest_record,
+    no_space,
     nothing_to_do,
+    raised_from,
     release_lock,
 )
 
@@ -231,15 +236,21 @@ class RankFailedError(RuntimeError):
 
 def check_out(out: Path, flag: str = "--out") -> None:
     """Refuse a run folder that cannot be created or written (a file, a read-only or virtual
-    file system), naming `flag` and the OS's reason, before anything starts."""
+    file system, a full disk), naming `flag` and the OS's reason, before anything starts."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"{flag} {out} is a file; pass a folder (it is created if missing)")
+    probe = out / f".probe-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".probe-{os.getpid()}"
-        probe.write_text("")
+        probe.write_text("written by orthoptim to see that the folder takes files\n")
         probe.unlink()
     except OSError as e:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        if is_disk_full(e):
+            raise ValueError(
+                f"{flag} {out}: {no_space(out)}; free space there or pass another {flag}"
+            ) from e
         raise ValueError(
             f"{flag} {out}: cannot write a run folder there ({e.strerror or e}); "
             "pass a writable folder"
@@ -250,7 +261,9 @@ class _Progress:
     """This process's optimizer steps, as torch's global step hooks see them: the last step
     done (counting from `start`, where a resumed run continues) and whether one is under way.
     The loop's optimizers nest (an outer step steps inner ones), so the steps done are the
-    most any one optimizer took."""
+    most any one optimizer took; `on_step` (if set) is called each time that count grows."""
+
+    on_step: Callable[[], None] | None = None
 
     def __init__(self, start: int) -> None:
         from torch.optim.optimizer import (
@@ -271,7 +284,10 @@ class _Progress:
 
     def _post(self, opt: Any, *_: Any) -> None:
         self._ended[id(opt)] = n = self._ended.get(id(opt), 0) + 1
-        self.done = max(self.done, n)
+        if n > self.done:
+            self.done = n
+            if self.on_step is not None:
+                self.on_step()
 
     @property
     def step(self) -> int:
@@ -297,28 +313,36 @@ def _resume_step(args: TrainArgs) -> int:
 
 class _Heartbeat:
     """A thread writing {"pid", "step", "time"} to OUT/logs/rank{R}.heartbeat.json every
-    HEARTBEAT_S. It keeps beating while the rank waits in a collective and stops when the
-    process is stopped or hangs holding the interpreter: what the launcher's watchdog looks
-    for. The file is removed when the rank ends, so one left behind marks a rank that died."""
+    HEARTBEAT_S, and the rank writing it at the end of each optimizer step, so its step is the
+    rank's. It keeps beating while the rank waits in a collective and stops when the process
+    is stopped or hangs holding the interpreter: what the launcher's watchdog looks for. The
+    file is removed when the rank ends, so one left behind marks a rank that died."""
 
     def __init__(self, path: Path, progress: _Progress) -> None:
         self.path, self.progress = path, progress
         self._stop = threading.Event()
+        self._writing = threading.Lock()  # the thread and the step hook share path.tmp
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._write()
+        self._beat_once()
+        progress.on_step = self._beat_once
         self._thread = threading.Thread(target=self._beat, name="orthoptim-heartbeat", daemon=True)
         self._thread.start()
 
     def _write(self) -> None:
         beat = dict(pid=os.getpid(), step=self.progress.step, time=time.time())
-        atomic_write_text(json.dumps(beat), self.path)
+        with self._writing:
+            atomic_write_text(json.dumps(beat), self.path)
+
+    def _beat_once(self) -> None:
+        with contextlib.suppress(OSError):  # a full disk fails the run elsewhere, by name
+            self._write()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(OSError):
-                self._write()
+            self._beat_once()
 
     def stop(self) -> None:
+        self.progress.on_step = None
         self._stop.set()
         self._thread.join()
         self.path.unlink(missing_ok=True)
@@ -337,7 +361,10 @@ def _run_recorded(args: TrainArgs, heartbeat: bool) -> dict[str, Any]:
     try:
         return _run_rank(args)
     except Exception as exc:
-        _record_failure(out, rank, exc, progress.phase())
+        full = disk_full_error(exc, out)
+        _record_failure(out, rank, full or exc, progress.phase())
+        if full is not None:
+            raise full from exc
         raise
     finally:
         if beat is not None:
@@ -347,9 +374,27 @@ def _run_recorded(args: TrainArgs, heartbeat: bool) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+# What gloo's transport says when the peer's process is gone, in the plain RuntimeError of a
+# collective torch issues itself (FSDP2's gathers), not through `collectives`.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _is_knock_on(exc: BaseException) -> bool:
+    """Whether `exc` only echoes another rank's failure: a collective failed (a peer died or
+    stalled), or an error says so itself (`knock_on`, e.g. a checkpoint save another rank
+    failed), or it was raised from a connection a dead peer closed."""
+    if type(exc) is collectives.CollectiveError or isinstance(exc, dist.DistError):
+        return True
+    if getattr(exc, "knock_on", False) is True:
+        return True
+    return any(
+        isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_GONE)
+        for e in raised_from(exc)
+    )
+
+
 def _record_failure(out: Path, rank: int, exc: Exception, phase: str) -> None:
-    # A rank whose collective failed (a peer died or stalled) is usually not the cause.
-    knock_on = type(exc) is collectives.CollectiveError or isinstance(exc, dist.DistError)
+    knock_on = _is_knock_on(exc)
     # Notes first (`collectives.phase` names where a local error was raised): the one-line
     # report cuts the message.
     text = str(exc)
@@ -380,10 +425,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _clear_records(logs: Path) -> None:
-    """Remove a previous launch's failure records and heartbeats from `logs`."""
+    """Remove a previous launch's failure records and heartbeats from `logs` (and what a
+    write of one cut short left: `*.tmp`)."""
     for pattern in (FAILURE_FILE, HEARTBEAT_FILE):
-        for path in logs.glob(pattern.format(rank="*")):
-            path.unlink(missing_ok=True)
+        for name in (pattern, pattern + ".tmp"):
+            for path in logs.glob(name.format(rank="*")):
+                path.unlink(missing_ok=True)
 
 
 def _stalled(logs: Path, nproc: int, limit: float) -> tuple[int, dict[str, Any], float] | None:
@@ -449,9 +496,10 @@ class _Watchdog:
 @contextlib.contextmanager
 def _launcher_log(path: Path) -> Iterator[None]:
     """While the ranks run, torch's launcher loggers (its failure tracebacks among them) and
-    this module's write to `path` instead of the terminal."""
+    this module's write to `path` instead of the terminal (once its disk is full, one line
+    says so: `RunLogHandler`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = RunLogHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     names = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
     loggers = [logging.getLogger(n) for n in (*names, _LOG.name)]
@@ -482,14 +530,30 @@ def _failure_message(
     local: Exception | None = None,
 ) -> str:
     """One line for the user, the likeliest cause first: the rank the watchdog found
-    `stalled`; the first failing rank's exception (type, message, the rank, the phase) and
-    the log holding its traceback; a rank stalled by now; a rank that died without a record
-    (killed by a signal, named with its last heartbeat's step); last, the first knock-on
-    failure of a collective. Where no rank could write its record (OUT's disk full), the
-    exception itself: `local` (one process) or what torch's launcher kept of it."""
+    `stalled`; the first rank's own failure (a record not marked knock-on: its exception's
+    type and message, the rank, the phase, the log holding its traceback), or the exception
+    torch's launcher kept of a rank that could not write its record (OUT's disk full); a rank
+    stalled by now; a rank that died without a record (killed by a signal, then one whose
+    heartbeat was left behind as it never ended its run; named with its heartbeat's step);
+    last, the first knock-on failure (a collective failed: a peer is gone), or the exception
+    itself: `local` (one process) or what torch's launcher kept of it."""
     records = [r for n in range(nproc) if (r := _read_json(logs / FAILURE_FILE.format(rank=n)))]
     causes = sorted(records, key=lambda r: (r["knock_on"], r["time"]))
-    if stalled is None and not (causes and not causes[0]["knock_on"]):
+    recorded = {r["rank"] for r in records}
+    unrecorded = {
+        rank: failure
+        for rank, failure in sorted((failed.failures if failed else {}).items())
+        if rank not in recorded
+    }
+    kept = {rank: m for rank, f in unrecorded.items() if (m := _kept_exception(f)) is not None}
+    own = [(rank, m) for rank, m in kept.items() if not _knock_on_text(m)]
+    if causes and not causes[0]["knock_on"]:
+        cause = _describe(causes[0])
+    elif own:
+        cause = f"rank {own[0][0]} failed: {_short(own[0][1])}; logs: {logs}"
+    else:
+        cause = None
+    if stalled is None and cause is None:
         stalled = _stalled(logs, nproc, limit)
     if stalled is not None:
         rank, beat, age = stalled
@@ -497,27 +561,49 @@ def _failure_message(
             f"rank {rank} stalled after step {beat['step']}: no progress for {age:.0f} s "
             f"(--pg-timeout {limit:g}), so the run was stopped; logs: {logs}"
         )
-    if causes and not causes[0]["knock_on"]:
-        return _describe(causes[0])
-    recorded = {r["rank"] for r in records}
-    for rank, failure in sorted((failed.failures if failed else {}).items()):
-        if rank in recorded:
-            continue
-        beat = _read_json(logs / HEARTBEAT_FILE.format(rank=rank))
-        where = f" after step {beat['step']}" if beat else ""
-        how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        return f"rank {rank} died{where} ({how}); logs: {logs}"
+    if cause is not None:
+        return cause
+    for rank, failure in unrecorded.items():
+        if rank not in kept:
+            how = failure.signal_name() if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            return f"rank {rank} died{_after(logs, rank)} ({how}); logs: {logs}"
+    for rank in range(nproc):
+        beat = logs / HEARTBEAT_FILE.format(rank=rank)
+        if rank not in recorded and rank not in unrecorded and beat.exists():
+            return (
+                f"rank {rank} died{_after(logs, rank)} (it left no record and its "
+                f"heartbeat behind: killed?); logs: {logs}"
+            )
     if causes:
         return _describe(causes[0])
+    if kept:
+        rank, message = next(iter(kept.items()))
+        return f"rank {rank} failed: {_short(message)}; logs: {logs}"
     if local is not None:
         return f"rank 0 failed: {type(local).__name__}: {_short(str(local))}"
-    for rank, failure in sorted((failed.failures if failed else {}).items()):
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message")
-        if isinstance(message, str) and message.strip():
-            return f"rank {rank} failed: {_short(message)}; logs: {logs}"
     return f"a rank failed; logs: {logs}"
+
+
+def _after(logs: Path, rank: int) -> str:
+    """The words " after step N", N the step of `rank`'s heartbeat ("" without one)."""
+    beat = _read_json(logs / HEARTBEAT_FILE.format(rank=rank))
+    return f" after step {beat['step']}" if beat else ""
+
+
+def _kept_exception(failure: Any) -> str | None:
+    """The exception ("Type: message") torch's launcher kept of a failed rank (the rank's
+    error file), or None for a rank killed by a signal or ended without one."""
+    # A rank's exception is a dict (torch's `record`); its own words for a signal or a rank
+    # that ended with no error file are a string.
+    message = failure.message
+    text = message.get("message") if isinstance(message, dict) else None
+    return (text.strip() or None) if isinstance(text, str) else None
+
+
+def _knock_on_text(message: str) -> bool:
+    """Whether a kept "Type: message" is a collective's failure (`_is_knock_on` by name)."""
+    kind = message.split(":", 1)[0]
+    return kind == "CollectiveError" or (kind.startswith("Dist") and kind.endswith("Error"))
 
 
 def _describe(record: dict[str, Any]) -> str:

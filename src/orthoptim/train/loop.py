@@ -49,6 +49,7 @@ from orthoptim.train.hf import build_hf_model
 from orthoptim.train.model import GPT, compile_blocks, get_config, parallelize
 from orthoptim.train.runfolder import (
     Checkpointer,
+    RunLogHandler,
     atomic_write_text,
     read_metrics,
     resumed_args,
@@ -203,7 +204,8 @@ def evaluate(
             with autocast(batches[0][0].device, precision):
                 model(*batches[0])
     model.train()
-    total, count = collectives.sum_floats([total, count])
+    with collectives.phase("validation loss (all-reduce)"):
+        total, count = collectives.sum_floats([total, count])
     return total / count
 
 
@@ -216,7 +218,8 @@ def _notice(log: logging.Logger, rank: int, message: str) -> None:
 
 
 def setup_logging(out: Path, rank: int) -> logging.Logger:
-    """Rank `rank`'s logger, writing to OUT/logs/rank{rank}.log (its handlers replaced)."""
+    """Rank `rank`'s logger, writing to OUT/logs/rank{rank}.log (its handlers replaced; once
+    its disk is full, one line on stderr says so: `RunLogHandler`)."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     log = logging.getLogger(f"orthoptim.train.rank{rank}")
     log.setLevel(logging.INFO)
@@ -224,7 +227,7 @@ def setup_logging(out: Path, rank: int) -> logging.Logger:
     for h in list(log.handlers):
         log.removeHandler(h)
         h.close()
-    handler = logging.FileHandler(out / "logs" / f"rank{rank}.log")
+    handler = RunLogHandler(out / "logs" / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(message)s"))
     log.addHandler(handler)
     return log
@@ -422,7 +425,8 @@ def train_step(
         torch.cuda.synchronize(device)
     t2 = time.perf_counter()
     sent, received = _comm_totals(opt)
-    (train_loss,) = collectives.sum_floats([loss.item() / world_size])
+    with collectives.phase(f"training loss of step {step} (all-reduce)"):
+        (train_loss,) = collectives.sum_floats([loss.item() / world_size])
     if not math.isfinite(train_loss):
         raise FloatingPointError(f"training loss is {train_loss} at step {step}; {_advice(run)}")
     row: dict[str, Any] = dict(
@@ -472,7 +476,9 @@ def train(
         run.saved_step = start
     elif rank == 0:
         metrics_path.write_text("")
-    collectives.barrier()
+    where = f"after resuming at step {start}" if start else "before step 1"
+    with collectives.phase(f"the ranks' barrier {where}"):
+        collectives.barrier()
 
     tokens_per_step = run.tokens_per_step
     last = args.stop_after or args.steps
@@ -549,7 +555,8 @@ def train(
     if rank == 0:
         atomic_write_text(json.dumps(result, indent=1), out / "result.json")
     log.info("done: %s", json.dumps({k: result[k] for k in ("last_step", "final_val_loss")}))
-    collectives.barrier()
+    with collectives.phase("the ranks' last barrier"):
+        collectives.barrier()
     return result
 
 
@@ -564,8 +571,9 @@ def _result(
 ) -> dict[str, Any]:
     """`result.json` but for the throughput: the run, its final loss, every rank's peak
     memory and last step's bytes (collective: gathered from every rank)."""
-    peaks = collectives.gather_floats([float(peak_memory_bytes(device))])
-    comms = collectives.gather_floats(list(comm))
+    with collectives.phase("the run's summary (all-gather)"):
+        peaks = collectives.gather_floats([float(peak_memory_bytes(device))])
+        comms = collectives.gather_floats(list(comm))
     return dict(
         args=args.to_dict(),
         model=run.model_info,

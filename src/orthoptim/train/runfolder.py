@@ -19,6 +19,7 @@ the lock keeps a second run out while one is going; resuming a finished run chan
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import hashlib
 import json
@@ -27,10 +28,11 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -147,7 +149,11 @@ FULL_BELOW_BYTES = 16 * 2**20
 
 class CheckpointSaveError(OSError):
     """A checkpoint could not be written (no space left, an unwritable folder). The step folder
-    being written is removed; the last committed checkpoint is intact."""
+    being written is removed; the last committed checkpoint is intact. `knock_on` is True on
+    a rank whose own part was written but another rank's failed: that rank's error is the
+    cause, this one only its echo."""
+
+    knock_on = False
 
 
 def _sha256(path: Path) -> str:
@@ -276,6 +282,81 @@ def _free_bytes(path: Path) -> int:
     return 0
 
 
+def no_space(path: Path) -> str:
+    """What a write that ran out of space says: the path and the bytes still free on its disk."""
+    return f"no space left on {path} ({_free_bytes(path)} bytes free)"
+
+
+def raised_from(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, the exception it was raised from (or while handling), that one's, and so on."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        yield at
+        at = at.__cause__ or at.__context__
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, is the OS saying the disk (or the
+    user's quota) is full."""
+    return any(
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in raised_from(exc)
+    )
+
+
+class DiskFullError(OSError):
+    """A run's write under --out failed for want of space; the message names the path, the
+    bytes free and what to do."""
+
+
+def disk_full_error(exc: BaseException, out: Path) -> DiskFullError | None:
+    """`exc` as a `DiskFullError` when it is a write under `out` that ran out of space (the
+    file the OS names, else `out`), None otherwise. A `CheckpointSaveError` already says so."""
+    if isinstance(exc, CheckpointSaveError) or not is_disk_full(exc):
+        return None
+    name = getattr(exc, "filename", None)
+    path = Path(name) if isinstance(name, str | os.PathLike) else out
+    return DiskFullError(
+        f"{no_space(path)}; free space on that disk, then run again (--resume continues "
+        "from the last checkpoint)"
+    )
+
+
+class RunLogHandler(logging.FileHandler):
+    """A log file under --out that, once a write to it fails (its disk full), says so in one
+    line on stderr (once per file and process) and drops its further records, instead of
+    logging's traceback per record."""
+
+    _told: ClassVar[set[str]] = set()  # the files this process said it cannot write
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        path = Path(self.baseFilename)
+        if self.baseFilename not in self._told:
+            self._told.add(self.baseFilename)
+            why = no_space(path) if is_disk_full(exc) else f"cannot write {path} ({exc})"
+            print(f"orthoptim: {why}; its log lines are dropped from here on", file=sys.stderr)
+        with contextlib.suppress(OSError):  # its buffer cannot be written either
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            super().close()
+
+
 @contextlib.contextmanager
 def _writing(folder: Path, step: int, last_good: str) -> Iterator[None]:
     """Report a failed checkpoint write as a `CheckpointSaveError` that says why ("no space
@@ -285,10 +366,12 @@ def _writing(folder: Path, step: int, last_good: str) -> Iterator[None]:
 
     try:
         yield
+    except collectives.CollectiveError:
+        raise  # another rank died or stalled: not this rank's write
     except (Exception, CheckpointException) as exc:
         free = _free_bytes(folder)
-        if getattr(exc, "errno", None) == errno.ENOSPC or free < FULL_BELOW_BYTES:
-            why = f"no space left on {folder} ({free} bytes free)"
+        if is_disk_full(exc) or free < FULL_BELOW_BYTES:
+            why = no_space(folder)
         else:
             why = f"{type(exc).__name__}: {exc}"
         raise CheckpointSaveError(
@@ -413,7 +496,7 @@ class Checkpointer:
             last_good = f"the last good checkpoint (step {self.latest()['step']}) is intact"
         except (FileNotFoundError, ValueError):
             last_good = "there is no earlier checkpoint"
-        self._together(step, folder, last_good, lambda: self._write(folder, model, opt))
+        self._together(step, folder, last_good, "write", lambda: self._write(folder, model, opt))
 
         def commit() -> None:
             if self.rank == 0:
@@ -422,34 +505,44 @@ class Checkpointer:
                 atomic_write_text(record, folder / STEP_RECORD, durable=True)
                 atomic_write_text(record, self.dir / "latest.json", durable=True)
 
-        self._together(step, folder, last_good, commit)
+        self._together(step, folder, last_good, "commit", commit)
         if self.rank == 0:
             self._prune(folder.name)
-        collectives.barrier()
+        with collectives.phase(f"checkpoint of step {step}: the ranks' last barrier"):
+            collectives.barrier()
 
-    def _together(self, step: int, folder: Path, last_good: str, work: Any) -> None:
-        """Run this rank's part of a save; if it fails on any rank, every rank raises (the
-        failing one its own `CheckpointSaveError`) and the uncommitted folder is removed."""
+    def _together(self, step: int, folder: Path, last_good: str, what: str, work: Any) -> None:
+        """Run this rank's part of a save (`what`: "write", "commit"); if it fails on any rank,
+        every rank raises (the failing one its own `CheckpointSaveError`, the others one marked
+        `knock_on`) and the uncommitted folder is removed."""
         error = None
         try:
             with _writing(folder, step, last_good):
                 work()
         except CheckpointSaveError as exc:
             error = exc
-        if collectives.sum_floats([float(error is not None)])[0]:
+        agreeing = f"checkpoint of step {step}: agreeing that every rank's {what} succeeded"
+        with collectives.phase(agreeing):
+            failed = collectives.sum_floats([float(error is not None)])[0]
+        if failed:
             if self.rank == 0:
                 shutil.rmtree(folder, ignore_errors=True)
-            raise error or CheckpointSaveError(
-                f"could not save the checkpoint of step {step}: another rank failed to write "
-                f"its part (see its error); {last_good}"
-            )
+            if error is None:
+                error = CheckpointSaveError(
+                    f"could not save the checkpoint of step {step}: another rank failed to "
+                    f"write its part (see its error); {last_good}"
+                )
+                error.knock_on = True
+            raise error
 
     def _write(self, folder: Path, model: nn.Module, opt: Any) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         if self.tp > 1 or self.sharded:
-            checkpoint.save_sharded(folder / "dcp", opt, model)
+            with collectives.phase(f"checkpoint {folder.name}: the sharded save"):
+                checkpoint.save_sharded(folder / "dcp", opt, model)
         else:
-            optim = opt.state_dict()  # collective: the full dict, on rank 0 only
+            with collectives.phase(f"checkpoint {folder.name}: the optimizer state to rank 0"):
+                optim = opt.state_dict()  # collective: the full dict, on rank 0 only
             if self.rank == 0:
                 checkpoint.atomic_save(model.state_dict(), folder / "model.pt")
                 checkpoint.atomic_save(optim, folder / "optim.pt")
@@ -608,17 +701,68 @@ def _pid_alive(pid: int) -> bool:
 
 def _read_lock(path: Path) -> dict[str, Any] | None:
     """The lock's holder; None if the lock is gone. A holder between creating and writing the
-    file is waited for (briefly); a lock that stays unreadable reads as {}."""
+    file is waited for (briefly, and not for a lock older than LOCK_WRITE_S); a lock that stays
+    unreadable reads as {}."""
     for _ in range(20):
         try:
             holder = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
+            if (_age_s(path) or 0.0) > LOCK_WRITE_S:
+                return {}
             time.sleep(0.05)
             continue
         return holder if isinstance(holder, dict) else {}
     return {}
+
+
+# A run writes its lock's content right after creating it: a lock still without a holder
+# this long after it was created was left by a process that crashed in between.
+LOCK_WRITE_S = 10.0
+LOCK_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
+
+
+def _age_s(path: Path) -> float | None:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _started_s(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch; Linux's /proc), or None."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _not_a_run(pid: int, holder: dict[str, Any]) -> str | None:
+    """Why live process `pid` cannot be the run that wrote lock `holder` (it started after
+    the lock was taken, or its command line is no Python's), or None when it may be."""
+    with contextlib.suppress(ValueError, TypeError):
+        when = datetime.datetime.strptime(str(holder.get("started")), LOCK_TIME_FORMAT)
+        locked = when.timestamp()
+        started = _started_s(pid)
+        # Both are whole seconds (the boot time and the lock's), and the lock is taken after
+        # its process starts: a process started later is another one.
+        if started is not None and started > locked + 5:
+            return f"it started at {time.strftime(LOCK_TIME_FORMAT, time.localtime(started))}"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    command = " ".join(a.decode(errors="replace") for a in argv if a)
+    if command and not any(w in command.lower() for w in ("orthoptim", "python")):
+        return f"it runs {command[:80]!r}"
+    return None
 
 
 def _remove_stale(path: Path, holder: dict[str, Any]) -> None:
@@ -638,12 +782,15 @@ def _remove_stale(path: Path, holder: dict[str, Any]) -> None:
 def acquire_lock(out: Path) -> Path:
     """Take `out/.lock` (created atomically; it holds this host, pid and start time) and
     return its path. A lock left by a process of this host that is no longer running is stale:
-    taken over with a logged notice. A live holder, or one on another host (whose liveness
-    cannot be checked from here), is refused with a ValueError naming it."""
+    taken over with a logged notice, and so is one still naming no holder LOCK_WRITE_S after
+    it was created (its run crashed between creating and writing it). A live holder, or one on
+    another host (whose liveness cannot be checked from here), is refused with a ValueError
+    naming it; a live pid that cannot be the holder (`_not_a_run`: a pid reused after a
+    restart) is refused saying so. A lock whose write fails (a full disk) is removed."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
     host = socket.gethostname()
-    me = dict(host=host, pid=os.getpid(), started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    me = dict(host=host, pid=os.getpid(), started=time.strftime(LOCK_TIME_FORMAT))
     for _ in range(5):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -656,16 +803,32 @@ def acquire_lock(out: Path) -> Path:
                 f"started {holder.get('started')}"
             )
             if not {"host", "pid"} <= holder.keys():
-                raise ValueError(
-                    f"--out {out} is locked ({path} unreadable); if no run is using the "
-                    f"folder, remove {path}"
-                ) from None
+                age = _age_s(path)
+                if age is None or age < LOCK_WRITE_S:
+                    raise ValueError(
+                        f"--out {out} is locked ({path} unreadable); if no run is using the "
+                        f"folder, remove {path}"
+                    ) from None
+                _log.warning(
+                    "--out %s: taking over %s, empty or unreadable %.0f s after it was "
+                    "created (its run crashed while taking it)", out, path, age,
+                )  # fmt: skip
+                _remove_stale(path, holder)
+                continue
             if holder["host"] != host:
                 raise ValueError(
                     f"--out {out} is in use by a run on another machine ({who}); its liveness "
                     f"cannot be checked from {host}: if that run is gone, remove {path}"
                 ) from None
             if _pid_alive(int(holder["pid"])):
+                other = _not_a_run(int(holder["pid"]), holder)
+                if other is not None:
+                    raise ValueError(
+                        f"--out {out} is locked by pid {holder['pid']} ({who}), which is alive "
+                        f"but is no orthoptim run: {other}. After a restart (of a container "
+                        "or the machine) another process may have that pid; if no run is "
+                        f"using the folder, remove {path}"
+                    ) from None
                 raise ValueError(
                     f"--out {out} is in use by another run ({who}); wait for it to end or "
                     "pass another --out"
@@ -674,8 +837,16 @@ def acquire_lock(out: Path) -> Path:
                          out, who)  # fmt: skip
             _remove_stale(path, holder)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as e:
+            path.unlink(missing_ok=True)  # never leave a lock that names no holder
+            why = no_space(out) if is_disk_full(e) else e.strerror or str(e)
+            raise ValueError(
+                f"--out {out}: cannot write its lock {path} ({why}); free space there or pass "
+                "another --out"
+            ) from e
         return path
     raise ValueError(f"--out {out}: could not take {path}; other runs keep taking it")
 
