@@ -286,7 +286,8 @@ def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
             raise Preempted(stopped["signal"], stopped["step"]) from None
         message = _failure_message(logs, nproc, args.pg_timeout, exc, watchdog.found)
         if args.max_restarts:
-            message += f" (after {args.max_restarts} restarts)"
+            n = args.max_restarts
+            message += f" (after {n} restart{'s' * (n > 1)})"
         raise RankFailedError(message) from exc
     finally:
         watchdog.stop()
