@@ -1,4 +1,7 @@
-"""`torchrun --nproc-per-node N -m orthoptim.train [flags]`: one rank of `orthoptim train`."""
+"""`torchrun --nproc-per-node N -m orthoptim.train [flags]`: one rank of `orthoptim train`.
+
+A stop signal (SIGTERM, --save-on-signal's) ends every rank once the step is saved, with exit
+status `Preempted.EXIT_CODE` and, from rank 0, one line."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch.distributed as dist
 
 from orthoptim.train.cli import add_train_arguments, train_args_from
 from orthoptim.train.launcher import run
+from orthoptim.train.loop import Preempted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     args = train_args_from(parser.parse_args(argv))
     try:
         result = run(args)
+    except Preempted as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"orthoptim: {stop}", file=sys.stderr)
+        return stop.exit_code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -4,6 +4,7 @@ checks that refuse a bad value naming its flag."""
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -37,6 +38,10 @@ DEFAULT_LR = {
 DEFAULT_ADAMW_LR = 3e-3
 DEFAULT_WEIGHT_DECAY = 0.0
 DEFAULT_GRAD_CLIP = 1.0
+# What `--save-on-signal` takes besides SIGTERM (always handled): the signals schedulers send
+# ahead of a stop (Slurm's --signal: SIGUSR1 by default; SIGXCPU at a CPU limit). SIGINT keeps
+# Ctrl-C's meaning; SIGKILL and SIGSTOP cannot be caught.
+SAVE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
 
 
 @dataclass
@@ -74,6 +79,8 @@ class TrainArgs:
     compile: bool = False  # torch.compile every transformer block
     shared_gpu: bool = False  # every rank on cuda:0 over "cuda:gloo" (multi-rank tests, 1 GPU)
     pg_timeout: float = 600.0  # s a rank waits in a collective; the watchdog's stall limit
+    save_on_signal: str | None = None  # one of SAVE_SIGNALS: save and stop on it, as on SIGTERM
+    max_restarts: int = 0  # torchelastic restarts the ranks this often after a failure
     progress: bool = True
 
     def validate(self) -> None:
@@ -137,6 +144,13 @@ class TrainArgs:
             raise ValueError(
                 f"--pg-timeout must be a finite number of seconds > 0, got {self.pg_timeout}"
             )
+        if self.save_on_signal is not None and self.save_on_signal not in SAVE_SIGNALS:
+            raise ValueError(
+                f"--save-on-signal must be one of {', '.join(SAVE_SIGNALS)}, "
+                f"got {self.save_on_signal!r}"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0 (0: none), got {self.max_restarts}")
         if self.resume and self.overwrite:
             raise ValueError(
                 "--resume continues the run in --out and --overwrite replaces it; pass one"
@@ -208,6 +222,13 @@ class TrainArgs:
     def param_dtype_on(self, device_type: str) -> Literal["bf16", "fp32"]:
         """This run's parameter dtype ("bf16" or "fp32") on a `device_type` rank."""
         return resolve_param_dtype(self.param_dtype, device_type)
+
+    @property
+    def stop_signals(self) -> tuple[signal.Signals, ...]:
+        """The signals on which every rank finishes its step, saves it and stops: SIGTERM,
+        and --save-on-signal's."""
+        names = dict.fromkeys(("SIGTERM", self.save_on_signal or "SIGTERM"))
+        return tuple(getattr(signal, n) for n in names)
 
     @property
     def matrix_lr(self) -> float:

@@ -9,9 +9,10 @@ import sys
 from orthoptim._extras import require_extra
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS
 from orthoptim.train import devices
-from orthoptim.train.args import DEFAULT_GRAD_CLIP, OPTIMIZERS, TrainArgs
+from orthoptim.train.args import DEFAULT_GRAD_CLIP, OPTIMIZERS, SAVE_SIGNALS, TrainArgs
 from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS
 from orthoptim.train.launcher import RankFailedError, launch
+from orthoptim.train.loop import Preempted
 from orthoptim.train.model import CONFIGS
 
 NPROC_HELP = (
@@ -191,7 +192,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="how long a rank waits for the others in a collective, and how long a rank may go "
         "without a heartbeat before the run is stopped naming it (default %(default)g)",
     )
+    p.add_argument(
+        "--save-on-signal",
+        type=_signal_name,
+        choices=SAVE_SIGNALS,
+        default=None,
+        metavar="SIG",
+        help="on this signal (e.g. SIGUSR1, which Slurm's --signal sends) every rank finishes "
+        "its step, saves a checkpoint of it and the run stops with exit status "
+        f"{Preempted.EXIT_CODE}, as on SIGTERM (always); one of {', '.join(SAVE_SIGNALS[1:])}",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _signal_name(text: str) -> str:
+    """A signal as --save-on-signal takes it: "USR1", "sigusr1" or "SIGUSR1" → "SIGUSR1"."""
+    name = text.strip().upper()
+    return name if name.startswith("SIG") else f"SIG{name}"
 
 
 def train_args_from(ns: argparse.Namespace) -> TrainArgs:
@@ -210,6 +227,9 @@ def _train_cmd(ns: argparse.Namespace) -> int:
         result = launch(args, ns.nproc)
     except (ValueError, FileNotFoundError, RankFailedError) as e:
         return _fail(str(e))
+    except Preempted as stop:
+        print(f"orthoptim: {stop}", file=sys.stderr)
+        return stop.exit_code
     if "nothing_to_do" in result:
         print(result["nothing_to_do"])
         return 0
@@ -273,6 +293,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `orthoptim train` and `orthoptim compare`."""
     p = subparsers.add_parser("train", help="train a small byte-level GPT on N ranks")
     p.add_argument("--nproc", type=int, default=None, help=NPROC_HELP)
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the ranks this often after a rank fails (torchelastic), each time "
+        "resuming from the last verified checkpoint, or afresh before the first "
+        "(default %(default)s)",
+    )
     add_train_arguments(p)
     p.set_defaults(func=_train_cmd)
 

@@ -8,11 +8,13 @@ NCCL, or with `--shared-gpu` every rank on cuda:0 over "cuda:gloo".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,19 +23,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 
 from orthoptim import collectives
 from orthoptim.train import devices
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import load_corpus
 from orthoptim.train.devices import plan_ranks
-from orthoptim.train.loop import setup_logging, train
+from orthoptim.train.loop import Preempted, StopRequest, setup_logging, train
 from orthoptim.train.model import get_config
 from orthoptim.train.runfolder import (
+    Checkpointer,
     RunLogHandler,
     acquire_lock,
     atomic_write_text,
     claim_out,
+    clean_leftovers,
     disk_full_error,
     is_disk_full,
     latest_record,
@@ -80,8 +85,16 @@ def run(args: TrainArgs) -> dict[str, Any]:
     by torchrun: rank 0 takes --out's lock and checks the folder (`claim_out`), every rank
     follows its verdict. (`launch` does that once, before starting the ranks.)
 
-    Returns the run's summary (the content of result.json) on every rank.
+    Returns the run's summary (the content of result.json) on every rank. Ranks torchrun
+    restarted (its --max-restarts) resume (`_restarted`); a stop signal raises `Preempted`
+    once the step is saved.
     """
+    with _stop_on_signals(args) as stop:
+        return _claim_and_run(_restarted(args), stop)
+
+
+def _claim_and_run(args: TrainArgs, stop: StopRequest) -> dict[str, Any]:
+    """`run`'s work, the stop signals caught."""
     args.validate()
     rank, world_size, device = _init_distributed(args.shared_gpu, args.pg_timeout)
     out = Path(args.out)
@@ -90,7 +103,9 @@ def run(args: TrainArgs) -> dict[str, Any]:
         try:
             check_out(out)
             lock = acquire_lock(out)
-            done = claim_out(args, world_size, device.type)
+            # A restart with no checkpoint yet starts afresh in the folder the first start claimed.
+            if args.resume or not _restart_count():
+                done = claim_out(args, world_size, device.type)
         except (ValueError, FileNotFoundError) as e:
             error = e
     # rank 0's verdict: 0 train, 1 nothing to do, 2 refused
@@ -103,13 +118,56 @@ def run(args: TrainArgs) -> dict[str, Any]:
             raise ValueError(f"rank 0 refused --out {out} (see its error)")
         if verdict == 1:
             return nothing_to_do(out, done or f"--out {out}: nothing to do (see rank 0)")
-        return _run_rank(args)
+        return _run_rank(args, stop)
     finally:
         if lock is not None:
             release_lock(lock)
 
 
-def _run_rank(args: TrainArgs) -> dict[str, Any]:
+def _restart_count() -> int:
+    """How often torchelastic restarted this rank's group (0: its first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _committed_step(out: Path) -> int | None:
+    """The step of the checkpoint a --resume of `out` would continue from; None without one."""
+    try:
+        return int(Checkpointer(out, 0, 1).latest()["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _restarted(args: TrainArgs) -> TrainArgs:
+    """The arguments of a rank torchelastic restarted after a failure: the first start's,
+    resuming from the last checkpoint as --resume does, or, none committed yet, starting
+    afresh (metrics.jsonl rewritten). A first start's are returned as they are."""
+    if not _restart_count():
+        return args
+    resume = _committed_step(Path(args.out)) is not None
+    return dataclasses.replace(args, resume=resume, overwrite=False)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(args: TrainArgs) -> Iterator[StopRequest]:
+    """While this rank runs, its stop signals (SIGTERM, --save-on-signal's) only set the
+    `StopRequest` the step loop reads, so the rank finishes its step and saves it; the
+    handlers before are restored after. Python takes handlers in the main thread only:
+    elsewhere nothing is caught."""
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    saved = {s: signal.getsignal(s) for s in args.stop_signals}
+    for s in saved:
+        signal.signal(s, lambda signum, _frame: stop.set(signal.Signals(signum).name))
+    try:
+        yield stop
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def _run_rank(args: TrainArgs, stop: StopRequest) -> dict[str, Any]:
     """One rank's training, --out already checked."""
     args.validate()
     rank, world_size, device = _init_distributed(args.shared_gpu, args.pg_timeout)
@@ -118,7 +176,7 @@ def _run_rank(args: TrainArgs) -> dict[str, Any]:
     collectives.barrier()
     log = setup_logging(out, rank)
     try:
-        return train(args, rank, world_size, device, out, log)
+        return train(args, rank, world_size, device, out, log, stop)
     finally:
         _close(log)
 
@@ -131,8 +189,14 @@ def _close(log: logging.Logger) -> None:
 
 def _elastic_entry(args_dict: dict[str, Any]) -> dict[str, Any]:
     """What each rank started by `launch` runs (module level, so it pickles): the rank's
-    training with a heartbeat for the launcher's watchdog and its failure recorded."""
-    return _run_recorded(TrainArgs.from_dict(args_dict), heartbeat=True)
+    training with a heartbeat for the launcher's watchdog and its failure recorded; after a
+    restart, resumed (`_restarted`). A rank stopped by a signal exits at once with
+    `Preempted.EXIT_CODE` (rank 0 left the stop's record for the launcher): a return would
+    wait for a launcher that is shutting down to collect it."""
+    try:
+        return _run_recorded(_restarted(TrainArgs.from_dict(args_dict)), heartbeat=True)
+    except Preempted:
+        raise SystemExit(Preempted.EXIT_CODE) from None
 
 
 def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
@@ -140,9 +204,10 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
 
     `nproc` None: one per visible GPU, or 2 on CPU (or with --shared-gpu); more ranks than
     GPUs are refused here, before anything starts (`plan_ranks`), and so is an --out another
-    run holds or uses (`acquire_lock`, `claim_out`; the lock is held until the ranks end). One
-    rank runs in this process with no process group. Returns rank 0's result; with nothing to
-    do (resuming a finished run) the folder's result.json untouched, plus "nothing_to_do".
+    run holds or uses (`acquire_lock`, `claim_out`; the lock is held until the ranks end,
+    restarts included). One rank without --max-restarts runs in this process with no process
+    group. Returns rank 0's result; with nothing to do (resuming a finished run) the folder's
+    result.json untouched, plus "nothing_to_do". A stop signal raises `Preempted`.
     """
     args.validate()
     plan = plan_ranks(nproc, devices.visible_gpus(), args.shared_gpu)
@@ -168,13 +233,21 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
 
 def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
     """Run the ranks; a failure comes back as one `RankFailedError` (the first failing rank's
-    exception, or the rank the watchdog found stalled), Ctrl-C as KeyboardInterrupt, and
-    torch's launcher reports go to OUT/logs/launcher.log instead of the terminal."""
+    exception, or the rank the watchdog found stalled) once --max-restarts restarts are
+    spent (each said on stderr and in the launcher log, `_Attempts`), Ctrl-C as
+    KeyboardInterrupt, a stop signal as `Preempted`, and torch's launcher reports go to
+    OUT/logs/launcher.log instead of the terminal.
+
+    A stop signal to this process is torch's launcher's to forward: it sends it to the
+    ranks, waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) for them to end, then
+    kills them."""
     logs = Path(args.out) / "logs"
     _clear_records(logs)
-    if nproc == 1:
+    if nproc == 1 and not args.max_restarts:
         try:
             return _run_recorded(args, heartbeat=False)
+        except Preempted:
+            raise
         except Exception as exc:
             message = _failure_message(logs, 1, args.pg_timeout, local=exc)
             raise RankFailedError(message) from exc
@@ -182,6 +255,8 @@ def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    watchdog = _Watchdog(logs, nproc, args.pg_timeout)
+    handled = dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", args.save_on_signal])
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -189,25 +264,35 @@ def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
         run_id=f"orthoptim-{os.getpid()}-{time.time_ns()}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        max_restarts=args.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        signals_to_handle=",".join(n for n in handled if n),
+        logs_specs=_Attempts(args, nproc, watchdog),
     )
     # Ranks share this machine's cores; one thread each unless the user set OMP_NUM_THREADS.
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = saved or str(max(1, (os.cpu_count() or 1) // nproc))
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    watchdog = _Watchdog(logs, nproc, args.pg_timeout)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, *args.stop_signals)}
+    _start_resource_tracker(args.stop_signals)
+    started = time.time()
     try:
-        with _launcher_log(logs / LAUNCHER_LOG):
+        with _launcher_log(logs / LAUNCHER_LOG), _own_store_per_attempt(args.max_restarts > 0):
             watchdog.start()
             results = elastic_launch(config, _elastic_entry)(args.to_dict())
     except SignalException as exc:
-        if exc.sigval != signal.SIGINT:
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        if exc.sigval not in args.stop_signals:
             raise
-        raise KeyboardInterrupt from None
+        return _after_stop_signal(args, signal.Signals(exc.sigval), started)
     except ChildFailedError as exc:
+        if stopped := _read_json(logs / STOP_FILE):  # the ranks alone were signalled
+            raise Preempted(stopped["signal"], stopped["step"]) from None
         message = _failure_message(logs, nproc, args.pg_timeout, exc, watchdog.found)
+        if args.max_restarts:
+            n = args.max_restarts
+            message += f" (after {n} restart{'s' * (n > 1)})"
         raise RankFailedError(message) from exc
     finally:
         watchdog.stop()
@@ -219,11 +304,112 @@ def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
     return results[0]
 
 
+@contextlib.contextmanager
+def _own_store_per_attempt(restarts: bool) -> Iterator[None]:
+    """With `restarts`, each attempt's ranks meet in a store of their own (rank 0's, torch's
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the launcher's shared store outlives an attempt, and
+    a restarted process group could read the failed attempt's addresses from it (2 of 3
+    restarts failed so, "Gloo connectFullMesh failed ... Connection refused")."""
+    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    saved = os.environ.get(name)
+    if restarts and saved is None:
+        os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+
+
+def _start_resource_tracker(ignoring: tuple[signal.Signals, ...]) -> None:
+    """Start multiprocessing's resource tracker (the spawned ranks' shared-memory janitor, a
+    child of this process) ignoring the stop signals, as it ignores SIGTERM itself: a signal
+    to the whole process group (a scheduler's) would otherwise end it with tracebacks."""
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in ignoring}
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def _after_stop_signal(args: TrainArgs, sig: signal.Signals, started: float) -> dict[str, Any]:
+    """What a stop signal to the launcher left, its ranks ended: `Preempted` naming the step
+    they saved (rank 0's stop record), or, where they ended before saving (the signal came
+    before their handlers, or they overran torch's grace period), the checkpoint that is
+    left. A run that finished meanwhile returns its result."""
+    out = Path(args.out)
+    stopped = _read_json(out / "logs" / STOP_FILE)
+    if stopped is not None:
+        raise Preempted(stopped["signal"], stopped["step"])
+    result = out / "result.json"
+    with contextlib.suppress(OSError, ValueError):
+        if result.stat().st_mtime >= started:
+            return json.loads(result.read_text())
+    raise Preempted(sig.name, _committed_step(out) or 0, saved=False, signum=int(sig))
+
+
+def _restart_line(args: TrainArgs, nproc: int, watchdog: _Watchdog, count: int) -> str:
+    """Why the ranks' last attempt failed and where the next resumes, in one line."""
+    cause = _attempt_failure(Path(args.out) / "logs", nproc, args.pg_timeout, watchdog.found)
+    step = _committed_step(Path(args.out))
+    whence = f"from the checkpoint of step {step}" if step is not None else "afresh"
+    return f"{cause}; restarting the ranks {whence} (restart {count} of {args.max_restarts})"
+
+
+def _attempt_failure(
+    logs: Path, nproc: int, limit: float, stalled: tuple[int, dict[str, Any], float] | None
+) -> str:
+    """Why an attempt of the ranks failed (called once every rank of it ended), as
+    `_failure_message` says it, a rank that left its heartbeat behind (it died without a
+    record; its exit status is torch's to know) named before another's knock-on failure."""
+    records = [_read_json(logs / FAILURE_FILE.format(rank=n)) for n in range(nproc)]
+    if stalled is None and not any(r and not r["knock_on"] for r in records):
+        for rank in range(nproc):
+            if beat := _read_json(logs / HEARTBEAT_FILE.format(rank=rank)):
+                return f"rank {rank} died after step {beat['step']}; logs: {logs}"
+    return _failure_message(logs, nproc, limit, stalled=stalled)
+
+
+class _Attempts(DefaultLogsSpecs):
+    """torch's default logs layout, and the launcher's turn between two attempts of the
+    ranks: torch asks for the next attempt's logs once the failed attempt's ranks ended and
+    before new ones start, so the restart is said (stderr and the launcher log) from what
+    that attempt left, and its failure records, heartbeats and half-written checkpoint
+    files are cleared for the next. Ranks that a stop signal ended (their exit status is
+    not 0) are not restarted: `Preempted` ends the launch from here."""
+
+    def __init__(self, args: TrainArgs, nproc: int, watchdog: _Watchdog) -> None:
+        super().__init__()
+        self.args, self.nproc, self.watchdog = args, nproc, watchdog
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> Any:
+        count = int(envs[0].get("TORCHELASTIC_RESTART_COUNT", "0")) if envs else 0
+        stopped = _read_json(Path(self.args.out) / "logs" / STOP_FILE)
+        if count and stopped:  # the ranks alone were signalled: a stop, not a failure
+            raise Preempted(stopped["signal"], stopped["step"])
+        if count:
+            line = _restart_line(self.args, self.nproc, self.watchdog, count)
+            _LOG.warning("%s", line)
+            print(f"orthoptim: {line}", file=sys.stderr, flush=True)
+            out = Path(self.args.out)
+            _clear_records(out / "logs")
+            for path in clean_leftovers(out):
+                _LOG.warning("removed %s, left by the failed attempt", path)
+            self.watchdog.found = None
+        return super().reify(envs)
+
+
 # -- failures: each rank records its own, the launcher reports the first one ----------------
 
 LAUNCHER_LOG = "launcher.log"  # torch's launcher reports and the watchdog's, under OUT/logs
 FAILURE_FILE = "rank{rank}.error.json"
 HEARTBEAT_FILE = "rank{rank}.heartbeat.json"
+STOP_FILE = "stopped.json"  # rank 0's: the signal that stopped the run, the step it saved
 HEARTBEAT_S = 1.0
 MESSAGE_CHARS = 400  # an exception's message is cut to this in the one-line report
 _LOG = logging.getLogger("orthoptim.launcher")
@@ -351,7 +537,14 @@ class _Heartbeat:
 def _run_recorded(args: TrainArgs, heartbeat: bool) -> dict[str, Any]:
     """`_run_rank`, its failure written to the rank's log (with the traceback) and to
     OUT/logs/rank{R}.error.json for the launcher to report; with `heartbeat` a `_Heartbeat`
-    beats meanwhile. Ctrl-C (KeyboardInterrupt) is no failure: it is not recorded."""
+    beats meanwhile. Ctrl-C (KeyboardInterrupt) is no failure: it is not recorded, nor is a
+    stop signal's `Preempted` (rank 0 writes OUT/logs/stopped.json for the launcher)."""
+    with _stop_on_signals(args) as stop:
+        return _record_run(args, heartbeat, stop)
+
+
+def _record_run(args: TrainArgs, heartbeat: bool, stop: StopRequest) -> dict[str, Any]:
+    """`_run_recorded`'s work, the stop signals caught."""
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
     progress = _Progress(_resume_step(args))
@@ -359,7 +552,12 @@ def _run_recorded(args: TrainArgs, heartbeat: bool) -> dict[str, Any]:
     beat = _Heartbeat(path, progress) if heartbeat else None
     joins = not dist.is_initialized()  # the group this rank joins is its own to end
     try:
-        return _run_rank(args)
+        return _run_rank(args, stop)
+    except Preempted as stopped:
+        if rank == 0:
+            record = dict(signal=stopped.signal, step=stopped.step)
+            atomic_write_text(json.dumps(record), out / "logs" / STOP_FILE)
+        raise
     except Exception as exc:
         full = disk_full_error(exc, out)
         _record_failure(out, rank, full or exc, progress.phase())
@@ -425,9 +623,9 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _clear_records(logs: Path) -> None:
-    """Remove a previous launch's failure records and heartbeats from `logs` (and what a
-    write of one cut short left: `*.tmp`)."""
-    for pattern in (FAILURE_FILE, HEARTBEAT_FILE):
+    """Remove a previous launch's (or attempt's) failure records, heartbeats and stop record
+    from `logs` (and what a write of one cut short left: `*.tmp`)."""
+    for pattern in (FAILURE_FILE, HEARTBEAT_FILE, STOP_FILE):
         for name in (pattern, pattern + ".tmp"):
             for path in logs.glob(name.format(rank="*")):
                 path.unlink(missing_ok=True)
@@ -460,7 +658,8 @@ class _Watchdog:
     """A thread of the launcher that stops the run when a rank has stalled: its heartbeat
     is older than `limit` (--pg-timeout) seconds, so its process is stopped or hangs. The
     stalled rank is killed, so the others' collectives fail at once and the launcher ends
-    the run; `_failure_message` then names the rank."""
+    the run (or restarts it: the watchdog keeps watching); `_failure_message` then names the
+    rank."""
 
     def __init__(self, logs: Path, nproc: int, limit: float) -> None:
         self.logs, self.nproc, self.limit = logs, nproc, limit
@@ -477,11 +676,13 @@ class _Watchdog:
             self._thread.join()
 
     def _watch(self) -> None:
+        killed: set[int] = set()
         while not self._stop.wait(min(HEARTBEAT_S, self.limit / 4)):
-            self.found = _stalled(self.logs, self.nproc, self.limit)
-            if self.found is None:
+            found = _stalled(self.logs, self.nproc, self.limit)
+            if found is None or found[1]["pid"] in killed:
                 continue
-            rank, beat, age = self.found
+            self.found = found
+            rank, beat, age = found
             _LOG.error(
                 "rank %d (pid %d) stalled after step %d: no heartbeat for %.1f s "
                 "(--pg-timeout %g); stopping it",
@@ -490,7 +691,7 @@ class _Watchdog:
             if _is_child(beat["pid"]):
                 with contextlib.suppress(OSError):
                     os.kill(beat["pid"], signal.SIGKILL)
-            return
+            killed.add(beat["pid"])
 
 
 @contextlib.contextmanager

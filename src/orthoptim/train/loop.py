@@ -233,6 +233,41 @@ def setup_logging(out: Path, rank: int) -> logging.Logger:
     return log
 
 
+class StopRequest:
+    """A request to stop after the current step: the name of the signal that asked
+    (`launcher` sets it from a signal handler, which may do no more), or None."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    def set(self, name: str) -> None:
+        self.signal = self.signal or name
+
+
+class Preempted(Exception):
+    """The run stopped on a signal (SIGTERM, --save-on-signal) after `step`; `saved`: with a
+    checkpoint of that step, which --resume continues bit-identically. Exit status
+    EXIT_CODE when saved (sysexits' EX_TEMPFAIL: try again), else 128 + the signal's
+    number, the shell's for a process a signal ended."""
+
+    EXIT_CODE = 75
+
+    def __init__(self, signal: str, step: int, saved: bool = True, signum: int = 15) -> None:
+        self.signal, self.step, self.saved, self.signum = signal, step, saved, signum
+        if saved:
+            text = f"checkpoint saved at step {step}: --resume to continue"
+        elif step:
+            text = f"no checkpoint of it was saved; --resume continues from step {step}"
+        else:
+            text = "no checkpoint was saved; start the run again"
+        where = f"after step {step}" if saved else "before saving the step it was in"
+        super().__init__(f"stopped by {signal} {where}; {text}")
+
+    @property
+    def exit_code(self) -> int:
+        return self.EXIT_CODE if self.saved else 128 + self.signum
+
+
 @dataclass
 class Run:
     """What one rank trains, built once by `build_run`: the model and its optimizer, the
@@ -387,10 +422,17 @@ def _advice(run: Run) -> str:
 
 
 def train_step(
-    run: Run, args: TrainArgs, step: int, device: torch.device, world_size: int
-) -> dict[str, Any]:
+    run: Run,
+    args: TrainArgs,
+    step: int,
+    device: torch.device,
+    world_size: int,
+    stop: StopRequest | None = None,
+) -> tuple[dict[str, Any], bool]:
     """One step (LR schedule, forward, backward, clipping, optimizer step, QK-clip): its
-    metrics row, with the seconds it took (`step_time_s`, `opt_time_s`)."""
+    metrics row, with the seconds it took (`step_time_s`, `opt_time_s`), and whether a `stop`
+    was requested on any rank by the end of it (agreed in the loss sum, so every rank stops
+    after the same step, though a signal may reach one a step later than another)."""
     opt = run.opt
     mult = lr_multiplier(step, args)
     for g in opt.param_groups:
@@ -425,8 +467,9 @@ def train_step(
         torch.cuda.synchronize(device)
     t2 = time.perf_counter()
     sent, received = _comm_totals(opt)
+    asked = float(stop is not None and stop.signal is not None)
     with collectives.phase(f"training loss of step {step} (all-reduce)"):
-        (train_loss,) = collectives.sum_floats([loss.item() / world_size])
+        train_loss, stops = collectives.sum_floats([loss.item() / world_size, asked])
     if not math.isfinite(train_loss):
         raise FloatingPointError(f"training loss is {train_loss} at step {step}; {_advice(run)}")
     row: dict[str, Any] = dict(
@@ -443,7 +486,7 @@ def train_step(
     )
     if norm is not None:
         row["grad_norm"] = norm
-    return row
+    return row, stops > 0
 
 
 def train(
@@ -453,9 +496,13 @@ def train(
     device: torch.device,
     out: Path,
     log: logging.Logger,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
     """One rank's whole run: build it, resume it if asked, train and evaluate step by step
-    writing metrics, checkpoints and (rank 0) `result.json`; returns the result."""
+    writing metrics, checkpoints and (rank 0) `result.json`; returns the result. Once `stop`
+    is set on any rank, every rank finishes its step, saves a checkpoint of it and raises
+    `Preempted` (unless that step was the last: the run then ends as usual)."""
+    stop = stop or StopRequest()
     ckpt = Checkpointer(
         out,
         rank,
@@ -511,7 +558,7 @@ def train(
     row: dict[str, Any] = {}
     try:
         for step in range(start + 1, last + 1):
-            row = train_step(run, args, step, device, world_size)
+            row, stopping = train_step(run, args, step, device, world_size, stop)
             train_time += row["step_time_s"]
             row.update(train_time_s=train_time, tokens=step * tokens_per_step)
             if step - start <= COLD_STEPS:
@@ -529,7 +576,7 @@ def train(
                     tok_s=f"{tokens_per_step / row['step_time_s']:,.0f}",
                 )
                 bar.update(1)
-            if step % args.ckpt_every == 0 or step == last:
+            if step % args.ckpt_every == 0 or step == last or stopping:
                 meta = dict(
                     args=args.to_dict(),
                     train_time_s=train_time,
@@ -543,6 +590,9 @@ def train(
                 ckpt.save(step, run.model, opt, meta)
                 run.saved_step = step
                 log.info("checkpoint at step %d", step)
+            if stopping and step < last:
+                log.warning("stopped by %s after step %d", stop.signal or "a signal", step)
+                raise Preempted(stop.signal or "a signal to another rank", step)
     finally:
         if bar is not None:
             bar.close()
