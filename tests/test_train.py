@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -266,10 +269,15 @@ def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run, capsy
     assert result["optimizer_class"] == "FSDPOptimizer" and result["args"]["fsdp"]
     assert (result["args"]["optimizer"], result["args"]["elementwise"]) == ("normuon", "lion")
     assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
-    # A sharded checkpoint resumes only as a sharded run, and only with its elementwise part.
+    # The sharded (DCP) checkpoint of step 3 resumes unsharded in one process too: its
+    # steps equal the library's own loading of it (`checkpoint.load_sharded`) bit for bit.
+    one = _rewind(part, 3, tmp_path / "one")
     capsys.readouterr()
-    assert _train(part, *VARIANT, "--resume") == 2
-    assert "--fsdp: checkpoint True, now False" in capsys.readouterr().err
+    assert _train(one, *VARIANT, "--nproc", "1", "--resume") == 0
+    assert "--nproc 2 → 1, --fsdp on → off: global batch 4 → 2 sequences" in capsys.readouterr().err
+    want = _resharded_reference(0, 1, str(one / "checkpoints/step_000003"), [4, 5, 6], "dcp")
+    assert [r["train_loss"] for r in _metrics(one)[4:]] == want
+    # The run's elementwise part must match.
     assert _train(part, "--optimizer", "normuon", "--fsdp", "--resume") == 2
     assert "--elementwise: checkpoint 'lion', now 'adamw'" in capsys.readouterr().err
 
@@ -332,10 +340,126 @@ def test_resume_refuses_another_run(tmp_path, capsys):
     assert main([*argv, "--batch", "3"]) == 2
     err = capsys.readouterr().err
     assert "--batch: checkpoint 2, now 3" in err and "--nproc" not in err
-    assert main([*argv[:2], "1", *argv[3:], "--batch", "2"]) == 2
-    assert "--nproc: checkpoint 2, now 1" in capsys.readouterr().err
+    # another layout is no mismatch (it is resharded: test_resume_at_another_size_*)
+    assert main([*argv[:2], "4", *argv[3:], "--tp", "2", "--batch", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch: checkpoint 2, now 3" in err and "--nproc" not in err and "--tp" not in err
     assert main(["train", "--out", str(tmp_path / "none"), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def _resharded_reference(
+    rank: int, world_size: int, folder: str, steps: list[int], fmt: str
+) -> list[float]:
+    """The library's own resharding, the oracle of a run resumed at another size: the
+    `VARIANT` tiny model and its optimizer built afresh at `world_size` (`build_optimizer` in
+    one process, else the layer-wise optimizer), the step folder `folder` loaded with the
+    library's loaders (`fmt` "full": model.pt and optim.pt by `checkpoint.load_file` and
+    `load_state_dict`; "dcp": `checkpoint.load_sharded`), then `steps` taken by hand: each
+    rank on its own batch of (seed, step, rank), the schedule, clipping at 1, the loss
+    averaged over the ranks. Returns each step's loss."""
+    from orthoptim import LayerwiseDistributedOptimizer, checkpoint, collectives
+    from orthoptim.train.loop import lr_multiplier
+
+    args = TrainArgs(optimizer="normuon", elementwise="lion", steps=6, batch=2, warmup=2)
+    cfg = CONFIGS["tiny"]
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    kw = dict(optimizer="normuon", elementwise="lion", lr=0.05, adamw_lr=3e-3,
+              adamw_weight_decay=0.0)  # fmt: skip
+    if world_size == 1:
+        opt = build_optimizer(model, **kw)
+    else:
+        opt = LayerwiseDistributedOptimizer(model, split_experts=True, **kw)
+    initial = [g["lr"] for g in opt.param_groups]
+    if fmt == "dcp":
+        checkpoint.load_sharded(Path(folder) / "dcp", opt, model)
+    else:
+        model.load_state_dict(checkpoint.load_file(Path(folder) / "model.pt"))
+        opt.load_state_dict(checkpoint.load_file(Path(folder) / "optim.pt"))
+    train = load_corpus(min_bytes=SEQ + 1).train
+    losses = []
+    for step in steps:
+        for g, lr in zip(opt.param_groups, initial):
+            g["lr"] = lr * lr_multiplier(step, args)
+        x, y = get_batch(train, args.batch, SEQ, args.seed, step, rank)
+        loss = model(x, y)
+        loss.backward()
+        if world_size == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(collectives.sum_floats([loss.item() / world_size])[0])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def resized(layerwise_run, tmp_path_factory) -> dict[int, tuple[Path, str]]:
+    """The 2-rank run's step-4 checkpoint resumed at --nproc 1 and at --nproc 3 (the
+    elastic ranks one thread each, as the reference's): each run's folder and stderr."""
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        for nproc in (1, 3):
+            out = _rewind(layerwise_run, 4, tmp_path_factory.mktemp("resized") / str(nproc))
+            with _stderr() as err:
+                assert _train(out, *VARIANT, "--nproc", str(nproc), "--resume") == 0, err()
+                runs[nproc] = (out, err())
+    return runs
+
+
+@contextlib.contextmanager
+def _stderr():
+    """What the code inside writes to sys.stderr (a module fixture has no capsys)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        yield buf.getvalue
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_resume_at_another_size_follows_the_resharded_reference(layerwise_run, resized, nproc):
+    """Issue 32 item 6: `--resume` of a 2-rank checkpoint at --nproc 1 (the plain
+    single-process optimizer, whose state dict is torch's) and at --nproc 3 (the layer-wise
+    optimizer over 3 ranks) trains on; its steps equal, bit for bit, the library's own
+    resharding of the same files at that size (`_resharded_reference`: the same arithmetic,
+    so nothing but the loading can differ). The run names the change: each rank keeps
+    --batch 2, so the global batch goes from 4 to 2·nproc sequences, and the tokens count on
+    from the checkpoint's."""
+    from distributed import run_ranks
+
+    out, err = resized[nproc]
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(7)) and _cold(rows) == [1, 2, 5, 6]
+    assert rows[:5] == _metrics(layerwise_run)[:5]
+    args = (str(out / "checkpoints/step_000004"), [5, 6], "full")
+    if nproc == 1:
+        want = _resharded_reference(0, 1, *args)
+    else:
+        want = run_ranks(_resharded_reference, nproc, args=args)[0]
+    assert [r["train_loss"] for r in rows[5:]] == want
+    assert math.isfinite(rows[6]["val_loss"])
+    notice = (
+        f"--nproc 2 → {nproc}: global batch 4 → {2 * nproc} sequences "
+        f"({nproc} data-parallel rank{'s' * (nproc > 1)} × --batch 2) from step 4"
+    )
+    for rank in range(nproc):
+        assert notice in (out / f"logs/rank{rank}.log").read_text(), rank
+    if nproc == 1:  # in this process: on the terminal too
+        assert f"orthoptim: {notice}" in err, err
+    per_step = {2: 2 * 2 * SEQ, nproc: nproc * 2 * SEQ}
+    assert [r["tokens"] for r in rows] == [0, *(s * per_step[2] for s in range(1, 5)),
+                                           4 * per_step[2] + per_step[nproc],
+                                           4 * per_step[2] + 2 * per_step[nproc]]  # fmt: skip
+    record = json.loads((out / "checkpoints/latest.json").read_text())
+    assert (record["world_size"], record["tokens"], record["layout_since"]) == (
+        nproc,
+        rows[6]["tokens"],
+        4,
+    )
+    result = json.loads((out / "result.json").read_text())
+    assert result["world_size"] == nproc and result["tokens_per_step"] == per_step[nproc]
 
 
 def test_train_rejects_bad_flags(tmp_path, capsys):

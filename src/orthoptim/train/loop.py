@@ -49,6 +49,7 @@ from orthoptim.train.model import GPT, compile_blocks, get_config, parallelize
 from orthoptim.train.runfolder import (
     Checkpointer,
     atomic_write_text,
+    layout_change,
     read_metrics,
     resumed_args,
     saved_param_dtype,
@@ -321,6 +322,18 @@ def build_run(
     )
 
 
+@dataclass
+class Resumed:
+    """Where a resumed run continues: the checkpoint's step, the training time and tokens
+    (over every rank) up to it, and the step since which the run has had its present layout
+    (world size, tp, sharding: its throughput is measured over the steps after it)."""
+
+    step: int = 0
+    train_time_s: float = 0.0
+    tokens: int = 0
+    layout_since: int = 0
+
+
 def resume(
     run: Run,
     ckpt: Checkpointer,
@@ -329,10 +342,14 @@ def resume(
     rank: int,
     log: logging.Logger,
     metrics_path: Path,
-) -> tuple[int, float]:
+) -> Resumed:
     """Load the newest intact checkpoint into the run (this run's LRs and decay, which the
     checkpoint's must not replace, kept), say so, and cut the metrics back to its step.
-    Returns (step, training time so far)."""
+
+    At another world size, tp or sharding the checkpoint is resharded on loading and the run
+    says what changed: each data-parallel rank keeps `--batch` sequences of its own
+    (seed, step, dp rank) batches, so the global batch follows the data-parallel size
+    (`layout_change`)."""
     wanted = [(g["initial_lr"], g.get("weight_decay")) for g in run.opt.param_groups]
     info = ckpt.load(run.model, run.opt, args, run.param_dtype)
     start = info["step"]
@@ -340,10 +357,11 @@ def resume(
         g["initial_lr"] = lr
         if decay is not None:
             g["weight_decay"] = decay
+    layout = layout_change(info, args, ckpt.world_size)
     for message in (
         *(f"--resume: passed over {why}" for why in info["passed_over"]),
         f"resuming from {info['folder']} (step {start})",
-        *(f"{change} from step {start}" for change in changes),
+        *(f"{change} from step {start}" for change in [*changes, layout] if change),
     ):
         _notice(log, rank, message)
     # Allowed: the checkpoint holds fp32 parameters and optimizer state in either precision
@@ -359,7 +377,13 @@ def resume(
     if rank == 0:
         kept = read_metrics(metrics_path, upto=start)
         atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
-    return start, info["train_time_s"]
+    # Checkpoints from before "tokens" was recorded ran at one layout from step 0.
+    saved = TrainArgs.from_dict(info["args"])
+    tokens = info.get(
+        "tokens", start * saved.batch * run.seq_len * (info["world_size"] // saved.tp)
+    )
+    since = start if layout else info.get("layout_since", 0)
+    return Resumed(start, info["train_time_s"], tokens, since)
 
 
 def train_step(
@@ -446,12 +470,13 @@ def train(
     run = build_run(args, rank, world_size, device, log)
     opt = run.opt
     metrics_path = out / "metrics.jsonl"
-    start, train_time = 0, 0.0
+    resumed = Resumed()
     if args.resume:
-        start, train_time = resume(run, ckpt, args, changes, rank, log, metrics_path)
+        resumed = resume(run, ckpt, args, changes, rank, log, metrics_path)
     elif rank == 0:
         metrics_path.write_text("")
     collectives.barrier()
+    start, train_time = resumed.step, resumed.train_time_s
 
     tokens_per_step = run.tokens_per_step
     last = args.stop_after or args.steps
@@ -486,7 +511,10 @@ def train(
         for step in range(start + 1, last + 1):
             row = train_step(run, args, step, device, world_size)
             train_time += row["step_time_s"]
-            row.update(train_time_s=train_time, tokens=step * tokens_per_step)
+            row.update(
+                train_time_s=train_time,
+                tokens=resumed.tokens + (step - start) * tokens_per_step,
+            )
             if step - start <= COLD_STEPS:
                 row["cold"] = True
             if step % args.eval_every == 0 or step == args.steps:
@@ -506,6 +534,8 @@ def train(
                 meta = dict(
                     args=args.to_dict(),
                     train_time_s=train_time,
+                    tokens=row["tokens"],
+                    layout_since=resumed.layout_since,
                     precision=run.precision,
                     param_dtype=run.param_dtype,
                 )
@@ -520,7 +550,10 @@ def train(
 
     comm = (row.get("comm_sent_bytes", 0.0), row.get("comm_received_bytes", 0.0))
     result = _result(run, args, world_size, device, last, val_loss, comm)
-    result.update(throughput(read_metrics(metrics_path) if rank == 0 else [], tokens_per_step))
+    # over the steps run at this layout (the rows' tokens per step are this run's)
+    rows = read_metrics(metrics_path) if rank == 0 else []
+    timed = [r for r in rows if r["step"] > resumed.layout_since]
+    result.update(throughput(timed, tokens_per_step))
     if rank == 0:
         atomic_write_text(json.dumps(result, indent=1), out / "result.json")
     log.info("done: %s", json.dumps({k: result[k] for k in ("last_step", "final_val_loss")}))
