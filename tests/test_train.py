@@ -348,11 +348,38 @@ def test_resume_refuses_another_run(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
 
 
+def test_layout_change_names_the_flags_and_the_global_batch():
+    """The notice of a resumed run at another layout: the flags that changed and the global
+    batch, `--batch` per data-parallel rank (nproc / tp of them); None when nothing did."""
+    from orthoptim.train.runfolder import layout_change
+
+    def record(nproc: int, **flags) -> dict:
+        return dict(args=TrainArgs(batch=16, **flags).to_dict(), world_size=nproc)
+
+    assert layout_change(record(2), TrainArgs(batch=16), 2) is None
+    assert layout_change(record(2), TrainArgs(batch=16), 3) == (
+        "--nproc 2 → 3: global batch 32 → 48 sequences (3 data-parallel ranks × --batch 16)"
+    )
+    assert layout_change(record(2), TrainArgs(batch=16, tp=2), 4) == (
+        "--nproc 2 → 4, --tp 1 → 2: global batch unchanged (32 sequences)"
+    )
+    assert layout_change(record(2, fsdp=True), TrainArgs(batch=16), 1) == (
+        "--nproc 2 → 1, --fsdp on → off: global batch 32 → 16 sequences "
+        "(1 data-parallel rank × --batch 16)"
+    )
+
+
 def _resharded_reference(
-    rank: int, world_size: int, folder: str, steps: list[int], fmt: str
+    rank: int,
+    world_size: int,
+    folder: str,
+    steps: list[int],
+    fmt: str,
+    optimizers: tuple[str, str] = VARIANT[1::2],
 ) -> list[float]:
     """The library's own resharding, the oracle of a run resumed at another size: the
-    `VARIANT` tiny model and its optimizer built afresh at `world_size` (`build_optimizer` in
+    tiny model and its optimizer (`optimizers`: the matrix one and the elementwise one, by
+    default `VARIANT`'s) built afresh at `world_size` (`build_optimizer` in
     one process, else the layer-wise optimizer), the step folder `folder` loaded with the
     library's loaders (`fmt` "full": model.pt and optim.pt by `checkpoint.load_file` and
     `load_state_dict`; "dcp": `checkpoint.load_sharded`), then `steps` taken by hand: each
@@ -361,11 +388,11 @@ def _resharded_reference(
     from orthoptim import LayerwiseDistributedOptimizer, checkpoint, collectives
     from orthoptim.train.loop import lr_multiplier
 
-    args = TrainArgs(optimizer="normuon", elementwise="lion", steps=6, batch=2, warmup=2)
-    cfg = CONFIGS["tiny"]
+    matrix, elementwise = optimizers
+    args = TrainArgs(optimizer=matrix, elementwise=elementwise, steps=6, batch=2, warmup=2)
     torch.manual_seed(0)
-    model = GPT(cfg)
-    kw = dict(optimizer="normuon", elementwise="lion", lr=0.05, adamw_lr=3e-3,
+    model = GPT(CONFIGS["tiny"])
+    kw = dict(optimizer=matrix, elementwise=elementwise, lr=args.matrix_lr, adamw_lr=3e-3,
               adamw_weight_decay=0.0)  # fmt: skip
     if world_size == 1:
         opt = build_optimizer(model, **kw)
@@ -460,6 +487,52 @@ def test_resume_at_another_size_follows_the_resharded_reference(layerwise_run, r
     )
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == nproc and result["tokens_per_step"] == per_step[nproc]
+
+
+# Layouts of the resharding probe: name → flags (with the data-parallel size they give).
+LAYOUTS = {
+    "1": (1, "--nproc", "1"), "2": (2, "--nproc", "2"), "3": (3, "--nproc", "3"),
+    "fsdp1": (1, "--nproc", "1", "--fsdp"), "fsdp2": (2, "--nproc", "2", "--fsdp"),
+    "fsdp3": (3, "--nproc", "3", "--fsdp"), "tp2": (1, "--nproc", "2", "--tp", "2"),
+    "2x tp2": (2, "--nproc", "4", "--tp", "2"),
+}  # fmt: skip
+
+
+@pytest.mark.probe
+def test_probe_resume_at_every_layout(tmp_path):
+    """Every checkpoint format (one process's full dicts, the 2-rank layer-wise optimizer's,
+    2-rank --fsdp DCP, --tp 2 DCP) resumed at every layout of `LAYOUTS` (Muon and AdamW,
+    which --tp needs): each trains on, and its steps equal the library's own resharding of
+    the checkpoint at its data-parallel size (`_resharded_reference`; bitwise where the
+    arithmetic is the same, else within 1e-5: FSDP2 and tensor parallelism sum in another
+    order). Prints one line per case (run with -s for the figures)."""
+    from distributed import run_ranks
+
+    cases, exact, far = 0, 0, []
+    for source in ("1", "2", "fsdp2", "tp2"):
+        full = tmp_path / source
+        assert _train(full, *LAYOUTS[source][1:]) == 0
+        fmt = "dcp" if source in ("fsdp2", "tp2") else "full"
+        folder = str(full / "checkpoints/step_000003")
+        refs = {1: _resharded_reference(0, 1, folder, [4, 5, 6], fmt, ("muon", "adamw"))}
+        for dp in (2, 3):
+            refs[dp] = run_ranks(
+                _resharded_reference, dp, args=(folder, [4, 5, 6], fmt, ("muon", "adamw"))
+            )[0]
+        for target, (dp, *flags) in LAYOUTS.items():
+            out = _rewind(full, 3, tmp_path / f"{source} to {target}")
+            assert _train(out, *flags, "--resume") == 0, (source, target)
+            got = [r["train_loss"] for r in _metrics(out)[4:]]
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, refs[dp]))
+            print(f"{source:>5} → {target:<6} dp {dp}: {got} (reference {refs[dp]}; "
+                  f"largest relative difference {worst:.1e})")  # fmt: skip
+            cases += 1
+            exact += worst == 0
+            if worst > 1e-5:
+                far.append((source, target, worst))
+    print(f"{cases} resumes: {exact} equal their reference bit for bit, "
+          f"{len(far)} off it by more than 1e-5")  # fmt: skip
+    assert cases == 32 and not far, far
 
 
 def test_train_rejects_bad_flags(tmp_path, capsys):

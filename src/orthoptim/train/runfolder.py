@@ -136,7 +136,7 @@ def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str
         return None
     dp_before, dp_after = before // saved.tp, after // args.tp
     if dp_before == dp_after:
-        batch = f"global batch {dp_after * args.batch} sequences, unchanged"
+        batch = f"global batch unchanged ({dp_after * args.batch} sequences)"
     else:
         batch = (
             f"global batch {dp_before * args.batch} → {dp_after * args.batch} sequences "
