@@ -454,6 +454,8 @@ def test_resume_at_another_size_follows_the_resharded_reference(layerwise_run, r
     so nothing but the loading can differ). The run names the change: each rank keeps
     --batch 2, so the global batch goes from 4 to 2·nproc sequences, and the tokens count on
     from the checkpoint's."""
+    from orthoptim.train.loop import upper_median
+
     from distributed import run_ranks
 
     out, err = resized[nproc]
@@ -487,6 +489,9 @@ def test_resume_at_another_size_follows_the_resharded_reference(layerwise_run, r
     )
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == nproc and result["tokens_per_step"] == per_step[nproc]
+    # its throughput is the new size's: over steps 5 and 6 only (else steps 3 and 4, the
+    # old size's first steps not "cold")
+    assert result["median_step_time_s"] == upper_median([r["step_time_s"] for r in rows[5:]])
 
 
 # Layouts of the resharding probe: name → flags (with the data-parallel size they give).
