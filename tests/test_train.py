@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -281,10 +284,15 @@ def test_train_fsdp_matches_layerwise_and_resumes(tmp_path, layerwise_run, capsy
     assert result["optimizer_class"] == "FSDPOptimizer" and result["args"]["fsdp"]
     assert (result["args"]["optimizer"], result["args"]["elementwise"]) == ("normuon", "lion")
     assert all(b > 0 for b in result["comm_sent_bytes_per_step_per_rank"])
-    # A sharded checkpoint resumes only as a sharded run, and only with its elementwise part.
+    # The sharded (DCP) checkpoint of step 3 resumes unsharded in one process too: its
+    # steps equal the library's own loading of it (`checkpoint.load_sharded`) bit for bit.
+    one = _rewind(part, 3, tmp_path / "one")
     capsys.readouterr()
-    assert _train(part, *VARIANT, "--resume") == 2
-    assert "--fsdp: checkpoint True, now False" in capsys.readouterr().err
+    assert _train(one, *VARIANT, "--nproc", "1", "--resume") == 0
+    assert "--nproc 2 → 1, --fsdp on → off: global batch 4 → 2 sequences" in capsys.readouterr().err
+    want = _resharded_reference(0, 1, str(one / "checkpoints/step_000003"), [4, 5, 6], "dcp")
+    assert [r["train_loss"] for r in _metrics(one)[4:]] == want
+    # The run's elementwise part must match.
     assert _train(part, "--optimizer", "normuon", "--fsdp", "--resume") == 2
     assert "--elementwise: checkpoint 'lion', now 'adamw'" in capsys.readouterr().err
 
@@ -350,8 +358,10 @@ def test_resume_refuses_another_run(tmp_path, capsys):
     assert main([*argv, "--batch", "3"]) == 2
     err = capsys.readouterr().err
     assert "--batch: checkpoint 2, now 3" in err and "--nproc" not in err
-    assert main([*argv[:2], "1", *argv[3:], "--batch", "2"]) == 2
-    assert "--nproc: checkpoint 2, now 1" in capsys.readouterr().err
+    # another layout is no mismatch (it is resharded: test_resume_at_another_size_*)
+    assert main([*argv[:2], "4", *argv[3:], "--tp", "2", "--batch", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch: checkpoint 2, now 3" in err and "--nproc" not in err and "--tp" not in err
     assert main(["train", "--out", str(tmp_path / "none"), "--resume"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
 
@@ -377,6 +387,198 @@ def test_resume_refusing_min_lr_ratio_names_a_flag_train_has(tmp_path, capsys):
             f"orthoptim: error: --min-lr-ratio must be in [0, 1] (the LR at --steps over the "
             f"peak), got {float(bad)}\n"
         )
+
+
+def test_layout_change_names_the_flags_and_the_global_batch():
+    """The notice of a resumed run at another layout: the flags that changed and the global
+    batch, `--batch` per data-parallel rank (nproc / tp of them); None when nothing did."""
+    from orthoptim.train.runfolder import layout_change
+
+    def record(nproc: int, **flags) -> dict:
+        return dict(args=TrainArgs(batch=16, **flags).to_dict(), world_size=nproc)
+
+    assert layout_change(record(2), TrainArgs(batch=16), 2) is None
+    assert layout_change(record(2), TrainArgs(batch=16), 3) == (
+        "--nproc 2 → 3: global batch 32 → 48 sequences (3 data-parallel ranks × --batch 16)"
+    )
+    assert layout_change(record(2), TrainArgs(batch=16, tp=2), 4) == (
+        "--nproc 2 → 4, --tp 1 → 2: global batch unchanged (32 sequences)"
+    )
+    assert layout_change(record(2, fsdp=True), TrainArgs(batch=16), 1) == (
+        "--nproc 2 → 1, --fsdp on → off: global batch 32 → 16 sequences "
+        "(1 data-parallel rank × --batch 16)"
+    )
+
+
+def _resharded_reference(
+    rank: int,
+    world_size: int,
+    folder: str,
+    steps: list[int],
+    fmt: str,
+    optimizers: tuple[str, str] = VARIANT[1::2],
+) -> list[float]:
+    """The library's own resharding, the oracle of a run resumed at another size: the
+    tiny model and its optimizer (`optimizers`: the matrix one and the elementwise one, by
+    default `VARIANT`'s) built afresh at `world_size` (`build_optimizer` in
+    one process, else the layer-wise optimizer), the step folder `folder` loaded with the
+    library's loaders (`fmt` "full": model.pt and optim.pt by `checkpoint.load_file` and
+    `load_state_dict`; "dcp": `checkpoint.load_sharded`), then `steps` taken by hand: each
+    rank on its own batch of (seed, step, rank), the schedule, clipping at 1, the loss
+    averaged over the ranks. Returns each step's loss."""
+    from orthoptim import LayerwiseDistributedOptimizer, checkpoint, collectives
+    from orthoptim.train.loop import lr_multiplier
+
+    matrix, elementwise = optimizers
+    args = TrainArgs(optimizer=matrix, elementwise=elementwise, steps=6, batch=2, warmup=2)
+    torch.manual_seed(0)
+    model = GPT(CONFIGS["tiny"])
+    kw = dict(optimizer=matrix, elementwise=elementwise, lr=args.matrix_lr, adamw_lr=3e-3,
+              adamw_weight_decay=0.0)  # fmt: skip
+    if world_size == 1:
+        opt = build_optimizer(model, **kw)
+    else:
+        opt = LayerwiseDistributedOptimizer(model, split_experts=True, **kw)
+    initial = [g["lr"] for g in opt.param_groups]
+    if fmt == "dcp":
+        checkpoint.load_sharded(Path(folder) / "dcp", opt, model)
+    else:
+        model.load_state_dict(checkpoint.load_file(Path(folder) / "model.pt"))
+        opt.load_state_dict(checkpoint.load_file(Path(folder) / "optim.pt"))
+    train = load_corpus(min_bytes=SEQ + 1).train
+    losses = []
+    for step in steps:
+        for g, lr in zip(opt.param_groups, initial):
+            g["lr"] = lr * lr_multiplier(step, args)
+        x, y = get_batch(train, args.batch, SEQ, args.seed, step, rank)
+        loss = model(x, y)
+        loss.backward()
+        if world_size == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(collectives.sum_floats([loss.item() / world_size])[0])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def resized(layerwise_run, tmp_path_factory) -> dict[int, tuple[Path, str]]:
+    """The 2-rank run's step-4 checkpoint resumed at --nproc 1 and at --nproc 3 (the
+    elastic ranks one thread each, as the reference's): each run's folder and stderr."""
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        for nproc in (1, 3):
+            out = _rewind(layerwise_run, 4, tmp_path_factory.mktemp("resized") / str(nproc))
+            with _stderr() as err:
+                assert _train(out, *VARIANT, "--nproc", str(nproc), "--resume") == 0, err()
+                runs[nproc] = (out, err())
+    return runs
+
+
+@contextlib.contextmanager
+def _stderr():
+    """What the code inside writes to sys.stderr (a module fixture has no capsys)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        yield buf.getvalue
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_resume_at_another_size_follows_the_resharded_reference(layerwise_run, resized, nproc):
+    """Issue 32 item 6: `--resume` of a 2-rank checkpoint at --nproc 1 (the plain
+    single-process optimizer, whose state dict is torch's) and at --nproc 3 (the layer-wise
+    optimizer over 3 ranks) trains on; its steps equal, bit for bit, the library's own
+    resharding of the same files at that size (`_resharded_reference`: the same arithmetic,
+    so nothing but the loading can differ). The run names the change: each rank keeps
+    --batch 2, so the global batch goes from 4 to 2·nproc sequences, and the tokens count on
+    from the checkpoint's."""
+    from orthoptim.train.loop import upper_median
+
+    from distributed import run_ranks
+
+    out, err = resized[nproc]
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(7)) and _cold(rows) == [1, 2, 5, 6]
+    assert rows[:5] == _metrics(layerwise_run)[:5]
+    args = (str(out / "checkpoints/step_000004"), [5, 6], "full")
+    if nproc == 1:
+        want = _resharded_reference(0, 1, *args)
+    else:
+        want = run_ranks(_resharded_reference, nproc, args=args)[0]
+    assert [r["train_loss"] for r in rows[5:]] == want
+    assert math.isfinite(rows[6]["val_loss"])
+    notice = (
+        f"--nproc 2 → {nproc}: global batch 4 → {2 * nproc} sequences "
+        f"({nproc} data-parallel rank{'s' * (nproc > 1)} × --batch 2) from step 4"
+    )
+    for rank in range(nproc):
+        assert notice in (out / f"logs/rank{rank}.log").read_text(), rank
+    if nproc == 1:  # in this process: on the terminal too
+        assert f"orthoptim: {notice}" in err, err
+    per_step = {2: 2 * 2 * SEQ, nproc: nproc * 2 * SEQ}
+    assert [r["tokens"] for r in rows] == [0, *(s * per_step[2] for s in range(1, 5)),
+                                           4 * per_step[2] + per_step[nproc],
+                                           4 * per_step[2] + 2 * per_step[nproc]]  # fmt: skip
+    record = json.loads((out / "checkpoints/latest.json").read_text())
+    assert (record["world_size"], record["tokens"], record["layout_since"]) == (
+        nproc,
+        rows[6]["tokens"],
+        4,
+    )
+    result = json.loads((out / "result.json").read_text())
+    assert result["world_size"] == nproc and result["tokens_per_step"] == per_step[nproc]
+    # its throughput is the new size's: over steps 5 and 6 only (else steps 3 and 4, the
+    # old size's first steps not "cold")
+    assert result["median_step_time_s"] == upper_median([r["step_time_s"] for r in rows[5:]])
+
+
+# Layouts of the resharding probe: name → flags (with the data-parallel size they give).
+LAYOUTS = {
+    "1": (1, "--nproc", "1"), "2": (2, "--nproc", "2"), "3": (3, "--nproc", "3"),
+    "fsdp1": (1, "--nproc", "1", "--fsdp"), "fsdp2": (2, "--nproc", "2", "--fsdp"),
+    "fsdp3": (3, "--nproc", "3", "--fsdp"), "tp2": (1, "--nproc", "2", "--tp", "2"),
+    "2x tp2": (2, "--nproc", "4", "--tp", "2"),
+}  # fmt: skip
+
+
+@pytest.mark.probe
+def test_probe_resume_at_every_layout(tmp_path):
+    """Every checkpoint format (one process's full dicts, the 2-rank layer-wise optimizer's,
+    2-rank --fsdp DCP, --tp 2 DCP) resumed at every layout of `LAYOUTS` (Muon and AdamW,
+    which --tp needs): each trains on, and its steps equal the library's own resharding of
+    the checkpoint at its data-parallel size (`_resharded_reference`; bitwise where the
+    arithmetic is the same, else within 1e-5: FSDP2 and tensor parallelism sum in another
+    order). Prints one line per case (run with -s for the figures)."""
+    from distributed import run_ranks
+
+    cases, exact, far = 0, 0, []
+    for source in ("1", "2", "fsdp2", "tp2"):
+        full = tmp_path / source
+        assert _train(full, *LAYOUTS[source][1:]) == 0
+        fmt = "dcp" if source in ("fsdp2", "tp2") else "full"
+        folder = str(full / "checkpoints/step_000003")
+        refs = {1: _resharded_reference(0, 1, folder, [4, 5, 6], fmt, ("muon", "adamw"))}
+        for dp in (2, 3):
+            refs[dp] = run_ranks(
+                _resharded_reference, dp, args=(folder, [4, 5, 6], fmt, ("muon", "adamw"))
+            )[0]
+        for target, (dp, *flags) in LAYOUTS.items():
+            out = _rewind(full, 3, tmp_path / f"{source} to {target}")
+            assert _train(out, *flags, "--resume") == 0, (source, target)
+            got = [r["train_loss"] for r in _metrics(out)[4:]]
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, refs[dp]))
+            print(f"{source:>5} → {target:<6} dp {dp}: {got} (reference {refs[dp]}; "
+                  f"largest relative difference {worst:.1e})")  # fmt: skip
+            cases += 1
+            exact += worst == 0
+            if worst > 1e-5:
+                far.append((source, target, worst))
+    print(f"{cases} resumes: {exact} equal their reference bit for bit, "
+          f"{len(far)} off it by more than 1e-5")  # fmt: skip
+    assert cases == 32 and not far, far
 
 
 def test_train_rejects_bad_flags(tmp_path, capsys):

@@ -51,6 +51,7 @@ from orthoptim.train.runfolder import (
     Checkpointer,
     RunLogHandler,
     atomic_write_text,
+    layout_change,
     read_metrics,
     resumed_args,
     saved_param_dtype,
@@ -361,6 +362,18 @@ def build_run(
     )
 
 
+@dataclass
+class Resumed:
+    """Where a resumed run continues: the checkpoint's step, the training time and tokens
+    (over every rank) up to it, and the step since which the run has had its present layout
+    (world size, tp, sharding: its throughput is measured over the steps after it)."""
+
+    step: int = 0
+    train_time_s: float = 0.0
+    tokens: int = 0
+    layout_since: int = 0
+
+
 def resume(
     run: Run,
     ckpt: Checkpointer,
@@ -369,11 +382,15 @@ def resume(
     rank: int,
     log: logging.Logger,
     metrics_path: Path,
-) -> tuple[int, float]:
+) -> Resumed:
     """Load the newest intact checkpoint into the run (this run's LRs and decay, which the
     checkpoint's must not replace, kept), say so, and cut the metrics back to its step (its
-    row restored from the checkpoint when the file lost it). Returns (step, training time so
-    far)."""
+    row restored from the checkpoint when the file lost it).
+
+    At another world size, tp or sharding the checkpoint is resharded on loading and the run
+    says what changed: each data-parallel rank keeps `--batch` sequences of its own
+    (seed, step, dp rank) batches, so the global batch follows the data-parallel size
+    (`layout_change`)."""
     wanted = [(g["initial_lr"], g.get("weight_decay")) for g in run.opt.param_groups]
     info = ckpt.load(run.model, run.opt, args, run.param_dtype)
     start = info["step"]
@@ -381,10 +398,11 @@ def resume(
         g["initial_lr"] = lr
         if decay is not None:
             g["weight_decay"] = decay
+    layout = layout_change(info, args, ckpt.world_size)
     for message in (
         *(f"--resume: passed over {why}" for why in info["passed_over"]),
         f"resuming from {info['folder']} (step {start})",
-        *(f"{change} from step {start}" for change in changes),
+        *(f"{change} from step {start}" for change in [*changes, layout] if change),
     ):
         _notice(log, rank, message)
     # Allowed: the checkpoint holds fp32 parameters and optimizer state in either precision
@@ -404,7 +422,13 @@ def resume(
             kept.append(saved_row)
             _notice(log, rank, f"{metrics_path} lacked the row of step {start}: restored it")
         atomic_write_text("".join(json.dumps(r) + "\n" for r in kept), metrics_path)
-    return start, info["train_time_s"]
+    # Checkpoints from before "tokens" was recorded ran at one layout from step 0.
+    saved = TrainArgs.from_dict(info["args"])
+    tokens = info.get(
+        "tokens", start * saved.batch * run.seq_len * (info["world_size"] // saved.tp)
+    )
+    since = start if layout else info.get("layout_since", 0)
+    return Resumed(start, info["train_time_s"], tokens, since)
 
 
 def _advice(run: Run) -> str:
@@ -517,12 +541,13 @@ def train(
     run = build_run(args, rank, world_size, device, log)
     opt = run.opt
     metrics_path = out / "metrics.jsonl"
-    start, train_time = 0, 0.0
+    resumed = Resumed()
     if args.resume:
-        start, train_time = resume(run, ckpt, args, changes, rank, log, metrics_path)
-        run.saved_step = start
+        resumed = resume(run, ckpt, args, changes, rank, log, metrics_path)
+        run.saved_step = resumed.step
     elif rank == 0:
         metrics_path.write_text("")
+    start, train_time = resumed.step, resumed.train_time_s
     where = f"after resuming at step {start}" if start else "before step 1"
     with collectives.phase(f"the ranks' barrier {where}"):
         collectives.barrier()
@@ -560,7 +585,10 @@ def train(
         for step in range(start + 1, last + 1):
             row, stopping = train_step(run, args, step, device, world_size, stop)
             train_time += row["step_time_s"]
-            row.update(train_time_s=train_time, tokens=step * tokens_per_step)
+            row.update(
+                train_time_s=train_time,
+                tokens=resumed.tokens + (step - start) * tokens_per_step,
+            )
             if step - start <= COLD_STEPS:
                 row["cold"] = True
             if step % args.eval_every == 0 or step == args.steps:
@@ -580,6 +608,8 @@ def train(
                 meta = dict(
                     args=args.to_dict(),
                     train_time_s=train_time,
+                    tokens=row["tokens"],
+                    layout_since=resumed.layout_since,
                     precision=run.precision,
                     param_dtype=run.param_dtype,
                     metrics_row=row,
@@ -601,7 +631,10 @@ def train(
 
     comm = (row.get("comm_sent_bytes", 0.0), row.get("comm_received_bytes", 0.0))
     result = _result(run, args, world_size, device, last, val_loss, comm)
-    result.update(throughput(read_metrics(metrics_path) if rank == 0 else [], tokens_per_step))
+    # over the steps run at this layout (the rows' tokens per step are this run's)
+    rows = read_metrics(metrics_path) if rank == 0 else []
+    timed = [r for r in rows if r["step"] > resumed.layout_since]
+    result.update(throughput(timed, tokens_per_step))
     if rank == 0:
         atomic_write_text(json.dumps(result, indent=1), out / "result.json")
     log.info("done: %s", json.dumps({k: result[k] for k in ("last_step", "final_val_loss")}))

@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -82,8 +82,10 @@ def read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
 
 RESUME_MUST_MATCH = (
     "optimizer", "elementwise", "config", "hf_config", "batch", "seed", "data", "steps",
-    "warmup", "min_lr_ratio", "tp", "fsdp",
+    "warmup", "min_lr_ratio",
 )  # fmt: skip
+# --nproc, --tp and --fsdp (the layout) may change: the checkpoint is resharded on loading
+# (`Checkpointer._read`), the change named (`layout_change`).
 # Flags a resumed run may change (applied with a notice); left off, the checkpoint's value.
 RESUME_MAY_CHANGE = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
 
@@ -97,7 +99,9 @@ def saved_param_dtype(info: dict[str, Any]) -> str:
 def check_resumable(
     info: dict[str, Any], args: TrainArgs, world_size: int, param_dtype: str
 ) -> None:
-    """Refuse to resume a checkpoint of a different run, listing every mismatch.
+    """Refuse to resume a checkpoint of a different run, listing every mismatch. Another
+    layout (`world_size`, --tp, --fsdp) is no mismatch: every checkpoint format loads at
+    every layout `TrainArgs.validate` and `check_nproc` allow (`Checkpointer._read`).
 
     `param_dtype` is this run's ("bf16" or "fp32") and may differ from the checkpoint's: under
     --fsdp the checkpoint's model weights are FSDP2's sharded parameters, the fp32 masters;
@@ -111,12 +115,46 @@ def check_resumable(
         for k in RESUME_MUST_MATCH
         if getattr(saved, k) != getattr(args, k)
     ]
-    if info["world_size"] != world_size:
-        mismatched.append(f"--nproc: checkpoint {info['world_size']}, now {world_size}")
     if mismatched:
         raise ValueError(
             "--resume: the checkpoint does not match this run: " + "; ".join(mismatched)
         )
+
+
+CheckpointFormat = Literal["dcp", "full"]
+
+
+def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
+    """How the checkpoint of record `info` was written, from the run that wrote it (not the
+    one resuming it): "dcp" (`checkpoint.save_sharded` under dcp/) by a --tp > 1 or a
+    multi-rank --fsdp run, else "full" (model.pt and optim.pt, the full state dicts)."""
+    saved = TrainArgs.from_dict(info["args"])
+    return "dcp" if saved.tp > 1 or (saved.fsdp and info["world_size"] > 1) else "full"
+
+
+def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str | None:
+    """How a resumed run's layout differs from its checkpoint's, in words, or None when it
+    does not: the changed flags, and the global batch (`--batch` sequences on each
+    data-parallel rank, so it follows the data-parallel size nproc / tp), e.g. "--nproc 2 → 3:
+    global batch 32 → 48 sequences (3 data-parallel ranks × --batch 16)"."""
+    saved = TrainArgs.from_dict(info["args"])
+    before, after = int(info["world_size"]), world_size
+    flags = [f"--nproc {before} → {after}"] if before != after else []
+    if saved.tp != args.tp:
+        flags.append(f"--tp {saved.tp} → {args.tp}")
+    if saved.fsdp != args.fsdp:
+        flags.append("--fsdp on → off" if saved.fsdp else "--fsdp off → on")
+    if not flags:
+        return None
+    dp_before, dp_after = before // saved.tp, after // args.tp
+    if dp_before == dp_after:
+        batch = f"global batch unchanged ({dp_after * args.batch} sequences)"
+    else:
+        batch = (
+            f"global batch {dp_before * args.batch} → {dp_after * args.batch} sequences "
+            f"({dp_after} data-parallel rank{'s' * (dp_after > 1)} × --batch {args.batch})"
+        )
+    return ", ".join(flags) + ": " + batch
 
 
 def resumed_args(args: TrainArgs, info: dict[str, Any]) -> tuple[TrainArgs, list[str]]:
@@ -403,7 +441,8 @@ class Checkpointer:
     Formats: `model.pt` and `optim.pt` (the optimizer's full state dict, gathered to rank 0,
     which every rank loads on resume); `sharded` (FSDP2) or `tp` > 1: model and optimizer by
     `orthoptim.checkpoint.save_sharded` under `dcp/` (each rank writes its shards and what it
-    owns; keys free of world and tp size)."""
+    owns; keys free of world and tp size). A checkpoint is read in the format its record says
+    it was written in (`checkpoint_format`), at whatever layout the resuming run has."""
 
     def __init__(
         self,
@@ -579,7 +618,7 @@ class Checkpointer:
                 damaged.append((folder, why[0]))
                 continue
             check_resumable(info, args, self.world_size, param_dtype)
-            failed = self._agreed_read(folder, model, opt)
+            failed = self._agreed_read(folder, model, opt, info)
             if failed is not None:
                 damaged.append((folder, failed))
                 continue
@@ -606,13 +645,15 @@ class Checkpointer:
             + "; pass --overwrite instead of --resume to start the run afresh"
         )
 
-    def _agreed_read(self, folder: Path, model: nn.Module, opt: Any) -> str | None:
+    def _agreed_read(
+        self, folder: Path, model: nn.Module, opt: Any, info: dict[str, Any]
+    ) -> str | None:
         """`_read` this rank's part of `folder` (collective); None when it worked on every rank,
         else the first failing rank's reason in one line, on every rank. A checkpoint that
         does not match the model (`CheckpointMismatchError`, the same on every rank) is
         raised as it is: no older folder would match either."""
         try:
-            self._read(folder, model, opt)
+            self._read(folder, model, opt, info)
             mine = None
         except checkpoint.CheckpointMismatchError:
             raise
@@ -625,13 +666,27 @@ class Checkpointer:
         where = "" if self.world_size == 1 else f" on rank {rank}"
         return f"cannot be loaded{where} ({why})"
 
-    def _read(self, folder: Path, model: nn.Module, opt: Any) -> None:
-        if self.tp > 1 or self.sharded:
+    def _read(self, folder: Path, model: nn.Module, opt: Any, info: dict[str, Any]) -> None:
+        """Load step folder `folder`, whose record is `info`, into this run's model and
+        optimizer (collective), by the format the checkpoint was written in
+        (`checkpoint_format`), whatever this run's world size, tp and sharding: a DCP
+        checkpoint's keys are free of both, and each rank reads what it owns now; full dicts
+        are read whole by every rank, which keeps what it owns (of a DTensor parameter, its
+        shard)."""
+        if checkpoint_format(info) == "dcp":
             checkpoint.load_sharded(folder / "dcp", opt, model)
-        else:
-            model.load_state_dict(checkpoint.load_file(folder / "model.pt"))
-            # every rank reads the full dict and keeps the state of what it owns
-            opt.load_state_dict(checkpoint.load_file(folder / "optim.pt"))
+            return
+        here = model.state_dict()
+        full = checkpoint.load_file(folder / "model.pt")
+        model.load_state_dict(
+            {
+                k: collectives.cut_like(v.to(collectives.local_shard(here[k]).device), here[k])
+                if k in here and collectives.is_dtensor(here[k])
+                else v
+                for k, v in full.items()
+            }
+        )
+        opt.load_state_dict(checkpoint.load_file(folder / "optim.pt"))
 
 
 def clean_leftovers(out: Path) -> list[str]:
