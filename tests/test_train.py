@@ -345,15 +345,22 @@ def test_train_bf16_parameters_resume_exactly_and_at_either_dtype(tmp_path, fsdp
     assert mixed[-1]["val_loss"] < vals[1]
 
 
+def _committed(out: Path, args: TrainArgs, world_size: int, step: int = 3) -> None:
+    """A committed checkpoint record of `args` at `step` under `out` that verifies (a sealed
+    latest.json and its step folder's record, no files): enough for --resume's checks."""
+    ckpt = out / "checkpoints"
+    folder = f"step_{step:06d}"
+    (ckpt / folder).mkdir(parents=True)
+    record = sealed(
+        dict(args=args.to_dict(), world_size=world_size, step=step, folder=folder, files={})
+    )
+    for path in (ckpt / folder / "checkpoint.json", ckpt / "latest.json"):
+        path.write_text(json.dumps(record))
+
+
 def test_resume_refuses_another_run(tmp_path, capsys):
     out = tmp_path / "run"
-    ckpt = out / "checkpoints"
-    ckpt.mkdir(parents=True)
-    saved = TrainArgs(batch=2, steps=6, out=str(out)).to_dict()
-    record = sealed(dict(args=saved, world_size=2, step=3, folder="step_000003", files={}))
-    (ckpt / "step_000003").mkdir()
-    for path in (ckpt / "step_000003" / "checkpoint.json", ckpt / "latest.json"):
-        path.write_text(json.dumps(record))
+    _committed(out, TrainArgs(batch=2, steps=6, out=str(out)), world_size=2)
     argv = ["train", "--nproc", "2", "--steps", "6", "--out", str(out), "--resume"]
     assert main([*argv, "--batch", "3"]) == 2
     err = capsys.readouterr().err
@@ -369,10 +376,7 @@ def test_resume_refuses_another_run(tmp_path, capsys):
 def test_resume_refusing_min_lr_ratio_names_a_flag_train_has(tmp_path, capsys):
     """The refusal named `--min-lr-ratio`, which `orthoptim train` did not take."""
     out = tmp_path / "run"
-    (out / "checkpoints").mkdir(parents=True)
-    saved = TrainArgs(batch=2, steps=6, out=str(out), min_lr_ratio=0.2).to_dict()
-    record = dict(args=saved, world_size=1, step=3)
-    (out / "checkpoints" / "latest.json").write_text(json.dumps(record))
+    _committed(out, TrainArgs(batch=2, steps=6, out=str(out), min_lr_ratio=0.2), world_size=1)
     argv = ["train", "--nproc", "1", "--batch", "2", "--steps", "6", "--out", str(out), "--resume"]
     assert main(argv) == 2
     assert "--min-lr-ratio: checkpoint 0.2, now 0.1" in capsys.readouterr().err

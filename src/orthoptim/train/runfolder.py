@@ -125,9 +125,12 @@ CheckpointFormat = Literal["dcp", "full"]
 
 
 def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
-    """How the checkpoint of record `info` was written, from the run that wrote it (not the
-    one resuming it): "dcp" (`checkpoint.save_sharded` under dcp/) by a --tp > 1 or a
-    multi-rank --fsdp run, else "full" (model.pt and optim.pt, the full state dicts)."""
+    """How the checkpoint of record `info` was written (not how the run resuming it would
+    write one): "dcp" (`checkpoint.save_sharded` under dcp/) or "full" (model.pt and optim.pt,
+    the full state dicts), as its record says; a record from before the format was recorded
+    is "dcp" when written by a --tp > 1 or a multi-rank --fsdp run."""
+    if info.get("format") in ("dcp", "full"):  # recorded by the save (`Checkpointer.save`)
+        return info["format"]
     saved = TrainArgs.from_dict(info["args"])
     return "dcp" if saved.tp > 1 or (saved.fsdp and info["world_size"] > 1) else "full"
 
@@ -456,6 +459,7 @@ class Checkpointer:
         self.dir = out / "checkpoints"
         self.rank, self.world_size, self.sharded, self.tp = rank, world_size, sharded, tp
         self.keep = keep
+        self._format: CheckpointFormat = "dcp" if tp > 1 or sharded else "full"
 
     def latest(self) -> dict[str, Any]:
         """The committed checkpoint's record: latest.json's when it verifies (`read_record`)
@@ -539,7 +543,8 @@ class Checkpointer:
 
         def commit() -> None:
             if self.rank == 0:
-                info = dict(meta, step=step, folder=folder.name, world_size=self.world_size)
+                info = dict(meta, step=step, folder=folder.name, world_size=self.world_size,
+                            format=self._format)  # fmt: skip
                 record = json.dumps(sealed(dict(info, files=_record_files(folder))), indent=1)
                 atomic_write_text(record, folder / STEP_RECORD, durable=True)
                 atomic_write_text(record, self.dir / "latest.json", durable=True)
@@ -576,7 +581,7 @@ class Checkpointer:
 
     def _write(self, folder: Path, model: nn.Module, opt: Any) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        if self.tp > 1 or self.sharded:
+        if self._format == "dcp":
             with collectives.phase(f"checkpoint {folder.name}: the sharded save"):
                 checkpoint.save_sharded(folder / "dcp", opt, model)
         else:
