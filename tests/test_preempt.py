@@ -246,3 +246,21 @@ def test_probe_max_restarts_survives_a_killed_rank_bitwise(whole2, tmp_path):
         assert f"rank {rank} died" in restart[0], err
         assert "restarting the ranks" in (out / "logs" / "launcher.log").read_text()
         assert _losses(out) == _losses(whole2), restart[0]
+
+
+def test_a_stop_signal_during_compare_is_one_line(tmp_path, capsys, monkeypatch):
+    """`orthoptim compare` does not resume its runs, so a stop signal in one of them is one
+    line saying to start it again, with the stop's exit status, not a traceback."""
+    from orthoptim.train import compare
+
+    def stopped(opts):
+        raise Preempted("SIGTERM", 3)
+
+    monkeypatch.setattr(compare, "run_compare", stopped)
+    out = tmp_path / "cmp"
+    argv = ["compare", "--config", "tiny", "--steps", "4", "--nproc", "1", "--out", str(out)]
+    assert main(argv) == Preempted.EXIT_CODE
+    assert capsys.readouterr().err == (
+        "orthoptim: compare stopped by SIGTERM after step 3 of one of its runs; its runs so far "
+        f"are under {out}: run the compare again to start over\n"
+    )

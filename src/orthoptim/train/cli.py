@@ -284,6 +284,14 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         summary = run_compare(opts)
     except (ValueError, FileNotFoundError, RankFailedError) as e:
         return _fail(str(e))
+    except Preempted as stop:
+        # a compare does not resume: its next start replaces its runs
+        print(
+            f"orthoptim: compare stopped by {stop.signal} after step {stop.step} of one of its "
+            f"runs; its runs so far are under {opts.out}: run the compare again to start over",
+            file=sys.stderr,
+        )
+        return stop.exit_code
     print(table(summary))
     print(f"\nwrote {opts.out}/report.md, loss.png, summary.json")
     return 0
