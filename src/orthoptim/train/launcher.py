@@ -33,7 +33,6 @@ from orthoptim.train.devices import plan_ranks
 from orthoptim.train.loop import Preempted, StopRequest, setup_logging, train
 from orthoptim.train.model import get_config
 from orthoptim.train.runfolder import (
-    Checkpointer,
     RunLogHandler,
     acquire_lock,
     atomic_write_text,
@@ -130,11 +129,10 @@ def _restart_count() -> int:
 
 
 def _committed_step(out: Path) -> int | None:
-    """The step of the checkpoint a --resume of `out` would continue from; None without one."""
-    try:
-        return int(Checkpointer(out, 0, 1).latest()["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The step of the checkpoint a --resume of `out` would continue from (`latest_record`);
+    None without one."""
+    record = latest_record(out)
+    return int(record["step"]) if record else None
 
 
 def _restarted(args: TrainArgs) -> TrainArgs:
@@ -493,8 +491,7 @@ class _Progress:
 
 def _resume_step(args: TrainArgs) -> int:
     """The step a --resume run continues from (0 otherwise, or when unreadable)."""
-    record = latest_record(Path(args.out)) if args.resume else None
-    return int(record["step"]) if record else 0
+    return (_committed_step(Path(args.out)) if args.resume else None) or 0
 
 
 class _Heartbeat:
