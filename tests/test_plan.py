@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 
 import pytest
 import torch
@@ -528,3 +529,45 @@ def test_bad_description_names_the_key() -> None:
     del raw["vocab_size"]
     with pytest.raises(ValueError, match="vocab_size"):
         model_from_dict(raw)
+
+
+def _command(out: str, label: str) -> str:
+    (line,) = [x for x in out.splitlines() if x.startswith(f"  {label}:")]
+    return line.split(":", 1)[1].strip()
+
+
+def test_plan_prints_the_commands_that_dry_run_and_train_its_layout(capsys) -> None:
+    """`orthoptim plan` ends with the dry run of its layout (every flag given; under --pp the
+    --stage) and `orthoptim train` on dp·tp·pp ranks with that --pp, --dp, --ep and --tp:
+    the dry run's parses back with orthoptim's own parser to the same layout, and so does
+    train's once train takes the layout flags; a model train does not build gets its flags."""
+    from orthoptim.cli import build_parser
+    from orthoptim.plan.cli import layout_from_args
+
+    argv = ["plan", "--model", "train:tiny-moe", "--dp", "4", "--ep", "2", "--pp", "2"]
+    argv += ["--param-dtype", "bf16", "--bucket-mb", "8", "--ns-batch-mb", "none"]
+    argv += ["--stage", "1", "--hardware", "gb300"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    dry, train = _command(out, "dry run"), _command(out, "train")
+    parser = build_parser()
+    ns = parser.parse_args(shlex.split(dry)[1:])
+    assert ns.dry_run and ns.stage == 1 and ns.hardware == "gb300"
+    assert layout_from_args(ns) == layout_from_args(parser.parse_args(argv))
+    assert train == (
+        "orthoptim train --config tiny-moe --nproc 8 --pp 2 --dp 4 --ep 2 --tp 1 "
+        "--optimizer muon --param-dtype bf16"
+    )
+    train_parser = parser._subparsers._group_actions[0].choices["train"]
+    if "--ep" in train_parser._option_string_actions:  # train's layout flags have landed
+        t = parser.parse_args(shlex.split(train)[1:])
+        assert (t.nproc, t.pp, t.dp, t.ep, t.tp, t.config) == (8, 2, 4, 2, 1, "tiny-moe")
+
+    shipped = ["plan", "--model", "gpt-small", "--dp", "4", "--pp", "2", "--gather-dtype", "bf16"]
+    assert main([*shipped, "--json"]) == 0
+    commands = json.loads(capsys.readouterr().out)["commands"]
+    assert commands["train"] is None  # a shipped description: GPT-2 small, not --config small
+    assert commands["train_flags"].startswith("--nproc 8 --pp 2 --dp 4 --ep 1 --tp 1")
+    assert commands["dry_run"].endswith("--dp 4 --pp 2 --gather-dtype bf16 --dry-run --stage 0")
+    assert main(["plan", "--model", "gpt-small", "--dp", "4", "--pp", "2", "--stage", "2"]) == 2
+    assert "--stage 2 must be in [0, 2) for --pp 2" in capsys.readouterr().err

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,8 @@ from orthoptim.plan.planner import (
     PLAN_OPTIMIZERS,
     PLAN_TP_MODES,
     Layout,
+    check_layout,
+    check_stage,
     make_plan,
 )
 
@@ -257,24 +261,9 @@ def _cmd(args: argparse.Namespace) -> int:
             )
         desc = hf_model(args.hf_config) if args.hf_config else load_model(args.model)
         hw = load_hardware(args.hardware)
-        layout = Layout(
-            dp=args.dp,
-            tp=args.tp,
-            ep=args.ep,
-            pp=args.pp,
-            tokens_per_step=args.tokens_per_step or 0,  # 0: the model file's
-            ns_steps=args.ns_steps,
-            ns_dtype=args.ns_dtype,
-            grad_dtype=args.grad_dtype,
-            bucket_mb=args.bucket_mb,
-            gather_dtype=args.gather_dtype,
-            param_dtype=args.param_dtype,
-            device=args.device,
-            optimizer=args.optimizer,
-            fsdp=args.fsdp,
-            tp_mode=args.tp_mode,
-            ns_batch_mb=args.ns_batch_mb,
-        )
+        layout = layout_from_args(args)
+        check_layout(desc, layout)
+        check_stage(args.stage, layout.pp)
         if args.dry_run:
             return _dry_run_cmd(args, desc, hw, layout)
         plan = make_plan(desc, hw, layout)
@@ -291,14 +280,95 @@ def _cmd(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    commands = layout_commands(args, layout)
     if args.json:
-        json.dump(plan, sys.stdout, indent=1)
+        json.dump({**plan, "commands": commands}, sys.stdout, indent=1)
         print()
     else:
         print(format_report(plan))
+        print("\n" + format_commands(commands))
         if plot is not None:
             print(f"\nplot: {plot}")
     return 0
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    """The `Layout` of `orthoptim plan`'s flags."""
+    return Layout(
+        dp=args.dp,
+        tp=args.tp,
+        ep=args.ep,
+        pp=args.pp,
+        tokens_per_step=args.tokens_per_step or 0,  # 0: the model file's
+        ns_steps=args.ns_steps,
+        ns_dtype=args.ns_dtype,
+        grad_dtype=args.grad_dtype,
+        bucket_mb=args.bucket_mb,
+        gather_dtype=args.gather_dtype,
+        param_dtype=args.param_dtype,
+        device=args.device,
+        optimizer=args.optimizer,
+        fsdp=args.fsdp,
+        tp_mode=args.tp_mode,
+        ns_batch_mb=args.ns_batch_mb,
+    )
+
+
+def _flag_value(value: Any) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def layout_commands(args: argparse.Namespace, layout: Layout) -> dict[str, str | None]:
+    """The commands that run `layout` of `args`' model: the dry run of every flag given
+    (`dry_run`; with --pp, of `--stage`) and `orthoptim train` on `layout.gpus` ranks with
+    its --pp, --dp, --ep and --tp (`train`, None where train does not build the model: the
+    shipped descriptions and .json files; `train_flags` are then its layout flags alone)."""
+    spec = shlex.quote(args.hf_config or args.model)
+    model = f"--hf-config {spec}" if args.hf_config else f"--model {spec}"
+    plan = [f"orthoptim plan {model}", f"--hardware {shlex.quote(args.hardware)}"]
+    default = Layout(dp=layout.dp)
+    for f in fields(Layout):
+        value = getattr(layout, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "dp":
+            plan.append(f"{flag} {value}")
+        elif f.name == "fsdp":
+            plan += [flag] if value else []
+        elif value != getattr(default, f.name) and not (f.name == "tokens_per_step" and not value):
+            plan.append(f"{flag} {_flag_value(value)}")
+    plan.append("--dry-run")
+    if layout.pp > 1:
+        plan.append(f"--stage {args.stage}")
+    flags = [
+        f"--nproc {layout.gpus}",
+        f"--pp {layout.pp}",
+        f"--dp {layout.dp}",
+        f"--ep {layout.ep}",
+        f"--tp {layout.tp}",
+        f"--optimizer {layout.optimizer}",
+        f"--param-dtype {layout.param_dtype}",
+    ] + (["--fsdp"] if layout.fsdp else [])
+    if args.hf_config:
+        train_model: str | None = f"--hf-config {spec}"
+    elif args.model.startswith(TRAIN_PREFIX):
+        train_model = f"--config {shlex.quote(args.model[len(TRAIN_PREFIX) :])}"
+    else:
+        train_model = None
+    return {
+        "dry_run": " ".join(plan),
+        "train": f"orthoptim train {train_model} {' '.join(flags)}" if train_model else None,
+        "train_flags": " ".join(flags),
+    }
+
+
+def format_commands(commands: dict[str, str | None]) -> str:
+    """`layout_commands` as the report's closing lines."""
+    train = commands["train"] or (
+        "orthoptim train builds the built-in GPTs (--model train:NAME) and Hugging Face "
+        f"configs (--hf-config), not this model; this layout's train flags: "
+        f"{commands['train_flags']}"
+    )
+    return f"this layout:\n  dry run: {commands['dry_run']}\n  train:   {train}"
 
 
 def _ranks(values: list[str] | None) -> list[int]:
@@ -339,11 +409,13 @@ def _dry_run_cmd(args: argparse.Namespace, desc: Any, hw: Any, layout: Layout) -
         return tqdm.tqdm(ranks, desc="simulated ranks", unit="rank", file=sys.stderr)
 
     result = dry_run(desc, layout, hw, _ranks(args.rank), args.stage, progress)
+    commands = layout_commands(args, layout)
     if args.json:
-        json.dump(result, sys.stdout, indent=1)
+        json.dump({**result, "commands": commands}, sys.stdout, indent=1)
         print()
     else:
         print(format_dry_run(result))
+        print("\n" + format_commands(commands))
     ok = not result["group_mismatches"] and all(r["comm_matches_expected"] for r in result["ranks"])
     return 0 if ok else 1
 

@@ -58,7 +58,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from orthoptim import collectives as C
 from orthoptim.plan.hardware import memory_verdict
 from orthoptim.plan.model import Matrix, ModelDescription, expand
-from orthoptim.plan.planner import Layout, check_layout, local_shape, stage_of_layers
+from orthoptim.plan.planner import (
+    Layout,
+    check_layout,
+    check_stage,
+    local_shape,
+    stage_of_layers,
+)
 
 BACKEND = "orthoptim_meta"
 DEVICE = torch.device("meta")
@@ -660,8 +666,7 @@ def run_rank(
 
     check_layout(desc, layout)
     dp, tp, ep, pp = layout.dp, layout.tp, layout.ep, layout.pp
-    if not 0 <= stage < pp:
-        raise ValueError(f"--stage {stage} must be in [0, {pp}) for --pp {pp}")
+    check_stage(stage, pp)
     if not 0 <= rank < dp * tp:
         raise ValueError(f"--rank {rank} must be in [0, {dp * tp}) (dp {dp} x tp {tp})")
     optimizer, tp_mode = layout.optimizer, layout.tp_mode  # check_layout refused the rest

@@ -202,6 +202,12 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         raise ValueError(f"--tokens-per-step must be >= 0, got {layout.tokens_per_step}")
 
 
+def check_stage(stage: int, pp: int) -> None:
+    """Raise a ValueError naming --stage when `stage` is not one of the `pp` stages."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"--stage {stage} must be in [0, {pp}) for --pp {pp}")
+
+
 def local_shape(m: Matrix, tp: int) -> tuple[int, ...]:
     """The shard of `m` one TP rank holds."""
     if m.tp_dim is None or tp == 1:
