@@ -178,3 +178,48 @@ def test_no_machine_load_note_when_the_gap_is_the_optimizers(muon_fb):
     text = report(summary)
     assert "Machine load" not in text
     assert "forward/backward times of the runs agree within 5%" in text
+
+
+def test_an_expert_and_pipeline_parallel_compare_reports_muon_against_adamw():
+    """`--ep 2` on the tiny MoE (and `--pp 2 --dp 2` on 4 ranks): the report names the layout
+    and shows Muon against AdamW as for the dense model; the evaluation's bytes are one batch
+    per data-parallel rank (a pipeline's two stages share one)."""
+    summary = summarize(opts(config="tiny-moe", ep=2), pair(), {})
+    assert summary["layout"] == {"pp": 1, "dp": 2, "ep": 2}
+    text = report(summary)
+    assert "tiny-moe GPT on python stdlib, 2 ranks as DP 2, EP 2 (cpu," in text
+    assert "- **Muon** (lr 0.05, final validation loss 3.3000) reached AdamW's final" in text
+    assert summary["muon_steps_to_adamw_final_val_loss"] == 5
+    assert "| | AdamW | Muon |" in table(summary)
+    piped = summarize(opts(config="tiny-moe", nproc=4, pp=2, ep=2), pair(), {})
+    assert "4 ranks as PP 2 × DP 2, EP 2 (" in report(piped)
+    assert piped["eval_tokens"] == 8 * 4 * 128
+    dense = summarize(opts(), pair(), {})
+    assert dense["layout"] == {"pp": 1, "dp": 2, "ep": 1} and "2 ranks (cpu," in report(dense)
+
+
+@pytest.mark.skipif(
+    not hasattr(TrainArgs(), "ep"), reason="train's --pp/--ep/--dp are not in this tree yet"
+)
+def test_compare_hands_its_layout_flags_to_every_train_run(monkeypatch, tmp_path, capsys):
+    """`orthoptim compare --config tiny-moe --ep 2 --pp 1 --dp 2` hands those --ep, --pp and
+    --dp to its runs (the first, AdamW's, launched), Muon's too; a flag not given is
+    train's default."""
+    from orthoptim.cli import main
+    from orthoptim.train import compare
+
+    launched = []
+
+    def launch(args, nproc):
+        launched.append((args.optimizer, args.config, args.pp, args.ep, args.dp, nproc))
+        raise ValueError("planted: no training")
+
+    monkeypatch.setattr(compare, "launch", launch)
+    argv = ["compare", "--config", "tiny-moe", "--nproc", "2", "--steps", "2"]
+    argv += ["--out", str(tmp_path / "c"), "--no-progress"]
+    assert main([*argv, "--ep", "2", "--pp", "1", "--dp", "2"]) == 2
+    assert "planted: no training" in capsys.readouterr().err
+    assert launched == [("adamw", "tiny-moe", 1, 2, 2, 2)]
+    opts = compare.CompareArgs(config="tiny-moe", nproc=2, steps=2, batch=4, eval_every=1, ep=2)
+    muon = opts.train_args("muon", 0.05, tmp_path / "m")
+    assert (muon.optimizer, muon.ep, muon.pp, muon.dp) == ("muon", 2, TrainArgs().pp, None)

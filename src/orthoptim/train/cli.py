@@ -277,6 +277,9 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         shared_gpu=ns.shared_gpu,
         progress=ns.progress,
         segments=ns.segments,
+        pp=ns.pp,
+        ep=ns.ep,
+        dp=ns.dp,
     )
     try:
         opts = opts.resolve(devices.visible_gpus())
@@ -329,6 +332,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "is adamw when compared, else the first",
     )
     c.add_argument("--nproc", type=int, default=None, help=NPROC_HELP)
+    for flag, what in (
+        ("--pp", "pipeline stages"),
+        ("--ep", "expert-parallel size (dividing --dp; the MoE configs)"),
+        ("--dp", "data-parallel ranks per stage (default --nproc / --pp)"),
+    ):
+        c.add_argument(flag, type=int, default=None, help=f"every run's {what}, as train's")
     c.add_argument("--steps", type=int, default=None, help=machine_default("steps"))
     c.add_argument(
         "--batch",

@@ -90,6 +90,10 @@ class CompareArgs:
     compile: bool = False
     shared_gpu: bool = False
     progress: bool = True
+    # The runs' layout, `orthoptim train`'s --pp, --ep and --dp (None: train's default)
+    pp: int | None = None
+    ep: int | None = None
+    dp: int | None = None
     # The runs take turns in this many segments (at most one per step), each resuming from
     # its own checkpoint (bitwise the same run), so drifts in the machine's load over minutes
     # hit every run alike: the throughput ratio is measured side by side.
@@ -142,6 +146,7 @@ class CompareArgs:
         """The run of `optimizer` at `lr` writing to `out` (call `resolve` first)."""
         if None in (self.steps, self.batch, self.config, self.eval_every):
             raise ValueError("CompareArgs.train_args: call resolve() first")
+        given = (("pp", self.pp), ("ep", self.ep), ("dp", self.dp))
         return TrainArgs(
             optimizer=optimizer,
             config=self.config,
@@ -157,7 +162,15 @@ class CompareArgs:
             compile=self.compile,
             shared_gpu=self.shared_gpu,
             progress=self.progress,
+            **{k: v for k, v in given if v is not None},
         )
+
+    def layout(self) -> dict[str, int]:
+        """The runs' pipeline stages, data-parallel ranks per stage and expert-parallel size,
+        as train derives what is not given (dp = nproc / pp: compare runs no tensor
+        parallelism)."""
+        pp = self.pp or 1
+        return {"pp": pp, "dp": self.dp or (self.nproc or 1) // pp, "ep": self.ep or 1}
 
 
 def steps_to_reach(rows: list[dict[str, Any]], target: float) -> int | None:
@@ -271,6 +284,14 @@ def _versus(
     )
 
 
+def _layout_words(layout: dict[str, int]) -> str:
+    """ " as PP 2 × DP 2, EP 2" of a pipelined or expert-parallel layout, else nothing."""
+    if layout["pp"] == 1 and layout["ep"] == 1:
+        return ""
+    stages = f"PP {layout['pp']} × " if layout["pp"] > 1 else ""
+    return f" as {stages}DP {layout['dp']}" + (f", EP {layout['ep']}" if layout["ep"] > 1 else "")
+
+
 def summarize(
     opts: CompareArgs,
     results: dict[str, dict[str, Any]],
@@ -298,17 +319,20 @@ def summarize(
         if name != base_name
     }
     ends = segment_ends(opts.steps, opts.segments)
+    layout = opts.layout()
     cuda = str(base["device"]).startswith("cuda")
     eval_batches = base["args"]["eval_batches"]
     summary = dict(
         config=opts.config,
         nproc=opts.nproc,
+        layout=layout,
         steps=opts.steps,
         batch_per_rank=opts.batch,
         tokens_per_step=base["tokens_per_step"],
         eval_every=opts.eval_every,
         eval_batches=eval_batches,
-        eval_tokens=eval_batches * base["tokens_per_step"] // opts.nproc,
+        # one evaluation batch per data-parallel rank (a pipeline's stages share it)
+        eval_tokens=eval_batches * base["tokens_per_step"] // layout["dp"],
         segments=len(ends),
         # each segment starts the ranks afresh: the memory peaks are the last segment's
         last_segment_steps=[ends[-2] + 1 if len(ends) > 1 else 1, ends[-1]],
@@ -361,7 +385,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(
-        f"{summary['config']} GPT, {summary['nproc']} ranks, "
+        f"{summary['config']} GPT, {summary['nproc']} ranks{_layout_words(summary['layout'])}, "
         f"{summary['tokens_per_step']} tokens/step, {summary['data']}"
     )
     fig.savefig(path, dpi=110)
@@ -707,7 +731,8 @@ def report(summary: dict[str, Any]) -> str:
     notes = load_notes(summary)
     return f"""# orthoptim compare: {" vs ".join(names)}
 
-{summary["config"]} GPT on {summary["data"]}, {summary["nproc"]} ranks ({summary["device"]}, \
+{summary["config"]} GPT on {summary["data"]}, {summary["nproc"]} ranks\
+{_layout_words(summary["layout"])} ({summary["device"]}, \
 {summary["threads_per_rank"]} thread(s) per rank, {precision}), {summary["steps"]} steps of \
 {summary["tokens_per_step"]:,} tokens (batch {summary["batch_per_rank"]} per rank), the same \
 batches for every optimizer; validation every {summary["eval_every"]} steps on a fixed set.
