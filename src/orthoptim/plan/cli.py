@@ -43,7 +43,7 @@ def _bytes(x: float, digits: int = 3) -> str:
 def _memory_lines(p: dict[str, Any]) -> list[str]:
     """The memory per rank by category (`memory_per_rank`) and whether the peak fits."""
     mem, lay = p["memory_per_rank"], p["layout"]
-    cats = ("params", "grads", "masters", "state", "buffers", "transient", "peak")
+    cats = ("params", "grads", "masters", "state", "buffers", "transient", "backward", "peak")
     rows = [("rank 0", mem["rank_0"]), (f"rank {mem['rank_last']['rank']}", mem["rank_last"])]
     rows.append((f"max (peak: rank {mem['max_peak_rank']})", mem["max"]))
     where = " (stage x DP rank)" if lay["pp"] > 1 else ""
@@ -59,7 +59,7 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
     have = mem["hardware_bytes"]
     lines = [
         f"memory per rank{where}, {which} ({lay['optimizer']}{tp}) as it runs ({dtypes}; "
-        "peak = held + transient):",
+        "peak = held + the larger of transient and backward):",
         f"{'':<26}" + "".join(f"{c:>11}" for c in cats) + f"{'fits':>6}",
     ]
     for label, row in rows:

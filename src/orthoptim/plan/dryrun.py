@@ -824,6 +824,7 @@ def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
         row = per["per_rank"][index]
         for k in out:
             out[k] = row.get(k)
+        out["transient"] = row["peak"] - row["steady"]  # as the dry run's: step or backward
     else:
         out["state"] = plan["memory"]["layerwise_state_bytes_per_rank"][index]
     c = plan["comm"][f"{plan['layout']['gather_dtype']}_gather"]

@@ -25,7 +25,15 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
                X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
                (foreach on CUDA: a square root of every owned second moment); whichever
                is larger, or the non-finite check of the widest gradient shard
-    peak       params + grads + masters + state + buffers + transient
+    backward   autograd's gradient of the rank's largest parameter in backward (a whole
+               expert stack; in the parameter dtype), made afresh (`zero_grad` set it to
+               None) while every other gradient is held, until its hook copies it into
+               the bucket's flat gradients; nothing for a group of one rank, whose
+               gradients are autograd's own. A stage holding an embedding much larger than
+               what a rank orthogonalizes peaks here (kimi-k2 --dp 256 --ep 64 --pp 16,
+               stage 0: its 4.4 GiB embedding against a 1.6 GiB step)
+    peak       params + grads + masters + state + buffers + the larger of transient and
+               backward
 
 `Layout.device` picks the paths: same-shape matrices stacked except on "cpu"
 (`stacking_pays`), the Gram form where `ns_path` takes it, foreach AdamW on "cuda" only.
@@ -38,9 +46,7 @@ against the dry run of the real code).
 
 What is not modelled: SOAP's first step (a full `eigh` per factor) and its refresh steps
 (every `precondition_frequency`), Muon's `split` blocks of fused matrices, FSDP2's forward
-and backward beyond the `fsdp_gather` estimate, autograd's gradient of a parameter at its
-hook while it is copied into a flat of another dtype (in backward), and the model's
-activations.
+and backward beyond the `fsdp_gather` estimate, and the model's activations.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ from orthoptim.plan.model import Matrix
 Layout = Any
 Group = Any
 
-CATEGORIES = ("params", "grads", "masters", "state", "buffers", "transient")
+CATEGORIES = ("params", "grads", "masters", "state", "buffers", "transient", "backward")
+HELD = CATEGORIES[:5]
 
 
 def _step_iterate(x: int, square: int, steps: int, into_out: bool) -> int:
@@ -262,8 +269,8 @@ def _matrix_transient(
 
 def _finish(rows: list[dict[str, int]], gather: str) -> dict[str, Any]:
     for row in rows:
-        row["steady"] = sum(row[k] for k in CATEGORIES if k != "transient")
-        row["peak"] = row["steady"] + row["transient"]
+        row["steady"] = sum(row[k] for k in HELD)
+        row["peak"] = row["steady"] + max(row["transient"], row["backward"])
     worst = max(range(len(rows)), key=lambda r: rows[r]["peak"])
     return {
         "rank_0": {"rank": 0, **rows[0]},
@@ -345,6 +352,12 @@ def memory_per_rank(
             owned_elements += sum(runs)
             state += 2 * sum(runs) * sb
             adamw += runs
+        # each parameter whole (an expert stack is one), where its gradient goes into flats
+        fresh: dict[str, int] = {}
+        for g, _ in slot:
+            if g.world > 1:
+                for m, u in zip(g.matrices, g.units, strict=True):
+                    fresh[m.param] = fresh.get(m.param, 0) + math.prod(u.shape)
         rows.append(
             {
                 "params": params,
@@ -358,6 +371,7 @@ def memory_per_rank(
                     _adamw_transient(adamw, layout, sb),
                     check,
                 ),
+                "backward": max(fresh.values(), default=0) * pb,
                 "fsdp_gather": 0,
             }
         )
@@ -490,6 +504,7 @@ def fsdp_rows(
                     "state": state,
                     "buffers": 0,
                     "transient": max(step, _adamw_transient(adamw, layout, sb), widest * (pb + 3)),
+                    "backward": 0,  # FSDP2's backward: `fsdp_gather`
                     "fsdp_gather": gather,
                 }
             )
