@@ -4,7 +4,9 @@ Each simulated rank builds the planner's layout of a model (`plan.model.expand`:
 parameter names and shapes, experts as 3-D [E, out, in] stacks, only this rank's stage and
 its EP rank's experts) as a real `nn.Module` on the **meta** device (tensors with a shape,
 a dtype and a device but no memory), joins a fake process group of the layout's size in
-which it has that rank, and runs the real code: forward, backward, `clip_grad_norm_` and
+which it has that rank, makes the layout's groups as `orthoptim train` makes them
+(`ParallelDims.build`: the same rank order, every group on every rank; 0.8 s at 4096 ranks),
+and runs the real code: forward, backward, `clip_grad_norm_` and
 two `step()`s of `LayerwiseDistributedOptimizer` (Muon, SOAP; tensor-parallel Muon through
 `TensorParallelOrthogonalizer` in each mode) or `FSDPOptimizer` over FSDP2's `fully_shard`.
 
@@ -56,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from orthoptim import collectives as C
+from orthoptim.parallel.layout import ParallelMesh
 from orthoptim.plan.hardware import memory_verdict
 from orthoptim.plan.model import Matrix, ModelDescription, expand
 from orthoptim.plan.planner import (
@@ -646,6 +649,15 @@ def _comm_check(comm: dict[str, Any], expected: dict[str, Any]) -> bool:
     )
 
 
+def _dp_mesh(mesh: ParallelMesh) -> Any:
+    """This rank's data-parallel group as the 1-D DeviceMesh FSDP2 shards over."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = mesh.dims.group_ranks("dp", mesh.rank)
+    group = mesh.dp_group if mesh.dp_group is not None else dist.group.WORLD
+    return DeviceMesh.from_group(group, "meta", mesh=torch.tensor(ranks), mesh_dim_names=("dp",))
+
+
 def run_rank(
     desc: ModelDescription,
     layout: Layout,
@@ -665,23 +677,21 @@ def run_rank(
     from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 
     check_layout(desc, layout)
-    dp, tp, ep, pp = layout.dp, layout.tp, layout.ep, layout.pp
+    dims = layout.dims
+    dp, tp, pp = dims.dp, dims.tp, dims.pp
     check_stage(stage, pp)
     if not 0 <= rank < dp * tp:
         raise ValueError(f"--rank {rank} must be in [0, {dp * tp}) (dp {dp} x tp {tp})")
     optimizer, tp_mode = layout.optimizer, layout.tp_mode  # check_layout refused the rest
     parallel: Parallel = "fsdp" if layout.fsdp else "layerwise"
-    world = dp * tp * pp
-    grank = stage * dp * tp + rank
+    grank = dims.rank_of(stage, rank // tp, rank % tp)
     t0 = time.perf_counter()
     rec = _Recorder()
     notes: list[str] = []
-    with fake_world(grank, world), rec, _HostData(rec):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("meta", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-        dp_group = mesh["dp"].get_group()
-        model = build_model(desc, layout, stage, tp_mesh=mesh["tp"] if tp > 1 else None)
+    with fake_world(grank, dims.world), rec, _HostData(rec):
+        # every group of the layout, made as `orthoptim train` makes them
+        mesh = dims.build("meta")
+        model = build_model(desc, layout, stage, tp_mesh=mesh.tp_mesh if tp > 1 else None)
         kwargs: dict[str, Any] = {"bucket_mb": layout.bucket_mb}
         if optimizer == "muon":
             kwargs["ns_dtype"] = torch.bfloat16  # what "auto" picks on CUDA
@@ -694,19 +704,11 @@ def run_rank(
         if parallel == "fsdp":
             if mixed:
                 mixed["reduce_dtype"] = DTYPES[layout.grad_dtype]
-            shard_model(model, mesh["dp"], **mixed)
+            shard_model(model, _dp_mesh(mesh), **mixed)
             fsdp_stats = C.CommStats()
             count_fsdp_collectives(model, fsdp_stats)
             opt: Any = FSDPOptimizer(model, optimizer=optimizer, **kwargs)
         else:
-            expert_group = None
-            if ep > 1:
-                d = rank // tp
-                for e in range(ep):  # every rank makes every group, in the same order
-                    ranks = [stage * dp * tp + r * tp + rank % tp for r in range(dp) if r % ep == e]
-                    g = dist.new_group(ranks)
-                    if e == d % ep:
-                        expert_group = g
             if tp > 1:
                 kwargs["orthogonalizer"] = TensorParallelOrthogonalizer(
                     mode=tp_mode, ns_dtype=torch.bfloat16
@@ -716,8 +718,8 @@ def run_rank(
             if layout.gather_dtype is not None:
                 kwargs["gather_dtype"] = DTYPES[layout.gather_dtype]
             opt = LayerwiseDistributedOptimizer(
-                model, optimizer=optimizer, process_group=dp_group, split_experts=True,
-                expert_group=expert_group, **kwargs, **mixed,
+                model, optimizer=optimizer, process_group=mesh.dp_group, split_experts=True,
+                expert_group=mesh.expert_group, **kwargs, **mixed,
             )  # fmt: skip
         rec.reads.clear()
         idx = torch.zeros(1, 4, dtype=torch.long, device=DEVICE)
@@ -748,7 +750,7 @@ def run_rank(
     orth = getattr(opt, "inner", None)
     return RankResult(
         rank=grank,
-        world=world,
+        world=dims.world,
         memory=memory,
         peak=peak,
         host_syncs=reads,
@@ -758,7 +760,7 @@ def run_rank(
         comm_matches=_comm_check(comm, expected),
         bytes_per_step=max(sent, received),
         seconds=time.perf_counter() - t0,
-        plan_index=stage * dp + rank // tp,
+        plan_index=stage * dp + mesh.coord.dp,
         optimizer=optimizer,
         notes=notes + ([] if orth is not None or parallel == "fsdp" else ["owns nothing"]),
     )

@@ -38,6 +38,7 @@ from orthoptim.parallel.assignment import (
     deal_adamw,
     state_numel,
 )
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.parallel.tensor_parallel import CostModel, TPCost
 from orthoptim.plan.costs import (
     TP_MODES,
@@ -132,40 +133,27 @@ class Layout:
         return keeps_masters(self.param_dtype, self.gather)
 
     @property
+    def dims(self) -> ParallelDims:
+        """The sizes as the run's layout object (which refuses sizes below one and an --ep
+        that does not divide --dp), its rank order and groups."""
+        return ParallelDims(dp=self.dp, tp=self.tp, ep=self.ep, pp=self.pp)
+
+    @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dims.world
 
     @property
     def expert_dp(self) -> int:
-        return self.dp // self.ep
+        return self.dims.expert_dp
 
 
 def check_layout(desc: ModelDescription, layout: Layout) -> None:
-    """Raise a ValueError naming the flag when the layout does not fit the model."""
-    for flag, v in (
-        ("--dp", layout.dp),
-        ("--tp", layout.tp),
-        ("--ep", layout.ep),
-        ("--pp", layout.pp),
-    ):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{flag} must be a positive integer, got {v!r}")
-    if layout.pp > desc.num_hidden_layers:
-        raise ValueError(
-            f"--pp {layout.pp} exceeds the {desc.num_hidden_layers} layers of {desc.name!r}"
-        )
-    if layout.dp % layout.ep:
-        raise ValueError(
-            f"--ep {layout.ep} must divide --dp {layout.dp} (expert parallelism runs inside "
-            "the data-parallel group)"
-        )
-    if layout.ep > 1 and not desc.is_moe:
-        raise ValueError(f"--ep {layout.ep}: model {desc.name!r} has no routed experts; use --ep 1")
-    if desc.is_moe and desc.n_routed_experts % layout.ep:
-        raise ValueError(
-            f"--ep {layout.ep} must divide the {desc.n_routed_experts} routed experts of "
-            f"{desc.name!r}"
-        )
+    """Raise a ValueError naming the flag when the layout does not fit the model: its sizes
+    by the run's own checks (`ParallelDims`, `ParallelDims.check`), then the plan's dtypes,
+    optimizer and paths."""
+    layout.dims.check(
+        n_layer=desc.num_hidden_layers, n_expert=desc.n_routed_experts if desc.is_moe else None
+    )
     for flag, v in (
         ("--ns-dtype", layout.ns_dtype),
         ("--grad-dtype", layout.grad_dtype),
@@ -373,6 +361,15 @@ def _stage(m: Matrix, stages: list[int], pp: int) -> int:
     return 0 if m.param.startswith("embed") else pp - 1
 
 
+def expert_groups(dims: ParallelDims) -> list[list[int]]:
+    """Per EP rank, the data-parallel indices (within a stage) of the ranks holding its
+    experts, in their expert-data-parallel group's order (`ParallelDims`' "edp" groups)."""
+    return [
+        [dims.coordinate(r).dp for r in dims.group_ranks("edp", dims.rank_of(0, e))]
+        for e in range(dims.ep)
+    ]
+
+
 def plan_groups(
     desc: ModelDescription,
     layout: Layout,
@@ -423,7 +420,7 @@ def plan_groups(
             bases: list[list[float] | None] = [None]
             if mats is experts and stage_groups and balance == "cost":
                 load = stage_groups[0].assignment.loads
-                bases = [load[e :: layout.ep] for e in range(layout.ep)]
+                bases = [[load[d] for d in group] for group in expert_groups(layout.dims)]
             done: dict[tuple[float, ...], Assignment] = {}
             siblings = []
             for base in bases:
@@ -505,16 +502,17 @@ def plan_slots(
     by_stage = plan_groups(
         desc, layout, balance, dense, experts, matrices=matrices, hardware=hardware
     )
-    dp, ep = layout.dp, layout.ep
+    dims, dp = layout.dims, layout.dp
     slots: list[Slot] = [[] for _ in range(layout.pp * dp)]
     for s, stage_groups in enumerate(by_stage):
         for g in stage_groups:
             for r in range(dp):
                 if g.world == dp:
                     slots[s * dp + r].append((g, r))
-                else:  # EP rank r mod ep's experts, over its expert-DP group
-                    sibling = g.siblings[r % ep] if len(g.siblings) > 1 else g
-                    slots[s * dp + r].append((sibling, r // ep))
+                else:  # its EP rank's experts, at its place in its expert-DP group
+                    c = dims.coordinate(dims.rank_of(s, r))
+                    sibling = g.siblings[c.ep] if len(g.siblings) > 1 else g
+                    slots[s * dp + r].append((sibling, c.edp))
     return slots, by_stage
 
 
