@@ -13,6 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from orthoptim import build_optimizer
+from orthoptim import checkpoint as ckpt
+from orthoptim import collectives as C
+from orthoptim.optim.state import state_view
 from orthoptim.train.model import (
     CONFIGS,
     GPT,
@@ -175,13 +179,13 @@ DROP_CFG = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, capacity_fa
 def test_capacity_drops_over_capacity_pairs_like_the_oracle():
     moe = _model(DROP_CFG).blocks[0].mlp
     x = torch.randn(
-        40, CFG.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+        24, CFG.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
     )
     with torch.no_grad():
         got = moe(x)
         want, dropped = _drop_oracle(moe, x)
     assert dropped > 0 and int(moe.dropped) == dropped
-    assert int(moe.tokens_per_expert.sum()) == 40 * moe.top_k - dropped
+    assert int(moe.tokens_per_expert.sum()) == 24 * moe.top_k - dropped
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     # dropless: nothing dropped, nothing reported
     dense = _model().blocks[0].mlp
@@ -237,6 +241,95 @@ def test_ep2_drops_per_rank_and_state_dicts_gather_and_cut():
     # the gathered dict loads into a single-process model
     single = GPT(CFG).double()
     single.load_state_dict(ranks[0]["full"])
+
+
+# ---------------------------------------------------------------- checkpoints across --ep
+
+OPT_KW = dict(lr=0.02, adamw_lr=3e-3, weight_decay=0.01, ns_dtype=torch.float64)
+
+
+def _ep_optimizer(model, group):
+    """A per-rank optimizer over an expert-parallel model whose state view names the experts
+    globally (what a driver's `state_view()` returns under --ep)."""
+    opt = build_optimizer(model, **OPT_KW)
+    inner = state_view(opt)
+    opt.state_view = lambda: ckpt.ExpertSlicesView(inner, model.expert_parallel_slices(), group)
+    return opt
+
+
+def _step(model, opt, x, y, world_size=1):
+    """One step on the global batch: this rank's part under --ep, dense gradients averaged
+    over the ranks and expert gradients divided by dp (the conventions of the drivers)."""
+    model(x, y).backward()
+    for p in model.parameters():
+        if world_size > 1 and p.grad is not None:
+            if p.shape[0] == CFG.moe.n_expert // world_size and p.ndim == 3:
+                p.grad /= world_size
+            else:
+                C.all_reduce(p.grad)
+                p.grad /= world_size
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(sd):
+    """A full optimizer dict's state by parameter name."""
+    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    return {names[i]: st for i, st in sd["state"].items()}
+
+
+def _ckpt_ranks(rank, world_size, folder):
+    x, y = _global_batch(world_size, seed=2)
+    model = expert_parallelize(_model(), dist.group.WORLD, rank, world_size)
+    opt = _ep_optimizer(model, dist.group.WORLD)
+    _step(model, opt, _mine(x, rank), _mine(y, rank), world_size)
+    out = {"full": ckpt.full_state_dict(opt), "model": full_expert_state_dict(model)}
+    ckpt.save_sharded(f"{folder}/ep", opt, model)
+    # the single-process checkpoint, loaded here: each rank takes its experts
+    fresh = expert_parallelize(_model(), dist.group.WORLD, rank, world_size)
+    opt = _ep_optimizer(fresh, dist.group.WORLD)
+    ckpt.load_sharded(f"{folder}/single", opt, fresh)
+    out["loaded"] = {k: v.clone() for k, v in fresh.state_dict().items()}
+    out["loaded_full"] = ckpt.full_state_dict(opt)
+    return out
+
+
+def test_checkpoints_move_between_ep2_and_one_process(tmp_path):
+    x, y = _global_batch(2, seed=2)
+    ref = _model()
+    ref_opt = build_optimizer(ref, **OPT_KW)
+    _step(ref, ref_opt, x, y)
+    ckpt.save_sharded(tmp_path / "single", ref_opt, ref)
+    ranks = run_ranks(_ckpt_ranks, 2, args=(str(tmp_path),))
+    want, want_sd = _state(ckpt.full_state_dict(ref_opt)), ref.state_dict()
+    for r in ranks:
+        got = _state(r["full"])
+        assert got.keys() == want.keys()
+        for n, st in want.items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.ndim:
+                    assert got[n][k].shape == v.shape and _rel(got[n][k], v) <= REL, (n, k)
+        for k, v in want_sd.items():
+            assert _rel(r["model"][k], v) <= REL, k
+    # single process → ep 2: every rank holds its experts of the single-process state
+    for rank, r in enumerate(ranks):
+        for k, v in want_sd.items():
+            v = v[4 * rank : 4 * rank + 4] if "experts_" in k else v
+            assert torch.equal(r["loaded"][k], v), k
+        for n, st in _state(r["loaded_full"]).items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(v, _state(ckpt.full_state_dict(ref_opt))[n][k]), (n, k)
+    # ep 2 → single process
+    single = GPT(CFG).double()
+    single_opt = build_optimizer(single, **OPT_KW)
+    ckpt.load_sharded(tmp_path / "ep", single_opt, single)
+    for k, v in want_sd.items():
+        assert _rel(single.state_dict()[k], v) <= REL, k
+    for n, st in _state(ckpt.full_state_dict(single_opt)).items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.ndim:
+                assert _rel(v, want[n][k]) <= REL, (n, k)
 
 
 # ---------------------------------------------------------------- refusals
