@@ -198,13 +198,16 @@ def test_capacity_drops_over_capacity_pairs_like_the_oracle():
 
 def _ep2_ranks(rank, world_size):
     out = {}
-    x, _ = _global_batch(world_size, seed=1)
+    x, y = _global_batch(world_size, seed=1)
     # ep 2 with capacity: each rank drops among its own tokens, so a rank's output is the
     # single-process model's on that rank's batch alone
     model = expert_parallelize(_model(DROP_CFG), dist.group.WORLD, rank, world_size)
     with torch.no_grad():
         out["drop_logits"] = model(_mine(x, rank))
     out["dropped"] = model.dropped_tokens()
+    # plain data parallelism (ep 1): the balancing counts summed over the dp group
+    dp = expert_parallelize(_model(), None, 0, 1, stats_group=dist.group.WORLD)
+    out["dp_loss"] = dp(_mine(x, rank), _mine(y, rank)).item()
     # full state dicts: gathered equal the single-process model's; cut again on load
     model = expert_parallelize(_model(), dist.group.WORLD, rank, world_size)
     out["full"] = {k: v.clone() for k, v in full_expert_state_dict(model).items()}
@@ -221,7 +224,7 @@ def _ep2_ranks(rank, world_size):
 
 def test_ep2_drops_per_rank_and_state_dicts_gather_and_cut():
     ranks = run_ranks(_ep2_ranks, 2)
-    x, _ = _global_batch(2, seed=1)
+    x, y = _global_batch(2, seed=1)
     ref = _model(DROP_CFG)
     full = _model().state_dict()
     for rank, r in enumerate(ranks):
@@ -238,6 +241,8 @@ def test_ep2_drops_per_rank_and_state_dicts_gather_and_cut():
                 src = src[4 * rank : 4 * (rank + 1)]
             assert torch.equal(v, src), k
         assert "holds 4 experts" in r["refused"] and f"[{4 * rank}:{4 * rank + 4}]" in r["refused"]
+    want = _model()(x, y).item()
+    assert math.isclose(sum(r["dp_loss"] for r in ranks) / 2, want, rel_tol=REL)
     # the gathered dict loads into a single-process model
     single = GPT(CFG).double()
     single.load_state_dict(ranks[0]["full"])

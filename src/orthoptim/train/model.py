@@ -499,8 +499,8 @@ class GPT(nn.Module):
         """Σ over MoE layers of aux_loss_coef · the load-balancing loss of the last training
         forward (what `forward(idx, targets)` adds to the loss); None when there is none (a
         dense model, an evaluation forward, aux_loss_coef 0)."""
-        terms = [m.aux_loss_coef * m.aux_loss for m in self.moe_layers().values()
-                 if m.aux_loss is not None]  # fmt: skip
+        layers = self.moe_layers().values()
+        terms = [m.aux_loss_coef * m.aux_loss for m in layers if m.aux_loss is not None]
         return torch.stack(terms).sum() if terms else None
 
     def dropped_tokens(self) -> int:
@@ -549,7 +549,7 @@ def expert_parallelize(
             f"--ep {ep_size} needs a mixture-of-experts model (this one has no MoE layers): "
             "use --config tiny-moe, or drop --ep"
         )
-    n_expert = model.cfg.moe.n_expert if model.cfg.moe is not None else 0
+    n_expert = next(iter(layers.values())).n_expert
     if ep_size < 1 or n_expert % ep_size:
         raise ValueError(
             f"--ep {ep_size} must divide the model's {n_expert} experts per layer: use an --ep "
