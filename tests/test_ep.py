@@ -358,6 +358,14 @@ def test_checkpoints_move_between_ep2_and_one_process(tmp_path):
                 assert _rel(v, want[n][k]) <= REL, (n, k)
 
 
+def test_float64_model_keeps_float64_loss():
+    x, y = _global_batch(1)
+    model = _model(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, aux_loss_coef=0.0)))
+    logits = model(x)
+    want = -logits.log_softmax(-1).gather(-1, y[..., None]).mean()
+    assert logits.dtype == torch.float64 and _rel(model(x, y), want) <= 1e-14
+
+
 # ---------------------------------------------------------------- refusals
 
 
