@@ -384,8 +384,12 @@ class MoE(nn.Module):
             return None
         tokens, k = chosen.shape
         capacity = math.ceil(self.capacity_factor * tokens * k / self.n_expert)
-        onehot = F.one_hot(chosen.T.reshape(-1), self.n_expert)
-        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # position in its expert's queue
+        queue = chosen.T.reshape(-1)  # every token's first choice, then every second choice
+        order = torch.argsort(queue, stable=True)
+        counts = torch.bincount(queue, minlength=self.n_expert)
+        first = counts.cumsum(0) - counts  # where each expert's run starts in `order`
+        place = torch.empty_like(queue)  # position of each pair in its expert's queue
+        place[order] = torch.arange(queue.numel(), device=queue.device) - first[queue[order]]
         keep = (place < capacity).view(k, tokens).T
         self.dropped = (~keep).sum()
         return keep
