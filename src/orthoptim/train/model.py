@@ -8,7 +8,10 @@ Two layouts: the default keeps Q, K, V and the two (GELU) MLP matrices separate 
 `fused=True` stores one `qkv` matrix and a SwiGLU MLP with one `gate_up` matrix, and the model
 reports the row blocks of those matrices through `split_spec()` so that Muon orthogonalizes
 q, k, v (and gate, up) on their own. `n_kv_head` < `n_head` is grouped-query attention.
-`moe` replaces the MLP by top-k routed SwiGLU experts stored as 3-D [E, out, in] parameters.
+`moe` replaces the MLP by top-k routed SwiGLU experts stored as 3-D [E, out, in] parameters;
+`expert_parallelize` spreads them over an expert-parallel group (each rank E/ep experts, tokens
+dispatched by all-to-all), and `full_expert_state_dict` / `load_expert_state_dict` move the
+state between such a model and the full one.
 
 MuonClip protocol (see `orthoptim.optim.qk_clip`): `record_attention_logits(True)` makes every
 attention layer keep the largest pre-softmax logit per head seen in training forwards (this
