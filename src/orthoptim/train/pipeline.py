@@ -13,7 +13,9 @@ batch's mean loss on every stage of the pipeline.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 
 ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b")
+NoSync = Callable[[], AbstractContextManager[Any]]
 
 
 def stage_layers(n_layer: int, pp: int, stage: int) -> range:
@@ -133,6 +136,23 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class _SyncedStage(PipelineStage):
+    """A `PipelineStage` whose backward of every micro-batch but the last runs inside
+    `no_sync()` (a data-parallel optimizer's), so its gradients are reduced once a step."""
+
+    def __init__(self, *args: Any, no_sync: NoSync | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.no_sync = no_sync
+
+    def backward_maybe_with_nosync(
+        self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
+    ) -> Any:
+        if self.no_sync is None or last_backward:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with self.no_sync():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
 class PipelineRunner:
     """Run stage `module` of a pipeline: one rank per stage in `group`.
 
@@ -142,6 +162,9 @@ class PipelineRunner:
     forward, then every backward). Each batch is cut into `n_microbatches` equal
     micro-batches along dim 0; the loss of each is its mean over its tokens divided by
     `n_microbatches`, so the gradients summed over them are those of the batch's mean loss.
+    `no_sync`: the stage's data-parallel optimizer's (`LayerwiseDistributedOptimizer.no_sync`),
+    entered for the backward of every micro-batch but the last of a step (None: no
+    data-parallel reduction during backward).
     """
 
     def __init__(
@@ -152,6 +175,7 @@ class PipelineRunner:
         n_microbatches: int,
         schedule: ScheduleName = "1f1b",
         device: torch.device | str = "cpu",
+        no_sync: NoSync | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
@@ -170,7 +194,7 @@ class PipelineRunner:
                 f"module is stage {module.stage} of --pp {module.pp}: pass the pp group"
             )
         self.module, self.n_microbatches, self.schedule = module, n_microbatches, schedule
-        self.device = torch.device(device)
+        self.device, self.no_sync = torch.device(device), no_sync
         self._schedules: dict[tuple[int, ...], PipelineScheduleSingle] = {}
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -181,8 +205,9 @@ class PipelineRunner:
         the first batch, so each batch shape has its own (every stage sees the same)."""
         key = tuple(shape)
         if key not in self._schedules:
-            stage = PipelineStage(
-                self.module, self.module.stage, self.module.pp, self.device, group=self.group
+            m = self.module
+            stage = _SyncedStage(
+                m, m.stage, m.pp, self.device, group=self.group, no_sync=self.no_sync
             )
             kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
             self._schedules[key] = kind(

@@ -1,0 +1,221 @@
+"""Pipeline parallelism (`orthoptim.train.pipeline`) against the single-process model.
+
+The ranks run float64 copies of the tiny GPT and the tiny MoE (shrunk), split into stages, over
+gloo; the references run in the test process on the whole batch. A stage's micro-batches cut
+the batch's sums into other orders, so the losses, gradients and parameters agree to float64
+rounding (~1e-16 relative, grown a little by three optimizer steps), well inside TOL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from orthoptim import build_optimizer
+from orthoptim.optim.hybrid import default_route
+from orthoptim.train.model import GPT, GPTConfig, MoEConfig, get_config
+from orthoptim.train.pipeline import (
+    PipelineRunner,
+    check_pipeline,
+    lm_loss,
+    split_stage,
+    stage_layers,
+)
+
+from distributed import run_ranks
+
+TOL = 1e-10
+BATCH, SEQ, STEPS = 8, 8, 3
+OPT = dict(optimizer="muon", lr=0.02, adamw_lr=3e-3, weight_decay=0.01)
+CASES = [(s, n) for s in ("gpipe", "1f1b") for n in (2, 4)]
+
+
+def shrunk(config: str) -> GPTConfig:
+    """`config` at a width and length that keep float64 runs fast. The tiny GPT gets 3
+    blocks, so that a 2-stage split has a remainder."""
+    cfg = get_config(config)
+    small = dict(d_model=32, n_head=2, seq_len=SEQ, qk_clip=None)
+    if cfg.moe is not None:
+        return dataclasses.replace(
+            cfg, **small, n_kv_head=1, moe=MoEConfig(n_expert=4, top_k=2, hidden=32)
+        )
+    return dataclasses.replace(cfg, **small, n_layer=3)
+
+
+def make_model(config: str) -> GPT:
+    torch.manual_seed(0)
+    return GPT(shrunk(config)).double()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    idx = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+@functools.cache
+def reference_grads(config: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss of batch 0 and the gradients of batches 0 and 1 accumulated (two
+    backwards), on the whole model."""
+    model = make_model(config)
+    loss = lm_loss(model(*batch(0)[:1]), batch(0)[1])
+    loss.backward()
+    x, y = batch(1)
+    lm_loss(model(x), y).backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@functools.cache
+def reference_steps(config: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and parameters of STEPS single-process steps of build_optimizer(**OPT)."""
+    model = make_model(config)
+    opt = build_optimizer(model, **OPT)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---- the split -------------------------------------------------------------------------
+
+
+def test_stage_layers_are_contiguous_balanced_and_cover_the_model():
+    assert [list(stage_layers(7, 3, s)) for s in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    for n_layer in range(1, 9):
+        for pp in range(1, n_layer + 1):
+            runs = [stage_layers(n_layer, pp, s) for s in range(pp)]
+            assert [i for r in runs for i in r] == list(range(n_layer))
+            assert max(map(len, runs)) - min(map(len, runs)) <= 1
+
+
+def test_a_pipeline_deeper_than_the_model_is_refused_naming_pp():
+    with pytest.raises(ValueError, match=r"--pp 5 exceeds the model's 4 blocks.*--pp 4"):
+        check_pipeline(4, 5)
+    with pytest.raises(ValueError, match="--pp 4 exceeds the model's 3 blocks"):
+        split_stage(make_model("tiny"), 4, 0)
+    with pytest.raises(ValueError, match=r"stage must be in \[0, 2\)"):
+        stage_layers(4, 2, 2)
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny-moe"])
+def test_stages_hold_the_full_models_names_routes_and_splits(config):
+    """The stages' parameters partition the full model's, under its names; each stage
+    routes, splits and finds its attention heads as the full model does."""
+    model = make_model(config)
+    full = dict(model.named_parameters())
+    route, spec, heads = default_route(model), model.split_spec(), model.qk_clip_heads()
+    seen: list[str] = []
+    for s in range(2):
+        stage = split_stage(model, 2, s)
+        named = dict(stage.named_parameters())
+        assert all(named[n] is full[n] for n in named)
+        seen += named
+        assert {n: default_route(stage)(n, p) for n, p in named.items()} == {
+            n: route(n, p) for n, p in named.items()
+        }
+        assert stage.split_spec() == {n: v for n, v in spec.items() if n in named}
+        assert stage.qk_clip_heads() == {
+            f"blocks.{i}.attn": heads[f"blocks.{i}.attn"] for i in stage.layers
+        }
+        assert set(stage.state_dict()) <= set(model.state_dict())
+    assert sorted(seen) == sorted(full)
+    first, last = split_stage(model, 2, 0), split_stage(model, 2, 1)
+    assert "embed.weight" in dict(first.named_parameters())
+    assert "lm_head.weight" in dict(last.named_parameters())
+
+
+def test_stages_in_sequence_compute_the_full_models_logits():
+    model = make_model("tiny")
+    x, _ = batch(0)
+    h = x
+    for s in range(3):
+        h = split_stage(model, 3, s)(h)
+    torch.testing.assert_close(h, model(x), rtol=0, atol=0)
+
+
+# ---- the schedules over 2 ranks --------------------------------------------------------
+
+
+def _pipelined(rank, world_size):
+    """Per config and (schedule, micro-batches): the loss of batch 0 by evaluate and by
+    step, and the stage's gradients after step on batches 0 and 1; then STEPS optimizer
+    steps of a stage's own build_optimizer."""
+    out = {}
+    for config in ("tiny", "tiny-moe"):
+        for schedule, n in CASES:
+            stage = split_stage(make_model(config), world_size, rank)
+            runner = PipelineRunner(stage, None, n_microbatches=n, schedule=schedule)
+            evaluated = runner.evaluate(*batch(0))
+            loss = runner.step(*batch(0))
+            runner.step(*batch(1))  # accumulates, as a second loss.backward() would
+            grads = {k: p.grad for k, p in stage.named_parameters()}
+            out[config, schedule, n] = evaluated, loss, grads
+        stage = split_stage(make_model(config), world_size, rank)
+        runner = PipelineRunner(stage, dist.group.WORLD, n_microbatches=2)
+        opt = build_optimizer(stage, **OPT)
+        losses = []
+        for step in range(STEPS):
+            losses.append(runner.step(*batch(step)))
+            opt.step()
+            opt.zero_grad()
+        out[config, "steps"] = losses, {k: p.detach() for k, p in stage.named_parameters()}
+    return out
+
+
+@functools.cache
+def pipelined():
+    return run_ranks(_pipelined, 2)
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("schedule,n", CASES)
+def test_pipeline_loss_and_gradients_equal_the_single_process(config, schedule, n):
+    loss, grads = reference_grads(config)
+    held = []
+    for result in pipelined():
+        evaluated, got, stage_grads = result[config, schedule, n]
+        assert abs(got - loss) <= TOL * abs(loss)
+        assert abs(evaluated - loss) <= TOL * abs(loss)
+        for name, g in stage_grads.items():
+            assert rel(g, grads[name]) <= TOL, name
+        held += stage_grads
+    assert sorted(held) == sorted(grads)
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny-moe"])
+def test_optimizer_steps_per_stage_equal_the_single_process(config):
+    losses, params = reference_steps(config)
+    for result in pipelined():
+        got, stage_params = result[config, "steps"]
+        assert got == pytest.approx(losses, rel=TOL, abs=0)
+        for name, p in stage_params.items():
+            assert rel(p, params[name]) <= TOL, name
+
+
+def test_runner_refusals_name_the_fix():
+    stage = split_stage(make_model("tiny"), 1, 0)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        PipelineRunner(stage, None, n_microbatches=2, schedule="zb")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n_microbatches must be >= 1"):
+        PipelineRunner(stage, None, n_microbatches=0)
+    deep = split_stage(make_model("tiny"), 3, 0)
+    with pytest.raises(ValueError, match=r"n_microbatches \(2\) must be >= --pp \(3\)"):
+        PipelineRunner(deep, None, n_microbatches=2)
+    with pytest.raises(ValueError, match="group has 1 ranks .* stage 0 of --pp 3: pass the pp"):
+        PipelineRunner(deep, None, n_microbatches=2, schedule="gpipe")
+    runner = PipelineRunner(stage, None, n_microbatches=3, schedule="gpipe")
+    with pytest.raises(ValueError, match="batch of 8 sequences does not split into n_micro"):
+        runner.step(*batch(0))
