@@ -14,10 +14,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from orthoptim import build_optimizer
+from orthoptim import build_optimizer, collectives
 from orthoptim.optim.hybrid import default_route
-from orthoptim.train.model import GPT, GPTConfig, MoEConfig, get_config
+from orthoptim.parallel import LayerwiseDistributedOptimizer
+from orthoptim.train.model import GPT, GPTConfig, MoEConfig, get_config, parallelize
 from orthoptim.train.pipeline import (
     PipelineRunner,
     check_pipeline,
@@ -219,3 +221,79 @@ def test_runner_refusals_name_the_fix():
     runner = PipelineRunner(stage, None, n_microbatches=3, schedule="gpipe")
     with pytest.raises(ValueError, match="batch of 8 sequences does not split into n_micro"):
         runner.step(*batch(0))
+
+
+# ---- 4 ranks: pp 2 × dp 2 (layer-wise optimizer per stage), pp 2 × tp 2 ----------------
+
+
+def _stage_groups(pp: int, dp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(dp group, pp group) of this rank, rank = pp_i·dp + dp_i; every rank builds every
+    group in the same order."""
+    rank = dist.get_rank()
+    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(pp)]
+    pp_groups = [dist.new_group([s * dp + d for s in range(pp)]) for d in range(dp)]
+    return dp_groups[rank // dp], pp_groups[rank % dp]
+
+
+def _pipelined_4(rank, world_size):
+    """pp 2 × dp 2: STEPS layer-wise steps over each stage's dp group, each dp rank a half
+    of the batch in 2 micro-batches (the first backward in the optimizer's no_sync). Then
+    pp 2 × tp 2 on the tiny GPT (parallelized before the split): batch 0's gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    dp_group, pp_group = _stage_groups(2, 2)
+    d, per = rank % 2, BATCH // 2
+    for config in ("tiny", "tiny-moe"):
+        stage = split_stage(make_model(config), 2, rank // 2)
+        opt = LayerwiseDistributedOptimizer(stage, process_group=dp_group, **OPT)
+        runner = PipelineRunner(stage, pp_group, n_microbatches=2, no_sync=opt.no_sync)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step)
+            loss = runner.step(x[d * per : (d + 1) * per], y[d * per : (d + 1) * per])
+            losses.append(collectives.sum_floats([loss], dp_group)[0] / 2)
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_params()
+        out[config] = losses, {k: p.detach().clone() for k, p in stage.named_parameters()}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    model = make_model("tiny")
+    parallelize(model, mesh["tp"])
+    stage = split_stage(model, 2, mesh["pp"].get_local_rank())
+    runner = PipelineRunner(stage, mesh["pp"].get_group(), n_microbatches=2)
+    loss = runner.step(*batch(0))
+    out["tp"] = loss, {k: full(p.grad) for k, p in stage.named_parameters()}
+    return out
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value (a tensor-parallel weight's), a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@functools.cache
+def pipelined_4():
+    return run_ranks(_pipelined_4, 4)
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny-moe"])
+def test_pipeline_by_data_parallel_steps_equal_the_single_process(config):
+    losses, params = reference_steps(config)
+    for result in pipelined_4():
+        got, stage_params = result[config]
+        assert got == pytest.approx(losses, rel=TOL, abs=0)
+        for name, p in stage_params.items():
+            assert rel(p, params[name]) <= TOL, name
+
+
+def test_pipeline_of_a_tensor_parallel_model_equals_the_single_process():
+    loss, _ = reference_grads("tiny")
+    model = make_model("tiny")
+    x, y = batch(0)
+    lm_loss(model(x), y).backward()
+    for result in pipelined_4():
+        got, grads = result["tp"]
+        assert abs(got - loss) <= TOL * abs(loss)
+        for name, g in grads.items():
+            assert rel(g, dict(model.named_parameters())[name].grad) <= TOL, name
