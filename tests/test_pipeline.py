@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 from orthoptim import build_optimizer, collectives
 from orthoptim.optim.hybrid import default_route
 from orthoptim.parallel import LayerwiseDistributedOptimizer
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.model import GPT, GPTConfig, MoEConfig, get_config, parallelize
 from orthoptim.train.pipeline import (
     PipelineRunner,
-    check_pipeline,
     lm_loss,
     split_stage,
     stage_layers,
@@ -104,10 +104,12 @@ def test_stage_layers_are_contiguous_balanced_and_cover_the_model():
 
 
 def test_a_pipeline_deeper_than_the_model_is_refused_naming_pp():
-    with pytest.raises(ValueError, match=r"--pp 5 exceeds the model's 4 blocks.*--pp 4"):
-        check_pipeline(4, 5)
-    with pytest.raises(ValueError, match="--pp 4 exceeds the model's 3 blocks"):
+    with pytest.raises(ValueError, match=r"--pp 5 exceeds the model's 4 layers.*--pp 4 or"):
+        stage_layers(4, 5, 0)
+    with pytest.raises(ValueError, match="--pp 4 exceeds the model's 3 layers"):
         split_stage(make_model("tiny"), 4, 0)
+    with pytest.raises(ValueError, match="--pp must be a positive integer, got 0"):
+        stage_layers(4, 0, 0)
     with pytest.raises(ValueError, match=r"stage must be in \[0, 2\)"):
         stage_layers(4, 2, 2)
 
@@ -226,42 +228,31 @@ def test_runner_refusals_name_the_fix():
 # ---- 4 ranks: pp 2 × dp 2 (layer-wise optimizer per stage), pp 2 × tp 2 ----------------
 
 
-def _stage_groups(pp: int, dp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(dp group, pp group) of this rank, rank = pp_i·dp + dp_i; every rank builds every
-    group in the same order."""
-    rank = dist.get_rank()
-    dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(pp)]
-    pp_groups = [dist.new_group([s * dp + d for s in range(pp)]) for d in range(dp)]
-    return dp_groups[rank // dp], pp_groups[rank % dp]
-
-
 def _pipelined_4(rank, world_size):
     """pp 2 × dp 2: STEPS layer-wise steps over each stage's dp group, each dp rank a half
     of the batch in 2 micro-batches (the first backward in the optimizer's no_sync). Then
     pp 2 × tp 2 on the tiny GPT (parallelized before the split): batch 0's gradients."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     out = {}
-    dp_group, pp_group = _stage_groups(2, 2)
-    d, per = rank % 2, BATCH // 2
+    mesh = ParallelDims(pp=2, dp=2).build()
+    d, per = mesh.coord.dp, BATCH // 2
     for config in ("tiny", "tiny-moe"):
-        stage = split_stage(make_model(config), 2, rank // 2)
-        opt = LayerwiseDistributedOptimizer(stage, process_group=dp_group, **OPT)
-        runner = PipelineRunner(stage, pp_group, n_microbatches=2, no_sync=opt.no_sync)
+        stage = split_stage(make_model(config), 2, mesh.coord.pp)
+        opt = LayerwiseDistributedOptimizer(stage, process_group=mesh.dp_group, **OPT)
+        runner = PipelineRunner(stage, mesh, n_microbatches=2, no_sync=opt.no_sync)
         losses = []
         for step in range(STEPS):
             x, y = batch(step)
             loss = runner.step(x[d * per : (d + 1) * per], y[d * per : (d + 1) * per])
-            losses.append(collectives.sum_floats([loss], dp_group)[0] / 2)
+            losses.append(collectives.sum_floats([loss], mesh.dp_group)[0] / 2)
             opt.step()
             opt.zero_grad()
         opt.wait_for_params()
         out[config] = losses, {k: p.detach().clone() for k, p in stage.named_parameters()}
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    mesh = ParallelDims(pp=2, tp=2).build()
     model = make_model("tiny")
-    parallelize(model, mesh["tp"])
-    stage = split_stage(model, 2, mesh["pp"].get_local_rank())
-    runner = PipelineRunner(stage, mesh["pp"].get_group(), n_microbatches=2)
+    parallelize(model, mesh.tp_mesh)
+    stage = split_stage(model, 2, mesh.coord.pp)
+    runner = PipelineRunner(stage, mesh.pp_group, n_microbatches=2)
     loss = runner.step(*batch(0))
     out["tp"] = loss, {k: full(p.grad) for k, p in stage.named_parameters()}
     return out

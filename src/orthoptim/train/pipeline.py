@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from orthoptim import collectives
 from orthoptim.optim.muon import Split
 from orthoptim.optim.qk_clip import QKHeads
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.model import GPT, GPTConfig
 
 if TYPE_CHECKING:
@@ -40,24 +41,14 @@ NoSync = Callable[[], AbstractContextManager[Any]]
 
 def stage_layers(n_layer: int, pp: int, stage: int) -> range:
     """The blocks stage `stage` of `pp` holds: `n_layer // pp` each, the first
-    `n_layer % pp` stages one more (the last stage also computes the head and the loss)."""
-    check_pipeline(n_layer, pp)
+    `n_layer % pp` stages one more (the last stage also computes the head and the loss).
+    Refuses (naming --pp) more stages than blocks: every stage holds at least one."""
+    ParallelDims(pp=pp).check(n_layer=n_layer)
     if not 0 <= stage < pp:
         raise ValueError(f"stage must be in [0, {pp}) for --pp {pp}, got {stage}")
     base, extra = divmod(n_layer, pp)
     start = stage * base + min(stage, extra)
     return range(start, start + base + (stage < extra))
-
-
-def check_pipeline(n_layer: int, pp: int) -> None:
-    """Refuse a pipeline size the model cannot be split into: every stage needs a block."""
-    if pp < 1:
-        raise ValueError(f"--pp must be >= 1, got {pp}")
-    if pp > n_layer:
-        raise ValueError(
-            f"--pp {pp} exceeds the model's {n_layer} blocks (every stage holds at least one "
-            f"block): use --pp {n_layer} or fewer"
-        )
 
 
 class GPTStage(nn.Module):
@@ -125,7 +116,6 @@ def split_stage(model: GPT, pp: int, stage: int) -> GPTStage:
 
     Tensor parallelism: `parallelize(model, tp_mesh)` the full model BEFORE splitting (its
     plan names every block of the full model)."""
-    check_pipeline(model.cfg.n_layer, pp)
     return GPTStage(model, pp, stage)
 
 
@@ -248,7 +238,6 @@ __all__ = [
     "GPTStage",
     "PipelineRunner",
     "ScheduleName",
-    "check_pipeline",
     "lm_loss",
     "split_stage",
     "stage_layers",
