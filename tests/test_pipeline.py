@@ -48,8 +48,17 @@ def shrunk(config: str) -> GPTConfig:
     return dataclasses.replace(cfg, **small, n_layer=3)
 
 
+# The router's load-balancing loss, where the model has one (a config field of MoEConfig).
+HAS_AUX = "aux_loss_coef" in {f.name for f in dataclasses.fields(MoEConfig)}
+AUX = 0.5  # large, so that a lost or mis-scaled balancing loss shows in every router grad
+
+
 def make_model(config: str) -> GPT:
     torch.manual_seed(0)
+    if config == "tiny-moe-aux":
+        cfg = shrunk("tiny-moe")
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=AUX))
+        return GPT(cfg).double()
     return GPT(shrunk(config)).double()
 
 
@@ -64,15 +73,30 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @functools.cache
-def reference_grads(config: str) -> tuple[float, dict[str, torch.Tensor]]:
-    """The loss of batch 0 and the gradients of batches 0 and 1 accumulated (two
-    backwards), on the whole model."""
+def reference_grads(config: str) -> tuple[float, dict[str, torch.Tensor], dict]:
+    """The loss of batch 0, the gradients of batches 0 and 1 accumulated (two backwards)
+    and the max attention logits of those two forwards, on the whole model."""
     model = make_model(config)
+    model.record_attention_logits(True)
     loss = lm_loss(model(*batch(0)[:1]), batch(0)[1])
     loss.backward()
     x, y = batch(1)
     lm_loss(model(x), y).backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, model.attention_max_logits()
+
+
+@functools.cache
+def reference_accumulated(config: str, n: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """Batch 0 as n accumulated micro-batches of GPT(x, y) (which adds the router loss of
+    each) / n: the loss and gradients a pipeline of n micro-batches must give."""
+    model = make_model(config)
+    total = 0.0
+    for x, y in zip(*(t.chunk(n) for t in batch(0))):
+        loss = model(x, y) / n
+        loss.backward()
+        total += loss.item()
+    return total, {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
 @functools.cache
@@ -156,17 +180,19 @@ def test_stages_in_sequence_compute_the_full_models_logits():
 def _pipelined(rank, world_size):
     """Per config and (schedule, micro-batches): the loss of batch 0 by evaluate and by
     step, and the stage's gradients after step on batches 0 and 1; then STEPS optimizer
-    steps of a stage's own build_optimizer."""
+    steps of a stage's own build_optimizer. With a router loss: batch 0's loss and
+    gradients."""
     out = {}
     for config in ("tiny", "tiny-moe"):
         for schedule, n in CASES:
             stage = split_stage(make_model(config), world_size, rank)
+            stage.record_attention_logits(True)
             runner = PipelineRunner(stage, None, n_microbatches=n, schedule=schedule)
             evaluated = runner.evaluate(*batch(0))
             loss = runner.step(*batch(0))
             runner.step(*batch(1))  # accumulates, as a second loss.backward() would
             grads = {k: p.grad for k, p in stage.named_parameters()}
-            out[config, schedule, n] = evaluated, loss, grads
+            out[config, schedule, n] = evaluated, loss, grads, stage.attention_max_logits()
         stage = split_stage(make_model(config), world_size, rank)
         runner = PipelineRunner(stage, dist.group.WORLD, n_microbatches=2)
         opt = build_optimizer(stage, **OPT)
@@ -176,6 +202,11 @@ def _pipelined(rank, world_size):
             opt.step()
             opt.zero_grad()
         out[config, "steps"] = losses, {k: p.detach() for k, p in stage.named_parameters()}
+    for schedule, n in CASES if HAS_AUX else ():
+        stage = split_stage(make_model("tiny-moe-aux"), world_size, rank)
+        runner = PipelineRunner(stage, None, n_microbatches=n, schedule=schedule)
+        loss = runner.step(*batch(0))
+        out["aux", schedule, n] = loss, {k: p.grad for k, p in stage.named_parameters()}
     return out
 
 
@@ -187,16 +218,33 @@ def pipelined():
 @pytest.mark.parametrize("config", ["tiny", "tiny-moe"])
 @pytest.mark.parametrize("schedule,n", CASES)
 def test_pipeline_loss_and_gradients_equal_the_single_process(config, schedule, n):
-    loss, grads = reference_grads(config)
+    loss, grads, max_logits = reference_grads(config)
     held = []
     for result in pipelined():
-        evaluated, got, stage_grads = result[config, schedule, n]
+        evaluated, got, stage_grads, logits = result[config, schedule, n]
         assert abs(got - loss) <= TOL * abs(loss)
         assert abs(evaluated - loss) <= TOL * abs(loss)
         for name, g in stage_grads.items():
             assert rel(g, grads[name]) <= TOL, name
         held += stage_grads
+        for layer, m in logits.items():  # MuonClip's record: the max over the micro-batches
+            torch.testing.assert_close(m, max_logits[layer], rtol=TOL, atol=0)
     assert sorted(held) == sorted(grads)
+
+
+@pytest.mark.skipif(not HAS_AUX, reason="the MoE has no router auxiliary loss here")
+@pytest.mark.parametrize("schedule,n", CASES)
+def test_pipeline_keeps_each_stages_router_loss(schedule, n):
+    """The load-balancing loss of the MoE layers on both stages is in the loss and in the
+    gradients, as in n accumulated micro-batches (it is a loss per micro-batch)."""
+    loss, grads = reference_accumulated("tiny-moe-aux", n)
+    plain, _ = reference_accumulated("tiny-moe", n)
+    assert loss - plain > 1e-3  # the router loss is there to be kept
+    for result in pipelined():
+        got, stage_grads = result["aux", schedule, n]
+        assert abs(got - loss) <= TOL * abs(loss)
+        for name, g in stage_grads.items():
+            assert rel(g, grads[name]) <= TOL, name
 
 
 @pytest.mark.parametrize("config", ["tiny", "tiny-moe"])
@@ -279,7 +327,7 @@ def test_pipeline_by_data_parallel_steps_equal_the_single_process(config):
 
 
 def test_pipeline_of_a_tensor_parallel_model_equals_the_single_process():
-    loss, _ = reference_grads("tiny")
+    loss, _, _ = reference_grads("tiny")
     model = make_model("tiny")
     x, y = batch(0)
     lm_loss(model(x), y).backward()

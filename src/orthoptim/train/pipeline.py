@@ -54,7 +54,15 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> range:
 class GPTStage(nn.Module):
     """Stage `stage` of `pp` of a `GPT` (see `split_stage`): `forward(x)` takes token ids on
     stage 0, hidden states [B, T, d_model] elsewhere, and returns hidden states, or logits
-    on the last stage. Implements the MuonClip protocol over the blocks it holds."""
+    on the last stage. Implements the MuonClip protocol over the blocks it holds.
+
+    Router auxiliary loss (MoE layers with `aux_loss` and `aux_loss_coef`, as
+    `GPT.router_aux_loss`): a training forward adds this stage's Σ coef · aux_loss to
+    `aux_loss_sum` (detached; reset it to None to start again) and, when it has a gradient,
+    ties it to the output so that backward from a later stage also differentiates it, with
+    weight `aux_loss_scale` (a pipeline runner sets 1 / micro-batches, the weight of each
+    micro-batch's loss).
+    """
 
     def __init__(self, model: GPT, pp: int, stage: int) -> None:
         super().__init__()
@@ -70,6 +78,8 @@ class GPTStage(nn.Module):
             self.lm_head = model.lm_head
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.aux_loss_scale = 1.0
+        self.aux_loss_sum: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         T = x.shape[1]
@@ -82,7 +92,28 @@ class GPTStage(nn.Module):
             x = block(x, cos, sin)
         if self.is_last:
             x = self.lm_head(self.norm(x))
+        aux = self.router_aux_loss()
+        if aux is not None:
+            done = aux.detach()
+            self.aux_loss_sum = done if self.aux_loss_sum is None else self.aux_loss_sum + done
+            if aux.requires_grad:
+                x = _WithLossGradient.apply(x, aux, self.aux_loss_scale)
         return x
+
+    def stream_dtype(self) -> torch.dtype:
+        """The dtype of the residual stream a stage sends: its parameters' (the embedding's
+        output; a block adds its autocast output to it in the stream's dtype)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    def router_aux_loss(self) -> Tensor | None:
+        """Σ over this stage's MoE layers of aux_loss_coef · aux_loss of their last forward
+        (as `GPT.router_aux_loss`); None when no layer computed one."""
+        terms = [
+            m.aux_loss_coef * m.aux_loss
+            for m in self.blocks.modules()
+            if getattr(m, "aux_loss", None) is not None
+        ]
+        return torch.stack(terms).sum() if terms else None
 
     def split_spec(self) -> dict[str, Split]:
         """Row blocks of the fused matrices this stage holds (as `GPT.split_spec`)."""
@@ -110,6 +141,20 @@ class GPTStage(nn.Module):
         }
 
 
+class _WithLossGradient(torch.autograd.Function):
+    """x unchanged; its backward also sends `scale` as the gradient of the scalar `loss`
+    (a loss computed inside a stage joins the backward that reaches the stage's output)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.scale, ctx.like = scale, loss.detach()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, torch.full_like(ctx.like, ctx.scale), None
+
+
 def split_stage(model: GPT, pp: int, stage: int) -> GPTStage:
     """Stage `stage` of a `pp`-stage pipeline over `model` (see `GPTStage`), sharing the
     model's modules. Every rank builds the same full model (same seed) and keeps its stage.
@@ -127,12 +172,48 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 class _SyncedStage(PipelineStage):
-    """A `PipelineStage` whose backward of every micro-batch but the last runs inside
-    `no_sync()` (a data-parallel optimizer's), so its gradients are reduced once a step."""
+    """The `PipelineStage` of a `GPTStage` for micro-batches of `tokens` [mb, T] (their ids'
+    dtype `ids`), given its input and output shapes (static metadata: torch's inference of
+    them would run a forward on uninitialized tensors, recording garbage into MuonClip's
+    logits and the router losses). The backward of every micro-batch but the last runs
+    inside `no_sync()` (a data-parallel optimizer's), so gradients are reduced once a step."""
 
-    def __init__(self, *args: Any, no_sync: NoSync | None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        module: GPTStage,
+        tokens: tuple[int, int],
+        ids: torch.dtype,
+        device: torch.device,
+        group: Any,
+        no_sync: NoSync | None,
+    ) -> None:
+        stream, cfg = module.stream_dtype(), module.cfg
+        self.sends = torch.Size((*tokens, cfg.d_model)), stream
+
+        def example(*shape: int, dtype: torch.dtype = stream) -> Tensor:
+            t = torch.empty(*tokens, *shape, dtype=dtype, device="meta")
+            return t.requires_grad_() if t.is_floating_point() else t
+
+        super().__init__(
+            module,
+            module.stage,
+            module.pp,
+            device,
+            input_args=example(dtype=ids) if module.is_first else example(cfg.d_model),
+            output_args=example(cfg.vocab_size if module.is_last else cfg.d_model),
+            group=group,
+        )
         self.no_sync = no_sync
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward_maybe_with_nosync(*args, **kwargs)
+        if not self.is_last and (out.shape, out.dtype) != self.sends:
+            raise RuntimeError(
+                f"pipeline stage {self.stage_index} sends {out.dtype} {tuple(out.shape)}, but "
+                f"the next stage receives {self.sends[1]} {tuple(self.sends[0])}: the model's "
+                "parameters must all have one dtype (the residual stream's)"
+            )
+        return out
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
@@ -190,14 +271,14 @@ class PipelineRunner:
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         return lm_loss(logits, targets) / self.n_microbatches
 
-    def _schedule_for(self, shape: torch.Size) -> PipelineScheduleSingle:
-        """The schedule for batches of `shape`: a stage infers the shapes it receives from
-        the first batch, so each batch shape has its own (every stage sees the same)."""
-        key = tuple(shape)
+    def _schedule_for(self, x: Tensor) -> PipelineScheduleSingle:
+        """The schedule for batches shaped as `x`: a stage's shapes are fixed, so each batch
+        shape has its own (every stage sees the same shapes)."""
+        key = (*x.shape, x.dtype)
         if key not in self._schedules:
-            m = self.module
+            tokens = (x.shape[0] // self.n_microbatches, x.shape[1])
             stage = _SyncedStage(
-                m, m.stage, m.pp, self.device, group=self.group, no_sync=self.no_sync
+                self.module, tokens, x.dtype, self.device, self.group, self.no_sync
             )
             kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
             self._schedules[key] = kind(
@@ -211,12 +292,15 @@ class PipelineRunner:
                 f"the batch of {x.shape[0]} sequences does not split into n_microbatches "
                 f"({self.n_microbatches}) equal micro-batches: make the batch a multiple of it"
             )
-        schedule = self._schedule_for(x.shape)
+        schedule = self._schedule_for(x)
         m = self.module
         args = (x.to(self.device),) if m.is_first else ()
         kw = {"target": y.to(self.device), "losses": []} if m.is_last else {}
+        m.aux_loss_scale, m.aux_loss_sum = 1.0 / self.n_microbatches, None
         (schedule.step if train else schedule.eval)(*args, **kw)
         total = sum(float(loss.detach()) for loss in kw["losses"]) if m.is_last else 0.0
+        if m.aux_loss_sum is not None:  # this stage's router losses, a mean over micro-batches
+            total += float(m.aux_loss_sum) / self.n_microbatches
         with collectives.phase("pipeline loss (all-reduce over pp)", self.group):
             return collectives.sum_floats([total], group=self.group)[0]
 
