@@ -101,7 +101,8 @@ def reference_accumulated(config: str, n: int) -> tuple[float, dict[str, torch.T
 
 @functools.cache
 def reference_steps(config: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and parameters of STEPS single-process steps of build_optimizer(**OPT)."""
+    """Losses and parameters of STEPS single-process steps of build_optimizer(**OPT), then
+    the loss on half of the next batch (another shape) as the last loss."""
     model = make_model(config)
     opt = build_optimizer(model, **OPT)
     losses = []
@@ -112,6 +113,9 @@ def reference_steps(config: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    x, y = (t[: BATCH // 2] for t in batch(STEPS))
+    with torch.no_grad():
+        losses.append(lm_loss(model(x), y).item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -201,6 +205,7 @@ def _pipelined(rank, world_size):
             losses.append(runner.step(*batch(step)))
             opt.step()
             opt.zero_grad()
+        losses.append(runner.evaluate(*(t[: BATCH // 2] for t in batch(STEPS))))
         out[config, "steps"] = losses, {k: p.detach() for k, p in stage.named_parameters()}
     for schedule, n in CASES if HAS_AUX else ():
         stage = split_stage(make_model("tiny-moe-aux"), world_size, rank)
@@ -294,6 +299,9 @@ def _pipelined_4(rank, world_size):
             losses.append(collectives.sum_floats([loss], mesh.dp_group)[0] / 2)
             opt.step()
             opt.zero_grad()
+        x, y = (t[d * per // 2 : (d + 1) * per // 2] for t in batch(STEPS))
+        loss = runner.evaluate(x, y)  # half the batch: another shape
+        losses.append(collectives.sum_floats([loss], mesh.dp_group)[0] / 2)
         opt.wait_for_params()
         out[config] = losses, {k: p.detach().clone() for k, p in stage.named_parameters()}
     mesh = ParallelDims(pp=2, tp=2).build()
