@@ -236,6 +236,13 @@ class PipelineRunner:
     `no_sync`: the stage's data-parallel optimizer's (`LayerwiseDistributedOptimizer.no_sync`),
     entered for the backward of every micro-batch but the last of a step (None: no
     data-parallel reduction during backward).
+
+    The loss `step` and `evaluate` return is the same on every stage (one all-reduce of a
+    float over the pipeline group): the cross-entropy of the batch, plus the router
+    auxiliary losses of every stage's MoE layers (in training mode, as `GPT.forward` adds
+    them), each the mean of its micro-batches' (a balancing loss per micro-batch, as under
+    gradient accumulation). The module's mode is the caller's (`module.eval()` first for a
+    validation loss without them).
     """
 
     def __init__(
