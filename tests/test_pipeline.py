@@ -163,6 +163,7 @@ def test_stages_hold_the_full_models_names_routes_and_splits(config):
             f"blocks.{i}.attn": heads[f"blocks.{i}.attn"] for i in stage.layers
         }
         assert set(stage.state_dict()) <= set(model.state_dict())
+        assert list(stage.blocks) == [model.blocks[i] for i in stage.layers]
     assert sorted(seen) == sorted(full)
     first, last = split_stage(model, 2, 0), split_stage(model, 2, 1)
     assert "embed.weight" in dict(first.named_parameters())

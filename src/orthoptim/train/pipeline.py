@@ -13,7 +13,7 @@ batch's mean loss on every stage of the pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -24,7 +24,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from orthoptim import collectives
-from orthoptim.optim.muon import Split
 from orthoptim.optim.qk_clip import QKHeads
 from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.model import GPT, GPTConfig
@@ -51,6 +50,15 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> range:
     return range(start, start + base + (stage < extra))
 
 
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks under their indices in the full model (`blocks.3` stays `blocks.3`);
+    iterating yields the blocks, as over the full model's ModuleList (`compile_blocks`,
+    `GPT.record_attention_logits`); `items()` pairs them with their indices."""
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        return iter(self.values())
+
+
 class GPTStage(nn.Module):
     """Stage `stage` of `pp` of a `GPT` (see `split_stage`): `forward(x)` takes token ids on
     stage 0, hidden states [B, T, d_model] elsewhere, and returns hidden states, or logits
@@ -72,7 +80,7 @@ class GPTStage(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == pp - 1
         if self.is_first:
             self.embed = model.embed
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in self.layers})
+        self.blocks = StageBlocks({str(i): model.blocks[i] for i in self.layers})
         if self.is_last:
             self.norm = model.norm
             self.lm_head = model.lm_head
@@ -88,7 +96,7 @@ class GPTStage(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         if self.is_first:
             x = self.embed(x)
-        for block in self.blocks.values():
+        for block in self.blocks:
             x = block(x, cos, sin)
         if self.is_last:
             x = self.lm_head(self.norm(x))
@@ -115,15 +123,9 @@ class GPTStage(nn.Module):
         ]
         return torch.stack(terms).sum() if terms else None
 
-    def split_spec(self) -> dict[str, Split]:
-        """Row blocks of the fused matrices this stage holds (as `GPT.split_spec`)."""
-        return GPT.split_spec(self)  # type: ignore[arg-type]  # reads named_modules() only
-
-    def record_attention_logits(self, on: bool = True) -> None:
-        """As `GPT.record_attention_logits`, for this stage's blocks."""
-        for block in self.blocks.values():
-            block.attn.record_logits = on
-            block.attn.max_logits = None
+    # The full model's, as they read only named_modules() and iterate over `blocks`.
+    split_spec = GPT.split_spec
+    record_attention_logits = GPT.record_attention_logits
 
     def attention_max_logits(self) -> dict[str, Tensor | None]:
         """As `GPT.attention_max_logits`, for this stage's blocks (full-model layer names)."""
