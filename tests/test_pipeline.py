@@ -20,6 +20,7 @@ from orthoptim import build_optimizer, collectives
 from orthoptim.optim.hybrid import default_route
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layout import ParallelDims
+from orthoptim.train import model as model_module
 from orthoptim.train.model import GPT, GPTConfig, MoEConfig, get_config, parallelize
 from orthoptim.train.pipeline import (
     PipelineRunner,
@@ -48,8 +49,9 @@ def shrunk(config: str) -> GPTConfig:
     return dataclasses.replace(cfg, **small, n_layer=3)
 
 
-# The router's load-balancing loss, where the model has one (a config field of MoEConfig).
+# The router's load-balancing loss and token dispatch over an ep group, where the model has them.
 HAS_AUX = "aux_loss_coef" in {f.name for f in dataclasses.fields(MoEConfig)}
+HAS_EP = hasattr(model_module, "expert_parallelize")
 AUX = 0.5  # large, so that a lost or mis-scaled balancing loss shows in every router grad
 
 
@@ -285,7 +287,8 @@ def test_runner_refusals_name_the_fix():
 def _pipelined_4(rank, world_size):
     """pp 2 × dp 2: STEPS layer-wise steps over each stage's dp group, each dp rank a half
     of the batch in 2 micro-batches (the first backward in the optimizer's no_sync). Then
-    pp 2 × tp 2 on the tiny GPT (parallelized before the split): batch 0's gradients."""
+    batch 0's gradients at pp 2 × tp 2 on the tiny GPT (parallelized before the split), and
+    at pp 2 × dp 2 × ep 2 on the tiny MoE (experts dispatched before the split)."""
     out = {}
     mesh = ParallelDims(pp=2, dp=2).build()
     d, per = mesh.coord.dp, BATCH // 2
@@ -312,6 +315,23 @@ def _pipelined_4(rank, world_size):
     runner = PipelineRunner(stage, mesh.pp_group, n_microbatches=2)
     loss = runner.step(*batch(0))
     out["tp"] = loss, {k: full(p.grad) for k, p in stage.named_parameters()}
+    if HAS_EP:
+        mesh = ParallelDims(pp=2, dp=2, ep=2).build()
+        model = make_model("tiny-moe")
+        model_module.expert_parallelize(model, mesh.ep_group, mesh.coord.ep, 2, mesh.dp_group)
+        stage = split_stage(model, 2, mesh.coord.pp)
+        runner = PipelineRunner(stage, mesh, n_microbatches=2, schedule="gpipe")
+        d = mesh.coord.dp
+        loss = runner.step(*(t[d * per : (d + 1) * per] for t in batch(0)))
+        grads = {}
+        for k, p in stage.named_parameters():
+            if k.rsplit(".", 1)[-1].startswith("experts"):  # summed over ep by the dispatch
+                grads[k] = p.grad / 2, slice(2 * mesh.coord.ep, 2 * mesh.coord.ep + 2)
+            else:
+                g = p.grad.clone()
+                collectives.all_reduce(g, group=mesh.dp_group)
+                grads[k] = g / 2, slice(None)
+        out["ep"] = collectives.sum_floats([loss], mesh.dp_group)[0] / 2, grads
     return out
 
 
@@ -345,3 +365,20 @@ def test_pipeline_of_a_tensor_parallel_model_equals_the_single_process():
         assert abs(got - loss) <= TOL * abs(loss)
         for name, g in grads.items():
             assert rel(g, dict(model.named_parameters())[name].grad) <= TOL, name
+
+
+@pytest.mark.skipif(not HAS_EP, reason="the MoE has no token dispatch (expert_parallelize) here")
+def test_pipeline_of_an_expert_parallel_model_equals_the_single_process():
+    """pp 2 x dp 2 x ep 2: each stage's MoE layers dispatch their tokens over the ep group
+    inside the schedule; dense gradients averaged over dp, expert ones (summed over ep by
+    the dispatch) divided by dp, equal the single-process gradients of the whole batch."""
+    model = make_model("tiny-moe")
+    x, y = batch(0)
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    want = dict(model.named_parameters())
+    for result in pipelined_4():
+        got, grads = result["ep"]
+        assert abs(got - loss.item()) <= TOL * loss.item()
+        for name, (g, rows) in grads.items():
+            assert rel(g, want[name].grad[rows]) <= TOL, name
