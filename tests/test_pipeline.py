@@ -197,6 +197,7 @@ def _pipelined(rank, world_size):
             runner = PipelineRunner(stage, None, n_microbatches=n, schedule=schedule)
             evaluated = runner.evaluate(*batch(0))
             loss = runner.step(*batch(0))
+            assert runner.evaluate(*batch(0)) == evaluated  # between steps: no gradients
             runner.step(*batch(1))  # accumulates, as a second loss.backward() would
             grads = {k: p.grad for k, p in stage.named_parameters()}
             out[config, schedule, n] = evaluated, loss, grads, stage.attention_max_logits()
