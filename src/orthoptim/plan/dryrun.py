@@ -370,7 +370,10 @@ class _Recorder(TorchDispatchMode):
             self.know(outs[0], bool(c) if outs[0].dtype == torch.bool else c)
             return
         if all(isinstance(v, Tensor) or a.numel() <= _MAX_EXACT for v, a in zip(known, inputs)):
-            self._recompute(func, args, kwargs, out, mutated)
+            # only when it keeps an output: the weight gradient of a known row (the dry run's
+            # forward is a ones row times each matrix) is a whole matrix, made on the CPU
+            if any(t.numel() <= _MAX_EXACT for t in outs):
+                self._recompute(func, args, kwargs, out, mutated)
         elif torch.Tag.pointwise in func.tags and all(not isinstance(v, Tensor) for v in known):
             one = {
                 id(a): torch.full((1,) * a.ndim, v, dtype=a.dtype) for a, v in zip(inputs, known)
