@@ -1,0 +1,87 @@
+"""The layout object: sizes, refusals, rank order, and the groups it builds on real ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from orthoptim.parallel.layout import ParallelDims
+
+from distributed import run_ranks
+
+
+def test_rank_order_and_groups_partition_the_world():
+    d = ParallelDims(dp=4, tp=2, ep=2, pp=2)
+    assert d.world == 16 and d.expert_dp == 2
+    coords = [d.coordinate(r) for r in range(d.world)]
+    # every coordinate once, tp fastest, then ep, then edp, then pp
+    assert len(set(coords)) == 16
+    assert [c.tp for c in coords[:4]] == [0, 1, 0, 1]
+    assert [c.ep for c in coords[:4]] == [0, 0, 1, 1]
+    assert [c.pp for c in coords] == [0] * 8 + [1] * 8
+    for c in coords:
+        assert c.dp == c.edp * d.ep + c.ep
+    for dim, size in dict(dp=4, edp=2, ep=2, tp=2, pp=2, stage=8, world=16).items():
+        groups = d.all_group_ranks(dim)
+        assert all(len(g) == size for g in groups), dim
+        assert sorted(itertools.chain(*groups)) == list(range(16)), dim
+    # the groups' definitions, by coordinates
+    for r in range(16):
+        c = d.coordinate(r)
+        for dim, same in dict(
+            dp=("pp", "tp"), edp=("pp", "ep", "tp"), ep=("pp", "edp", "tp"),
+            tp=("pp", "dp"), pp=("dp", "tp"), stage=("pp",),
+        ).items():  # fmt: skip
+            want = [q for q in range(16) if all(
+                getattr(d.coordinate(q), k) == getattr(c, k) for k in same
+            )]  # fmt: skip
+            assert d.group_ranks(dim, r) == want, (dim, r)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(world_size=8, ep=3), "--ep 3 must divide --dp 8"),
+        (dict(world_size=6, pp=4), "--nproc 6 must be a multiple of --pp 4"),
+        (dict(world_size=8, pp=2, dp=2), "--pp 2 × --dp 2 × --tp 1 is 4 ranks"),
+        (dict(world_size=8, tp=0), "--tp must be a positive integer"),
+    ],
+)
+def test_bad_sizes_name_their_flag(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims.for_world(**kwargs)
+
+
+def test_model_checks_name_their_flag():
+    with pytest.raises(ValueError, match="--pp 5 exceeds the model's 4 layers"):
+        ParallelDims(dp=1, pp=5).check(n_layer=4)
+    with pytest.raises(ValueError, match="--ep 2: the model has no routed experts"):
+        ParallelDims(dp=2, ep=2).check(n_expert=0)
+    with pytest.raises(ValueError, match="--ep 4 must divide the model's 6 experts"):
+        ParallelDims(dp=4, ep=4).check(n_expert=6)
+    ParallelDims(dp=4, ep=2, pp=2).check(n_layer=2, n_expert=8)
+
+
+def _built_groups(rank, world_size):
+    import torch.distributed as dist
+
+    dims = ParallelDims.for_world(world_size, ep=2, pp=2)
+    mesh = dims.build("cpu")
+    out = {}
+    for dim in ("dp", "edp", "ep", "tp", "pp", "stage"):
+        g = mesh.group(dim)
+        ranks = list(range(world_size)) if g is None else dist.get_process_group_ranks(g)
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=g)
+        out[dim] = (ranks, dims.group_ranks(dim, rank), total.item())
+    return out, mesh.tp_mesh.mesh.tolist()
+
+
+def test_build_makes_the_groups_the_sizes_describe():
+    for rank, (groups, tp_mesh) in enumerate(run_ranks(_built_groups, 8)):
+        for dim, (real, planned, total) in groups.items():
+            assert real == planned, (rank, dim)
+            assert total == sum(planned), (rank, dim)  # a collective over it reaches them
+        assert tp_mesh == [rank]
