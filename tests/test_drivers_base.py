@@ -26,6 +26,7 @@ from orthoptim import collectives as C
 from orthoptim.optim.base import NonFiniteGradientError, step_checked
 from orthoptim.parallel.base import ANOTHER_STAGE, DistributedOptimizer
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.parallel.layout import ParallelDims, ParallelMesh
 
 from distributed import run_ranks
 
@@ -93,37 +94,6 @@ def test_a_third_driver_is_one_small_subclass():
     assert results[0]["state"]["state"].keys() == ref.state_dict()["state"].keys()
 
 
-class _Stand:
-    """What a driver reads of a `ParallelMesh` (dims, rank, coord and the groups), built
-    from the rank order of the brief, for these tests only."""
-
-    def __init__(self, dp: int, ep: int = 1, pp: int = 1) -> None:
-        from types import SimpleNamespace
-
-        import torch.distributed as dist
-
-        edp, tp = dp // ep, 1
-        self.dims = SimpleNamespace(dp=dp, ep=ep, pp=pp, tp=tp, expert_dp=edp)
-        coords = {}
-        for p in range(pp):
-            for d in range(edp):
-                for e in range(ep):
-                    coords[((p * edp + d) * ep + e) * tp] = (p, d, e)
-        self.rank = dist.get_rank()
-        mine = coords[self.rank]
-        # which coordinates a group's members share: (pp, edp, ep) indices
-        same = {"dp": (0,), "expert": (0, 2), "ep": (0, 1), "pp": (1, 2), "tp": (0, 1, 2)}
-        for dim, keep in same.items():
-            groups: dict[tuple, list[int]] = {}
-            for r, c in sorted(coords.items()):
-                groups.setdefault(tuple(c[i] for i in keep), []).append(r)
-            for key, ranks in groups.items():  # every rank builds every group, in one order
-                g = dist.new_group(ranks)
-                if key == tuple(mine[i] for i in keep):
-                    setattr(self, f"{dim}_group", g)
-                    setattr(self, f"{dim}_ranks", ranks)
-
-
 E, OUT, IN = 4, 3, 5
 
 
@@ -151,19 +121,25 @@ def _owned_grads(opt: LayerwiseDistributedOptimizer) -> dict[str, torch.Tensor]:
 def _expert_scaling(rank: int, world: int) -> dict:
     """dp 4, ep 2: rank r holds experts of ep index e = r % 2; its expert gradient is what the
     all-to-all's backward leaves, the sum over its ep group of every member's contribution."""
-    layout = _Stand(dp=4, ep=2)
+    layout = ParallelDims(dp=4, ep=2).build()
     e, local = rank % 2, E // 2
     model = _Stage(local)
     opt = LayerwiseDistributedOptimizer(model, layout=layout, bucket_mb=1e-4, **KW)
     model.dense.weight.grad = _contribution(rank, (OUT, IN), 0)
     model.experts.grad = sum(
-        _contribution(j, (E, OUT, IN), 1)[e * local : (e + 1) * local] for j in layout.ep_ranks
+        _contribution(j, (E, OUT, IN), 1)[e * local : (e + 1) * local]
+        for j in layout.dims.group_ranks("ep", rank)
     )
     norm = opt.clip_grad_norm_(1e300)  # reduces; scales by 1
-    return {"grads": _owned_grads(opt), "norm": norm, "e": e, "expert_ranks": layout.expert_ranks}
+    return {
+        "grads": _owned_grads(opt),
+        "norm": norm,
+        "e": e,
+        "expert_ranks": layout.dims.group_ranks("edp", rank),
+    }
 
 
-def _pp_stage(rank: int, layout: _Stand, nonfinite: str = "raise", bad: bool = False):
+def _pp_stage(rank: int, layout: ParallelMesh, nonfinite: str = "raise", bad: bool = False):
     """pp 2 × dp 2: stage s holds `blocks{s}` and its experts; (model, optimizer)."""
     s = rank // 2
     model = _Stage(E, dense=f"block{s}")
@@ -178,7 +154,7 @@ def _pp_stage(rank: int, layout: _Stand, nonfinite: str = "raise", bad: bool = F
 
 
 def _pipeline(rank: int, world: int) -> dict:
-    layout = _Stand(dp=2, pp=2)
+    layout = ParallelDims(dp=2, pp=2).build()
     out: dict = {"stage": rank // 2}
     model, opt = _pp_stage(rank, layout)
     out["norm"] = opt.clip_grad_norm_(0.5)
@@ -201,7 +177,49 @@ def _pipeline(rank: int, world: int) -> dict:
         out[f"{policy}_untouched"] = all(
             torch.equal(p, before[n]) for n, p in model.named_parameters()
         )
+    out["fsdp"] = _fsdp_pipeline(rank, layout)
     out["ep"] = _expert_scaling(rank, world)
+    return out
+
+
+def _fsdp_model(stage: int) -> nn.Module:
+    torch.manual_seed(stage)
+    return nn.Sequential(nn.Linear(IN, 4), nn.Tanh(), nn.Linear(4, OUT)).double()
+
+
+def _fsdp_loss(model: nn.Module, rank: int, bad: bool = False) -> torch.Tensor:
+    x = _batch(0, rank)[:, :IN]
+    if bad:
+        x[0, 0] = math.nan
+    return model(x).square().mean()
+
+
+def _fsdp_pipeline(rank: int, layout: ParallelMesh) -> dict:
+    """FSDPOptimizer on each stage's model, sharded over the stage's dp group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from orthoptim.parallel.fsdp import FSDPOptimizer
+
+    ranks = layout.dims.group_ranks("dp", rank)
+    out: dict = {}
+    for bad in (False, True):
+        model = _fsdp_model(rank // 2)
+        mesh = DeviceMesh.from_group(layout.dp_group, "cpu", mesh=torch.tensor(ranks))
+        fully_shard(model, mesh=mesh)
+        opt = FSDPOptimizer(model, layout=layout, **KW)
+        _fsdp_loss(model, rank, bad=bad and rank == 3).backward()
+        if not bad:
+            out["norm"] = opt.clip_grad_norm_(1e300)
+            opt.step()
+            out["stats"] = {k: v for k, v in opt.comm_stats().items() if k != "total"}
+            out["stats"].pop("grad_norm")
+            out["expected"] = opt.expected_comm_bytes()
+            continue
+        try:
+            opt.step()
+        except NonFiniteGradientError as err:
+            out["raise"] = str(err)
     return out
 
 
@@ -254,6 +272,18 @@ def test_pipeline_stages_clip_by_the_whole_models_norm(four):
         assert r["stats"] == r["expected"]
         assert r["expected"]["all_reduce"]["calls"] == 2  # over dp, then over pp
         assert r["norm_calls"] == 2
+
+
+def test_fsdp_stages_clip_and_agree_across_the_pipeline(four):
+    total = 0.0
+    for stage in (0, 1):
+        model = _fsdp_model(stage)
+        sum(_fsdp_loss(model, r) for r in (2 * stage, 2 * stage + 1)).div(2).backward()
+        total += sum(p.grad.square().sum() for p in model.parameters())
+    for r in four:
+        torch.testing.assert_close(r["fsdp"]["norm"], total.sqrt(), rtol=1e-12, atol=0)
+        assert r["fsdp"]["stats"] == r["fsdp"]["expected"]
+        assert (ANOTHER_STAGE in r["fsdp"]["raise"]) == (r["stage"] == 0)
 
 
 def test_pipeline_stages_agree_on_a_non_finite_gradient(four):

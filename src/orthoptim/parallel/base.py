@@ -89,7 +89,8 @@ class DistributedOptimizer(CompositeOptimizer):
     layout: Any = None  # the ParallelMesh it was built with, if any
     process_group: Any = None  # data-parallel
     expert_group: Any = None  # expert data-parallel (ep > 1)
-    pp_group: Any = None  # pipeline (pp > 1)
+    pp_group: Any = None  # pipeline (None: the default group, when every rank is a stage)
+    stages = 1  # pipeline stages of the layout (1 without one)
     tp_groups: list[Any]  # tensor-parallel (set by _bind_groups; a driver may find them)
     rank, world_size = 0, 1  # in `process_group`
     _prepared: dict[str, Any] | None = None  # prepare_state_dict()'s, until the next step
@@ -140,14 +141,14 @@ class DistributedOptimizer(CompositeOptimizer):
             dims = layout.dims
             process_group = layout.dp_group
             expert_group = layout.expert_group if dims.ep > 1 else None
-            self.pp_group = layout.pp_group if dims.pp > 1 else None
+            self.stages, self.pp_group = dims.pp, layout.pp_group
         self.layout = layout
         self.process_group = check_member("process_group", process_group)
         self.expert_group = expert_group
         self.tp_groups = [layout.tp_group] if layout is not None and layout.dims.tp > 1 else []
         self.rank, self.world_size = C.world(process_group)
-        groups = [process_group] + [g for g in (expert_group, self.pp_group) if g is not None]
-        for group in groups:
+        groups = [process_group] + ([expert_group] if expert_group is not None else [])
+        for group in groups + ([self.pp_group] if self.stages > 1 else []):
             for n, p in self.named.items():
                 C.check_device(p, f"{type(self).__name__}: parameter {n!r}", group)
 
@@ -174,7 +175,7 @@ class DistributedOptimizer(CompositeOptimizer):
     def copy_refusal(self) -> str | None:
         """A copy over a process group would share its groups with the original; at world
         size 1 without one, a copy (with its copy of the model) steps like the original."""
-        groups = (self.process_group, self.expert_group, self.pp_group)
+        groups = (self.process_group, self.expert_group)
         if self.layout is not None or any(g is not None for g in groups) or self.tp_groups:
             return "it runs over process groups, which a copy cannot share"
         if self.world_size > 1:
@@ -187,7 +188,7 @@ class DistributedOptimizer(CompositeOptimizer):
         `expected_comm_bytes` counts for them): the data-parallel group and each
         tensor-parallel group (the TP ranks of an owner step together), then across the
         pipeline stages."""
-        across = (self.pp_group,) if self.pp_group is not None else ()
+        across = (self.pp_group,) if self.stages > 1 else ()
         return AgreementGroups((self.process_group, *self.tp_groups), across)
 
     @torch.no_grad()

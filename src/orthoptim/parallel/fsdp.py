@@ -500,8 +500,6 @@ def _bucket_dtype(ms: list[_Matrix]) -> torch.dtype:
 def _check_layout(layout: Any, mesh: Any) -> None:
     """Refuse a layout FSDPOptimizer does not run under (expert or tensor parallelism), or a
     model sharded over other ranks than the layout's dp group."""
-    import torch.distributed as dist
-
     dims = layout.dims
     if dims.ep > 1 or dims.tp > 1:
         raise ValueError(
@@ -512,7 +510,7 @@ def _check_layout(layout: Any, mesh: Any) -> None:
     if mesh is None:
         return
     sharded = sorted(int(r) for r in mesh.mesh.flatten().tolist())
-    dp = sorted(dist.get_process_group_ranks(layout.dp_group))
+    dp = layout.dims.group_ranks("dp", layout.rank)
     if sharded != dp:
         raise ValueError(
             f"the model is sharded over ranks {sharded}, but the layout's dp group is {dp}: "

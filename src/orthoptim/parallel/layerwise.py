@@ -618,7 +618,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         rule, template, named = self.rule, self.template, self.named
         found = _tensor_parallel_groups(named, process_group)
         if self.tp_groups:  # the layout's
-            _check_tensor_parallel_layout(found, self.tp_groups[0])
+            _check_tensor_parallel_layout(found, layout.dims.group_ranks("tp", layout.rank))
         else:
             self.tp_groups = found
         # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
@@ -1379,11 +1379,11 @@ def _carried_load(dense: Assignment, dense_group: Any, group: Any) -> list[float
     return out
 
 
-def _check_tensor_parallel_layout(found: list[Any], tp_group: Any) -> None:
-    """Refuse DTensor parameters whose mesh groups (`found`) are not the layout's tp group."""
+def _check_tensor_parallel_layout(found: list[Any], want: list[int]) -> None:
+    """Refuse DTensor parameters whose mesh groups (`found`) are not the layout's tp group
+    (of ranks `want`)."""
     import torch.distributed as dist
 
-    want = dist.get_process_group_ranks(tp_group)
     for g in found:
         if C.world(g)[1] > 1 and dist.get_process_group_ranks(g) != want:
             raise ValueError(
