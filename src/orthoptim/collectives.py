@@ -711,6 +711,7 @@ def agree(
     group: Any = None,
     stats: CommStats | None = None,
     device: torch.device | str | None = None,
+    across: Sequence[Any] = (),
 ) -> tuple[list[bool], list[bool]]:
     """What every rank must agree on before a distributed step, in ONE small all-reduce per
     group and ONE host read: `present[i]` (item i has a gradient here) and `bad[j]` (item j's
@@ -719,14 +720,35 @@ def agree(
     the normal answer, and the one a dry run gives) on `device` when the backend serves it,
     else on `device_for(group)`; summed over `group` (or over each group of a sequence in
     turn, e.g. data-parallel then tensor-parallel) and read once, so every rank gets
-    (present anywhere, non-finite anywhere) and skips, raises or steps together."""
-    groups = _agreement_groups(group)
+    (present anywhere, non-finite anywhere) and skips, raises or steps together.
+
+    `across`: groups whose ranks hold other items (pipeline stages), over which `bad` alone
+    is summed on, in one more all-reduce per group and the same host read; the returned bad
+    flags are then those of `group` followed by those of every rank."""
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
     ranks = math.prod(world(g)[1] for g in groups)
-    flags = _flags(present, bad, device_for(groups[0], device))
+    dev = device_for(groups[0], device)
+    missing = torch.tensor([not p for p in present], dtype=torch.int32, device=dev)
+    if not isinstance(bad, Tensor):
+        bad = torch.tensor(list(bad), dtype=torch.bool, device=dev)
+    flags = torch.cat([missing, bad.reshape(-1).to(device=dev, dtype=torch.int32)])
     flags = _summed(flags, groups, stats, "non-finite gradient agreement (all-reduce)")
-    summed = host.read(flags, "non-finite agreement").tolist()
     k = len(present)
+    if across:
+        what = "non-finite gradient agreement across stages (all-reduce)"
+        everywhere = _summed(flags[k:].clone(), across, stats, what)
+        flags = torch.cat([flags, everywhere.to(flags.device)])
+    summed = host.read(flags, "non-finite agreement").tolist()
     return [v < ranks for v in summed[:k]], [v > 0 for v in summed[k:]]
+
+
+def _summed(flags: Tensor, groups: Sequence[Any], stats: CommStats | None, what: str) -> Tensor:
+    """`flags` summed over each group in turn (moved to a device each backend serves)."""
+    for g in groups:
+        flags = to_backend(flags, g)
+        with phase(what, g):
+            all_reduce(flags, group=g, stats=stats)
+    return flags
 
 
 class Verdict(NamedTuple):
@@ -750,32 +772,22 @@ def agree_nonfinite(
 ) -> Verdict:
     """`agree` for a distributed step's non-finite check, in two rounds: the `checks` (0-d
     flags, true for a local gradient that holds NaN or Inf) are summed on the device into one
-    count that rides with `present` in one all-reduce per group of `group` (the stage: items
-    are the same on its ranks); over each group of `across` (the pipeline stages, which hold
-    other items) the count alone goes on, in one more all-reduce of one int32, and both are
-    read in one host read. Only when some rank of the stage counts one is `per_item()` (a
-    flag per item, on the device) agreed over the stage too, to name them."""
+    count that rides with `present` in one all-reduce per group of `group` (the stage: its
+    ranks hold the same items) and goes on alone over each group of `across` (the pipeline
+    stages, which hold other items), read in one host read. Only when some rank of the stage
+    counts one is `per_item()` (a flag per item, on the device) agreed over the stage too, to
+    name them."""
     count = (
-        torch.stack([c if device is None else c.to(device) for c in checks]).sum().reshape(1)
+        torch.stack([c if device is None else c.to(device) for c in checks]).sum()
         if checks
         else [False]
     )
-    groups = _agreement_groups(group)
-    ranks = math.prod(world(g)[1] for g in groups)
-    flags = _flags(present, count, device_for(groups[0], device))
-    flags = _summed(flags, groups, stats, "non-finite gradient agreement (all-reduce)")
-    if across:
-        total = _summed(
-            flags[-1:].clone(), across, stats, "non-finite agreement across stages (all-reduce)"
-        )
-        flags = torch.cat([flags, total.to(flags.device)])
-    summed = host.read(flags, "non-finite agreement").tolist()
-    k = len(present)
-    here, anywhere = summed[k] > 0, summed[-1] > 0
+    present, anywhere = agree(present, count, group, stats, device, across=across)
+    here, everywhere = anywhere[0], anywhere[-1]
     which: list[bool] = []
     if here:
         _, which = agree([], per_item(), group=group, stats=stats, device=device)
-    return Verdict([v < ranks for v in summed[:k]], which, anywhere and not here)
+    return Verdict(present, which, everywhere and not here)
 
 
 # How long a rendezvous waits for the other ranks: a collective entered by some ranks only
