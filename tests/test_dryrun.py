@@ -319,7 +319,8 @@ def test_the_dry_run_makes_the_layouts_groups_as_train_does() -> None:
     --pp 2 --dp 4 --ep 2 (8 ranks, as `orthoptim train --nproc 8 --pp 2 --ep 2` lays them
     out) reduces its dense weights over its stage's data-parallel group and its experts over
     its expert-data-parallel group, the ranks of its stage that hold the same experts, and
-    sends on no other group."""
+    sends on no other group but its pipeline group (`layout=`: the optimizer clips and agrees
+    over every stage)."""
     from orthoptim.parallel.layout import ParallelDims
 
     desc = load_model("train:tiny-moe")
@@ -329,9 +330,11 @@ def test_the_dry_run_makes_the_layouts_groups_as_train_does() -> None:
     r = run_rank(desc, layout, 1, stage=1)
     assert r.rank == 5 and r.comm_matches and r.plan_index == 5
     groups = {c.group for c in r.collectives[-1]}
-    dp, edp = tuple(dims.group_ranks("dp", 5)), tuple(dims.group_ranks("edp", 5))
-    assert (dp, edp) == ((4, 5, 6, 7), (5, 7))
-    assert groups == {dp, edp}
+    dp, edp, pp = (tuple(dims.group_ranks(d, 5)) for d in ("dp", "edp", "pp"))
+    assert (dp, edp, pp) == ((4, 5, 6, 7), (5, 7), (1, 5))
+    assert groups == {dp, edp, pp}
+    # across the stages: the clipping norm's all-reduce and the non-finite agreement
+    assert [c.kind for c in r.collectives[-1] if c.group == pp] == ["allreduce_"] * 2
 
 
 def test_ns_batch_mb_reaches_the_optimizers_and_the_plan_agrees(monkeypatch) -> None:

@@ -710,7 +710,7 @@ def run_rank(
             shard_model(model, _dp_mesh(mesh), **mixed)
             fsdp_stats = C.CommStats()
             count_fsdp_collectives(model, fsdp_stats)
-            opt: Any = FSDPOptimizer(model, optimizer=optimizer, **kwargs)
+            opt: Any = FSDPOptimizer(model, optimizer=optimizer, layout=mesh, **kwargs)
         else:
             if tp > 1:
                 kwargs["orthogonalizer"] = TensorParallelOrthogonalizer(
@@ -721,8 +721,7 @@ def run_rank(
             if layout.gather_dtype is not None:
                 kwargs["gather_dtype"] = DTYPES[layout.gather_dtype]
             opt = LayerwiseDistributedOptimizer(
-                model, optimizer=optimizer, process_group=mesh.dp_group, split_experts=True,
-                expert_group=mesh.expert_group, **kwargs, **mixed,
+                model, optimizer=optimizer, layout=mesh, split_experts=True, **kwargs, **mixed,
             )  # fmt: skip
         rec.reads.clear()
         idx = torch.zeros(1, 4, dtype=torch.long, device=DEVICE)
