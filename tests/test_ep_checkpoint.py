@@ -45,8 +45,8 @@ def _ep_model(mesh: ParallelMesh) -> GPT:
     return expert_parallelize(_model(), mesh.ep_group, mesh.coord.ep, mesh.dims.ep, mesh.dp_group)
 
 
-def _optimizer(model: GPT, mesh: ParallelMesh) -> LayerwiseDistributedOptimizer:
-    return LayerwiseDistributedOptimizer(model, "muon", layout=mesh, bucket_mb=1e-3, **OPT_KW)
+def _optimizer(model: GPT, mesh: ParallelMesh, **kw) -> LayerwiseDistributedOptimizer:
+    return LayerwiseDistributedOptimizer(model, "muon", layout=mesh, bucket_mb=1e-3, **OPT_KW, **kw)
 
 
 def _train(model, opt, mesh: ParallelMesh | None, steps) -> None:
@@ -103,6 +103,12 @@ def _ranks(rank: int, world: int, folder: str) -> dict:
     opt = _optimizer(model, dense)
     opt.load_state_dict(out["full"])
     out["dp2ep1_full"] = _resumed(dense, model, opt)
+    # dp 4 ep 2 again, each rank's 4 experts owned as 2 slices of 2 (`w[a:b]` locally)
+    model = _ep_model(mesh)
+    opt = _optimizer(model, mesh, split_experts=2)
+    _train(model, opt, mesh, range(STEPS - 1))
+    out["split"] = opt.state_dict()
+    out["split_owners"] = {n: o for n, o in opt.owner_of.items() if "experts_" in n}
     return out
 
 
@@ -145,6 +151,8 @@ def test_ep_state_dicts_are_the_single_process_ones_and_reshard(tmp_path):
     # (a) after 2 steps at dp 4 ep 2: the single-process dicts, on every rank or on rank 0
     for rank, r in enumerate(ranks):
         _assert_state_equal(r["full"], want2)
+        _assert_state_equal(r["split"], want2)
+        assert len(r["split_owners"]) == 2 * 2 * CFG.n_layer  # 2 slices of 2 stacks a layer
         _assert_model_equal(r["model"], model2)
         if rank == 0:
             _assert_state_equal(r["rank0"], want2)

@@ -27,7 +27,9 @@ Expert parallelism: a model cut by `expert_parallelize` says which global expert
 stack holds (`model.expert_parallel_slices()`); `save_sharded` / `load_sharded` store its
 stacks as their slices of the full [E, ...] tensors, so model checkpoints move between any
 --ep and a single process. The optimizer's side: `ExpertSlicesView` wraps a driver's
-`StateView` so its expert state carries global slice names and shapes.
+`StateView` so its expert state carries global slice names and shapes; the layer-wise
+optimizer's `state_view()` returns it over such a model, so the full and sharded dicts of an
+--ep run are the single-process optimizer's and load at any --ep and --dp.
 
 Before anything is loaded the checkpoint is compared with the optimizer (parameter names
 and shapes, the optimizer of each group, hyper-parameters that change what the state means);

@@ -35,9 +35,11 @@ A `ParallelMesh` (`layout=`, `orthoptim.parallel.layout`) hands out every group 
 weights over its dp group, expert weights over its expert-data-parallel group when ep > 1
 (their gradients, which the token all-to-all's backward already summed over the ep group, are
 summed over the expert group and divided by dp, so they are the single-process gradients),
-the agreement and `clip_grad_norm_` also across its pp group when pp > 1. The step skeleton,
-the agreement groups and the state-dict surface are `orthoptim.parallel.base`'s; this module
-holds how the bytes move.
+the agreement and `clip_grad_norm_` also across its pp group when pp > 1; over a model cut by
+`expert_parallelize` the state dicts name the experts by their global slices (`state_view`),
+so they are the single-process optimizer's at any --ep. The step skeleton, the agreement
+groups and the state-dict surface are `orthoptim.parallel.base`'s; this module holds how the
+bytes move.
 """
 
 from __future__ import annotations
