@@ -6,7 +6,8 @@ at dp 4 ep 2 (`layout=`), then resumes a 3rd step at dp 2 ep 2 (from the full di
 `save_sharded` checkpoint) and at dp 2 ep 1 (two copies: each pipeline "stage" of a pp 2
 layout is one dp 2 run of the whole model). The oracle is `build_optimizer` on one process,
 3 uninterrupted steps on the same global batches; it also resumes from the ranks' dict and
-their sharded checkpoint.
+their sharded checkpoint. The same spawn checks expert slices owned as `split_experts` units
+and the refusal of an expert-parallel model whose optimizer has no expert group.
 """
 
 from __future__ import annotations
