@@ -83,8 +83,9 @@ TENSOR_PRIVATE = {"_version"}
 
 
 def private_reaches(path: Path) -> list[str]:
-    """`x._name` in `path` where x is not self/cls, torch, or an object of a class defined
-    in this very file (its own private attributes)."""
+    """`x._name` in `path` where x is not self/cls/super() (a class's own and inherited
+    hooks), torch, or an object of a class defined in this very file (its own private
+    attributes)."""
     tree = ast.parse(path.read_text())
     own = {
         node.attr
@@ -98,7 +99,7 @@ def private_reaches(path: Path) -> list[str]:
         if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
             continue
         base = ast.unparse(node.value)
-        if node.attr.startswith("__") or base in ("self", "cls") or node.attr in own:
+        if node.attr.startswith("__") or base in ("self", "cls", "super()") or node.attr in own:
             continue
         if base.split(".")[0] in ("torch", "Tensor") or node.attr in TENSOR_PRIVATE:
             continue

@@ -27,7 +27,9 @@ Expert parallelism: a model cut by `expert_parallelize` says which global expert
 stack holds (`model.expert_parallel_slices()`); `save_sharded` / `load_sharded` store its
 stacks as their slices of the full [E, ...] tensors, so model checkpoints move between any
 --ep and a single process. The optimizer's side: `ExpertSlicesView` wraps a driver's
-`StateView` so its expert state carries global slice names and shapes.
+`StateView` so its expert state carries global slice names and shapes; the layer-wise
+optimizer's `state_view()` returns it over such a model, so the full and sharded dicts of an
+--ep run are the single-process optimizer's and load at any --ep and --dp.
 
 Before anything is loaded the checkpoint is compared with the optimizer (parameter names
 and shapes, the optimizer of each group, hyper-parameters that change what the state means);
@@ -88,6 +90,7 @@ __all__ = [
     "atomic_load",
     "atomic_save",
     "check_state_dict",
+    "expert_slices",
     "full_state_dict",
     "is_full_state_dict",
     "load_file",
@@ -330,8 +333,9 @@ def _placed(v: Any, p: Tensor, elementwise: bool) -> Any:
 ExpertSlices = dict[str, tuple[int, int, int]]  # name → (start, stop, n_expert), global
 
 
-def _expert_slices(model: nn.Module | None) -> ExpertSlices:
-    """The model's expert-parallel stacks (`expert_parallel_slices()`; {} for other models)."""
+def expert_slices(model: nn.Module | None) -> ExpertSlices:
+    """The model's expert-parallel stacks (`expert_parallel_slices()`, read duck-typed so
+    that no driver imports the model's module; {} for other models)."""
     get = getattr(model, "expert_parallel_slices", None)
     return get() if callable(get) else {}
 
@@ -404,7 +408,7 @@ def _model_entries(model: nn.Module, fresh: bool = False) -> dict[str, Any]:
     slice is one run of the row-major flattening)."""
     sd = model.state_dict()
     out: dict[str, Any] = {k: torch.empty_like(v) if fresh else v for k, v in sd.items()}
-    for k, (lo, _, n_expert) in _expert_slices(model).items():
+    for k, (lo, _, n_expert) in expert_slices(model).items():
         local = out[k]
         whole = (n_expert, *local.shape[1:])
         out[k] = FlatShard(local.detach().contiguous(), whole, lo * math.prod(whole[1:]))
@@ -414,7 +418,7 @@ def _model_entries(model: nn.Module, fresh: bool = False) -> dict[str, Any]:
 def _model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every model entry's shape in the checkpoint: the full [E, ...] for expert stacks."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for k, (_, _, n_expert) in _expert_slices(model).items():
+    for k, (_, _, n_expert) in expert_slices(model).items():
         shapes[k] = (n_expert, *shapes[k][1:])
     return shapes
 

@@ -35,9 +35,11 @@ A `ParallelMesh` (`layout=`, `orthoptim.parallel.layout`) hands out every group 
 weights over its dp group, expert weights over its expert-data-parallel group when ep > 1
 (their gradients, which the token all-to-all's backward already summed over the ep group, are
 summed over the expert group and divided by dp, so they are the single-process gradients),
-the agreement and `clip_grad_norm_` also across its pp group when pp > 1. The step skeleton,
-the agreement groups and the state-dict surface are `orthoptim.parallel.base`'s; this module
-holds how the bytes move.
+the agreement and `clip_grad_norm_` also across its pp group when pp > 1; over a model cut by
+`expert_parallelize` the state dicts name the experts by their global slices (`state_view`),
+so they are the single-process optimizer's at any --ep. The step skeleton, the agreement
+groups and the state-dict surface are `orthoptim.parallel.base`'s; this module holds how the
+bytes move.
 """
 
 from __future__ import annotations
@@ -1335,8 +1337,15 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     # -- state -------------------------------------------------------------------------
     def state_view(self) -> StateView:
         """The state by name for checkpoints: the owners' states, gathered over
-        `process_group`; every group's parameter names from the whole model."""
-        return _LayerwiseView(self)
+        `process_group`; every group's parameter names from the whole model. Over an
+        expert-parallel model (`model.expert_parallel_slices()`, as `expert_parallelize`
+        leaves it) the expert state goes by its global slices and shapes
+        (`checkpoint.ExpertSlicesView`), gathered over the same dp group, which holds every
+        expert once per expert-data-parallel rank: so the dicts are the single-process
+        optimizer's and reshard across --ep and --dp."""
+        slices = checkpoint.expert_slices(self.model)
+        view = _LayerwiseView(self, slices)
+        return checkpoint.ExpertSlicesView(view, slices, self.process_group) if slices else view
 
     def _loading(self) -> contextlib.AbstractContextManager[None]:
         return self._masters_follow()
@@ -1430,11 +1439,14 @@ class _LayerwiseView(StateView):
 
     spread = True
 
-    def __init__(self, opt: LayerwiseDistributedOptimizer) -> None:
+    def __init__(
+        self, opt: LayerwiseDistributedOptimizer, slices: checkpoint.ExpertSlices | None = None
+    ) -> None:
         kinds = {g["optimizer"]: state_kinds_of(g["optimizer"]) for g in opt.param_groups}
         of = {u.name: kinds.get(u.kind, {}) for u in opt.units}
         super().__init__(opt, lambda name: of.get(name, {}))
         self.lw = opt
+        self.slices = slices or {}  # the expert-parallel stacks (an `ExpertSlicesView` wraps it)
         self.gather_group = opt.process_group
         # DCP over the data-parallel group; under tensor parallelism over the whole world
         # (each tp rank writes and reads its own shards)
@@ -1446,17 +1458,7 @@ class _LayerwiseView(StateView):
 
     def layout(self) -> dict[str, Any]:
         opt = self.lw
-        if opt.expert_group is not None:
-            # Each expert group steps its own copy of the experts under the same names, so
-            # one name-keyed dict cannot hold them all.
-            raise NotImplementedError(
-                "full and sharded checkpoints (state_dict(), save_sharded) of a layer-wise "
-                "optimizer built with an expert_group are not supported yet: expert groups "
-                "hold different experts under the same parameter names; save "
-                "opt.inner.state_dict() on every rank and load it with "
-                "opt.inner.load_state_dict() at the same layout (opt.inner is None on a rank "
-                "that owns nothing)"
-            )
+        self._check_experts()
         named = dict(opt.model.named_parameters())
         # units are in backward order; expert slices of one parameter share its name
         order = list(dict.fromkeys(u.name for u in reversed(opt.units)))
@@ -1467,6 +1469,35 @@ class _LayerwiseView(StateView):
         ]
         shapes = {n: list(named[n].shape) for n in order}
         return {"format": FORMAT_VERSION, "groups": groups, "shapes": shapes}
+
+    def _check_experts(self) -> None:
+        """Refuse a layout whose expert state one name-keyed dict cannot hold: the units
+        owned over the expert group must be exactly the model's expert-parallel stacks (each
+        expert group then holds its own global experts, which `ExpertSlicesView` names)."""
+        opt = self.lw
+        experts = opt._group_units[1] if len(opt._groups) > 1 else []
+        grouped = {opt.units[i].name for i in experts}
+        if grouped == set(self.slices):
+            return
+        if not self.slices:
+            # Each expert group steps its own copy of the experts under the same names.
+            raise NotImplementedError(
+                "full and sharded checkpoints (state_dict(), save_sharded) of a layer-wise "
+                "optimizer built with an expert_group need the model to say which global "
+                "experts each rank holds (model.expert_parallel_slices(), as "
+                "orthoptim.train.model.expert_parallelize leaves it); without it, expert "
+                "groups hold different experts under the same parameter names: save "
+                "opt.inner.state_dict() on every rank and load it with "
+                "opt.inner.load_state_dict() at the same layout (opt.inner is None on a rank "
+                "that owns nothing)"
+            )
+        raise NotImplementedError(
+            "full and sharded checkpoints of a layer-wise optimizer over an expert-parallel "
+            f"model need its expert-parallel stacks {sorted(self.slices)} to be exactly the "
+            f"units owned over the expert group, {sorted(grouped)}: build it with "
+            "layout=<the ParallelMesh the model was expert_parallelize'd over> and route the "
+            "expert stacks to the matrix optimizer"
+        )
 
     def owned_params(self) -> dict[str, Tensor]:
         inner = self.lw.inner
