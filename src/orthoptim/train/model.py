@@ -351,7 +351,9 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        # float32 at least (bf16 logits rise to it; float64 stays)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def compile_blocks(model: GPT) -> GPT:

@@ -7,8 +7,10 @@ Files under `out`:
     checkpoints/latest.json   the committed checkpoint: its step folder and metadata
     checkpoints/step_NNNNNN/  checkpoint.json (metadata, every file's size and SHA-256), and
                            model.pt and optim.pt (the full optimizer state), by rank 0; with
-                           --fsdp dcp/, one torch.distributed.checkpoint of model and
-                           optimizer shards
+                           --fsdp or --tp dcp/, one torch.distributed.checkpoint of model and
+                           optimizer shards; with --pp model-stage{S}.pt and
+                           optim-stage{S}.pt, each stage's full dicts; with --ep (or --pp
+                           with --tp) rank{R}.pt, each rank's own model and optimizer state
     .lock                  while a run is going: its host, pid and start time
 
 An output folder belongs to one run (`claim_out`): a new run refuses a folder that holds one
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from orthoptim import checkpoint, collectives
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.args import TrainArgs
 
 
@@ -119,17 +122,46 @@ def check_resumable(
         raise ValueError(
             "--resume: the checkpoint does not match this run: " + "; ".join(mismatched)
         )
+    check_layout_resumable(info, args, world_size)
 
 
-CheckpointFormat = Literal["dcp", "full"]
+def check_layout_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
+    """Refuse a layout the checkpoint cannot be read at, naming the checkpoint's values, this
+    run's and the fix: another --pp or --ep (a stage's files hold its blocks only, an
+    expert-parallel rank's its experts only), and under the per-rank format ("ranks", of
+    --ep or of --pp with --tp) any other layout at all."""
+    saved = TrainArgs.from_dict(info["args"])
+    then = f"--pp {saved.pp} --ep {saved.ep}"
+    if (saved.pp, saved.ep) != (args.pp, args.ep):
+        raise ValueError(
+            f"--resume: the checkpoint was written with {then} and this run has --pp {args.pp} "
+            f"--ep {args.ep}; a checkpoint is read at the pipeline and expert-parallel sizes "
+            f"that wrote it: resume with {then}"
+        )
+    if checkpoint_format(info) != "ranks":
+        return
+    before, now = int(info["world_size"]), world_size
+    if before != now or saved.layout(before) != args.layout(now):
+        was = f"--nproc {before} {saved.layout(before).describe()}"
+        raise ValueError(
+            f"--resume: the checkpoint holds each rank's own state (written with {was}; "
+            f"this run has --nproc {now} {args.layout(now).describe()}), which only that "
+            f"layout reads: resume with {was}"
+        )
+
+
+CheckpointFormat = Literal["dcp", "full", "stages", "ranks"]
+CHECKPOINT_FORMATS: tuple[CheckpointFormat, ...] = ("dcp", "full", "stages", "ranks")
 
 
 def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
     """How the checkpoint of record `info` was written (not how the run resuming it would
-    write one): "dcp" (`checkpoint.save_sharded` under dcp/) or "full" (model.pt and optim.pt,
-    the full state dicts), as its record says; a record from before the format was recorded
-    is "dcp" when written by a --tp > 1 or a multi-rank --fsdp run."""
-    if info.get("format") in ("dcp", "full"):  # recorded by the save (`Checkpointer.save`)
+    write one): "dcp" (`checkpoint.save_sharded` under dcp/), "full" (model.pt and optim.pt,
+    the full state dicts), "stages" (model-stage{S}.pt and optim-stage{S}.pt: each pipeline
+    stage's full dicts) or "ranks" (rank{R}.pt: each rank's own state), as its record says;
+    a record from before the format was recorded is "dcp" when written by a --tp > 1 or a
+    multi-rank --fsdp run."""
+    if info.get("format") in CHECKPOINT_FORMATS:  # recorded by the save (`Checkpointer.save`)
         return info["format"]
     saved = TrainArgs.from_dict(info["args"])
     return "dcp" if saved.tp > 1 or (saved.fsdp and info["world_size"] > 1) else "full"
@@ -149,7 +181,7 @@ def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str
         flags.append("--fsdp on → off" if saved.fsdp else "--fsdp off → on")
     if not flags:
         return None
-    dp_before, dp_after = before // saved.tp, after // args.tp
+    dp_before, dp_after = before // (saved.tp * saved.pp), after // (args.tp * args.pp)
     if dp_before == dp_after:
         batch = f"global batch unchanged ({dp_after * args.batch} sequences)"
     else:
@@ -444,8 +476,15 @@ class Checkpointer:
     Formats: `model.pt` and `optim.pt` (the optimizer's full state dict, gathered to rank 0,
     which every rank loads on resume); `sharded` (FSDP2) or `tp` > 1: model and optimizer by
     `orthoptim.checkpoint.save_sharded` under `dcp/` (each rank writes its shards and what it
-    owns; keys free of world and tp size). A checkpoint is read in the format its record says
-    it was written in (`checkpoint_format`), at whatever layout the resuming run has."""
+    owns; keys free of world and tp size). A `layout` with pipeline stages: "stages", each
+    stage's model and full optimizer dicts (`model-stage{S}.pt`, `optim-stage{S}.pt`, by the
+    stage's data-parallel rank 0; the stages hold disjoint parameter names), read by every
+    rank of that stage at any data-parallel size; with expert parallelism (whose ranks hold
+    different experts under the same names), or stages with tensor parallelism: "ranks",
+    each rank's own model and optimizer state (`rank{R}.pt`), read at the same layout only
+    (`check_layout_resumable`). A checkpoint is read in the format its record says it was
+    written in (`checkpoint_format`), at whatever layout the resuming run has and the format
+    allows."""
 
     def __init__(
         self,
@@ -455,11 +494,22 @@ class Checkpointer:
         sharded: bool = False,
         tp: int = 1,
         keep: int = 2,
+        layout: ParallelDims | None = None,
     ) -> None:
         self.dir = out / "checkpoints"
         self.rank, self.world_size, self.sharded, self.tp = rank, world_size, sharded, tp
         self.keep = keep
-        self._format: CheckpointFormat = "dcp" if tp > 1 or sharded else "full"
+        self.layout = layout or ParallelDims(dp=world_size // tp, tp=tp)
+        self._format = self._format_of(self.layout, sharded)
+
+    @staticmethod
+    def _format_of(layout: ParallelDims, sharded: bool) -> CheckpointFormat:
+        """The format a run of `layout` writes its checkpoints in (see the class)."""
+        if layout.ep > 1 or (layout.pp > 1 and layout.tp > 1):
+            return "ranks"
+        if layout.pp > 1:
+            return "stages"
+        return "dcp" if layout.tp > 1 or sharded else "full"
 
     def latest(self) -> dict[str, Any]:
         """The committed checkpoint's record: latest.json's when it verifies (`read_record`)
@@ -581,7 +631,18 @@ class Checkpointer:
 
     def _write(self, folder: Path, model: nn.Module, opt: Any) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        if self._format == "dcp":
+        coord = self.layout.coordinate(self.rank)
+        if self._format == "ranks":
+            checkpoint.atomic_save(_rank_state(model, opt), folder / f"rank{self.rank}.pt")
+        elif self._format == "stages":
+            with collectives.phase(
+                f"checkpoint {folder.name}: stage {coord.pp}'s optimizer state to its first rank"
+            ):
+                optim = opt.state_dict()  # collective over the stage's data-parallel group
+            if coord.dp == 0:
+                checkpoint.atomic_save(model.state_dict(), folder / f"model-stage{coord.pp}.pt")
+                checkpoint.atomic_save(optim, folder / f"optim-stage{coord.pp}.pt")
+        elif self._format == "dcp":
             with collectives.phase(f"checkpoint {folder.name}: the sharded save"):
                 checkpoint.save_sharded(folder / "dcp", opt, model)
         else:
@@ -678,8 +739,17 @@ class Checkpointer:
         checkpoint's keys are free of both, and each rank reads what it owns now; full dicts
         are read whole by every rank, which keeps what it owns (of a DTensor parameter, its
         shard)."""
-        if checkpoint_format(info) == "dcp":
+        fmt = checkpoint_format(info)
+        if fmt == "dcp":
             checkpoint.load_sharded(folder / "dcp", opt, model)
+            return
+        if fmt == "ranks":
+            _load_rank_state(checkpoint.load_file(folder / f"rank{self.rank}.pt"), model, opt)
+            return
+        if fmt == "stages":
+            stage = self.layout.coordinate(self.rank).pp
+            model.load_state_dict(checkpoint.load_file(folder / f"model-stage{stage}.pt"))
+            opt.load_state_dict(checkpoint.load_file(folder / f"optim-stage{stage}.pt"))
             return
         here = model.state_dict()
         full = checkpoint.load_file(folder / "model.pt")
@@ -692,6 +762,51 @@ class Checkpointer:
             }
         )
         opt.load_state_dict(checkpoint.load_file(folder / "optim.pt"))
+
+
+def _rank_state(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """This rank's own model and optimizer state (the "ranks" format): the model's local
+    values (of a DTensor its shard, of expert-parallel experts this rank's), the layer-wise
+    optimizer's inner optimizer's state dict (of what this rank owns) and its master copies."""
+    inner = getattr(opt, "inner", opt)
+    return dict(
+        model={k: collectives.local_shard(v).detach().cpu() for k, v in model.state_dict().items()},
+        inner=inner.state_dict() if inner is not None else None,
+        masters={
+            k: collectives.local_shard(v).detach().cpu()
+            for k, v in getattr(opt, "masters", dict)().items()
+        },
+    )
+
+
+@torch.no_grad()
+def _load_rank_state(state: dict[str, Any], model: nn.Module, opt: Any) -> None:
+    """Load `_rank_state`'s dict into the model and optimizer of the rank that wrote it (the
+    same layout: `check_layout_resumable`); a mismatch in names or shapes is an error naming
+    them."""
+    here, saved = model.state_dict(), state["model"]
+    mismatches = [
+        f"model entry {k}: in this model, missing from the checkpoint" for k in here.keys() - saved
+    ] + [f"model entry {k}: in the checkpoint, not in this model" for k in saved.keys() - here]
+    mismatches += [
+        f"model entry {k}: shape {tuple(saved[k].shape)} in the checkpoint, "
+        f"{tuple(collectives.local_shard(v).shape)} here"
+        for k, v in here.items()
+        if k in saved and tuple(collectives.local_shard(v).shape) != tuple(saved[k].shape)
+    ]
+    if mismatches:
+        raise checkpoint.CheckpointMismatchError(sorted(mismatches))
+    wait = getattr(opt, "wait_for_params", None)
+    if wait is not None:
+        wait()
+    for k, v in here.items():
+        collectives.local_shard(v).copy_(saved[k])
+    inner = getattr(opt, "inner", opt)
+    if inner is not None and state["inner"] is not None:
+        inner.load_state_dict(state["inner"])
+    masters = getattr(opt, "masters", dict)()
+    for k, m in masters.items():
+        collectives.local_shard(m).copy_(state["masters"][k])
 
 
 def clean_leftovers(out: Path) -> list[str]:
