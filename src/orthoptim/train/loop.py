@@ -119,6 +119,9 @@ def make_optimizer(
         groups = dict(process_group=mesh.dp_group, expert_group=mesh.expert_group)
         if mesh.dims.tp > 1:
             groups["orthogonalizer"] = TensorParallelOrthogonalizer(mode="auto")
+        if mesh.dims.pp > 1:
+            # the schedule's backward runs once per micro-batch: reduce once, in the step
+            groups["overlap_grad_reduce"] = False
     # only the parameters the model declares expert stacks are split (`optim.routing`);
     # not a tensor-parallel model's (DTensor experts are not sliced)
     experts = args.optimizer != "adamw" and args.tp == 1

@@ -765,12 +765,13 @@ class Checkpointer:
 
 
 def _rank_state(model: nn.Module, opt: Any) -> dict[str, Any]:
-    """This rank's own model and optimizer state (the "ranks" format): the model's local
-    values (of a DTensor its shard, of expert-parallel experts this rank's), the layer-wise
-    optimizer's inner optimizer's state dict (of what this rank owns) and its master copies."""
+    """This rank's own model and optimizer state (the "ranks" format): the model's values
+    (a tensor-parallel DTensor whole: collective over its tp group; of expert-parallel
+    experts this rank's), the layer-wise optimizer's inner optimizer's state dict (of what
+    this rank owns) and its master copies."""
     inner = getattr(opt, "inner", opt)
     return dict(
-        model={k: collectives.local_shard(v).detach().cpu() for k, v in model.state_dict().items()},
+        model={k: collectives.unshard(v).detach().cpu() for k, v in model.state_dict().items()},
         inner=inner.state_dict() if inner is not None else None,
         masters={
             k: collectives.local_shard(v).detach().cpu()
@@ -789,10 +790,9 @@ def _load_rank_state(state: dict[str, Any], model: nn.Module, opt: Any) -> None:
         f"model entry {k}: in this model, missing from the checkpoint" for k in here.keys() - saved
     ] + [f"model entry {k}: in the checkpoint, not in this model" for k in saved.keys() - here]
     mismatches += [
-        f"model entry {k}: shape {tuple(saved[k].shape)} in the checkpoint, "
-        f"{tuple(collectives.local_shard(v).shape)} here"
+        f"model entry {k}: shape {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} here"
         for k, v in here.items()
-        if k in saved and tuple(collectives.local_shard(v).shape) != tuple(saved[k].shape)
+        if k in saved and tuple(v.shape) != tuple(saved[k].shape)
     ]
     if mismatches:
         raise checkpoint.CheckpointMismatchError(sorted(mismatches))
@@ -800,13 +800,42 @@ def _load_rank_state(state: dict[str, Any], model: nn.Module, opt: Any) -> None:
     if wait is not None:
         wait()
     for k, v in here.items():
-        collectives.local_shard(v).copy_(saved[k])
+        local = collectives.local_shard(v)
+        local.copy_(collectives.local_shard(collectives.cut_like(saved[k].to(local.device), v)))
     inner = getattr(opt, "inner", opt)
-    if inner is not None and state["inner"] is not None:
-        inner.load_state_dict(state["inner"])
+    if (inner is None) != (state["inner"] is None):
+        raise checkpoint.CheckpointMismatchError(
+            ["this rank's optimizer owns parameters the checkpoint's rank did not, or not those"]
+        )
+    if inner is not None:
+        _load_in_place(inner, state["inner"])
     masters = getattr(opt, "masters", dict)()
     for k, m in masters.items():
         collectives.local_shard(m).copy_(state["masters"][k])
+
+
+def _load_in_place(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Load torch-format `sd` (`opt.state_dict()` of the same optimizer at the same layout)
+    into `opt`'s own `state` and group dicts, which a layer-wise optimizer and a hybrid's
+    inner optimizers share (torch's `load_state_dict` would put new ones in their place)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved = [len(g["params"]) for g in sd["param_groups"]]
+    if saved != [len(g["params"]) for g in opt.param_groups]:
+        raise checkpoint.CheckpointMismatchError(
+            [
+                f"parameters per group: {saved} in the checkpoint, "
+                f"{[len(g['params']) for g in opt.param_groups]} here"
+            ]
+        )
+    opt.state.clear()
+    for i, st in sd["state"].items():
+        p = params[i]
+        opt.state[p] = {
+            k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
+            for k, v in st.items()
+        }
+    for g, sg in zip(opt.param_groups, sd["param_groups"]):
+        g.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
 
 
 def clean_leftovers(out: Path) -> list[str]:
