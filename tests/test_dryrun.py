@@ -146,7 +146,7 @@ def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monke
 
     real_agree = C.agree
 
-    def cpu_agree(present, bad, group=None, stats=None, device=None):
+    def cpu_agree(present, bad, group=None, stats=None, device=None, **kw):
         # the flags packed on the CPU (the bug), then the real agreement's collective path
         groups = list(group) if isinstance(group, (list, tuple)) else [group]
         missing = torch.tensor([not p for p in present], dtype=torch.int32)  # on the CPU
@@ -154,7 +154,7 @@ def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monke
         for g in groups:
             with C.phase("non-finite gradient agreement (all-reduce)", g):
                 dist.all_reduce(flags, group=g)
-        return real_agree(present, bad, group, stats, device)
+        return real_agree(present, bad, group, stats, device, **kw)
 
     monkeypatch.setattr(C, "agree", cpu_agree)
     with pytest.raises(C.CollectiveDeviceError) as info:

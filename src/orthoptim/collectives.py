@@ -56,7 +56,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -683,12 +683,35 @@ def wait(work: Any, name: str, group: Any = None) -> Any:
         return work.wait()
 
 
+def _agreement_groups(group: Any) -> list[Any]:
+    return list(group) if isinstance(group, (list, tuple)) else [group]
+
+
+def _flags(present: Sequence[bool], bad: Sequence[bool] | Tensor, device: torch.device) -> Tensor:
+    """`present` and `bad` packed as int32 counts of what is wrong (a missing gradient, a
+    non-finite one): zero is the normal answer, and the one a dry run gives."""
+    missing = torch.tensor([not p for p in present], dtype=torch.int32, device=device)
+    if not isinstance(bad, Tensor):
+        bad = torch.tensor(list(bad), dtype=torch.bool, device=device)
+    return torch.cat([missing, bad.reshape(-1).to(device=device, dtype=torch.int32)])
+
+
+def _summed(flags: Tensor, groups: Sequence[Any], stats: CommStats | None, what: str) -> Tensor:
+    """`flags` summed over each group in turn (moved to a device each backend serves)."""
+    for g in groups:
+        flags = to_backend(flags, g)
+        with phase(what, g):
+            all_reduce(flags, group=g, stats=stats)
+    return flags
+
+
 def agree(
     present: Sequence[bool],
     bad: Sequence[bool] | Tensor,
     group: Any = None,
     stats: CommStats | None = None,
     device: torch.device | str | None = None,
+    across: Sequence[Any] = (),
 ) -> tuple[list[bool], list[bool]]:
     """What every rank must agree on before a distributed step, in ONE small all-reduce per
     group and ONE host read: `present[i]` (item i has a gradient here) and `bad[j]` (item j's
@@ -697,7 +720,11 @@ def agree(
     the normal answer, and the one a dry run gives) on `device` when the backend serves it,
     else on `device_for(group)`; summed over `group` (or over each group of a sequence in
     turn, e.g. data-parallel then tensor-parallel) and read once, so every rank gets
-    (present anywhere, non-finite anywhere) and skips, raises or steps together."""
+    (present anywhere, non-finite anywhere) and skips, raises or steps together.
+
+    `across`: groups whose ranks hold other items (pipeline stages), over which `bad` alone
+    is summed on, in one more all-reduce per group and the same host read; the returned bad
+    flags are then those of `group` followed by those of every rank."""
     groups = list(group) if isinstance(group, (list, tuple)) else [group]
     ranks = math.prod(world(g)[1] for g in groups)
     dev = device_for(groups[0], device)
@@ -705,13 +732,33 @@ def agree(
     if not isinstance(bad, Tensor):
         bad = torch.tensor(list(bad), dtype=torch.bool, device=dev)
     flags = torch.cat([missing, bad.reshape(-1).to(device=dev, dtype=torch.int32)])
+    flags = _summed(flags, groups, stats, "non-finite gradient agreement (all-reduce)")
+    k = len(present)
+    if across:
+        what = "non-finite gradient agreement across stages (all-reduce)"
+        everywhere = _summed(flags[k:].clone(), across, stats, what)
+        flags = torch.cat([flags, everywhere.to(flags.device)])
+    summed = host.read(flags, "non-finite agreement").tolist()
+    return [v < ranks for v in summed[:k]], [v > 0 for v in summed[k:]]
+
+
+def _summed(flags: Tensor, groups: Sequence[Any], stats: CommStats | None, what: str) -> Tensor:
+    """`flags` summed over each group in turn (moved to a device each backend serves)."""
     for g in groups:
         flags = to_backend(flags, g)
-        with phase("non-finite gradient agreement (all-reduce)", g):
+        with phase(what, g):
             all_reduce(flags, group=g, stats=stats)
-    summed = host.read(flags, "non-finite agreement").tolist()
-    k = len(present)
-    return [v < ranks for v in summed[:k]], [v > 0 for v in summed[k:]]
+    return flags
+
+
+class Verdict(NamedTuple):
+    """What `agree_nonfinite` found: `present[i]` (item i has a gradient on some rank of the
+    stage), `which[j]` (item j's gradient is non-finite on some rank of the stage; [] when
+    none is) and `elsewhere` (the stage's are finite, but some rank across it counted one)."""
+
+    present: list[bool]
+    which: list[bool]
+    elsewhere: bool
 
 
 def agree_nonfinite(
@@ -721,22 +768,26 @@ def agree_nonfinite(
     group: Any = None,
     stats: CommStats | None = None,
     device: torch.device | str | None = None,
-) -> tuple[list[bool], list[bool]]:
+    across: Sequence[Any] = (),
+) -> Verdict:
     """`agree` for a distributed step's non-finite check, in two rounds: the `checks` (0-d
     flags, true for a local gradient that holds NaN or Inf) are summed on the device into one
-    count that rides with `present` in one all-reduce and one host read; only when some rank
-    counts one is `per_item()` (a flag per item, on the device) agreed too, to name them.
-    Returns (present anywhere, non-finite anywhere per item: [] when none is)."""
+    count that rides with `present` in one all-reduce per group of `group` (the stage: its
+    ranks hold the same items) and goes on alone over each group of `across` (the pipeline
+    stages, which hold other items), read in one host read. Only when some rank of the stage
+    counts one is `per_item()` (a flag per item, on the device) agreed over the stage too, to
+    name them."""
     count = (
         torch.stack([c if device is None else c.to(device) for c in checks]).sum()
         if checks
         else [False]
     )
-    present, anywhere = agree(present, count, group=group, stats=stats, device=device)
-    if not anywhere[0]:
-        return present, []
-    _, which = agree([], per_item(), group=group, stats=stats, device=device)
-    return present, which
+    present, anywhere = agree(present, count, group, stats, device, across=across)
+    here, everywhere = anywhere[0], anywhere[-1]
+    which: list[bool] = []
+    if here:
+        _, which = agree([], per_item(), group=group, stats=stats, device=device)
+    return Verdict(present, which, everywhere and not here)
 
 
 # How long a rendezvous waits for the other ranks: a collective entered by some ranks only

@@ -22,6 +22,11 @@ holds its dim-0 shard of the averaged gradient; nobody holds a full matrix. One 
 Every rank keeps a matrix's "scalar" state (a step count) and asks `moves` before the step, so
 all agree when a step leaves a matrix in place (SOAP's first step only builds its bases).
 
+Under pipeline parallelism (`layout=`, a `ParallelMesh` whose dp group the model is sharded
+over) the agreement and `clip_grad_norm_` also run across the pp group (one small all-reduce
+each), so every stage skips or raises together and clips by the whole model's norm. The step
+skeleton, the agreement groups and the state-dict surface are `orthoptim.parallel.base`'s.
+
 AdamW parameters (embeddings, head, vectors) are stepped by torch's AdamW on the DTensors:
 elementwise, so exact on local shards, no communication. Bytes per step for the matrices:
 every rank sends (and receives) each matrix shard it does not own once each way, about
@@ -40,27 +45,23 @@ from torch import Tensor, nn
 
 from orthoptim import checkpoint
 from orthoptim import collectives as C
-from orthoptim._validate import check_choice, check_float_dtype, check_positive
+from orthoptim._validate import check_choice, check_float_dtype
 from orthoptim.optim.base import (
-    CompositeOptimizer,
     NonfinitePolicy,
-    check_nonfinite_policy,
-    enforce_nonfinite_policy,
     state_dtype,
     step_checked,
 )
 from orthoptim.optim.contract import MatrixOptimizer
-from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
+from orthoptim.optim.hybrid import RoutePredicate
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES, OptimizerName
 from orthoptim.optim.state import StateView
-from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import (
-    BALANCES,
     Assignment,
     Balance,
     assign,
     units_from_model,
 )
+from orthoptim.parallel.base import DistributedOptimizer
 
 
 def shard_model(
@@ -171,7 +172,7 @@ class _Exchange:
         self.work: Any = None
 
 
-class FSDPOptimizer(CompositeOptimizer):
+class FSDPOptimizer(DistributedOptimizer):
     """A matrix optimizer (hybrid with AdamW) over parameters sharded by FSDP2's `fully_shard`.
 
     Build it after `fully_shard` (every trainable parameter a DTensor sharded on dim 0 of one
@@ -190,7 +191,9 @@ class FSDPOptimizer(CompositeOptimizer):
     parameters stay in their dtype), `route`,
     `nonfinite` ("raise" or "skip", agreed by all ranks),
     `state_dict_to` ("all" or "rank0": where `state_dict()` delivers the full, unsharded
-    dict); other keyword arguments go to `build_optimizer` (`elementwise="lion"` included).
+    dict), `layout` (a `ParallelMesh` with ep = tp = 1, the model sharded over its dp group:
+    the agreement and clipping also across its pp group); other keyword arguments go to
+    `build_optimizer` (`elementwise="lion"` included).
     `optimizer`: any of `orthoptim.optim.registry.MATRIX_OPTIMIZERS`, or "adamw" (the
     baseline).
     """
@@ -206,35 +209,31 @@ class FSDPOptimizer(CompositeOptimizer):
         route: RoutePredicate | None = None,
         nonfinite: NonfinitePolicy = "raise",
         state_dict_to: checkpoint.StateDictTo = "all",
+        layout: Any = None,
         **inner_kwargs: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_choice("optimizer", optimizer, OPTIMIZER_NAMES)
-        check_choice("balance", balance, BALANCES)
-        check_positive("bucket_mb", bucket_mb)
         check_float_dtype("comm_dtype", comm_dtype)
-        self.state_dict_to = check_choice("state_dict_to", state_dict_to, checkpoint.STATE_DICT_TO)
-        self.nonfinite = check_nonfinite_policy(nonfinite)
-        for name, module in model.named_modules():
+        for name, module in model.named_modules() if isinstance(model, nn.Module) else []:
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
                 raise ValueError(
                     f"FSDPOptimizer: {name or 'the model'} is an {type(module).__name__} with "
                     "sparse=True, whose sparse gradients FSDP2 cannot reduce and orthoptim's "
                     "optimizers do not take; build it with sparse=False (the default)"
                 )
-        self.model = model
         self.comm_dtype = comm_dtype
-        rule = route if route is not None else default_route(model)
-        self.template = build_optimizer(
-            model, optimizer=optimizer, lr=lr, route=rule, nonfinite=nonfinite, **inner_kwargs
+        self._preamble(
+            model, optimizer, lr, route, nonfinite, balance, bucket_mb, state_dict_to, inner_kwargs
         )
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.process_group, self.mesh = _shard_group([(n, p) for n, p in named])
-        self.rank, self.world_size = C.world(self.process_group)
-        for n, p in named:
-            C.check_device(p, f"FSDPOptimizer: parameter {n!r}", self.process_group)
-        self.device = named[0][1].device if named else torch.device("cpu")
+        group, self.mesh = _shard_group(list(self.named.items()))
+        if layout is not None:
+            _check_layout(layout, self.mesh)
+        self._bind_groups(group if layout is None else None, layout=layout)
+        # the shard group: agreement and norms over it (under HSDP the replicas hold equal
+        # gradients), and the layout's pp group across stages
+        self.process_group = group
+        self.device = self._device()
+        rule = self.rule
 
         # The matrix optimizer (None for plain AdamW): its contract runs on shards and owners.
         self.matrix_opt: MatrixOptimizer | None = (
@@ -252,7 +251,7 @@ class FSDPOptimizer(CompositeOptimizer):
         self.assignment: Assignment = assign(
             self.units, self.world_size, balance=balance, bucket_bytes=int(bucket_mb * 2**20)
         )
-        params = dict(named)
+        params = self.named
         self._matrices = [
             _Matrix(u.name, params[u.name], i, owner, self.world_size, group_of[u.name])
             for i, (u, owner) in enumerate(zip(self.units, self.assignment.owners))
@@ -266,19 +265,13 @@ class FSDPOptimizer(CompositeOptimizer):
                     "FSDP2's default dim-0 sharding (no custom shard_placement_fn)"
                 )
         self.owner_of = {m.name: m.owner for m in self._matrices}
-        self._named = named
-
-        super().__init__(p for _, p in named)
-        self.adopt(self.template.param_groups, self.template.state, self.template.defaults)
-        self._stats = C.CommStats()
-        self._last_stats = C.CommStats()
-        self._built = True
+        self._adopt(self.template.param_groups, self.template.state, self.template.defaults)
 
     def copy_refusal(self) -> str | None:
         """A copy of a sharded model's optimizer would share the original's device mesh."""
         if self.process_group is not None or self.mesh is not None:
             return "its parameters are sharded over a device mesh, which a copy cannot share"
-        return None
+        return super().copy_refusal()
 
     def _matrix_groups(self) -> dict[str, dict[str, Any]]:
         """Matrix name → its (current) param group of the matrix optimizer."""
@@ -286,83 +279,19 @@ class FSDPOptimizer(CompositeOptimizer):
             return {}
         return {n: g for g in self.matrix_opt.param_groups for n in g["param_names"]}
 
-    # -- the step ----------------------------------------------------------------------
-    def _agree(self) -> tuple[list[bool], list[str]]:
-        """Which matrices have a gradient on some rank, and the names of the parameters with
-        a non-finite gradient shard somewhere: one all-reduce and one host read of the flags,
-        with one count per rank (its gradient shards that hold a NaN or Inf); only when some
-        rank counts one do all ranks agree again, per parameter, to name them."""
-        present = [m.param.grad is not None for m in self._matrices]
-        checks = [
-            ~torch.isfinite(C.local_shard(p.grad)).all()
-            for _, p in self._named
-            if p.grad is not None
-        ]
+    # -- the step (`DistributedOptimizer.step`) -----------------------------------------
+    def _agreement_items(self) -> tuple[list[bool], list[Tensor], Callable[[], Tensor], list[str]]:
+        """Which matrices have a gradient here, and the parameters' gradient shards: one
+        check per shard, and per parameter whether its shard holds a NaN or Inf."""
+        _, checks, per_param, names = super()._agreement_items()
+        return [m.param.grad is not None for m in self._matrices], checks, per_param, names
 
-        def per_param() -> torch.Tensor:
-            return torch.stack(
-                [
-                    ~torch.isfinite(C.local_shard(p.grad)).all().to(self.device)
-                    if p.grad is not None
-                    else torch.zeros((), dtype=torch.bool, device=self.device)
-                    for _, p in self._named
-                ]
-            )
-
-        present, which = C.agree_nonfinite(
-            present, checks, per_param, self.process_group, self._stats, self.device
-        )
-        return present, [n for (n, _), v in zip(self._named, which) if v]
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Agree on gradients, Muon on the sharded matrices via their owners, AdamW locally."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        present, bad = self._agree()
-        if enforce_nonfinite_policy(self.nonfinite, bad, self.world_size):
-            self._finish_stats()
-            return loss
+    def _step_owned(self, present: list[bool]) -> None:
+        """Muon on the sharded matrices via their owners, AdamW locally."""
         if self._matrices:
             self._step_matrices(present)
         if self.elementwise is not None:
-            step_checked(self.elementwise)  # the gradients were checked by _agree
-        self._finish_stats()
-        return loss
-
-    @torch.no_grad()
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> Tensor:
-        """Clip the gradients of the whole model by their global norm, as
-        `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the unsharded model;
-        call it between backward and `step()`.
-
-        Sums the `norm_type`-th powers of this rank's local gradient shards, ONE small
-        all-reduce over the shard group (sum; max for inf; under HSDP the replicas hold equal
-        values, so the replicate dimension is left out) gives the total, and every local shard
-        is scaled by min(1, max_norm / (total + 1e-6)). Returns the total norm (the same on
-        every rank). A non-finite total raises RuntimeError with `error_if_nonfinite`;
-        otherwise the gradients are left unscaled and `step()` applies the `nonfinite` policy.
-        Collective: call it on every rank."""
-        grads = [C.local_shard(q.grad) for _, q in self._named if q.grad is not None]
-        return clip.clip_(
-            grads,
-            grads,
-            max_norm,
-            norm_type,
-            error_if_nonfinite,
-            device=C.device_for(self.process_group, self.device),
-            groups=(self.process_group,),
-            dtype=self._named[0][1].dtype if self._named else None,
-            stats=self._stats,
-        )
-
-    def _finish_stats(self) -> None:
-        self._last_stats = self._stats
-        self._stats = C.CommStats()
+            step_checked(self.elementwise)  # the gradients were checked by the agreement
 
     def _local(self, m: _Matrix) -> dict[str, Any]:
         """The state of matrix `m` as its contract functions see it on this rank: DTensor
@@ -500,10 +429,6 @@ class FSDPOptimizer(CompositeOptimizer):
         return out
 
     # -- accounting --------------------------------------------------------------------
-    def comm_stats(self) -> dict[str, dict[str, float]]:
-        """Bytes sent / received per collective kind (and calls) in the last step."""
-        return self._last_stats.as_dict()
-
     def expected_comm_bytes(self, present: list[bool] | None = None) -> dict[str, dict[str, float]]:
         """What `comm_stats()` should report for one step in which the matrices flagged in
         `present` (default: all) have gradients, from the shard layout alone.
@@ -516,10 +441,8 @@ class FSDPOptimizer(CompositeOptimizer):
         """
         n, rank = self.world_size, self.rank
         out: dict[str, dict[str, float]] = {}
-        if n == 1:
-            return out
         present = present if present is not None else [True] * len(self._matrices)
-        for unit_ids in self.assignment.buckets:
+        for unit_ids in self.assignment.buckets if n > 1 else []:
             ms = [self._matrices[i] for i in unit_ids if present[i]]
             if not ms:
                 continue
@@ -530,59 +453,14 @@ class FSDPOptimizer(CompositeOptimizer):
             d["sent"] += (theirs + mine) * es
             d["received"] += (theirs + mine) * es
             d["calls"] += 2
-        # the agreement: an int32 flag per matrix and one count of non-finite shards
-        ar = C.ring_all_reduce_bytes(4 * (len(self._matrices) + 1), n)
-        out["all_reduce"] = {"sent": ar, "received": ar, "calls": 1}
+        self._expected_agreement(out, len(self._matrices))
         return out
 
     # -- state -------------------------------------------------------------------------
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported once built: ownership is computed from the whole model."""
-        if not getattr(self, "_built", False):
-            super().add_param_group(param_group)
-            return
-        raise ValueError(
-            "FSDPOptimizer cannot add param groups: ownership is computed from the whole model "
-            "at construction; build a new optimizer instead"
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer's state, unsharded, in the format of `build_optimizer(model,
-        ...)`'s `state_dict()` on the unsharded model (a single-process optimizer loads it as
-        is; so does this optimizer at any world size): to every rank, or with
-        `state_dict_to="rank0"` to rank 0 only (the others get {}). Collective. For
-        resharding DCP checkpoints use `orthoptim.checkpoint.save_sharded`."""
-        return checkpoint.full_state_dict(self, to_rank0=self.state_dict_to == "rank0")
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full dict (`state_dict()` of this optimizer at any world size, or a
-        single-process optimizer's): every rank keeps its shard of each elementwise state
-        tensor, owners the whole-matrix state; every mismatch is listed in one
-        `CheckpointMismatchError` before anything changes."""
-        checkpoint.load_full_state_dict(self, state_dict)
-
-    def reduce_max(self, t: Tensor) -> Tensor:
-        """The elementwise max of `t` over the data-parallel replicas (QK-clip's agreement on
-        max logits). Collective."""
-        return C.all_reduce_max(t, self.process_group, "QK-clip max-logit agreement (all-reduce)")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of every trainable parameter."""
-        self.template.zero_grad(set_to_none=set_to_none)
-
     def state_view(self) -> StateView:
         """The state by name for checkpoints: elementwise state as DTensors sharded like the
         parameters (every rank), whole-matrix state on the matrix's owner."""
         return _FSDPView(self)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's share for torch.distributed.checkpoint, in `orthoptim.checkpoint`'s one
-        sharded format (`save_sharded` / `load_sharded` save it and reshard)."""
-        return checkpoint.sharded_state_dict(self)
-
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
-        checkpoint.load_sharded_state_dict(self, state_dict)
 
 
 class _FSDPView(StateView):
@@ -617,6 +495,28 @@ def _bucket_dtype(ms: list[_Matrix]) -> torch.dtype:
     for m in ms[1:]:
         dtype = torch.promote_types(dtype, state_dtype(m.param))
     return dtype
+
+
+def _check_layout(layout: Any, mesh: Any) -> None:
+    """Refuse a layout FSDPOptimizer does not run under (expert or tensor parallelism), or a
+    model sharded over other ranks than the layout's dp group."""
+    dims = layout.dims
+    if dims.ep > 1 or dims.tp > 1:
+        raise ValueError(
+            f"FSDPOptimizer runs over data (and pipeline) parallelism only, not under a layout "
+            f"with ep={dims.ep}, tp={dims.tp}: use LayerwiseDistributedOptimizer(model, "
+            "layout=layout) for expert or tensor parallelism (--ep/--tp without --fsdp)"
+        )
+    if mesh is None:
+        return
+    sharded = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    dp = layout.dims.group_ranks("dp", layout.rank)
+    if sharded != dp:
+        raise ValueError(
+            f"the model is sharded over ranks {sharded}, but the layout's dp group is {dp}: "
+            "shard it over the stage's data-parallel ranks, shard_model(model, "
+            "mesh=DeviceMesh.from_group(layout.dp_group, device_type))"
+        )
 
 
 def _shard_group(named: list[tuple[str, Tensor]]) -> tuple[Any, Any]:

@@ -9,7 +9,8 @@ One training step::
                  largest shard), so each owner receives the summed gradient of exactly what
                  it owns; a bucket owned by one rank is reduced to it instead
     step()   ──► wait, average by world size, agree on non-finite gradients and on which
-                 parameters had a gradient anywhere (one small all-reduce, one host read),
+                 parameters had a gradient anywhere (one small all-reduce, one host read;
+                 under pipeline parallelism one more, of one count, across the stages),
                  owners run the inner optimizer (Muon, SOAP, AdamW, the hybrid) on what they own
              ──► all-gather of the updated parameters per bucket (optionally in bf16),
                  asynchronous: the forward pre-hook of each module waits for its buckets
@@ -29,6 +30,14 @@ optimizer given `process_group=mesh["dp"].get_group()`): buckets hold the local 
 DTensor parameters, ownership is over the dp group and computed from global shapes (the
 same on every tp rank), so the tp ranks of an owner step the same matrices and run a
 `TensorParallelOrthogonalizer` together; the non-finite agreement also spans the tp group.
+
+A `ParallelMesh` (`layout=`, `orthoptim.parallel.layout`) hands out every group at once: dense
+weights over its dp group, expert weights over its expert-data-parallel group when ep > 1
+(their gradients, which the token all-to-all's backward already summed over the ep group, are
+summed over the expert group and divided by dp, so they are the single-process gradients),
+the agreement and `clip_grad_norm_` also across its pp group when pp > 1. The step skeleton,
+the agreement groups and the state-dict surface are `orthoptim.parallel.base`'s; this module
+holds how the bytes move.
 """
 
 from __future__ import annotations
@@ -44,27 +53,19 @@ from torch import Tensor, nn
 from orthoptim import checkpoint
 from orthoptim import collectives as C
 from orthoptim._validate import (
-    check_choice,
     check_float_dtype,
-    check_member,
-    check_positive,
 )
 from orthoptim.optim.base import (
-    CompositeOptimizer,
     NonfinitePolicy,
-    check_nonfinite_policy,
-    enforce_nonfinite_policy,
     sparse_gradient_error,
     step_checked,
 )
 from orthoptim.optim.contract import MatrixOptimizer
-from orthoptim.optim.hybrid import HybridOptimizer, RoutePredicate, build_optimizer, default_route
+from orthoptim.optim.hybrid import HybridOptimizer, RoutePredicate, build_optimizer
 from orthoptim.optim.registry import OptimizerName, is_elementwise, state_kinds_of
 from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import FORMAT_VERSION, StateView, flat_label, hypers
-from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import (
-    BALANCES,
     MAX_PADDING,
     NS_STEPS,
     Assignment,
@@ -73,6 +74,7 @@ from orthoptim.parallel.assignment import (
     assign,
     units_from_model,
 )
+from orthoptim.parallel.base import DistributedOptimizer, add_bytes
 
 
 def unit_label(name: str, part: tuple[int, int] | None) -> str:
@@ -298,6 +300,9 @@ class _Bucket:
         self.gather_dtype = gather_dtype or dtype
         self.owners = sorted({s.owner for s in slots})
         self.mine = [s for s in slots if s.owner == self.rank]
+        # what the summed gradients are divided by: the group's size (the mean over it), or
+        # for expert weights under expert parallelism the dense group's (`divisor`)
+        self.divisor = self.n
         self.width: int | None = None
         self.numel = 0
         self.regions: list[tuple[int, int, int]] = []  # (start, stop, owner rank)
@@ -436,15 +441,20 @@ class _Bucket:
         self.works = []
 
     def finish_reduce(self) -> None:
-        """Wait for the reduction and turn the owner's regions into averaged gradients (in a
-        group of one rank: take each owned slot's gradient where it is)."""
+        """Wait for the reduction and turn the owner's regions into averaged gradients, the
+        sums divided by `divisor` (in a group of one rank: take each owned slot's gradient
+        where it is, divided in place when `divisor` is not 1)."""
         if self.n == 1:
             self.own = {s: self.local_grad(s) for s in self.mine}
+            if self.divisor != 1:
+                for g in self.own.values():
+                    if g is not None:
+                        g.div_(self.divisor)
             return
         self._wait()
         assert self.grads is not None
         for start, stop, _ in self.mine_regions():
-            self.grads[start:stop].div_(self.n)
+            self.grads[start:stop].div_(self.divisor)
 
     def shard_view(self, s: _Slot) -> Tensor:
         """The reduced gradient of a parameter this rank owns, shaped like its local values
@@ -529,7 +539,7 @@ class _Bucket:
                 s.local().view(-1).copy_(self.param_slice(s))
 
 
-class LayerwiseDistributedOptimizer(CompositeOptimizer):
+class LayerwiseDistributedOptimizer(DistributedOptimizer):
     """Layer-wise distributed optimizer: each matrix (or expert slice) is owned whole by one
     rank; AdamW parameters are sharded element-wise over all ranks (`shard_adamw`).
 
@@ -559,7 +569,10 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
     per rank (`assignment.deal_adamw`); `owner_of` gives -1 for them. False: owned whole like
     the matrices. Tensor-parallel (DTensor) models keep them whole), `param_dtype` (e.g.
     torch.bfloat16: the model's parameters and the gathers in it, fp32 masters and state on
-    the owners), `grad_dtype` (the reduction's; fp32 under `param_dtype` by default); other
+    the owners), `grad_dtype` (the reduction's; fp32 under `param_dtype` by default),
+    `layout` (a `ParallelMesh`, instead of `process_group` and `expert_group`: its dp group,
+    its expert group when ep > 1, with expert gradients summed over it and divided by dp, its
+    tp group when tp > 1 and its pp group when pp > 1; see the module docstring); other
     keyword arguments go to `build_optimizer`.
 
     Parameters and gradients are views of flat buffers (nothing model-sized is held twice).
@@ -586,39 +599,30 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         shard_adamw: bool = True,
         param_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
+        layout: Any = None,
         **inner_kwargs: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        check_choice("balance", balance, BALANCES)
-        check_positive("bucket_mb", bucket_mb)
         check_float_dtype("gather_dtype", gather_dtype)
         check_float_dtype("param_dtype", param_dtype)
         check_float_dtype("grad_dtype", grad_dtype)
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
-        self.state_dict_to = check_choice("state_dict_to", state_dict_to, checkpoint.STATE_DICT_TO)
-        self.nonfinite = check_nonfinite_policy(nonfinite)
-        self.model = model
-        self.process_group = check_member("process_group", process_group)
-        self.rank, self.world_size = C.world(process_group)
+        self._preamble(
+            model, optimizer, lr, route, nonfinite, balance, bucket_mb, state_dict_to,
+            dict(inner_kwargs),
+        )  # fmt: skip
+        self._bind_groups(process_group, expert_group, layout)
+        process_group, expert_group = self.process_group, self.expert_group
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.gather_dtype = gather_dtype
-        rule = route if route is not None else default_route(model)
-
-        # The whole-model optimizer fixes the hyper-parameter groups every rank exposes (and
-        # validates the arguments on every rank); it holds no state.
-        template = build_optimizer(
-            model, optimizer=optimizer, lr=lr, route=rule, nonfinite=nonfinite, **dict(inner_kwargs)
-        )
-        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        for group in (process_group, expert_group):
-            for n, p in named.items():
-                C.check_device(p, f"LayerwiseDistributedOptimizer: parameter {n!r}", group)
-        self.expert_group = expert_group
-        self.tp_groups = _tensor_parallel_groups(named, process_group)
+        rule, template, named = self.rule, self.template, self.named
+        found = _tensor_parallel_groups(named, process_group)
+        if self.tp_groups:  # the layout's
+            _check_tensor_parallel_layout(found, layout.dims.group_ranks("tp", layout.rank))
+        else:
+            self.tp_groups = found
         # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
-        self.shard_adamw = bool(shard_adamw) and not self.tp_groups
+        self.shard_adamw = bool(shard_adamw) and not found
         masters = (param_dtype not in (None, torch.float32)) or (
             gather_dtype is not None and any(p.dtype != gather_dtype for p in named.values())
         )
@@ -737,12 +741,9 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             else:
                 g = {k: v for k, v in tg.items() if k not in ("params", "param_names")}
                 groups.append({**g, "params": [], "param_names": []})
-        super().__init__(named.values())
-        state = self.inner.state if self.inner is not None else self.state
-        self.adopt(groups, state, dict(template.defaults))
-
-        self._stats = C.CommStats()
-        self._last_stats = C.CommStats()
+        self._adopt(
+            groups, self.inner.state if self.inner is not None else None, dict(template.defaults)
+        )
         self._sync = True
         self._ddp: Any = None  # the DistributedDataParallel wrap the last forward ran in
         self._hooks: list[Any] = []
@@ -778,6 +779,11 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                     slots, self._groups[g], dtype, grad_dtype, self.gather_dtype, rank_major
                 )
                 bucket.label = f"bucket {len(self._buckets)}"
+                if g == 1 and self.layout is not None:
+                    # expert parallelism: the all-to-all's backward summed each expert's
+                    # gradient over the ep group; the sum over the expert group then spans
+                    # every dp rank of the stage, so it is averaged over dp
+                    bucket.divisor = self.layout.dims.dp
                 self._buckets.append(bucket)
                 self._bucket_of.update((s.unit, bucket) for s in slots)
         self._point()
@@ -934,15 +940,6 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             self._hooks.append(module.register_state_dict_pre_hook(self._wait_hook))
 
     # -- copies ------------------------------------------------------------------------
-    def copy_refusal(self) -> str | None:
-        """A copy over a process group would share its groups with the original; at world
-        size 1 without one, a copy (with its copy of the model) steps like the original."""
-        if self.process_group is not None or self.expert_group is not None or self.tp_groups:
-            return "it runs over process groups, which a copy cannot share"
-        if self.world_size > 1:
-            return f"it runs over the {self.world_size} ranks of the default process group"
-        return None
-
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         del state["_hooks"]  # handles of hooks on the original model
@@ -1187,11 +1184,10 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         for b in self._buckets:
             b.finish_reduce()
 
-    def _agree(self) -> tuple[list[bool], list[str]]:
-        """Which units had a gradient on some rank, and the names of the parameters whose
-        owned gradient is non-finite: one all-reduce per group and one host read of the
-        flags, with one count per rank (its owned buckets that hold a NaN or Inf); only when
-        some rank counts one do all ranks agree again, per unit, to name them."""
+    def _agreement_items(self) -> tuple[list[bool], list[Tensor], Callable[[], Tensor], list[str]]:
+        """The units: which had a gradient here, a check per owned reduced gradient (one per
+        owned slot, so that checking them costs at most the largest slot's temporaries), and
+        per unit whether its owned gradient holds a NaN or Inf."""
         present = [False] * len(self.units)
         for b in self._buckets:
             for unit in b.present:
@@ -1207,51 +1203,23 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                     flags[s.unit] |= ~torch.isfinite(b.shard_view(s)).all()
             return flags
 
-        # Over the data-parallel group, then each tensor-parallel group: the ranks that run
-        # a TP orthogonalizer together must agree on whether to step.
-        groups = [self.process_group, *self.tp_groups]
-        present, which = C.agree_nonfinite(present, checks, per_unit, groups, self._stats, device)
-        return present, [u.name for u, v in zip(self.units, which) if v]
+        return present, checks, per_unit, [u.name for u in self.units]
 
     # -- gradient clipping -------------------------------------------------------------
     _reduced = False  # the gradients of this step are reduced (by clip_grad_norm_)
 
-    @torch.no_grad()
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> Tensor:
-        """Clip the gradients of the whole model by their global norm, as
-        `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on a single process with the
-        averaged gradients; call it between the (last) backward and `step()`.
-
-        Finishes the gradient reductions (`step()` then uses them as they are), sums the
-        `norm_type`-th powers of the averaged gradient elements this rank owns (its whole
-        units and its runs of the sharded AdamW units; each element of the model counted on
-        exactly one rank), ONE small all-reduce over `process_group` (sum; max for inf) gives
-        the total, and the owned gradients are scaled by min(1, max_norm / (total + 1e-6)).
-        Under tensor parallelism the sum also runs over each TP group (local shards; a
-        replicated tensor counted once). Returns the total norm (the same on every rank).
-
-        A non-finite total raises RuntimeError with `error_if_nonfinite`; otherwise the
-        gradients are left unscaled and `step()` applies the optimizer's `nonfinite` policy
-        to the parameters whose gradients are non-finite. Collective: call it on every rank."""
-        p = clip.check_norm_type(norm_type)
+    def _clip_tensors(self) -> tuple[Iterator[Tensor], list[Tensor], torch.dtype | None]:
+        """Finish the gradient reductions first (`step()` then uses them as they are). Counted:
+        the averaged gradient elements this rank owns (its whole units and its runs of the
+        sharded AdamW units; under tensor parallelism local shards, a replicated tensor
+        counted once, `_counted_here`); scaled: every owned reduced gradient."""
         self.wait_for_params()  # a gather may still own a bucket's buffer
         if not self._reduced:
             self._reduce_grads()
             self._reduced = True
-        like = self._slots[0].param.device if self._slots else None
-        return clip.clip_(
-            (b.shard_view(s) for b in self._buckets for s in b.mine if self._counted_here(s)),
-            [t for b in self._buckets if b.mine for t in b.shards()],
-            max_norm,
-            p,
-            error_if_nonfinite,
-            device=C.device_for(self.process_group, like),
-            groups=(self.process_group, *self.tp_groups),
-            dtype=self._buckets[0].dtype if self._buckets else None,
-            stats=self._stats,
-        )
+        counted = (b.shard_view(s) for b in self._buckets for s in b.mine if self._counted_here(s))
+        scaled = [t for b in self._buckets if b.mine for t in b.shards()]
+        return counted, scaled, self._buckets[0].dtype if self._buckets else None
 
     def _counted_here(self, s: _Slot) -> bool:
         """Whether this rank counts owned slot `s` in the gradient norm: always without
@@ -1266,32 +1234,24 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
         coord = s.param.device_mesh.get_coordinate() or [0] * len(placements)
         return all(c == 0 for c, pl in zip(coord, placements) if pl.is_replicate())
 
-    # -- the step ----------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Reduce gradients to owners, step the owners, gather the updated parameters."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    # -- the step (`DistributedOptimizer.step`) -----------------------------------------
+    def _before_agree(self) -> None:
+        """Land the parameter gathers, then the gradients of this step, averaged, where the
+        owners read them (unless `clip_grad_norm_` reduced them already)."""
         self.wait_for_params()
-        self._prepared = None
-        if not self._reduced:  # clip_grad_norm_ has reduced them already
+        if not self._reduced:
             self._reduce_grads()
-        present, bad = self._agree()
-        try:
-            if enforce_nonfinite_policy(self.nonfinite, bad, self.world_size):
-                return loss
-            self._step_owned(present)
-        finally:
-            self._reset_buckets()
+
+    def _end_owned(self) -> None:
+        self._reset_buckets()
+
+    def _after_step(self) -> None:
+        """Launch the parameter gathers (asynchronous under `overlap_param_gather`: each is
+        waited for by the first forward pre-hook of the next step)."""
         for b in reversed(self._buckets):  # forward order: the first layers arrive first
             b.launch_gather(self._stats, async_op=self.overlap_param_gather)
         self._gathering = self.overlap_param_gather
         self._followed = False
-        self._last_stats = self._stats
-        self._stats = C.CommStats()
-        return loss
 
     def _reset_buckets(self) -> None:
         for b in self._buckets:
@@ -1333,11 +1293,6 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
             b.finish_gather()
         self._gathering = False
 
-    def reduce_max(self, t: Tensor) -> Tensor:
-        """The elementwise max of `t` over the data-parallel replicas (QK-clip's agreement on
-        max logits). Collective."""
-        return C.all_reduce_max(t, self.process_group, "QK-clip max-logit agreement (all-reduce)")
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter of the model (owned or not)."""
         tensors = {id(t): t for s in self._slots for t in (s.param, s.data, self._target(s))}
@@ -1355,113 +1310,36 @@ class LayerwiseDistributedOptimizer(CompositeOptimizer):
                     p.grad.requires_grad_(False)
                 p.grad.zero_()
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported once built: ownership is computed from the whole model at construction."""
-        if not hasattr(self, "_hooks"):  # torch's constructor, before the hooks exist
-            super().add_param_group(param_group)
-            return
-        raise ValueError(
-            "LayerwiseDistributedOptimizer cannot add param groups: ownership is computed from "
-            "the whole model at construction; build a new optimizer instead"
-        )
-
-    def comm_stats(self) -> dict[str, dict[str, float]]:
-        """Bytes sent / received per collective kind (and calls) in the last step: the
-        reductions of its gradients, the agreement all-reduce and the parameter gathers."""
-        return self._last_stats.as_dict()
-
     def expected_comm_bytes(self) -> dict[str, dict[str, float]]:
         """What `comm_stats()` should report for one step of this layout (sent, received per
         collective kind), computed from the bucket layout alone."""
-        n, rank = self.world_size, self.rank
         out: dict[str, dict[str, float]] = {}
-
-        def add(kind: str, sent: float, received: float) -> None:
-            d = out.setdefault(kind, {"sent": 0.0, "received": 0.0, "calls": 0})
-            d["sent"] += sent
-            d["received"] += received
-            d["calls"] += 1
-
-        if n == 1:
-            return out
         for b in self._buckets:
-            if b.n == 1:  # an expert group of one rank: nothing moves
+            if b.n == 1:  # a group of one rank: nothing moves
                 continue
             gsize = torch.empty(0, dtype=b.gather_dtype).element_size()
             psize = torch.empty(0, dtype=b.grad_dtype).element_size()
             n, rank = b.n, b.rank
             if b.width:
-                add("reduce_scatter", *C.ring_reduce_scatter_bytes([b.width * psize] * n)[rank])
-                add("all_gather", *C.ring_all_gather_bytes([b.width * gsize] * n)[rank])
+                sent = C.ring_reduce_scatter_bytes([b.width * psize] * n)[rank]
+                add_bytes(out, "reduce_scatter", *sent)
+                add_bytes(out, "all_gather", *C.ring_all_gather_bytes([b.width * gsize] * n)[rank])
                 continue
             for start, stop, owner in b.regions:
-                add("reduce", *C.reduce_bytes((stop - start) * psize, n, owner)[rank])
-                add("broadcast", *C.broadcast_bytes((stop - start) * gsize, n, owner)[rank])
-        for size in [self.world_size] + [C.world(g)[1] for g in self.tp_groups]:
-            # the agreement: an int32 flag per unit and one count of non-finite buckets
-            ar = C.ring_all_reduce_bytes((len(self.units) + 1) * 4, size)
-            add("all_reduce", ar, ar)
+                add_bytes(out, "reduce", *C.reduce_bytes((stop - start) * psize, n, owner)[rank])
+                sent = C.broadcast_bytes((stop - start) * gsize, n, owner)[rank]
+                add_bytes(out, "broadcast", *sent)
+        self._expected_agreement(out, len(self.units))
         return out
 
     # -- state -------------------------------------------------------------------------
-    _prepared: dict[str, Any] | None = None  # prepare_state_dict()'s, until the next step
-
-    def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer's state in the format of `build_optimizer(model, ...)`'s
-        `state_dict()` (a single-process optimizer loads it as is; so does this optimizer at
-        any world size), gathered from the owners to every rank, or with
-        `state_dict_to="rank0"` to rank 0 only (the others get {}). Collective: call it on
-        every rank, or `prepare_state_dict()` on every rank first. A call that some rank does
-        not make fails within `orthoptim.collectives.RENDEZVOUS_TIMEOUT_S` seconds. For
-        per-rank DCP checkpoints use `sharded_state_dict()`."""
-        if self._prepared is not None:
-            return self._prepared
-        return self.full_state_dict(to_rank0=self.state_dict_to == "rank0")
-
-    def prepare_state_dict(self) -> None:
-        """Gather the full state dict to rank 0 now (collective: call it on every rank), so
-        that `state_dict()` called by rank 0 alone returns it without communicating, until the
-        next `step()` or load (the other ranks' `state_dict()` then returns {}). For trainers
-        that save the optimizer from rank 0 only, as Hugging Face Trainer does."""
-        self._prepared = None
-        self._prepared = self.full_state_dict(to_rank0=True)
-
-    def full_state_dict(self, to_rank0: bool = False) -> dict[str, Any]:
-        """`state_dict()` with the destination given here instead of by `state_dict_to`;
-        see `orthoptim.checkpoint.full_state_dict`. Collective."""
-        C.rendezvous(
-            "LayerwiseDistributedOptimizer.state_dict()",
-            "call it on every rank, or call opt.prepare_state_dict() on every rank first "
-            "(after which state_dict() on rank 0 alone returns the gathered dict; see "
-            "docs/integrations.md for Hugging Face Trainer, which saves from rank 0 only)",
-            group=self.process_group,
-        )
-        return checkpoint.full_state_dict(self, to_rank0=to_rank0)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full dict (`state_dict()` of this optimizer at any world size, or of a
-        single-process `build_optimizer` / `Muon` / `SOAP` over the same model): every rank
-        keeps the state of what it owns, hyper-parameters go to every group. Every mismatch
-        is listed in one `CheckpointMismatchError` before anything changes."""
-        self._prepared = None
-        with self._masters_follow():
-            checkpoint.load_full_state_dict(self, state_dict)
-
     def state_view(self) -> StateView:
         """The state by name for checkpoints: the owners' states, gathered over
         `process_group`; every group's parameter names from the whole model."""
         return _LayerwiseView(self)
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """What this rank owns, for torch.distributed.checkpoint, under world-size-free keys;
-        see `orthoptim.checkpoint` (`save_sharded` / `load_sharded` save and reshard)."""
-        return checkpoint.sharded_state_dict(self)
-
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Install a DCP-read dict (keys as `sharded_state_dict()`, written at any world size)."""
-        self._prepared = None
-        with self._masters_follow():
-            checkpoint.load_sharded_state_dict(self, state_dict)
+    def _loading(self) -> contextlib.AbstractContextManager[None]:
+        return self._masters_follow()
 
     @contextlib.contextmanager
     @torch.no_grad()
@@ -1499,6 +1377,20 @@ def _carried_load(dense: Assignment, dense_group: Any, group: Any) -> list[float
             k = -1
         out.append(loads[k] if 0 <= k < len(loads) else 0.0)
     return out
+
+
+def _check_tensor_parallel_layout(found: list[Any], want: list[int]) -> None:
+    """Refuse DTensor parameters whose mesh groups (`found`) are not the layout's tp group
+    (of ranks `want`)."""
+    import torch.distributed as dist
+
+    for g in found:
+        if C.world(g)[1] > 1 and dist.get_process_group_ranks(g) != want:
+            raise ValueError(
+                f"the model's tensor-parallel parameters are DTensors over ranks "
+                f"{dist.get_process_group_ranks(g)}, but the layout's tp group is {want}: "
+                "parallelize the model over layout.tp_mesh"
+            )
 
 
 def _tensor_parallel_groups(params: dict[str, Tensor], process_group: Any) -> list[Any]:
