@@ -116,7 +116,7 @@ def make_optimizer(
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
     groups: dict[str, Any] = {}
     if mesh is not None:
-        groups = dict(process_group=mesh.dp_group, expert_group=mesh.expert_group)
+        groups = dict(layout=mesh)
         if mesh.dims.tp > 1:
             groups["orthogonalizer"] = TensorParallelOrthogonalizer(mode="auto")
         if mesh.dims.pp > 1:
@@ -136,28 +136,15 @@ def make_optimizer(
     )
 
 
-def clip_gradients(
-    model: nn.Module, opt: Any, max_norm: float, mesh: ParallelMesh | None = None
-) -> float:
+def clip_gradients(model: nn.Module, opt: Any, max_norm: float) -> float:
     """Clip the gradients by their global 2-norm and return the norm (before clipping): the
-    distributed optimizers' `clip_grad_norm_` (gradients reduced to owners or sharded), else
-    `torch.nn.utils.clip_grad_norm_` on the model's parameters (one process). Under a
-    pipeline (`mesh` with pp > 1) the norm is over every stage's gradients: each stage's
-    norm (scaling nothing), their squares summed over the pp group (one small all-reduce),
-    then each stage scaled by the factor the total gives."""
+    distributed optimizers' `clip_grad_norm_` (gradients reduced to owners or sharded; under
+    --pp over every stage's, by the layout's pp group), else
+    `torch.nn.utils.clip_grad_norm_` on the model's parameters (one process)."""
     method = getattr(opt, "clip_grad_norm_", None)
-    if method is None:
-        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    if mesh is None or mesh.dims.pp == 1:
+    if method is not None:
         return float(method(max_norm))
-    own = float(method(math.inf))
-    with collectives.phase("gradient norm over the pipeline stages (all-reduce over pp)"):
-        total = math.sqrt(collectives.sum_floats([own * own], group=mesh.pp_group)[0])
-    factor = max_norm / (total + 1e-6)  # torch's clip_grad_norm_ coefficient
-    if factor < 1:
-        # the optimizer scales by max_norm' / (own + 1e-6): this max_norm' makes it `factor`
-        method(factor * (own + 1e-6))
-    return total
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
 def _params_ready(opt: Any) -> None:
@@ -539,7 +526,7 @@ def train_step(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
-    norm = clip_gradients(run.model, opt, args.clip_norm, run.mesh) if args.clip_norm > 0 else None
+    norm = clip_gradients(run.model, opt, args.clip_norm) if args.clip_norm > 0 else None
     try:
         opt.step()
     except NonFiniteGradientError as exc:
