@@ -23,6 +23,12 @@ DCP checkpoints every rank writes its run as the boxes it covers of the full-siz
 tensor (`FlatShard`), under the parameter's key, so the stored tensor is the parameter's
 whole state, which loads as runs of any length or whole.
 
+Expert parallelism: a model cut by `expert_parallelize` says which global experts each local
+stack holds (`model.expert_parallel_slices()`); `save_sharded` / `load_sharded` store its
+stacks as their slices of the full [E, ...] tensors, so model checkpoints move between any
+--ep and a single process. The optimizer's side: `ExpertSlicesView` wraps a driver's
+`StateView` so its expert state carries global slice names and shapes.
+
 Before anything is loaded the checkpoint is compared with the optimizer (parameter names
 and shapes, the optimizer of each group, hyper-parameters that change what the state means);
 every difference is listed in one `CheckpointMismatchError` and nothing is modified.
@@ -77,6 +83,7 @@ __all__ = [
     "STATE_DICT_TO",
     "CheckpointLoadError",
     "CheckpointMismatchError",
+    "ExpertSlicesView",
     "StateView",
     "atomic_load",
     "atomic_save",
@@ -312,6 +319,104 @@ def _placed(v: Any, p: Tensor, elementwise: bool) -> Any:
     if elementwise and C.is_dtensor(p) and not C.is_dtensor(v) and v.shape == p.shape:
         return C.cut_like(v.detach().to(p.device_mesh.device_type, copy=True), p)
     return v.detach().to(p.device, copy=True)
+
+
+# -- expert parallelism ---------------------------------------------------------------------
+# Under --ep, rank e's stack of parameter `w` holds global experts [lo, hi) of E. Its
+# optimizer state is named by the global range (`w[lo:hi]`, or `w[lo+a:lo+b]` for a local
+# slice `w[a:b]`), and the layout reports `w` at its global shape, so the slices of every ep
+# rank join into the single-process optimizer's entry and are cut again on load.
+
+ExpertSlices = dict[str, tuple[int, int, int]]  # name → (start, stop, n_expert), global
+
+
+def _expert_slices(model: nn.Module | None) -> ExpertSlices:
+    """The model's expert-parallel stacks (`expert_parallel_slices()`; {} for other models)."""
+    get = getattr(model, "expert_parallel_slices", None)
+    return get() if callable(get) else {}
+
+
+class ExpertSlicesView(StateView):
+    """`inner` (a driver's `StateView` over an expert-parallel model) with global expert
+    names: the state of a local stack of `slices[name] = (lo, hi, E)` is named `name[lo:hi]`
+    (a local slice `name[a:b]`: `name[lo+a:lo+b]`) and the layout gives `name` the shape
+    [E, ...]. `gather_group` (and the DCP group) must span every rank that holds another
+    part of the state: the data-parallel group of a stage (ep inside dp). A driver returns it
+    from `state_view()` when its model is expert-parallel."""
+
+    spread = True
+
+    def __init__(self, inner: StateView, slices: ExpertSlices, gather_group: Any) -> None:
+        super().__init__(inner.opt, inner.kinds)
+        self.inner, self.slices = inner, dict(slices)
+        self.gather_group = self.dcp_group = gather_group
+        self._local: dict[str, str] = {}  # global name → the inner view's name
+
+    def _global(self, name: str) -> str:
+        base, part = _range(name)
+        if base not in self.slices:
+            return name
+        lo, hi, _ = self.slices[base]
+        a, b = part if part is not None else (0, hi - lo)
+        out = f"{base}[{lo + a}:{lo + b}]"
+        self._local[out] = name
+        return out
+
+    def _renamed(self, entries: dict[str, Any]) -> dict[str, Any]:
+        return {self._global(n): v for n, v in entries.items()}
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def layout(self) -> dict[str, Any]:
+        meta = self.inner.layout()
+        shapes = dict(meta["shapes"])
+        for name, (_, _, n_expert) in self.slices.items():
+            if name in shapes:
+                shapes[name] = [n_expert, *shapes[name][1:]]
+        return {**meta, "shapes": shapes}
+
+    def owned_params(self) -> dict[str, Tensor]:
+        return self._renamed(self.inner.owned_params())
+
+    def owned_state(self) -> dict[str, dict[str, Any]]:
+        return self._renamed(self.inner.owned_state())
+
+    def masters(self) -> dict[str, Tensor]:
+        return self._renamed(self.inner.masters())
+
+    def params(self) -> dict[str, Tensor]:
+        return self.inner.params()
+
+    def sends(self, name: str, key: str, value: Any) -> bool:
+        return self.inner.sends(self._local.get(name, name), key, value)
+
+    def keeps(self, name: str, key: str) -> bool:
+        return self.inner.keeps(self._local.get(name, name), key)
+
+    def elementwise(self, name: str, key: str) -> bool:
+        return self.inner.elementwise(self._local.get(name, name), key)
+
+
+def _model_entries(model: nn.Module, fresh: bool = False) -> dict[str, Any]:
+    """`model`'s state for DCP (`fresh`: empty tensors to read into): each expert-parallel
+    stack as its slice of the full [E, ...] tensor (a `FlatShard`: experts are dim 0, so a
+    slice is one run of the row-major flattening)."""
+    sd = model.state_dict()
+    out: dict[str, Any] = {k: torch.empty_like(v) if fresh else v for k, v in sd.items()}
+    for k, (lo, _, n_expert) in _expert_slices(model).items():
+        local = out[k]
+        whole = (n_expert, *local.shape[1:])
+        out[k] = FlatShard(local.detach().contiguous(), whole, lo * math.prod(whole[1:]))
+    return out
+
+
+def _model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every model entry's shape in the checkpoint: the full [E, ...] for expert stacks."""
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for k, (_, _, n_expert) in _expert_slices(model).items():
+        shapes[k] = (n_expert, *shapes[k][1:])
+    return shapes
 
 
 # -- full state dicts (torch format) ------------------------------------------------------------
@@ -782,7 +887,7 @@ def save_sharded(
     partial, old = path + ".partial", path + ".old"
     sd: dict[str, Any] = dict(sharded_state_dict(opt))
     if model is not None:
-        sd.update({f"model/{k}": v for k, v in model.state_dict().items()})
+        sd.update({f"model/{k}": v for k, v in _model_entries(model).items()})
     for k, v in (extra or {}).items():
         sd[f"extra/{k}"] = _pack(v)
     if rank == 0 and os.path.exists(partial):
@@ -853,6 +958,7 @@ def load_sharded(
     saved_meta = _unpack(head[META_KEY], f"{META_KEY!r} of checkpoint {path}")
     mismatches = compare(saved_meta, describe(opt))
     model_sd = model.state_dict() if model is not None else {}
+    model_shapes = _model_shapes(model) if model is not None else {}
     if model is not None:
         saved_model = {k[len("model/") :]: v for k, v in stored.items() if k.startswith("model/")}
         for k in sorted(set(model_sd) - set(saved_model)):
@@ -861,10 +967,10 @@ def load_sharded(
             mismatches.append(f"model entry {k}: in the checkpoint, not in this model")
         for k in sorted(set(saved_model) & set(model_sd)):
             size = getattr(saved_model[k], "size", None)
-            if size is not None and list(size) != list(model_sd[k].shape):
+            if size is not None and list(size) != list(model_shapes[k]):
                 mismatches.append(
                     f"model entry {k}: shape {tuple(size)} in the checkpoint, "
-                    f"{tuple(model_sd[k].shape)} here"
+                    f"{model_shapes[k]} here"
                 )
     if mismatches:
         raise CheckpointMismatchError(mismatches)
@@ -903,7 +1009,11 @@ def load_sharded(
             if kind == "state" and not view.elementwise(name, entry):
                 like = None  # whole-matrix state: read whole
             want[key] = _template(md, like)
-    fresh_model = {f"model/{k}": torch.empty_like(v) for k, v in model_sd.items()}
+    fresh_model = (
+        {f"model/{k}": v for k, v in _model_entries(model, fresh=True).items()}
+        if model is not None
+        else {}
+    )
     want.update(fresh_model)
     with C.phase("checkpoint load", group):
         dcp_load(want, path, group)
@@ -915,7 +1025,8 @@ def load_sharded(
     # Everything was read (and nothing refused): only now change anything.
     with torch.no_grad():
         for k, v in model_sd.items():
-            v.copy_(fresh_model[f"model/{k}"])
+            got = fresh_model[f"model/{k}"]
+            v.copy_(got.local.view_as(v) if isinstance(got, FlatShard) else got)
     load_sharded_state_dict(opt, {**want, META_KEY: head[META_KEY]})
     return extra
 

@@ -505,25 +505,90 @@ def all_to_all(
     group: Any = None,
     stats: CommStats | None = None,
     async_op: bool = False,
+    kind: str = "all_to_all",
 ) -> Any:
-    """All-to-all of flat tensors: `in_splits[r]` elements go to rank r, `out_splits[r]` arrive."""
+    """All-to-all of flat tensors: `in_splits[r]` elements go to rank r, `out_splits[r]` arrive;
+    `kind` is the name `stats` files it under."""
     rank, n = world(group)
     if n == 1:
         out.copy_(inp)
         return None
-    check_device(inp, "all_to_all", group)
-    check_device(out, "all_to_all", group)
+    check_device(inp, kind, group)
+    check_device(out, kind, group)
     if stats is not None:
         es = inp.element_size()
         stats.record(
-            "all_to_all",
+            kind,
             (sum(in_splits) - in_splits[rank]) * es,
             (sum(out_splits) - out_splits[rank]) * es,
         )
     return _issue(
-        "all_to_all", group, dist.all_to_all_single, out, inp, out_splits, in_splits,
+        kind, group, dist.all_to_all_single, out, inp, out_splits, in_splits,
         async_op=async_op,
     )  # fmt: skip
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """`all_to_all_rows` with its backward: the gradient of what arrived goes back the way it
+    came (the same all-to-all with the splits swapped)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        inp: Tensor,
+        out_rows: list[int],
+        in_rows: list[int],
+        group: Any,
+        stats: CommStats | None,
+        kind: str,
+    ) -> Tensor:
+        ctx.rows, ctx.group, ctx.stats, ctx.kind = (out_rows, in_rows), group, stats, kind
+        return _rows_to_all(inp, out_rows, in_rows, group, stats, kind)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        out_rows, in_rows = ctx.rows
+        back = _rows_to_all(grad, in_rows, out_rows, ctx.group, ctx.stats, ctx.kind)
+        return back, None, None, None, None, None
+
+
+def _rows_to_all(
+    inp: Tensor,
+    out_rows: list[int],
+    in_rows: list[int],
+    group: Any,
+    stats: CommStats | None,
+    kind: str,
+) -> Tensor:
+    width = math.prod(inp.shape[1:])
+    out = inp.new_empty(sum(out_rows), *inp.shape[1:])
+    all_to_all(
+        out.view(-1), inp.contiguous().view(-1), [r * width for r in out_rows],
+        [r * width for r in in_rows], group=group, stats=stats, kind=kind,
+    )  # fmt: skip
+    return out
+
+
+def all_to_all_rows(
+    inp: Tensor,
+    out_rows: list[int],
+    in_rows: list[int],
+    group: Any = None,
+    stats: CommStats | None = None,
+    kind: str = "all_to_all",
+) -> Tensor:
+    """Differentiable variable-size all-to-all of the rows (dim 0) of `inp`: its first
+    `in_rows[0]` rows go to group rank 0, the next `in_rows[1]` to rank 1, …; the result holds
+    the `out_rows[r]` rows rank r sent here, in rank order. The backward sends the gradient
+    back with the splits swapped (so the gradient of a rank's rows sums what every rank's
+    loss puts on them). Every rank's splits must agree with its peers' (rank r's `in_rows[s]`
+    is rank s's `out_rows[r]`): exchange the counts first. Bytes go to `stats` under `kind`,
+    forward and backward."""
+    if sum(in_rows) != inp.shape[0]:
+        raise ValueError(
+            f"all_to_all_rows: in_rows sums to {sum(in_rows)} but inp has {inp.shape[0]} rows"
+        )
+    return _AllToAllRows.apply(inp, list(out_rows), list(in_rows), group, stats, kind)
 
 
 def is_dtensor(t: Any) -> bool:

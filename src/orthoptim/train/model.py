@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from orthoptim import collectives as C
+from orthoptim import host
+from orthoptim.collectives import CommStats
 from orthoptim.optim.muon import Split, qkv_split
 from orthoptim.optim.qk_clip import QKHeads
 
@@ -39,11 +42,22 @@ VOCAB_SIZE = 256  # byte-level tokens
 @dataclass(frozen=True)
 class MoEConfig:
     """Routed experts: each token goes to its `top_k` of `n_expert` SwiGLU experts of hidden
-    size `hidden`, weighted by the renormalised router probabilities."""
+    size `hidden`, weighted by the renormalised router probabilities.
+
+    `capacity_factor` None (the default): dropless, every expert computes every (token,
+    choice) routed to it. A number c: an expert takes at most ceil(c · T · top_k / n_expert)
+    of the T tokens of one forward (per rank: each rank drops among its own tokens before
+    dispatch), first choices before second choices, earlier tokens first; a dropped (token,
+    choice) contributes zero (the residual stream carries the token on) and is counted in
+    `MoE.dropped`. `aux_loss_coef`: weight of the Switch load-balancing loss
+    n_expert · Σ_e f_e · P_e (f_e: the fraction of routed choices that picked e, P_e: the mean
+    router probability of e) added to the training loss; 0 (the default) leaves it out."""
 
     n_expert: int = 8
     top_k: int = 2
     hidden: int = 256
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("n_expert", "top_k", "hidden"):
@@ -53,6 +67,13 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.top_k ({self.top_k}) must be <= n_expert ({self.n_expert})"
             )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"MoEConfig.capacity_factor must be > 0 (or None: dropless), got "
+                f"{self.capacity_factor}"
+            )
+        if not self.aux_loss_coef >= 0:
+            raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
 
 @dataclass(frozen=True)
@@ -237,38 +258,151 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def _at_least_fp32(t: Tensor) -> Tensor:
+    """`t` in float32, or in its own dtype when that is wider (float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts; expert weights are 3-D [E, out, in] parameters, so Muon
-    orthogonalizes every expert on its own (and gate and up separately, via `split_spec`)."""
+    orthogonalizes every expert on its own (and gate and up separately, via `split_spec`).
+
+    After `expert_parallelize` the layer holds experts [ep_rank·E/ep, (ep_rank+1)·E/ep) only
+    and its forward dispatches each (token, choice) to the rank holding its expert with an
+    all-to-all over the expert-parallel group (and the results back with another); the router
+    stays replicated. What the last forward did: `tokens_per_expert` (the (token, choice)
+    pairs each local expert computed), `dropped` (pairs over capacity; None: dropless),
+    `aux_loss` (the unweighted load-balancing loss of a training forward; None: not computed).
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         assert cfg.moe is not None
         m = cfg.moe
-        self.top_k = m.top_k
+        self.top_k, self.n_expert = m.top_k, m.n_expert
+        self.capacity_factor, self.aux_loss_coef = m.capacity_factor, m.aux_loss_coef
         self.router = nn.Linear(cfg.d_model, m.n_expert, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(m.n_expert, 2 * m.hidden, cfg.d_model))
         self.experts_down = nn.Parameter(torch.empty(m.n_expert, cfg.d_model, m.hidden))
+        self.ep_group: Any = None
+        self.ep_rank, self.ep_size = 0, 1
+        self.stats_group: Any = None  # where the balancing loss's routing counts are summed
+        self.comm_stats: CommStats | None = None
+        self.tokens_per_expert: Tensor | None = None
+        self.dropped: Tensor | None = None
+        self.aux_loss: Tensor | None = None
 
     def split_spec(self) -> dict[str, Split]:
         half = self.experts_gate_up.shape[1] // 2
         return {"experts_gate_up": (half, half)}
 
+    @property
+    def expert_offset(self) -> int:
+        """The global index of this rank's first expert (0 without expert parallelism)."""
+        return self.ep_rank * (self.n_expert // self.ep_size)
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        probs = self.router(x).float().softmax(dim=-1)
+        probs = _at_least_fp32(self.router(x)).softmax(dim=-1)
         weight, chosen = probs.topk(self.top_k, dim=-1)
         weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
+        compute = self.training and self.aux_loss_coef > 0
+        self.aux_loss = self._balance_loss(probs, chosen) if compute else None
+        keep = self._within_capacity(chosen)
+        if self.ep_size == 1:
+            out = self._local_experts(x, weight, chosen, keep)
+        else:
+            out = self._dispatch(x, weight, chosen, keep)
+        return out.view(shape)
+
+    def _expert(self, e: int, x: Tensor) -> Tensor:
+        """Local expert e (an index into this rank's stacks) on the rows of x."""
+        gate, up = (x @ self.experts_gate_up[e].T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.experts_down[e].T
+
+    def _local_experts(
+        self, x: Tensor, weight: Tensor, chosen: Tensor, keep: Tensor | None
+    ) -> Tensor:
         out = torch.zeros_like(x)
         for e in range(self.experts_gate_up.shape[0]):
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            hit = chosen == e if keep is None else (chosen == e) & keep
+            rows, slot = hit.nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            gate, up = (x[rows] @ self.experts_gate_up[e].T).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ self.experts_down[e].T
-            out.index_add_(0, rows, y * weight[rows, slot, None])
-        return out.view(shape)
+            out.index_add_(0, rows, self._expert(e, x[rows]) * weight[rows, slot, None])
+        routed = chosen if keep is None else chosen[keep]
+        self.tokens_per_expert = torch.bincount(routed.reshape(-1), minlength=self.n_expert)
+        return out
+
+    def _dispatch(self, x: Tensor, weight: Tensor, chosen: Tensor, keep: Tensor | None) -> Tensor:
+        """Expert parallelism: (token, choice) pairs sorted by expert, the counts exchanged
+        (one all-gather of E integers), the rows sent to their experts' ranks and the results
+        back (an all-to-all each way, both differentiable), then weighted and summed per
+        token here, where the router's weights live."""
+        n, me, local = self.ep_size, self.ep_rank, self.n_expert // self.ep_size
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        expert, w = chosen.reshape(-1), weight.reshape(-1)
+        if keep is not None:
+            kept = keep.reshape(-1)
+            token, expert, w = token[kept], expert[kept], w[kept]
+        order = torch.argsort(expert, stable=True)
+        token, expert, w = token[order], expert[order], w[order]
+        counts = torch.bincount(expert, minlength=self.n_expert)
+        every = counts.new_empty(n * self.n_expert)
+        with C.phase("expert dispatch counts (all-gather)", self.ep_group):
+            C.all_gather(every, counts, self.ep_group, self.comm_stats, kind="expert_counts")
+        every = host.read(every, "expert dispatch counts").view(n, n, local)
+        send = every[me].sum(1).tolist()  # rows to each rank
+        mine = every[:, me]  # [source rank, local expert]: rows arriving here
+        arrive = mine.sum(1).tolist()
+        with C.phase("expert dispatch (all-to-all)", self.ep_group):
+            got = C.all_to_all_rows(
+                x[token], arrive, send, self.ep_group, self.comm_stats, "expert_dispatch"
+            )
+        # arrived rows are grouped by source, then by expert: regroup them by expert
+        which = torch.arange(local, device=x.device).repeat(n)
+        by_expert = torch.argsort(
+            which.repeat_interleave(mine.reshape(-1).to(x.device)), stable=True
+        )
+        sizes = mine.sum(0).tolist()
+        parts = got[by_expert].split(sizes)
+        y = torch.cat([self._expert(e, part) for e, part in enumerate(parts)])
+        y = y[torch.argsort(by_expert)]
+        self.tokens_per_expert = mine.sum(0)
+        with C.phase("expert combine (all-to-all)", self.ep_group):
+            back = C.all_to_all_rows(
+                y, send, arrive, self.ep_group, self.comm_stats, "expert_combine"
+            )
+        return torch.zeros_like(x).index_add_(0, token, back * w[:, None])
+
+    def _within_capacity(self, chosen: Tensor) -> Tensor | None:
+        """Which (token, choice) pairs fit their expert's capacity (None: dropless). Queues
+        fill first choices of every token, then second choices, in token order."""
+        if self.capacity_factor is None:
+            self.dropped = None
+            return None
+        tokens, k = chosen.shape
+        capacity = math.ceil(self.capacity_factor * tokens * k / self.n_expert)
+        onehot = F.one_hot(chosen.T.reshape(-1), self.n_expert)
+        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # position in its expert's queue
+        keep = (place < capacity).view(k, tokens).T
+        self.dropped = (~keep).sum()
+        return keep
+
+    def _balance_loss(self, probs: Tensor, chosen: Tensor) -> Tensor:
+        """n_expert · Σ_e f_e · P_e. The routing counts behind f (no gradient) are summed over
+        `stats_group` (the expert-parallel group, or what `expert_parallelize` was given), so
+        f is the global batch's; P is this rank's mean probability, so the mean of the ranks'
+        losses (and of their gradients) is the single-process loss on the global batch."""
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_expert).to(probs.dtype)
+        if self.stats_group is not None:
+            with C.phase("router load-balancing counts (all-reduce)", self.stats_group):
+                C.all_reduce(
+                    counts, group=self.stats_group, stats=self.comm_stats, kind="router_counts"
+                )
+        f = counts / counts.sum()
+        return self.n_expert * (f * probs.mean(dim=0)).sum()
 
 
 class Block(nn.Module):
@@ -294,6 +428,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.dispatch_stats: CommStats | None = None  # set by expert_parallelize
         cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -351,9 +486,136 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        # float32 at least (bf16 logits rise to it; float64 stays)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        flat = _at_least_fp32(logits).view(-1, logits.shape[-1])
+        loss = F.cross_entropy(flat, targets.reshape(-1))
+        aux = self.router_aux_loss()
+        return loss if aux is None else loss + aux
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """Name → every routed-experts layer (empty for a dense model)."""
+        return {n: m for n, m in self.named_modules() if isinstance(m, MoE)}
+
+    def router_aux_loss(self) -> Tensor | None:
+        """Σ over MoE layers of aux_loss_coef · the load-balancing loss of the last training
+        forward (what `forward(idx, targets)` adds to the loss); None when there is none (a
+        dense model, an evaluation forward, aux_loss_coef 0)."""
+        layers = self.moe_layers().values()
+        terms = [m.aux_loss_coef * m.aux_loss for m in layers if m.aux_loss is not None]
+        return torch.stack(terms).sum() if terms else None
+
+    def dropped_tokens(self) -> int:
+        """(token, choice) pairs the last forward dropped over expert capacity, all layers
+        summed on this rank (0 when dropless)."""
+        drops = [m.dropped for m in self.moe_layers().values() if m.dropped is not None]
+        return int(host.read(torch.stack(drops).sum(), "dropped tokens")) if drops else 0
+
+    def expert_parallel_slices(self) -> dict[str, tuple[int, int, int]]:
+        """Parameter name → (start, stop, n_expert): the global experts [start, stop) the
+        local stack holds, for every expert parameter cut by `expert_parallelize` (empty
+        otherwise). Checkpoints read it to store the stacks as slices of the full tensors."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for name, m in self.moe_layers().items():
+            if m.ep_size > 1:
+                lo = m.expert_offset
+                for p in ("experts_gate_up", "experts_down"):
+                    out[f"{name}.{p}"] = (lo, lo + m.n_expert // m.ep_size, m.n_expert)
+        return out
+
+
+def expert_parallelize(
+    model: GPT,
+    ep_group: Any,
+    ep_rank: int,
+    ep_size: int,
+    stats_group: Any = None,
+    stats: CommStats | None = None,
+) -> GPT:
+    """Expert parallelism over `ep_group` (`ep_size` ranks; this one is `ep_rank`), in place:
+    every MoE layer keeps only its experts [ep_rank·E/ep, (ep_rank+1)·E/ep) as
+    `experts_gate_up` / `experts_down` (same names, shape [E/ep, ...]) and dispatches tokens
+    to them with all-to-all (see `MoE`). Call it on every rank of the group before building
+    the optimizer (the expert parameters are new tensors). The all-to-all's backward sums the
+    expert gradients over the ep group: divide them by the data-parallel size (not by edp),
+    after summing over the expert data-parallel group, to get the single-process gradient.
+
+    `stats_group`: where the load-balancing loss sums its routing counts (default
+    `ep_group`; give the data-parallel group when it is larger than the ep group, so the loss
+    is the global batch's; with `ep_size` 1 only this is set). `stats`: the `CommStats`
+    every layer's dispatch bytes go to (default a new one); kept as `model.dispatch_stats`.
+    """
+    layers = model.moe_layers()
+    if not layers:
+        raise ValueError(
+            f"--ep {ep_size} needs a mixture-of-experts model (this one has no MoE layers): "
+            "use --config tiny-moe, or drop --ep"
+        )
+    n_expert = next(iter(layers.values())).n_expert
+    if ep_size < 1 or n_expert % ep_size:
+        raise ValueError(
+            f"--ep {ep_size} must divide the model's {n_expert} experts per layer: use an --ep "
+            f"among {[d for d in range(1, n_expert + 1) if n_expert % d == 0]}"
+        )
+    group_rank, group_size = C.world(ep_group)
+    if ep_size > 1 and (group_size, group_rank) != (ep_size, ep_rank):
+        raise ValueError(
+            f"expert_parallelize: ep_group has {group_size} ranks and this is its rank "
+            f"{group_rank}, but ep_size={ep_size}, ep_rank={ep_rank}; pass the ep group of "
+            "the mesh (ParallelMesh.ep_group) and its size and rank"
+        )
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"expert_parallelize: ep_rank must be in [0, {ep_size}), got {ep_rank}")
+    stats = stats if stats is not None else CommStats()
+    local = n_expert // ep_size
+    for name, m in layers.items():
+        if m.ep_size != 1:
+            raise ValueError(f"expert_parallelize: {name} is expert-parallel already")
+        m.ep_group, m.ep_rank, m.ep_size = ep_group, ep_rank, ep_size
+        m.stats_group = (
+            stats_group if stats_group is not None else (ep_group if ep_size > 1 else None)
+        )
+        m.comm_stats = stats
+        if ep_size > 1:
+            lo = ep_rank * local
+            for p in ("experts_gate_up", "experts_down"):
+                full = getattr(m, p)
+                setattr(
+                    m, p, nn.Parameter(full.detach()[lo : lo + local].clone(), full.requires_grad)
+                )
+    model.dispatch_stats = stats
+    return model
+
+
+def full_expert_state_dict(model: GPT, stats: CommStats | None = None) -> dict[str, Tensor]:
+    """`model.state_dict()` as the full (single-process) model's: every expert stack cut by
+    `expert_parallelize` is all-gathered over its ep group into the [E, ...] tensor (a new
+    tensor; the other entries share the parameters' storage, as in `state_dict()`).
+    Collective over the ep group (a plain state dict without expert parallelism)."""
+    sd = model.state_dict()
+    layers = model.moe_layers()
+    for name, (_, _, n_expert) in model.expert_parallel_slices().items():
+        m = layers[name.rpartition(".")[0]]
+        local = sd[name].contiguous()
+        out = local.new_empty(n_expert, *local.shape[1:])
+        with C.phase(f"full expert state of {name} (all-gather)", m.ep_group):
+            C.all_gather(out.view(-1), local.view(-1), m.ep_group, stats)
+        sd[name] = out
+    return sd
+
+
+def load_expert_state_dict(model: GPT, sd: dict[str, Tensor], strict: bool = True) -> None:
+    """Load a full model's state dict (`full_expert_state_dict`, or a single-process model's)
+    into `model`: each expert-parallel stack takes its slice [start, stop) of the [E, ...]
+    tensor. No communication."""
+    cut = dict(sd)
+    for name, (lo, hi, n_expert) in model.expert_parallel_slices().items():
+        if name in cut:
+            if cut[name].shape[0] != n_expert:
+                raise ValueError(
+                    f"load_expert_state_dict: {name} holds {cut[name].shape[0]} experts; the "
+                    f"full model's {n_expert} are needed to cut this rank's [{lo}:{hi}]"
+                )
+            cut[name] = cut[name][lo:hi]
+    model.load_state_dict(cut, strict=strict)
 
 
 def compile_blocks(model: GPT) -> GPT:
