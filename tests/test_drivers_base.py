@@ -294,3 +294,19 @@ def test_pipeline_stages_agree_on_a_non_finite_gradient(four):
         else:
             assert ANOTHER_STAGE in r["raise"]
         assert len(r["skip"]) == 1 and "skipping optimizer step on every rank" in r["skip"][0]
+
+
+def _mesh(**sizes: int) -> ParallelMesh:
+    """A layout's groups as one process sees them without a process group (every group None,
+    the default one): enough for the checks made at construction."""
+    groups = dict.fromkeys(("dp", "edp", "ep", "tp", "pp", "stage"))
+    return ParallelMesh(ParallelDims(**sizes), 0, groups, "cpu")
+
+
+def test_a_layout_refuses_groups_given_twice_and_fsdp_refuses_expert_parallelism():
+    from orthoptim.parallel.fsdp import FSDPOptimizer
+
+    with pytest.raises(ValueError, match="pass layout= or process_group="):
+        LayerwiseDistributedOptimizer(_mlp(), layout=_mesh(dp=2), process_group=object())
+    with pytest.raises(ValueError, match="ep=2, tp=1: use LayerwiseDistributedOptimizer"):
+        FSDPOptimizer(_mlp(), layout=_mesh(dp=2, ep=2))

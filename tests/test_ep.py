@@ -17,6 +17,7 @@ from orthoptim import build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim import collectives as C
 from orthoptim.optim.state import state_view
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.model import (
     CONFIGS,
     GPT,
@@ -85,8 +86,19 @@ def _ep_ranks(rank, world_size):
     # the same ranks, balancing counts left local: the loss is no longer the global one
     local = expert_parallelize(_model(), dist.group.WORLD, rank, world_size)
     for m in local.moe_layers().values():
-        m.stats_group = None
+        m.stats_groups = []
     out["local_loss"] = local(_mine(x, rank), _mine(y, rank)).item()
+    # dp 4 with ep 2 (expert data parallelism 2), groups from the layout object: expert grads
+    # summed over the expert group and dense grads over dp, both divided by dp
+    mesh = ParallelDims.for_world(world_size, ep=2).build()
+    model = expert_parallelize(_model(), mesh.ep_group, mesh.coord.ep, 2, mesh.dp_group)
+    model(_mine(x, rank), _mine(y, rank)).backward()
+    out["edp_grads"] = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        C.all_reduce(g, group=mesh.expert_group if "experts_" in name else mesh.dp_group)
+        out["edp_grads"][name] = g / world_size
+    out["ep_index"] = mesh.coord.ep
     return out
 
 
@@ -137,6 +149,15 @@ def test_ep_gradients_equal_single_process(ep4, ref4):
         else:
             mean = sum(r["grads"][name] for r in ep4) / 4
             assert _rel(mean, ref) <= REL, name
+
+
+def test_ep2_inside_dp4_gradients_equal_single_process(ep4, ref4):
+    assert [r["ep_index"] for r in ep4] == [0, 1, 0, 1]
+    for r in ep4:
+        e = r["ep_index"]
+        for name, ref in ref4["grads"].items():
+            want = ref[4 * e : 4 * e + 4] if "experts_" in name else ref
+            assert _rel(r["edp_grads"][name], want) <= REL, (name, e)
 
 
 def test_dispatch_bytes_are_the_rows_that_leave(ep4):
@@ -206,7 +227,7 @@ def _ep2_ranks(rank, world_size):
         out["drop_logits"] = model(_mine(x, rank))
     out["dropped"] = model.dropped_tokens()
     # plain data parallelism (ep 1): the balancing counts summed over the dp group
-    dp = expert_parallelize(_model(), None, 0, 1, stats_group=dist.group.WORLD)
+    dp = expert_parallelize(_model(), None, 0, 1, stats_group=None)  # None: every rank
     out["dp_loss"] = dp(_mine(x, rank), _mine(y, rank)).item()
     # full state dicts: gathered equal the single-process model's; cut again on load
     model = expert_parallelize(_model(), dist.group.WORLD, rank, world_size)
@@ -335,6 +356,14 @@ def test_checkpoints_move_between_ep2_and_one_process(tmp_path):
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and v.ndim:
                 assert _rel(v, want[n][k]) <= REL, (n, k)
+
+
+def test_float64_model_keeps_float64_loss():
+    x, y = _global_batch(1)
+    model = _model(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, aux_loss_coef=0.0)))
+    logits = model(x)
+    want = -logits.log_softmax(-1).gather(-1, y[..., None]).mean()
+    assert logits.dtype == torch.float64 and _rel(model(x, y), want) <= 1e-14
 
 
 # ---------------------------------------------------------------- refusals

@@ -8,7 +8,10 @@ Two layouts: the default keeps Q, K, V and the two (GELU) MLP matrices separate 
 `fused=True` stores one `qkv` matrix and a SwiGLU MLP with one `gate_up` matrix, and the model
 reports the row blocks of those matrices through `split_spec()` so that Muon orthogonalizes
 q, k, v (and gate, up) on their own. `n_kv_head` < `n_head` is grouped-query attention.
-`moe` replaces the MLP by top-k routed SwiGLU experts stored as 3-D [E, out, in] parameters.
+`moe` replaces the MLP by top-k routed SwiGLU experts stored as 3-D [E, out, in] parameters;
+`expert_parallelize` spreads them over an expert-parallel group (each rank E/ep experts, tokens
+dispatched by all-to-all), and `full_expert_state_dict` / `load_expert_state_dict` move the
+state between such a model and the full one.
 
 MuonClip protocol (see `orthoptim.optim.qk_clip`): `record_attention_logits(True)` makes every
 attention layer keep the largest pre-softmax logit per head seen in training forwards (this
@@ -286,7 +289,7 @@ class MoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(m.n_expert, cfg.d_model, m.hidden))
         self.ep_group: Any = None
         self.ep_rank, self.ep_size = 0, 1
-        self.stats_group: Any = None  # where the balancing loss's routing counts are summed
+        self.stats_groups: list[Any] = []  # the balancing loss sums routing counts over these
         self.comm_stats: CommStats | None = None
         self.tokens_per_expert: Tensor | None = None
         self.dropped: Tensor | None = None
@@ -384,23 +387,25 @@ class MoE(nn.Module):
             return None
         tokens, k = chosen.shape
         capacity = math.ceil(self.capacity_factor * tokens * k / self.n_expert)
-        onehot = F.one_hot(chosen.T.reshape(-1), self.n_expert)
-        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # position in its expert's queue
+        queue = chosen.T.reshape(-1)  # every token's first choice, then every second choice
+        order = torch.argsort(queue, stable=True)
+        counts = torch.bincount(queue, minlength=self.n_expert)
+        first = counts.cumsum(0) - counts  # where each expert's run starts in `order`
+        place = torch.empty_like(queue)  # position of each pair in its expert's queue
+        place[order] = torch.arange(queue.numel(), device=queue.device) - first[queue[order]]
         keep = (place < capacity).view(k, tokens).T
         self.dropped = (~keep).sum()
         return keep
 
     def _balance_loss(self, probs: Tensor, chosen: Tensor) -> Tensor:
         """n_expert · Σ_e f_e · P_e. The routing counts behind f (no gradient) are summed over
-        `stats_group` (the expert-parallel group, or what `expert_parallelize` was given), so
-        f is the global batch's; P is this rank's mean probability, so the mean of the ranks'
-        losses (and of their gradients) is the single-process loss on the global batch."""
+        `stats_groups` (set by `expert_parallelize`; none: this rank's own), so f is the
+        global batch's; P is this rank's mean probability, so the mean of the ranks' losses
+        (and of their gradients) is the single-process loss on the global batch."""
         counts = torch.bincount(chosen.reshape(-1), minlength=self.n_expert).to(probs.dtype)
-        if self.stats_group is not None:
-            with C.phase("router load-balancing counts (all-reduce)", self.stats_group):
-                C.all_reduce(
-                    counts, group=self.stats_group, stats=self.comm_stats, kind="router_counts"
-                )
+        for group in self.stats_groups:
+            with C.phase("router load-balancing counts (all-reduce)", group):
+                C.all_reduce(counts, group=group, stats=self.comm_stats, kind="router_counts")
         f = counts / counts.sum()
         return self.n_expert * (f * probs.mean(dim=0)).sum()
 
@@ -527,7 +532,7 @@ def expert_parallelize(
     ep_group: Any,
     ep_rank: int,
     ep_size: int,
-    stats_group: Any = None,
+    stats_group: Any = "ep",
     stats: CommStats | None = None,
 ) -> GPT:
     """Expert parallelism over `ep_group` (`ep_size` ranks; this one is `ep_rank`), in place:
@@ -538,12 +543,19 @@ def expert_parallelize(
     expert gradients over the ep group: divide them by the data-parallel size (not by edp),
     after summing over the expert data-parallel group, to get the single-process gradient.
 
-    `stats_group`: where the load-balancing loss sums its routing counts (default
-    `ep_group`; give the data-parallel group when it is larger than the ep group, so the loss
-    is the global batch's; with `ep_size` 1 only this is set). `stats`: the `CommStats`
-    every layer's dispatch bytes go to (default a new one); kept as `model.dispatch_stats`.
+    `stats_group`: the group over which the load-balancing loss sums its routing counts:
+    "ep" (the default) `ep_group` (with `ep_size` 1: this rank's own counts); or a process
+    group (None: the default group, every rank, as everywhere in orthoptim). Give the
+    data-parallel group (`ParallelMesh.dp_group`) when it is larger than the ep group, so
+    that the loss is the global batch's; with `ep_size` 1 only this is set (plain data
+    parallelism with a global balancing loss). `stats`: the `CommStats` every layer's
+    dispatch bytes go to (default a new one), kept as `model.dispatch_stats`. With the mesh
+    of `orthoptim.parallel.layout`:
+    `expert_parallelize(model, mesh.ep_group, mesh.coord.ep, mesh.dims.ep, mesh.dp_group)`.
     """
     layers = model.moe_layers()
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"expert_parallelize: ep_rank must be in [0, {ep_size}), got {ep_rank}")
     if not layers:
         raise ValueError(
             f"--ep {ep_size} needs a mixture-of-experts model (this one has no MoE layers): "
@@ -555,6 +567,10 @@ def expert_parallelize(
             f"--ep {ep_size} must divide the model's {n_expert} experts per layer: use an --ep "
             f"among {[d for d in range(1, n_expert + 1) if n_expert % d == 0]}"
         )
+    if isinstance(stats_group, str) and stats_group != "ep":
+        raise ValueError(
+            f"expert_parallelize: stats_group must be 'ep' or a process group, got {stats_group!r}"
+        )
     group_rank, group_size = C.world(ep_group)
     if ep_size > 1 and (group_size, group_rank) != (ep_size, ep_rank):
         raise ValueError(
@@ -562,17 +578,16 @@ def expert_parallelize(
             f"{group_rank}, but ep_size={ep_size}, ep_rank={ep_rank}; pass the ep group of "
             "the mesh (ParallelMesh.ep_group) and its size and rank"
         )
-    if not 0 <= ep_rank < ep_size:
-        raise ValueError(f"expert_parallelize: ep_rank must be in [0, {ep_size}), got {ep_rank}")
     stats = stats if stats is not None else CommStats()
     local = n_expert // ep_size
     for name, m in layers.items():
         if m.ep_size != 1:
             raise ValueError(f"expert_parallelize: {name} is expert-parallel already")
         m.ep_group, m.ep_rank, m.ep_size = ep_group, ep_rank, ep_size
-        m.stats_group = (
-            stats_group if stats_group is not None else (ep_group if ep_size > 1 else None)
-        )
+        if isinstance(stats_group, str):  # "ep": none when the ep group is this rank alone
+            m.stats_groups = [ep_group] if ep_size > 1 else []
+        else:
+            m.stats_groups = [stats_group]
         m.comm_stats = stats
         if ep_size > 1:
             lo = ep_rank * local

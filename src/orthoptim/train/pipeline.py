@@ -13,7 +13,9 @@ batch's mean loss on every stage of the pipeline.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +24,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from orthoptim import collectives
-from orthoptim.optim.muon import Split
 from orthoptim.optim.qk_clip import QKHeads
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.model import GPT, GPTConfig
 
 if TYPE_CHECKING:
@@ -33,12 +35,14 @@ if TYPE_CHECKING:
 
 ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b")
+NoSync = Callable[[], AbstractContextManager[Any]]
 
 
 def stage_layers(n_layer: int, pp: int, stage: int) -> range:
     """The blocks stage `stage` of `pp` holds: `n_layer // pp` each, the first
-    `n_layer % pp` stages one more (the last stage also computes the head and the loss)."""
-    check_pipeline(n_layer, pp)
+    `n_layer % pp` stages one more (the last stage also computes the head and the loss).
+    Refuses (naming --pp) more stages than blocks: every stage holds at least one."""
+    ParallelDims(pp=pp).check(n_layer=n_layer)
     if not 0 <= stage < pp:
         raise ValueError(f"stage must be in [0, {pp}) for --pp {pp}, got {stage}")
     base, extra = divmod(n_layer, pp)
@@ -46,21 +50,27 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> range:
     return range(start, start + base + (stage < extra))
 
 
-def check_pipeline(n_layer: int, pp: int) -> None:
-    """Refuse a pipeline size the model cannot be split into: every stage needs a block."""
-    if pp < 1:
-        raise ValueError(f"--pp must be >= 1, got {pp}")
-    if pp > n_layer:
-        raise ValueError(
-            f"--pp {pp} exceeds the model's {n_layer} blocks (every stage holds at least one "
-            f"block): use --pp {n_layer} or fewer"
-        )
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks under their indices in the full model (`blocks.3` stays `blocks.3`);
+    iterating yields the blocks, as over the full model's ModuleList (`compile_blocks`,
+    `GPT.record_attention_logits`); `items()` pairs them with their indices."""
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        return iter(self.values())
 
 
 class GPTStage(nn.Module):
     """Stage `stage` of `pp` of a `GPT` (see `split_stage`): `forward(x)` takes token ids on
     stage 0, hidden states [B, T, d_model] elsewhere, and returns hidden states, or logits
-    on the last stage. Implements the MuonClip protocol over the blocks it holds."""
+    on the last stage. Implements the MuonClip protocol over the blocks it holds.
+
+    Router auxiliary loss (MoE layers with `aux_loss` and `aux_loss_coef`, as
+    `GPT.router_aux_loss`): a training forward adds this stage's Σ coef · aux_loss to
+    `aux_loss_sum` (detached; reset it to None to start again) and, when it has a gradient,
+    ties it to the output so that backward from a later stage also differentiates it, with
+    weight `aux_loss_scale` (a pipeline runner sets 1 / micro-batches, the weight of each
+    micro-batch's loss).
+    """
 
     def __init__(self, model: GPT, pp: int, stage: int) -> None:
         super().__init__()
@@ -70,12 +80,14 @@ class GPTStage(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == pp - 1
         if self.is_first:
             self.embed = model.embed
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in self.layers})
+        self.blocks = StageBlocks({str(i): model.blocks[i] for i in self.layers})
         if self.is_last:
             self.norm = model.norm
             self.lm_head = model.lm_head
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.aux_loss_scale = 1.0
+        self.aux_loss_sum: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         T = x.shape[1]
@@ -84,21 +96,36 @@ class GPTStage(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         if self.is_first:
             x = self.embed(x)
-        for block in self.blocks.values():
+        for block in self.blocks:
             x = block(x, cos, sin)
         if self.is_last:
             x = self.lm_head(self.norm(x))
+        aux = self.router_aux_loss()
+        if aux is not None:
+            done = aux.detach()
+            self.aux_loss_sum = done if self.aux_loss_sum is None else self.aux_loss_sum + done
+            if aux.requires_grad:
+                x = _WithLossGradient.apply(x, aux, self.aux_loss_scale)
         return x
 
-    def split_spec(self) -> dict[str, Split]:
-        """Row blocks of the fused matrices this stage holds (as `GPT.split_spec`)."""
-        return GPT.split_spec(self)  # type: ignore[arg-type]  # reads named_modules() only
+    def stream_dtype(self) -> torch.dtype:
+        """The dtype of the residual stream a stage sends: its parameters' (the embedding's
+        output; a block adds its autocast output to it in the stream's dtype)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
 
-    def record_attention_logits(self, on: bool = True) -> None:
-        """As `GPT.record_attention_logits`, for this stage's blocks."""
-        for block in self.blocks.values():
-            block.attn.record_logits = on
-            block.attn.max_logits = None
+    def router_aux_loss(self) -> Tensor | None:
+        """Σ over this stage's MoE layers of aux_loss_coef · aux_loss of their last forward
+        (as `GPT.router_aux_loss`); None when no layer computed one."""
+        terms = [
+            m.aux_loss_coef * m.aux_loss
+            for m in self.blocks.modules()
+            if getattr(m, "aux_loss", None) is not None
+        ]
+        return torch.stack(terms).sum() if terms else None
+
+    # The full model's, as they read only named_modules() and iterate over `blocks`.
+    split_spec = GPT.split_spec
+    record_attention_logits = GPT.record_attention_logits
 
     def attention_max_logits(self) -> dict[str, Tensor | None]:
         """As `GPT.attention_max_logits`, for this stage's blocks (full-model layer names)."""
@@ -116,13 +143,26 @@ class GPTStage(nn.Module):
         }
 
 
+class _WithLossGradient(torch.autograd.Function):
+    """x unchanged; its backward also sends `scale` as the gradient of the scalar `loss`
+    (a loss computed inside a stage joins the backward that reaches the stage's output)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.scale, ctx.like = scale, loss.detach()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, torch.full_like(ctx.like, ctx.scale), None
+
+
 def split_stage(model: GPT, pp: int, stage: int) -> GPTStage:
     """Stage `stage` of a `pp`-stage pipeline over `model` (see `GPTStage`), sharing the
     model's modules. Every rank builds the same full model (same seed) and keeps its stage.
 
     Tensor parallelism: `parallelize(model, tp_mesh)` the full model BEFORE splitting (its
     plan names every block of the full model)."""
-    check_pipeline(model.cfg.n_layer, pp)
     return GPTStage(model, pp, stage)
 
 
@@ -131,6 +171,59 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     `GPT.forward(idx, targets)`, which also takes bf16 logits to float32; float64 stays)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _SyncedStage(PipelineStage):
+    """The `PipelineStage` of a `GPTStage` for micro-batches of `tokens` [mb, T] (their ids'
+    dtype `ids`), given its input and output shapes (static metadata: torch's inference of
+    them would run a forward on uninitialized tensors, recording garbage into MuonClip's
+    logits and the router losses). The backward of every micro-batch but the last runs
+    inside `no_sync()` (a data-parallel optimizer's), so gradients are reduced once a step."""
+
+    def __init__(
+        self,
+        module: GPTStage,
+        tokens: tuple[int, int],
+        ids: torch.dtype,
+        device: torch.device,
+        group: Any,
+        no_sync: NoSync | None,
+    ) -> None:
+        stream, cfg = module.stream_dtype(), module.cfg
+        self.sends = torch.Size((*tokens, cfg.d_model)), stream
+
+        def example(*shape: int, dtype: torch.dtype = stream) -> Tensor:
+            t = torch.empty(*tokens, *shape, dtype=dtype, device="meta")
+            return t.requires_grad_() if t.is_floating_point() else t
+
+        super().__init__(
+            module,
+            module.stage,
+            module.pp,
+            device,
+            input_args=example(dtype=ids) if module.is_first else example(cfg.d_model),
+            output_args=example(cfg.vocab_size if module.is_last else cfg.d_model),
+            group=group,
+        )
+        self.no_sync = no_sync
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward_maybe_with_nosync(*args, **kwargs)
+        if not self.is_last and (out.shape, out.dtype) != self.sends:
+            raise RuntimeError(
+                f"pipeline stage {self.stage_index} sends {out.dtype} {tuple(out.shape)}, but "
+                f"the next stage receives {self.sends[1]} {tuple(self.sends[0])}: the model's "
+                "parameters must all have one dtype (the residual stream's)"
+            )
+        return out
+
+    def backward_maybe_with_nosync(
+        self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
+    ) -> Any:
+        if self.no_sync is None or last_backward:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with self.no_sync():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
 class PipelineRunner:
@@ -142,6 +235,16 @@ class PipelineRunner:
     forward, then every backward). Each batch is cut into `n_microbatches` equal
     micro-batches along dim 0; the loss of each is its mean over its tokens divided by
     `n_microbatches`, so the gradients summed over them are those of the batch's mean loss.
+    `no_sync`: the stage's data-parallel optimizer's (`LayerwiseDistributedOptimizer.no_sync`),
+    entered for the backward of every micro-batch but the last of a step (None: no
+    data-parallel reduction during backward).
+
+    The loss `step` and `evaluate` return is the same on every stage (one all-reduce of a
+    float over the pipeline group): the cross-entropy of the batch, plus the router
+    auxiliary losses of every stage's MoE layers (in training mode, as `GPT.forward` adds
+    them), each the mean of its micro-batches' (a balancing loss per micro-batch, as under
+    gradient accumulation). The module's mode is the caller's (`module.eval()` first for a
+    validation loss without them).
     """
 
     def __init__(
@@ -152,6 +255,7 @@ class PipelineRunner:
         n_microbatches: int,
         schedule: ScheduleName = "1f1b",
         device: torch.device | str = "cpu",
+        no_sync: NoSync | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
@@ -170,19 +274,20 @@ class PipelineRunner:
                 f"module is stage {module.stage} of --pp {module.pp}: pass the pp group"
             )
         self.module, self.n_microbatches, self.schedule = module, n_microbatches, schedule
-        self.device = torch.device(device)
+        self.device, self.no_sync = torch.device(device), no_sync
         self._schedules: dict[tuple[int, ...], PipelineScheduleSingle] = {}
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         return lm_loss(logits, targets) / self.n_microbatches
 
-    def _schedule_for(self, shape: torch.Size) -> PipelineScheduleSingle:
-        """The schedule for batches of `shape`: a stage infers the shapes it receives from
-        the first batch, so each batch shape has its own (every stage sees the same)."""
-        key = tuple(shape)
+    def _schedule_for(self, x: Tensor) -> PipelineScheduleSingle:
+        """The schedule for batches shaped as `x`: a stage's shapes are fixed, so each batch
+        shape has its own (every stage sees the same shapes)."""
+        key = (*x.shape, x.dtype)
         if key not in self._schedules:
-            stage = PipelineStage(
-                self.module, self.module.stage, self.module.pp, self.device, group=self.group
+            tokens = (x.shape[0] // self.n_microbatches, x.shape[1])
+            stage = _SyncedStage(
+                self.module, tokens, x.dtype, self.device, self.group, self.no_sync
             )
             kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
             self._schedules[key] = kind(
@@ -196,12 +301,15 @@ class PipelineRunner:
                 f"the batch of {x.shape[0]} sequences does not split into n_microbatches "
                 f"({self.n_microbatches}) equal micro-batches: make the batch a multiple of it"
             )
-        schedule = self._schedule_for(x.shape)
+        schedule = self._schedule_for(x)
         m = self.module
         args = (x.to(self.device),) if m.is_first else ()
         kw = {"target": y.to(self.device), "losses": []} if m.is_last else {}
+        m.aux_loss_scale, m.aux_loss_sum = 1.0 / self.n_microbatches, None
         (schedule.step if train else schedule.eval)(*args, **kw)
         total = sum(float(loss.detach()) for loss in kw["losses"]) if m.is_last else 0.0
+        if m.aux_loss_sum is not None:  # this stage's router losses, a mean over micro-batches
+            total += float(m.aux_loss_sum) / self.n_microbatches
         with collectives.phase("pipeline loss (all-reduce over pp)", self.group):
             return collectives.sum_floats([total], group=self.group)[0]
 
@@ -223,7 +331,6 @@ __all__ = [
     "GPTStage",
     "PipelineRunner",
     "ScheduleName",
-    "check_pipeline",
     "lm_loss",
     "split_stage",
     "stage_layers",
