@@ -102,25 +102,14 @@ def _losses(out: Path) -> list[float]:
 
 
 def _params(out: Path, args: TrainArgs, nproc: int) -> dict[str, torch.Tensor]:
-    """The whole model after the run's last step, from its last checkpoint: each stage's
-    full dicts ("stages"), or each rank's own ("ranks": the expert stacks joined over the
-    ep ranks of data-parallel index group 0)."""
+    """The whole model after the run's last step, from its last checkpoint: the union of its
+    stages' full model files (both per-stage formats write them)."""
     record = json.loads((out / "checkpoints/latest.json").read_text())
     folder = out / "checkpoints" / record["folder"]
-    dims = args.layout(nproc)
-    if record["format"] == "stages":
-        full: dict[str, torch.Tensor] = {}
-        for s in range(dims.pp):
-            full.update(torch.load(folder / f"model-stage{s}.pt"))
-        return full
-    assert record["format"] == "ranks", record["format"]
-    full = {}
-    for s in range(dims.pp):
-        parts = [
-            torch.load(folder / f"rank{dims.rank_of(s, e)}.pt")["model"] for e in range(dims.ep)
-        ]
-        for k, v in parts[0].items():
-            full[k] = torch.cat([p[k] for p in parts]) if "experts" in k else v
+    assert record["format"] == ("ranks" if args.ep > 1 or args.tp > 1 else "stages")
+    full: dict[str, torch.Tensor] = {}
+    for s in range(args.layout(nproc).pp):
+        full.update(torch.load(folder / f"model-stage{s}.pt"))
     return full
 
 
@@ -179,21 +168,58 @@ def _check_equal(out: Path, args: TrainArgs, nproc: int, want: tuple) -> None:
     assert worst <= TOL, worst
 
 
-def test_pipeline_with_tensor_parallelism_equals_one_process_and_resumes(corpus, tmp_path):
-    """8 ranks `--pp 2 --tp 2 --dp 2` on the (shrunk) tiny GPT: its losses and parameters
-    after 3 steps equal the single-process run on the same global batch (2 data-parallel
-    batches, 2 micro-batches each) to 1e-10; stopped after step 2 (`--stop-after`) and
-    resumed, it equals the uninterrupted run bit for bit."""
-    flags = dict(pp=2, tp=2, qk_clip=0.0)
-    whole = _args(corpus, tmp_path / "whole", "test-gpt", **flags)
-    _run(whole, 8)
-    _check_equal(tmp_path / "whole", whole, 8, _reference("test-gpt", corpus, 2, 2, None))
+# name → (config, nproc, flags, data-parallel size): the issue's two 8-rank layouts, and
+# (probe) the 4-rank --pp 2 --dp 2 --ep 2 and the GPipe schedule. QK-clip at τ = 0.045,
+# under the shrunk MoE's first max logits (0.035 to 0.054), so heads are clipped on stages.
+LAYOUTS = {
+    "pp2 tp2 dp2": ("test-gpt", 8, dict(pp=2, tp=2, qk_clip=0.0), 2),
+    "pp2 dp4 ep2": ("test-moe", 8, dict(pp=2, ep=2, qk_clip=0.045), 4),
+    "pp2 dp2 ep2": ("test-moe", 4, dict(pp=2, ep=2, qk_clip=0.045), 2),
+    "pp2 dp2 gpipe": ("test-gpt", 4, dict(pp=2, pp_schedule="gpipe", qk_clip=0.0), 2),
+}
 
-    part = _args(corpus, tmp_path / "part", "test-gpt", stop_after=2, **flags)
-    _run(part, 8)
-    assert len(_losses(tmp_path / "part")) == 2
-    _run(_args(corpus, tmp_path / "part", "test-gpt", resume=True, **flags), 8)
+
+def _stopped_and_resumed(corpus: str, out: Path, layout: str) -> tuple[TrainArgs, int]:
+    """`layout`'s run stopped after step 2 (`--stop-after`) and resumed to step 3."""
+    config, nproc, flags, _ = LAYOUTS[layout]
+    _run(_args(corpus, out, config, stop_after=2, **flags), nproc)
+    assert len(_losses(out)) == 2
+    args = _args(corpus, out, config, resume=True, **flags)
+    _run(args, nproc)
+    return args, nproc
+
+
+def _want(layout: str, corpus: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    config, _, flags, dp = LAYOUTS[layout]
+    return _reference(config, corpus, dp, 2, flags["qk_clip"])
+
+
+@pytest.mark.parametrize("layout", ["pp2 tp2 dp2", "pp2 dp4 ep2"])
+def test_stopped_and_resumed_run_equals_one_process(corpus, tmp_path, layout):
+    """8 gloo ranks, `--pp 2 --tp 2 --dp 2` on the (shrunk) tiny GPT and `--pp 2 --dp 4
+    --ep 2` on the tiny MoE (two experts per rank, tokens dispatched by all-to-all, QK-clip
+    clipping heads on both stages), in float64: stopped after step 2 and resumed (the model
+    saved per stage, the optimizer per rank), the run's losses of steps 1 to 3 and its
+    parameters after step 3 equal the single-process run on the same global batch (dp
+    batches of 2 sequences, 2 micro-batches each) to 1e-10."""
+    args, nproc = _stopped_and_resumed(corpus, tmp_path / "run", layout)
+    _check_equal(tmp_path / "run", args, nproc, _want(layout, corpus))
+    if args.qk_clip:
+        rows = [json.loads(r) for r in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+        assert sum(r.get("clipped_heads", 0) for r in rows) > 0, rows
+
+
+@pytest.mark.probe
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_probe_every_layout_equals_one_process_and_resumes_bitwise(corpus, tmp_path, layout):
+    """Every layout of `LAYOUTS`: the uninterrupted 3-step run equals the single-process
+    one to 1e-10, and the run stopped after step 2 and resumed equals it bit for bit."""
+    config, nproc, flags, _ = LAYOUTS[layout]
+    whole = _args(corpus, tmp_path / "whole", config, **flags)
+    _run(whole, nproc)
+    _check_equal(tmp_path / "whole", whole, nproc, _want(layout, corpus))
+    _stopped_and_resumed(corpus, tmp_path / "part", layout)
     assert _losses(tmp_path / "part") == _losses(tmp_path / "whole")
-    a, b = _params(tmp_path / "part", whole, 8), _params(tmp_path / "whole", whole, 8)
+    a, b = _params(tmp_path / "part", whole, nproc), _params(tmp_path / "whole", whole, nproc)
     diffs = {k: _relative(a[k], b[k]) for k in b if not torch.equal(a[k], b[k])}
     assert not diffs, diffs

@@ -47,7 +47,13 @@ from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import get_batch, load_corpus, val_batches
 from orthoptim.train.devices import autocast, resolve_precision
 from orthoptim.train.hf import build_hf_model
-from orthoptim.train.model import GPT, compile_blocks, get_config, parallelize
+from orthoptim.train.model import (
+    GPT,
+    compile_blocks,
+    expert_parallelize,
+    get_config,
+    parallelize,
+)
 from orthoptim.train.pipeline import PipelineRunner, split_stage
 from orthoptim.train.runfolder import (
     Checkpointer,
@@ -119,9 +125,6 @@ def make_optimizer(
         groups = dict(layout=mesh)
         if mesh.dims.tp > 1:
             groups["orthogonalizer"] = TensorParallelOrthogonalizer(mode="auto")
-        if mesh.dims.pp > 1:
-            # the schedule's backward runs once per micro-batch: reduce once, in the step
-            groups["overlap_grad_reduce"] = False
     # only the parameters the model declares expert stacks are split (`optim.routing`);
     # not a tensor-parallel model's (DTensor experts are not sliced)
     experts = args.optimizer != "adamw" and args.tp == 1
@@ -346,20 +349,23 @@ def build_run(
     if dims.tp > 1:
         parallelize(model, mesh.tp_mesh)
     if dims.ep > 1:
-        from orthoptim.train.model import expert_parallelize
-
-        expert_parallelize(model, mesh.ep_group)
-    pipeline = None
+        # the load-balancing loss counts its routing over the stage's data-parallel ranks
+        # (the global batch's; the layout's None is every rank)
+        dp_group = mesh.dp_group if mesh.dp_group is not None else torch.distributed.group.WORLD
+        expert_parallelize(model, mesh.ep_group, mesh.coord.ep, dims.ep, stats_group=dp_group)
     if dims.pp > 1:
         model = split_stage(model, dims.pp, mesh.coord.pp)
+    opt = make_optimizer(model, args, world_size, mesh, param_dtype)
+    pipeline = None
+    if dims.pp > 1:
         pipeline = PipelineRunner(
             model,
             mesh,
             n_microbatches=args.n_microbatches,
             schedule=args.pp_schedule,
             device=device,
+            no_sync=getattr(opt, "no_sync", None),  # gradients reduced once a step
         )
-    opt = make_optimizer(model, args, world_size, mesh, param_dtype)
     tau = args.qk_clip_tau
     clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
     precision = resolve_precision(args.precision, device.type)

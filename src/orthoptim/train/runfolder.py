@@ -10,7 +10,8 @@ Files under `out`:
                            --fsdp or --tp dcp/, one torch.distributed.checkpoint of model and
                            optimizer shards; with --pp model-stage{S}.pt and
                            optim-stage{S}.pt, each stage's full dicts; with --ep (or --pp
-                           with --tp) rank{R}.pt, each rank's own model and optimizer state
+                           with --tp) model-stage{S}.pt and optim-rank{R}.pt, each rank's
+                           own optimizer state
     .lock                  while a run is going: its host, pid and start time
 
 An output folder belongs to one run (`claim_out`): a new run refuses a folder that holds one
@@ -158,7 +159,8 @@ def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
     """How the checkpoint of record `info` was written (not how the run resuming it would
     write one): "dcp" (`checkpoint.save_sharded` under dcp/), "full" (model.pt and optim.pt,
     the full state dicts), "stages" (model-stage{S}.pt and optim-stage{S}.pt: each pipeline
-    stage's full dicts) or "ranks" (rank{R}.pt: each rank's own state), as its record says;
+    stage's full dicts) or "ranks" (model-stage{S}.pt and optim-rank{R}.pt: each rank's own
+    optimizer state), as its record says;
     a record from before the format was recorded is "dcp" when written by a --tp > 1 or a
     multi-rank --fsdp run."""
     if info.get("format") in CHECKPOINT_FORMATS:  # recorded by the save (`Checkpointer.save`)
@@ -478,10 +480,12 @@ class Checkpointer:
     `orthoptim.checkpoint.save_sharded` under `dcp/` (each rank writes its shards and what it
     owns; keys free of world and tp size). A `layout` with pipeline stages: "stages", each
     stage's model and full optimizer dicts (`model-stage{S}.pt`, `optim-stage{S}.pt`, by the
-    stage's data-parallel rank 0; the stages hold disjoint parameter names), read by every
-    rank of that stage at any data-parallel size; with expert parallelism (whose ranks hold
+    stage's first rank; the stages hold disjoint parameter names), read by every rank of
+    that stage at any data-parallel size. With expert parallelism (whose ranks hold
     different experts under the same names), or stages with tensor parallelism: "ranks",
-    each rank's own model and optimizer state (`rank{R}.pt`), read at the same layout only
+    each stage's full model (`model-stage{S}.pt`: the expert stacks gathered over the ep
+    group, tensor-parallel weights over the tp group) and each rank's own optimizer state
+    (`optim-rank{R}.pt`: what it owns), read at the same layout only
     (`check_layout_resumable`). A checkpoint is read in the format its record says it was
     written in (`checkpoint_format`), at whatever layout the resuming run has and the format
     allows."""
@@ -632,14 +636,20 @@ class Checkpointer:
     def _write(self, folder: Path, model: nn.Module, opt: Any) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         coord = self.layout.coordinate(self.rank)
+        first = coord.dp == 0 and coord.tp == 0  # the stage's first rank
         if self._format == "ranks":
-            checkpoint.atomic_save(_rank_state(model, opt), folder / f"rank{self.rank}.pt")
+            with collectives.phase(f"checkpoint {folder.name}: stage {coord.pp}'s full model"):
+                whole = _full_model_state(model)  # collective over the ep or tp group
+            if first:
+                checkpoint.atomic_save(whole, folder / f"model-stage{coord.pp}.pt")
+            optim = _rank_optimizer_state(opt)
+            checkpoint.atomic_save(optim, folder / f"optim-rank{self.rank}.pt")
         elif self._format == "stages":
             with collectives.phase(
                 f"checkpoint {folder.name}: stage {coord.pp}'s optimizer state to its first rank"
             ):
                 optim = opt.state_dict()  # collective over the stage's data-parallel group
-            if coord.dp == 0:
+            if first:
                 checkpoint.atomic_save(model.state_dict(), folder / f"model-stage{coord.pp}.pt")
                 checkpoint.atomic_save(optim, folder / f"optim-stage{coord.pp}.pt")
         elif self._format == "dcp":
@@ -743,11 +753,13 @@ class Checkpointer:
         if fmt == "dcp":
             checkpoint.load_sharded(folder / "dcp", opt, model)
             return
+        stage = self.layout.coordinate(self.rank).pp
         if fmt == "ranks":
-            _load_rank_state(checkpoint.load_file(folder / f"rank{self.rank}.pt"), model, opt)
+            optim = checkpoint.load_file(folder / f"optim-rank{self.rank}.pt")
+            _load_full_model(model, checkpoint.load_file(folder / f"model-stage{stage}.pt"))
+            _load_rank_optimizer_state(opt, optim)
             return
         if fmt == "stages":
-            stage = self.layout.coordinate(self.rank).pp
             model.load_state_dict(checkpoint.load_file(folder / f"model-stage{stage}.pt"))
             opt.load_state_dict(checkpoint.load_file(folder / f"optim-stage{stage}.pt"))
             return
@@ -764,14 +776,43 @@ class Checkpointer:
         opt.load_state_dict(checkpoint.load_file(folder / "optim.pt"))
 
 
-def _rank_state(model: nn.Module, opt: Any) -> dict[str, Any]:
-    """This rank's own model and optimizer state (the "ranks" format): the model's values
-    (a tensor-parallel DTensor whole: collective over its tp group; of expert-parallel
-    experts this rank's), the layer-wise optimizer's inner optimizer's state dict (of what
-    this rank owns) and its master copies."""
+def _full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict as the full (single-process) model's, on the CPU: expert stacks
+    cut by `expert_parallelize` gathered over their ep group (`full_expert_state_dict`),
+    tensor-parallel DTensors over their tp group. Collective over those groups."""
+    from orthoptim.train.model import full_expert_state_dict
+
+    slices = getattr(model, "expert_parallel_slices", dict)()
+    sd = full_expert_state_dict(model) if slices else model.state_dict()  # type: ignore[arg-type]
+    return {k: collectives.unshard(v).detach().cpu() for k, v in sd.items()}
+
+
+@torch.no_grad()
+def _load_full_model(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Load a full model's state dict into `model`, each rank taking its part: its expert
+    stacks' slices (`load_expert_state_dict`), its shards of tensor-parallel DTensors."""
+    from orthoptim.train.model import load_expert_state_dict
+
+    if getattr(model, "expert_parallel_slices", dict)():
+        load_expert_state_dict(model, full)  # type: ignore[arg-type]
+        return
+    here = model.state_dict()
+    model.load_state_dict(
+        {
+            k: collectives.cut_like(v.to(collectives.local_shard(here[k]).device), here[k])
+            if k in here and collectives.is_dtensor(here[k])
+            else v
+            for k, v in full.items()
+        }
+    )
+
+
+def _rank_optimizer_state(opt: Any) -> dict[str, Any]:
+    """This rank's own optimizer state (the "ranks" format): the layer-wise optimizer's
+    inner optimizer's state dict (of what this rank owns; None when it owns nothing) and
+    its master copies."""
     inner = getattr(opt, "inner", opt)
     return dict(
-        model={k: collectives.unshard(v).detach().cpu() for k, v in model.state_dict().items()},
         inner=inner.state_dict() if inner is not None else None,
         masters={
             k: collectives.local_shard(v).detach().cpu()
@@ -781,27 +822,13 @@ def _rank_state(model: nn.Module, opt: Any) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _load_rank_state(state: dict[str, Any], model: nn.Module, opt: Any) -> None:
-    """Load `_rank_state`'s dict into the model and optimizer of the rank that wrote it (the
-    same layout: `check_layout_resumable`); a mismatch in names or shapes is an error naming
-    them."""
-    here, saved = model.state_dict(), state["model"]
-    mismatches = [
-        f"model entry {k}: in this model, missing from the checkpoint" for k in here.keys() - saved
-    ] + [f"model entry {k}: in the checkpoint, not in this model" for k in saved.keys() - here]
-    mismatches += [
-        f"model entry {k}: shape {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} here"
-        for k, v in here.items()
-        if k in saved and tuple(v.shape) != tuple(saved[k].shape)
-    ]
-    if mismatches:
-        raise checkpoint.CheckpointMismatchError(sorted(mismatches))
+def _load_rank_optimizer_state(opt: Any, state: dict[str, Any]) -> None:
+    """Load `_rank_optimizer_state`'s dict into the optimizer of the rank that wrote it (the
+    same layout: `check_layout_resumable`), after the model (the masters it keeps are the
+    checkpoint's, not the model's rounding of them)."""
     wait = getattr(opt, "wait_for_params", None)
     if wait is not None:
         wait()
-    for k, v in here.items():
-        local = collectives.local_shard(v)
-        local.copy_(collectives.local_shard(collectives.cut_like(saved[k].to(local.device), v)))
     inner = getattr(opt, "inner", opt)
     if (inner is None) != (state["inner"] is None):
         raise checkpoint.CheckpointMismatchError(
@@ -810,6 +837,10 @@ def _load_rank_state(state: dict[str, Any], model: nn.Module, opt: Any) -> None:
     if inner is not None:
         _load_in_place(inner, state["inner"])
     masters = getattr(opt, "masters", dict)()
+    if masters.keys() != state["masters"].keys():
+        raise checkpoint.CheckpointMismatchError(
+            [f"master copies: {sorted(state['masters'])} in the checkpoint, {sorted(masters)} here"]
+        )
     for k, m in masters.items():
         collectives.local_shard(m).copy_(state["masters"][k])
 
