@@ -114,28 +114,38 @@ def _params(out: Path, args: TrainArgs, nproc: int) -> dict[str, torch.Tensor]:
 
 
 def _reference(
-    config: str, data: str, dp: int, microbatches: int, tau: float | None
+    config: str,
+    data: str,
+    dp: int | list[int],
+    microbatches: int,
+    tau: float | None,
+    optimizer: str = "muon",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process float64 run on the layout's global batch: its losses (the mean over
-    the data-parallel ranks' batches) and its parameters after `STEPS` steps."""
+    the data-parallel ranks' batches) and its parameters after `STEPS` steps. `dp`: the
+    data-parallel size, or one per step (a run resumed at another size)."""
+    sizes = dp if isinstance(dp, list) else [dp] * STEPS
     from orthoptim.train.loop import lr_multiplier
 
     cfg = SMALL[config]
-    args = TrainArgs(config=config, steps=STEPS, batch=BATCH, warmup=1)
+    args = TrainArgs(config=config, steps=STEPS, batch=BATCH, warmup=1, optimizer=optimizer)
     train = load_corpus(data, min_bytes=cfg.seq_len + 1).train
     torch.manual_seed(0)
     model = GPT(cfg).to(torch.float64)
-    opt = build_optimizer(
-        model, optimizer="muon", lr=args.matrix_lr, adamw_lr=args.embed_lr,
-        adamw_weight_decay=0.0, elementwise="adamw",
-    )  # fmt: skip
+    if optimizer == "adamw":  # AdamW for every parameter
+        opt = build_optimizer(model, optimizer="adamw", lr=args.matrix_lr, adamw_weight_decay=0.0)
+    else:
+        opt = build_optimizer(
+            model, optimizer=optimizer, lr=args.matrix_lr, adamw_lr=args.embed_lr,
+            adamw_weight_decay=0.0, elementwise="adamw",
+        )  # fmt: skip
     qk = QKClip(model, tau=tau) if tau else None
     initial = [g["lr"] for g in opt.param_groups]
     losses = []
     for step in range(1, STEPS + 1):
         for g, lr in zip(opt.param_groups, initial):
             g["lr"] = lr * lr_multiplier(step, args)
-        total = 0.0
+        total, dp = 0.0, sizes[step - 1]
         for d in range(dp):
             x, y = get_batch(train, BATCH, cfg.seq_len, args.seed, step, d)
             for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
@@ -209,6 +219,16 @@ def test_stopped_and_resumed_run_equals_one_process(corpus, tmp_path, layout):
         assert sum(r.get("clipped_heads", 0) for r in rows) > 0, rows
 
 
+def test_adamw_steps_expert_parallel_experts_over_their_expert_group(corpus, tmp_path):
+    """`--ep 2 --optimizer adamw` (compare's AdamW baseline under --ep): the experts, AdamW
+    parameters there, are reduced and stepped over the ranks holding the same experts, not
+    averaged with the other ep rank's (which hold other experts under the same names), so
+    the 2-rank run equals the single-process one to 1e-10."""
+    args = _args(corpus, tmp_path / "run", "test-moe", ep=2, optimizer="adamw", qk_clip=0.0)
+    _run(args, 2)
+    _check_equal(tmp_path / "run", args, 2, _reference("test-moe", corpus, 2, 1, None, "adamw"))
+
+
 @pytest.mark.probe
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_probe_every_layout_equals_one_process_and_resumes_bitwise(corpus, tmp_path, layout):
@@ -223,3 +243,122 @@ def test_probe_every_layout_equals_one_process_and_resumes_bitwise(corpus, tmp_p
     a, b = _params(tmp_path / "part", whole, nproc), _params(tmp_path / "whole", whole, nproc)
     diffs = {k: _relative(a[k], b[k]) for k in b if not torch.equal(a[k], b[k])}
     assert not diffs, diffs
+
+
+# ---------------------------------------------------------------- flags and refusals
+
+
+@pytest.mark.parametrize(
+    "flags, nproc, message",
+    [
+        (dict(ep=2), 2, "--ep 2: the model has no routed experts"),
+        (dict(config="tiny-moe", ep=3), 3, "--ep 3 must divide the model's 8 experts"),
+        (dict(pp=5), 5, "--pp 5 exceeds the model's 4 layers"),
+        (dict(pp=2, fsdp=True), 2, "--fsdp with --pp 2: FSDP2 sharding of pipeline stages"),
+        (dict(config="tiny-moe", ep=2, compile=True), 2, "--compile with --ep 2"),
+        (dict(pp=2, batch=3), 2, "--microbatches 2 (by default --pp) must divide --batch 3"),
+        (dict(pp=2, microbatches=3, batch=4), 2, "--microbatches 3 must divide --batch 4"),
+        (dict(microbatches=2), 1, "--microbatches 2 splits the batch of a pipeline"),
+        (dict(pp=2, pp_schedule="zb"), 2, "--pp-schedule must be one of ('gpipe', '1f1b')"),
+        (dict(param_dtype="fp64", precision="bf16"), 1, "--param-dtype fp64 (the reference"),
+        (dict(pp=2, tp=2), 6, "--nproc 6 must be a multiple of --pp 2 × --tp 2"),
+        (dict(pp=2, dp=2), 6, "--pp 2 × --dp 2 × --tp 1 is 4 ranks, but --nproc is 6"),
+        (dict(config="tiny-moe", ep=2), 3, "--ep 2 must divide --dp 3"),
+    ],
+)
+def test_bad_layouts_are_refused_naming_the_flag(flags, nproc, message):
+    """Each refusal names its flag (and the fix) before any rank starts: `validate`, then
+    `check_nproc` (the layout of --nproc ranks)."""
+    args = TrainArgs(qk_clip=0.0, **flags)
+    with pytest.raises(ValueError) as e:
+        args.validate()
+        args.check_nproc(nproc, "cpu")
+    assert message in str(e.value), str(e.value)
+
+
+def test_layout_flags_parse_and_derive_dp():
+    from orthoptim.cli import build_parser
+    from orthoptim.train.cli import train_args_from
+
+    argv = ["train", "--pp", "2", "--ep", "2", "--dp", "2", "--microbatches", "4",
+            "--pp-schedule", "gpipe", "--param-dtype", "fp64", "--config", "tiny-moe"]  # fmt: skip
+    args = train_args_from(build_parser().parse_args(argv))
+    assert (args.pp, args.ep, args.dp, args.microbatches) == (2, 2, 2, 4)
+    assert (args.pp_schedule, args.param_dtype) == ("gpipe", "fp64")
+    args.validate()
+    assert args.layout(4).describe() == "--pp 2 --dp 2 --ep 2 --tp 1"
+    # --dp left out: nproc / (pp · tp)
+    assert TrainArgs(pp=2, tp=2).layout(8).describe() == "--pp 2 --dp 2 --ep 1 --tp 2"
+    assert TrainArgs(pp=2).n_microbatches == 2
+
+
+def _record(fmt: str, nproc: int, **flags: Any) -> dict[str, Any]:
+    return dict(args=TrainArgs(**flags).to_dict(), world_size=nproc, format=fmt)
+
+
+def test_resume_at_another_pipeline_or_expert_size_is_refused_naming_both():
+    """A stage's files hold its blocks only and an ep rank's optimizer state its experts
+    only: --resume at another --pp or --ep says the checkpoint's sizes, this run's and the
+    fix. The per-rank format ("ranks") reads only at its own layout; the per-stage one
+    ("stages") at any data-parallel size."""
+    from orthoptim.train.runfolder import check_layout_resumable
+
+    with pytest.raises(ValueError) as e:
+        check_layout_resumable(_record("stages", 4, pp=2), TrainArgs(), 4)
+    assert str(e.value) == (
+        "--resume: the checkpoint was written with --pp 2 --ep 1 and this run has --pp 1 "
+        "--ep 1; a checkpoint is read at the pipeline and expert-parallel sizes that wrote "
+        "it: resume with --pp 2 --ep 1"
+    )
+    moe = dict(config="tiny-moe", qk_clip=0.0)
+    with pytest.raises(
+        ValueError, match=r"written with --pp 1 --ep 2 .* this run has --pp 1 --ep 4"
+    ):
+        check_layout_resumable(_record("ranks", 4, ep=2, **moe), TrainArgs(ep=4, **moe), 4)
+    with pytest.raises(ValueError) as e:
+        check_layout_resumable(
+            _record("ranks", 8, pp=2, ep=2, **moe), TrainArgs(pp=2, ep=2, **moe), 4
+        )
+    assert str(e.value) == (
+        "--resume: the checkpoint holds each rank's own state (written with --nproc 8 --pp 2 "
+        "--dp 4 --ep 2 --tp 1; this run has --nproc 4 --pp 2 --dp 2 --ep 2 --tp 1), which "
+        "only that layout reads: resume with --nproc 8 --pp 2 --dp 4 --ep 2 --tp 1"
+    )
+    # the per-stage format reshards within a stage; a full one at any dp and tp, as before
+    check_layout_resumable(_record("stages", 8, pp=2), TrainArgs(pp=2), 2)
+    check_layout_resumable(_record("full", 2), TrainArgs(tp=2), 4)
+
+
+def test_the_launcher_refuses_another_pp_before_any_rank_starts(tmp_path, capsys):
+    """`orthoptim train --resume` of a --pp 2 checkpoint without --pp: one line, exit 2."""
+    from orthoptim.cli import main
+    from orthoptim.train.runfolder import sealed
+
+    out = tmp_path / "run"
+    folder = out / "checkpoints/step_000002"
+    folder.mkdir(parents=True)
+    args = TrainArgs(pp=2, batch=2, steps=3, out=str(out))
+    record = sealed(
+        dict(_record("stages", 2, **args.to_dict()), step=2, folder=folder.name, files={})
+    )
+    for path in (folder / "checkpoint.json", out / "checkpoints/latest.json"):
+        path.write_text(json.dumps(record))
+    argv = ["train", "--nproc", "2", "--batch", "2", "--steps", "3", "--out", str(out)]
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "written with --pp 2 --ep 1 and this run has --pp 1 --ep 1" in err, err
+    assert "resume with --pp 2 --ep 1" in err
+
+
+@pytest.mark.probe
+def test_probe_a_stage_checkpoint_resumes_at_another_data_parallel_size(corpus, tmp_path):
+    """The per-stage format reshards within a stage: `--pp 2 --dp 2` (4 ranks) stopped after
+    step 2 and resumed as `--pp 2 --dp 1` (2 ranks) equals the single-process run whose
+    global batch follows (2, 2, then 1 data-parallel batches), to 1e-10."""
+    flags = dict(pp=2, qk_clip=0.0)
+    _run(_args(corpus, tmp_path / "run", "test-gpt", stop_after=2, **flags), 4)
+    args = _args(corpus, tmp_path / "run", "test-gpt", resume=True, **flags)
+    _run(args, 2)
+    _check_equal(tmp_path / "run", args, 2, _reference("test-gpt", corpus, [2, 2, 1], 2, None))
+    log = (tmp_path / "run/logs/rank0.log").read_text()
+    assert "--nproc 4 → 2: global batch 4 → 2 sequences" in log, log

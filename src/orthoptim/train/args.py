@@ -263,12 +263,6 @@ class TrainArgs:
                 "(each micro-batch is batch / microbatches sequences); pass a --microbatches "
                 "that divides it"
             )
-        if self.ep > 1 and self.optimizer == "adamw":
-            raise ValueError(
-                f"--ep {self.ep} with --optimizer adamw: the layer-wise optimizer reduces and "
-                "owns the experts over their expert-data-parallel ranks only as matrices; "
-                "use a matrix optimizer (e.g. --optimizer muon) with --ep"
-            )
 
     @property
     def n_microbatches(self) -> int:
