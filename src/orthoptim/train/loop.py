@@ -7,6 +7,16 @@ it), then train with a warmup + cosine LR schedule, evaluate on a fixed validati
 metrics, checkpoints and a result file (`orthoptim.train.runfolder`). Ranks are started by
 `orthoptim.train.launcher`.
 
+Parallel layout (`TrainArgs.layout`, one `ParallelMesh` built on every rank): --tp splits the
+GPT's matrices over the tp group (`parallelize`), --ep keeps E/ep experts per rank and
+dispatches tokens over the ep group (`expert_parallelize`), --pp keeps this rank's stage of
+the blocks (`split_stage`) and steps it through a 1F1B or GPipe schedule over micro-batches
+(`PipelineRunner`), training and evaluation alike. Each data-parallel index of a stage
+trains on its own (seed, step, index) batch, which its tp ranks and its stages share; the
+logged loss is the mean over the data-parallel ranks. The layer-wise optimizer takes the
+layout: dense weights over the stage's dp group, experts over their expert group, the
+gradient norm and the non-finite agreement over every stage.
+
 Devices (`orthoptim.train.devices`): gloo ranks on CPU; on CUDA rank r on cuda:LOCAL_RANK over
 NCCL, or with `--shared-gpu` every rank on cuda:0 over "cuda:gloo". Forward and loss run under
 bf16 autocast with `--precision bf16` (the default on CUDA); parameters, gradients and
@@ -298,6 +308,7 @@ class Run:
     precision: str
     param_dtype: str  # "bf16" (fp32 masters), "fp32" or "fp64"
     mesh: ParallelMesh
+    parameters: int  # the whole model's (every stage's, every expert)
     pipeline: PipelineRunner | None = None  # this rank's stage of the pipeline under --pp
     saved_step: int | None = None  # the newest checkpoint's step, once resumed or saved
 
@@ -342,6 +353,7 @@ def build_run(
     param_dtype = args.param_dtype_on(device.type)
     if param_dtype == "fp64":
         model.to(torch.float64)
+    parameters = sum(p.numel() for p in model.parameters())  # before any cut
     mesh = args.layout(world_size).build(device.type, rank)
     dims = mesh.dims
     if args.fsdp and world_size > 1:
@@ -407,6 +419,7 @@ def build_run(
         precision,
         param_dtype,
         mesh,
+        parameters,
         pipeline,
     )
 
@@ -724,8 +737,9 @@ def _result(
     return dict(
         args=args.to_dict(),
         model=run.model_info,
-        parameters=sum(p.numel() for p in run.model.parameters()),
+        parameters=run.parameters,
         world_size=world_size,
+        layout=run.mesh.dims.describe(),
         device=str(device),
         backend=collectives.backend_config() or None,
         precision=run.precision,
