@@ -1,7 +1,8 @@
 """The base of the distributed drivers (`orthoptim.parallel.base.DistributedOptimizer`).
 
 - A third driver is one small subclass: `Replicated` (all-reduce of every gradient, every
-  rank steps everything) equals the single-process optimizer on 2 gloo ranks.
+  rank steps everything) equals the single-process optimizer on 2 gloo ranks (each stage's
+  dp group of a pp 2 × dp 2 layout).
 - Under a layout with ep > 1 the layer-wise optimizer's expert gradients are the sum over the
   expert group divided by dp (the single-process gradient), not the mean over the expert group.
 - Under a layout with pp > 1 every stage agrees on a non-finite gradient of another stage
@@ -9,7 +10,7 @@
   counts the one all-reduce across stages.
 
 float64 throughout; the references run in the test process or on each rank from the same
-seeds. One spawned run per world size (spawning is the slow part).
+seeds. One spawned run of 4 ranks serves every test (spawning is the slow part).
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     )
 
 
-def _replicated_ranks(rank: int, world: int) -> dict:
+def _replicated(layout: ParallelMesh) -> dict:
+    """`Replicated` over each stage's 2 dp ranks (the stages run the same model and batches)."""
     model = _mlp()
-    opt = Replicated(model, **KW)
+    opt = Replicated(model, layout=layout, **KW)
     for step in range(3):
-        model(_batch(step, rank)).square().mean().backward()
+        model(_batch(step, layout.coord.dp)).square().mean().backward()
         opt.step()
         opt.zero_grad()
     return {
@@ -77,21 +79,21 @@ def _replicated_ranks(rank: int, world: int) -> dict:
     }
 
 
-def test_a_third_driver_is_one_small_subclass():
-    results = run_ranks(_replicated_ranks, 2)
+def test_a_third_driver_is_one_small_subclass(four):
     model = _mlp()
     ref = build_optimizer(model, **KW)
     for step in range(3):
-        # the global loss: the mean over the ranks of each rank's mean
+        # the global loss: the mean over the dp ranks of each rank's mean
         sum(model(_batch(step, r)).square().mean() for r in range(2)).div(2).backward()
         ref.step()
         ref.zero_grad()
-    for r in results:
+    for r in four:
+        got = r["replicated"]
         for n, p in model.named_parameters():
-            torch.testing.assert_close(r["params"][n], p.detach(), rtol=1e-12, atol=1e-12)
-        # one all-reduce per gradient, and the agreement's
-        assert r["stats"]["all_reduce"]["calls"] == 4 + 1
-    assert results[0]["state"]["state"].keys() == ref.state_dict()["state"].keys()
+            torch.testing.assert_close(got["params"][n], p.detach(), rtol=1e-12, atol=1e-12)
+        # one all-reduce per gradient and the agreement's over dp, the agreement's over pp
+        assert got["stats"]["all_reduce"]["calls"] == 4 + 1 + 1
+        assert got["state"]["state"].keys() == ref.state_dict()["state"].keys()
 
 
 E, OUT, IN = 4, 3, 5
@@ -177,6 +179,7 @@ def _pipeline(rank: int, world: int) -> dict:
         out[f"{policy}_untouched"] = all(
             torch.equal(p, before[n]) for n, p in model.named_parameters()
         )
+    out["replicated"] = _replicated(layout)
     out["fsdp"] = _fsdp_pipeline(rank, layout)
     out["ep"] = _expert_scaling(rank, world)
     return out

@@ -57,6 +57,8 @@ AUX = 0.5  # large, so that a lost or mis-scaled balancing loss shows in every r
 
 def make_model(config: str) -> GPT:
     torch.manual_seed(0)
+    if config == "tiny-deep":  # 5 blocks: 4 stages of 2, 1, 1, 1
+        return GPT(dataclasses.replace(shrunk("tiny"), n_layer=5)).double()
     if config == "tiny-moe-aux":
         cfg = shrunk("tiny-moe")
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=AUX))
@@ -197,6 +199,7 @@ def _pipelined(rank, world_size):
             runner = PipelineRunner(stage, None, n_microbatches=n, schedule=schedule)
             evaluated = runner.evaluate(*batch(0))
             loss = runner.step(*batch(0))
+            assert runner.evaluate(*batch(0)) == evaluated  # between steps: no gradients
             runner.step(*batch(1))  # accumulates, as a second loss.backward() would
             grads = {k: p.grad for k, p in stage.named_parameters()}
             out[config, schedule, n] = evaluated, loss, grads, stage.attention_max_logits()
@@ -287,8 +290,9 @@ def test_runner_refusals_name_the_fix():
 def _pipelined_4(rank, world_size):
     """pp 2 × dp 2: STEPS layer-wise steps over each stage's dp group, each dp rank a half
     of the batch in 2 micro-batches (the first backward in the optimizer's no_sync). Then
-    batch 0's gradients at pp 2 × tp 2 on the tiny GPT (parallelized before the split), and
-    at pp 2 × dp 2 × ep 2 on the tiny MoE (experts dispatched before the split)."""
+    batch 0's gradients at pp 2 × tp 2 on the tiny GPT (parallelized before the split), at
+    pp 4 (two stages in the middle, 1F1B), and at pp 2 × dp 2 × ep 2 on the tiny MoE
+    (experts dispatched before the split)."""
     out = {}
     mesh = ParallelDims(pp=2, dp=2).build()
     d, per = mesh.coord.dp, BATCH // 2
@@ -315,6 +319,9 @@ def _pipelined_4(rank, world_size):
     runner = PipelineRunner(stage, mesh.pp_group, n_microbatches=2)
     loss = runner.step(*batch(0))
     out["tp"] = loss, {k: full(p.grad) for k, p in stage.named_parameters()}
+    stage = split_stage(make_model("tiny-deep"), 4, rank)
+    loss = PipelineRunner(stage, None, n_microbatches=4).step(*batch(0))
+    out["deep"] = loss, {k: p.grad for k, p in stage.named_parameters()}
     if HAS_EP:
         mesh = ParallelDims(pp=2, dp=2, ep=2).build()
         model = make_model("tiny-moe")
@@ -365,6 +372,24 @@ def test_pipeline_of_a_tensor_parallel_model_equals_the_single_process():
         assert abs(got - loss) <= TOL * abs(loss)
         for name, g in grads.items():
             assert rel(g, dict(model.named_parameters())[name].grad) <= TOL, name
+
+
+def test_four_stages_equal_the_single_process():
+    """Stages 1 and 2 neither embed nor compute the loss: they pass hidden states and
+    their gradients on in both directions."""
+    model = make_model("tiny-deep")
+    x, y = batch(0)
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    want = dict(model.named_parameters())
+    held = []
+    for result in pipelined_4():
+        got, grads = result["deep"]
+        assert abs(got - loss.item()) <= TOL * loss.item()
+        for name, g in grads.items():
+            assert rel(g, want[name].grad) <= TOL, name
+        held += grads
+    assert sorted(held) == sorted(want)
 
 
 @pytest.mark.skipif(not HAS_EP, reason="the MoE has no token dispatch (expert_parallelize) here")

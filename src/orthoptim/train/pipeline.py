@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from orthoptim import collectives
+from orthoptim import collectives, host
 from orthoptim.optim.qk_clip import QKHeads
 from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.model import GPT, GPTConfig
@@ -310,9 +310,12 @@ class PipelineRunner:
         kw = {"target": y.to(self.device), "losses": []} if m.is_last else {}
         m.aux_loss_scale, m.aux_loss_sum = 1.0 / self.n_microbatches, None
         (schedule.step if train else schedule.eval)(*args, **kw)
-        total = sum(float(loss.detach()) for loss in kw["losses"]) if m.is_last else 0.0
-        if m.aux_loss_sum is not None:  # this stage's router losses, a mean over micro-batches
-            total += float(m.aux_loss_sum) / self.n_microbatches
+        # The last stage's cross-entropy (its micro-batches' losses carry the 1 / n) and this
+        # stage's router losses (a mean over the micro-batches): one host read.
+        parts = [loss.detach().double() for loss in kw.get("losses", ())]
+        if m.aux_loss_sum is not None:
+            parts.append(m.aux_loss_sum.double() / self.n_microbatches)
+        total = float(host.read(torch.stack(parts).sum(), "pipeline loss")) if parts else 0.0
         with collectives.phase("pipeline loss (all-reduce over pp)", self.group):
             return collectives.sum_floats([total], group=self.group)[0]
 
