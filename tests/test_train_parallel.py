@@ -106,7 +106,7 @@ def _params(out: Path, args: TrainArgs, nproc: int) -> dict[str, torch.Tensor]:
     stages' full model files (both per-stage formats write them)."""
     record = json.loads((out / "checkpoints/latest.json").read_text())
     folder = out / "checkpoints" / record["folder"]
-    assert record["format"] == ("ranks" if args.ep > 1 or args.tp > 1 else "stages")
+    assert record["format"] == ("ranks" if args.ep > 1 else "stages")
     full: dict[str, torch.Tensor] = {}
     for s in range(args.layout(nproc).pp):
         full.update(torch.load(folder / f"model-stage{s}.pt"))
@@ -351,14 +351,19 @@ def test_the_launcher_refuses_another_pp_before_any_rank_starts(tmp_path, capsys
 
 
 @pytest.mark.probe
-def test_probe_a_stage_checkpoint_resumes_at_another_data_parallel_size(corpus, tmp_path):
-    """The per-stage format reshards within a stage: `--pp 2 --dp 2` (4 ranks) stopped after
-    step 2 and resumed as `--pp 2 --dp 1` (2 ranks) equals the single-process run whose
-    global batch follows (2, 2, then 1 data-parallel batches), to 1e-10."""
-    flags = dict(pp=2, qk_clip=0.0)
-    _run(_args(corpus, tmp_path / "run", "test-gpt", stop_after=2, **flags), 4)
-    args = _args(corpus, tmp_path / "run", "test-gpt", resume=True, **flags)
-    _run(args, 2)
-    _check_equal(tmp_path / "run", args, 2, _reference("test-gpt", corpus, [2, 2, 1], 2, None))
+@pytest.mark.parametrize(
+    "before, after",
+    [((4, 1), (2, 1)), ((8, 2), (4, 2)), ((8, 2), (2, 1)), ((2, 1), (4, 2))],
+)
+def test_probe_a_stage_checkpoint_resumes_at_another_dp_and_tp(corpus, tmp_path, before, after):
+    """The per-stage format reshards within a stage: `--pp 2` at (nproc, tp) `before`
+    stopped after step 2 and resumed at `after` equals the single-process run whose global
+    batch follows the data-parallel size (nproc / (2 · tp) batches a step), to 1e-10."""
+    (n0, tp0), (n1, tp1) = before, after
+    _run(_args(corpus, tmp_path / "run", "test-gpt", stop_after=2, pp=2, tp=tp0, qk_clip=0.0), n0)
+    args = _args(corpus, tmp_path / "run", "test-gpt", resume=True, pp=2, tp=tp1, qk_clip=0.0)
+    _run(args, n1)
+    dp = [n0 // (2 * tp0)] * 2 + [n1 // (2 * tp1)]
+    _check_equal(tmp_path / "run", args, n1, _reference("test-gpt", corpus, dp, 2, None))
     log = (tmp_path / "run/logs/rank0.log").read_text()
-    assert "--nproc 4 → 2: global batch 4 → 2 sequences" in log, log
+    assert f"--nproc {n0} → {n1}" in log, log

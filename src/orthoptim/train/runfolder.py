@@ -9,9 +9,9 @@ Files under `out`:
                            model.pt and optim.pt (the full optimizer state), by rank 0; with
                            --fsdp or --tp dcp/, one torch.distributed.checkpoint of model and
                            optimizer shards; with --pp model-stage{S}.pt and
-                           optim-stage{S}.pt, each stage's full dicts; with --ep (or --pp
-                           with --tp) model-stage{S}.pt and optim-rank{R}.pt, each rank's
-                           own optimizer state
+                           optim-stage{S}.pt, each stage's full dicts; with --ep
+                           model-stage{S}.pt and optim-rank{R}.pt, each rank's own
+                           optimizer state
     .lock                  while a run is going: its host, pid and start time
 
 An output folder belongs to one run (`claim_out`): a new run refuses a folder that holds one
@@ -130,7 +130,7 @@ def check_layout_resumable(info: dict[str, Any], args: TrainArgs, world_size: in
     """Refuse a layout the checkpoint cannot be read at, naming the checkpoint's values, this
     run's and the fix: another --pp or --ep (a stage's files hold its blocks only, an
     expert-parallel rank's its experts only), and under the per-rank format ("ranks", of
-    --ep or of --pp with --tp) any other layout at all."""
+    --ep) any other layout at all."""
     saved = TrainArgs.from_dict(info["args"])
     then = f"--pp {saved.pp} --ep {saved.ep}"
     if (saved.pp, saved.ep) != (args.pp, args.ep):
@@ -479,12 +479,12 @@ class Checkpointer:
     which every rank loads on resume); `sharded` (FSDP2) or `tp` > 1: model and optimizer by
     `orthoptim.checkpoint.save_sharded` under `dcp/` (each rank writes its shards and what it
     owns; keys free of world and tp size). A `layout` with pipeline stages: "stages", each
-    stage's model and full optimizer dicts (`model-stage{S}.pt`, `optim-stage{S}.pt`, by the
-    stage's first rank; the stages hold disjoint parameter names), read by every rank of
-    that stage at any data-parallel size. With expert parallelism (whose ranks hold
-    different experts under the same names), or stages with tensor parallelism: "ranks",
-    each stage's full model (`model-stage{S}.pt`: the expert stacks gathered over the ep
-    group, tensor-parallel weights over the tp group) and each rank's own optimizer state
+    stage's full model and optimizer dicts (`model-stage{S}.pt`, `optim-stage{S}.pt`, by the
+    stage's first rank, tensor-parallel weights and state gathered whole; the stages hold
+    disjoint parameter names), read by every rank of that stage at any data- and
+    tensor-parallel size. With expert parallelism (whose ranks hold different experts under
+    the same names): "ranks", each stage's full model (`model-stage{S}.pt`, the expert
+    stacks gathered over the ep group) and each rank's own optimizer state
     (`optim-rank{R}.pt`: what it owns), read at the same layout only
     (`check_layout_resumable`). A checkpoint is read in the format its record says it was
     written in (`checkpoint_format`), at whatever layout the resuming run has and the format
@@ -509,7 +509,7 @@ class Checkpointer:
     @staticmethod
     def _format_of(layout: ParallelDims, sharded: bool) -> CheckpointFormat:
         """The format a run of `layout` writes its checkpoints in (see the class)."""
-        if layout.ep > 1 or (layout.pp > 1 and layout.tp > 1):
+        if layout.ep > 1:
             return "ranks"
         if layout.pp > 1:
             return "stages"
@@ -646,11 +646,13 @@ class Checkpointer:
             checkpoint.atomic_save(optim, folder / f"optim-rank{self.rank}.pt")
         elif self._format == "stages":
             with collectives.phase(
-                f"checkpoint {folder.name}: stage {coord.pp}'s optimizer state to its first rank"
+                f"checkpoint {folder.name}: stage {coord.pp}'s model and optimizer state to its "
+                "first rank"
             ):
+                whole = _full_model_state(model)  # collective over the tp group
                 optim = opt.state_dict()  # collective over the stage's data-parallel group
             if first:
-                checkpoint.atomic_save(model.state_dict(), folder / f"model-stage{coord.pp}.pt")
+                checkpoint.atomic_save(whole, folder / f"model-stage{coord.pp}.pt")
                 checkpoint.atomic_save(optim, folder / f"optim-stage{coord.pp}.pt")
         elif self._format == "dcp":
             with collectives.phase(f"checkpoint {folder.name}: the sharded save"):
@@ -760,7 +762,7 @@ class Checkpointer:
             _load_rank_optimizer_state(opt, optim)
             return
         if fmt == "stages":
-            model.load_state_dict(checkpoint.load_file(folder / f"model-stage{stage}.pt"))
+            _load_full_model(model, checkpoint.load_file(folder / f"model-stage{stage}.pt"))
             opt.load_state_dict(checkpoint.load_file(folder / f"optim-stage{stage}.pt"))
             return
         here = model.state_dict()
