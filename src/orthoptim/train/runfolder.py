@@ -89,7 +89,8 @@ RESUME_MUST_MATCH = (
     "warmup", "min_lr_ratio",
 )  # fmt: skip
 # --nproc, --tp and --fsdp (the layout) may change: the checkpoint is resharded on loading
-# (`Checkpointer._read`), the change named (`layout_change`).
+# (`Checkpointer._read`), the change named (`layout_change`); --pp and --ep may not
+# (`check_layout_resumable`).
 # Flags a resumed run may change (applied with a notice); left off, the checkpoint's value.
 RESUME_MAY_CHANGE = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
 
@@ -104,8 +105,9 @@ def check_resumable(
     info: dict[str, Any], args: TrainArgs, world_size: int, param_dtype: str
 ) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch. Another
-    layout (`world_size`, --tp, --fsdp) is no mismatch: every checkpoint format loads at
-    every layout `TrainArgs.validate` and `check_nproc` allow (`Checkpointer._read`).
+    `world_size`, --tp or --fsdp is no mismatch: a checkpoint loads at every layout
+    `TrainArgs.validate` and `check_nproc` allow of the same --pp and --ep, but under --ep's
+    per-rank format (`check_layout_resumable`; `Checkpointer._read`).
 
     `param_dtype` is this run's ("bf16" or "fp32") and may differ from the checkpoint's: under
     --fsdp the checkpoint's model weights are FSDP2's sharded parameters, the fp32 masters;
