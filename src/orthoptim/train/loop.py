@@ -324,8 +324,8 @@ class Run:
 
     @property
     def lockstep(self) -> bool:
-        """Whether every rank must run the same number of forwards (a sharded model's or
-        an expert-parallel one's forward is collective)."""
+        """Whether every rank must run the same number of forwards beyond --fsdp's: an
+        expert-parallel model's forward is collective over its ep group."""
         return self.mesh.dims.ep > 1
 
     @property
