@@ -259,6 +259,7 @@ def test_probe_every_layout_equals_one_process_and_resumes_bitwise(corpus, tmp_p
         (dict(pp=2, batch=3), 2, "--microbatches 2 (by default --pp) must divide --batch 3"),
         (dict(pp=2, microbatches=3, batch=4), 2, "--microbatches 3 must divide --batch 4"),
         (dict(microbatches=2), 1, "--microbatches 2 splits the batch of a pipeline"),
+        (dict(pp=2, microbatches=1), 2, "--microbatches 1 with --pp 2: the 1f1b schedule"),
         (dict(pp=2, pp_schedule="zb"), 2, "--pp-schedule must be one of ('gpipe', '1f1b')"),
         (dict(param_dtype="fp64", precision="bf16"), 1, "--param-dtype fp64 (the reference"),
         (dict(pp=2, tp=2), 6, "--nproc 6 must be a multiple of --pp 2 × --tp 2"),

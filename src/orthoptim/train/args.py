@@ -264,6 +264,13 @@ class TrainArgs:
                 "that divides it"
             )
 
+        if self.pp > 1 and self.pp_schedule == "1f1b" and self.n_microbatches < self.pp:
+            raise ValueError(
+                f"--microbatches {self.n_microbatches} with --pp {self.pp}: the 1f1b schedule "
+                f"needs a micro-batch per stage; pass --microbatches {self.pp} or more, or "
+                "--pp-schedule gpipe"
+            )
+
     @property
     def n_microbatches(self) -> int:
         """The pipeline's micro-batches per step (--microbatches; default --pp)."""
