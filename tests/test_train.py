@@ -587,7 +587,7 @@ def test_probe_resume_at_every_layout(tmp_path):
 
 def test_train_rejects_bad_flags(tmp_path, capsys):
     assert main(["train", "--tp", "2", "--nproc", "3", "--out", str(tmp_path)]) == 2
-    assert "--nproc 3 must be a multiple of --tp 2" in capsys.readouterr().err
+    assert "--nproc 3 must be a multiple of --pp 1 × --tp 2" in capsys.readouterr().err
     assert main(["train", "--tp", "3", "--nproc", "3", "--out", str(tmp_path)]) == 2
     assert "--tp 3 must divide the model's 4 attention heads" in capsys.readouterr().err
     argv = ["train", "--tp", "2", "--nproc", "2", "--optimizer", "soap", "--out", str(tmp_path)]

@@ -64,7 +64,7 @@ from orthoptim.optim.base import (
 )
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import HybridOptimizer, RoutePredicate, build_optimizer
-from orthoptim.optim.registry import OptimizerName, is_elementwise, state_kinds_of
+from orthoptim.optim.registry import OptimizerName, state_kinds_of
 from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import FORMAT_VERSION, StateView, flat_label, hypers
 from orthoptim.parallel.assignment import (
@@ -636,13 +636,12 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             elementwise=inner_kwargs.get("elementwise", "adamw"),
         )
         # Units by the group they are data-parallel over: experts (the stacks the model
-        # declares, `ModelRoute.is_expert`) over `expert_group` when one is given, everything
-        # else over `process_group`.
+        # declares, `ModelRoute.is_expert`, whatever steps them: under --optimizer adamw
+        # they are AdamW's) over `expert_group` when one is given, everything else over
+        # `process_group`.
         declared = ModelRoute(model)
         expert = [
-            expert_group is not None
-            and not is_elementwise(u.kind)
-            and declared.is_expert(u.name, named[u.name])
+            expert_group is not None and declared.is_expert(u.name, named[u.name])
             for u in self.units
         ]
         self._groups = [process_group] + ([expert_group] if expert_group is not None else [])

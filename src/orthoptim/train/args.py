@@ -9,10 +9,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS, ParamDtype, resolve_param_dtype
 from orthoptim.train.model import check_tensor_parallel, get_config
 
 OPTIMIZERS = OPTIMIZER_NAMES
+PPSchedule = Literal["gpipe", "1f1b"]
+PP_SCHEDULES: tuple[PPSchedule, ...] = ("gpipe", "1f1b")
 
 
 # Learning rates tuned on the tiny config at compare's defaults (100 steps of 32 x 128 tokens;
@@ -69,6 +72,11 @@ class TrainArgs:
     seed: int = 0
     data: str | None = None
     tp: int = 1
+    pp: int = 1  # pipeline stages
+    ep: int = 1  # expert-parallel ranks (inside the data-parallel ones)
+    dp: int | None = None  # data-parallel ranks per stage; None → nproc / (pp · tp)
+    microbatches: int | None = None  # pipeline micro-batches per step; None → --pp
+    pp_schedule: PPSchedule = "1f1b"
     fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
     qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
     grad_clip: float | None = None  # global gradient-norm threshold; 0 → off; None → 1.0,
@@ -103,6 +111,11 @@ class TrainArgs:
             raise ValueError(
                 f"--param-dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}"
             )
+        if self.param_dtype == "fp64" and self.precision == "bf16":
+            raise ValueError(
+                "--param-dtype fp64 (the reference dtype of equivalence checks) runs without "
+                "autocast; pass --precision fp32 or auto with it"
+            )
         get_config(self.config)
         for name in (
             "steps",
@@ -112,6 +125,8 @@ class TrainArgs:
             "ckpt_every",
             "keep_checkpoints",
             "tp",
+            "pp",
+            "ep",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -159,6 +174,7 @@ class TrainArgs:
             raise ValueError(
                 f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
             )
+        self._validate_parallel()
         if self.compile and (self.fsdp or self.tp > 1):
             flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
             raise ValueError(
@@ -199,17 +215,84 @@ class TrainArgs:
                     "query/key heads and does not run on tensor-parallel shards; pass --qk-clip 0"
                 )
 
+    def _validate_parallel(self) -> None:
+        """The pipeline and expert-parallel flags (--pp, --ep, --dp, --microbatches,
+        --pp-schedule) alone and against the model; the sizes against --nproc are
+        `check_nproc`'s."""
+        for name in ("dp", "microbatches"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name} must be >= 1 (or left out), got {v}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(
+                f"--pp-schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}"
+            )
+        if self.pp == 1 and (self.microbatches or 1) > 1:
+            raise ValueError(
+                f"--microbatches {self.microbatches} splits the batch of a pipeline; it takes "
+                "--pp 2 or more (without a pipeline each step is one batch)"
+            )
+        if self.pp == 1 and self.ep == 1:
+            return
+        flags = " ".join(f"--{k} {getattr(self, k)}" for k in ("pp", "ep") if getattr(self, k) > 1)
+        if self.fsdp:
+            raise ValueError(
+                f"--fsdp with {flags}: FSDP2 sharding of pipeline stages or of expert-parallel "
+                "experts is not wired into `orthoptim train`; drop --fsdp (the layer-wise "
+                "optimizer owns each stage's weights over its data-parallel ranks)"
+            )
+        if self.hf_config is not None:
+            raise ValueError(
+                f"--hf-config with {flags}: pipeline and expert parallelism run on the built-in "
+                "GPT only; drop --hf-config or the flag"
+            )
+        if self.compile:
+            raise ValueError(
+                f"--compile with {flags} is not wired into `orthoptim train`; drop --compile"
+            )
+        cfg = get_config(self.config)
+        n_expert = cfg.moe.n_expert if cfg.moe is not None else None
+        # dp as small as the flags allow: the sizes against --nproc are check_nproc's
+        ParallelDims(dp=self.dp or self.ep, tp=self.tp, ep=self.ep, pp=self.pp).check(
+            n_layer=cfg.n_layer, n_expert=n_expert
+        )
+        if self.batch % self.n_microbatches:
+            given = "" if self.microbatches is not None else " (by default --pp)"
+            raise ValueError(
+                f"--microbatches {self.n_microbatches}{given} must divide --batch {self.batch} "
+                "(each micro-batch is batch / microbatches sequences); pass a --microbatches "
+                "that divides it"
+            )
+
+        if self.pp > 1 and self.pp_schedule == "1f1b" and self.n_microbatches < self.pp:
+            raise ValueError(
+                f"--microbatches {self.n_microbatches} with --pp {self.pp}: the 1f1b schedule "
+                f"needs a micro-batch per stage; pass --microbatches {self.pp} or more, or "
+                "--pp-schedule gpipe"
+            )
+
+    @property
+    def n_microbatches(self) -> int:
+        """The pipeline's micro-batches per step (--microbatches; default --pp)."""
+        return self.microbatches if self.microbatches is not None else self.pp
+
+    def layout(self, nproc: int) -> ParallelDims:
+        """This run's parallel layout over `nproc` ranks (--pp × --dp × --tp, --ep inside
+        --dp), checked against the model (`ParallelDims.check`)."""
+        dims = ParallelDims.for_world(nproc, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp)
+        if self.hf_config is None:
+            cfg = get_config(self.config)
+            dims.check(n_layer=cfg.n_layer, n_expert=cfg.moe.n_expert if cfg.moe else None)
+        return dims
+
     def check_nproc(self, nproc: int, device_type: str) -> None:
-        """Refuse a number of ranks the tensor-parallel size does not divide, and --fsdp with
-        bf16 parameters on one rank (FSDP2's mixed precision comes with its sharding, which
-        needs a process group: one rank steps the unsharded model)."""
+        """Refuse a number of ranks the layout does not fit (`layout`: nproc = pp · dp · tp,
+        --ep dividing dp), and --fsdp with bf16 parameters on one rank (FSDP2's mixed
+        precision comes with its sharding, which needs a process group: one rank steps the
+        unsharded model)."""
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
-        if nproc % self.tp:
-            raise ValueError(
-                f"--nproc {nproc} must be a multiple of --tp {self.tp} (ranks form a "
-                f"(data-parallel, tensor-parallel) mesh of nproc/tp × tp)"
-            )
+        self.layout(nproc)
         if self.fsdp and nproc == 1 and self.param_dtype_on(device_type) == "bf16":
             auto = " (the default on CUDA)" if self.param_dtype == "auto" else ""
             raise ValueError(
@@ -219,8 +302,8 @@ class TrainArgs:
                 "layer-wise optimizer)"
             )
 
-    def param_dtype_on(self, device_type: str) -> Literal["bf16", "fp32"]:
-        """This run's parameter dtype ("bf16" or "fp32") on a `device_type` rank."""
+    def param_dtype_on(self, device_type: str) -> Literal["bf16", "fp32", "fp64"]:
+        """This run's parameter dtype ("bf16", "fp32" or "fp64") on a `device_type` rank."""
         return resolve_param_dtype(self.param_dtype, device_type)
 
     @property

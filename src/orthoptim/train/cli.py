@@ -9,7 +9,13 @@ import sys
 from orthoptim._extras import require_extra
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS
 from orthoptim.train import devices
-from orthoptim.train.args import DEFAULT_GRAD_CLIP, OPTIMIZERS, SAVE_SIGNALS, TrainArgs
+from orthoptim.train.args import (
+    DEFAULT_GRAD_CLIP,
+    OPTIMIZERS,
+    PP_SCHEDULES,
+    SAVE_SIGNALS,
+    TrainArgs,
+)
 from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS
 from orthoptim.train.launcher import RankFailedError, launch
 from orthoptim.train.loop import Preempted
@@ -76,6 +82,40 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (1: none)")
     p.add_argument(
+        "--pp",
+        type=int,
+        default=d.pp,
+        help="pipeline stages (1: none); each stage holds a contiguous run of the blocks and "
+        "its own layer-wise optimizer over its data-parallel ranks",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=d.ep,
+        help="expert-parallel size (1: none; a mixture-of-experts config): each rank of an "
+        "expert-parallel group holds experts/ep of every layer's experts and tokens reach "
+        "them by all-to-all; it runs inside the data-parallel ranks and must divide --dp",
+    )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel ranks per stage, each on its own --batch (default: nproc / (pp · "
+        "tp); given, pp · dp · tp must be --nproc)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline micro-batches per step, dividing --batch (default: --pp)",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        choices=PP_SCHEDULES,
+        default=d.pp_schedule,
+        help="the pipeline schedule (default %(default)s)",
+    )
+    p.add_argument(
         "--fsdp",
         action="store_true",
         help="shard the model with FSDP2 (fully_shard per block) and step it with FSDPOptimizer",
@@ -87,8 +127,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="bf16: forward and backward on bf16 parameters, with fp32 master weights that the "
         "optimizer steps (with --fsdp: FSDP2's mixed precision, fp32 shards, bf16 all-gathers, "
         "gradients reduced in fp32; otherwise the layer-wise optimizer's bf16 parameters and "
-        "fp32 masters of what each rank owns); fp32: fp32 parameters; auto (default): bf16 on "
-        "CUDA, fp32 on CPU. Optimizer state is fp32 either way",
+        "fp32 masters of what each rank owns); fp32: fp32 parameters; fp64: everything in "
+        "float64, the reference dtype of equivalence checks between layouts (CPU); auto "
+        "(default): bf16 on CUDA, fp32 on CPU. Optimizer state is fp32 but under fp64",
     )
     p.add_argument(
         "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"

@@ -23,7 +23,8 @@ Parameter dtype (--param-dtype): "bf16" holds the parameters forward and backwar
 with fp32 masters that the optimizer steps (FSDP2's mixed precision under --fsdp: fp32 shards,
 bf16 all-gathers, fp32 gradient reduction; elsewhere the layer-wise optimizer's bf16 parameters
 and fp32 masters of what each rank owns); optimizer state is fp32 either way. "fp32": the
-parameters are the masters.
+parameters are the masters. "fp64": everything in float64 (no autocast), the reference dtype
+of the equivalence tests between parallel layouts (CPU).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Literal, get_args
 import torch
 
 PRECISIONS = ("auto", "bf16", "fp32")
-ParamDtype = Literal["auto", "bf16", "fp32"]
+ParamDtype = Literal["auto", "bf16", "fp32", "fp64"]
 PARAM_DTYPES: tuple[ParamDtype, ...] = get_args(ParamDtype)
 # The data-parallel default on a machine without GPUs: two gloo ranks exercise the
 # distributed optimizer (one rank runs the plain single-process optimizer).
@@ -110,9 +111,13 @@ def resolve_precision(precision: str, device_type: str) -> str:
     return _by_device("--precision", precision, device_type)
 
 
-def resolve_param_dtype(param_dtype: str, device_type: str) -> Literal["bf16", "fp32"]:
-    """The run's parameter dtype, "bf16" or "fp32": `param_dtype` itself, or for "auto" bf16
-    on CUDA and fp32 elsewhere."""
+def resolve_param_dtype(param_dtype: str, device_type: str) -> Literal["bf16", "fp32", "fp64"]:
+    """The run's parameter dtype, "bf16", "fp32" or "fp64": `param_dtype` itself, or for
+    "auto" bf16 on CUDA and fp32 elsewhere. "fp64" (parameters, gradients, optimizer state
+    and loss in float64) is the reference dtype of equivalence checks between layouts, on
+    the CPU: reduction orders then differ by ~1e-16 rather than fp32's ~1e-7."""
+    if param_dtype == "fp64":
+        return "fp64"
     return _by_device("--param-dtype", param_dtype, device_type)
 
 

@@ -7,6 +7,16 @@ it), then train with a warmup + cosine LR schedule, evaluate on a fixed validati
 metrics, checkpoints and a result file (`orthoptim.train.runfolder`). Ranks are started by
 `orthoptim.train.launcher`.
 
+Parallel layout (`TrainArgs.layout`, one `ParallelMesh` built on every rank): --tp splits the
+GPT's matrices over the tp group (`parallelize`), --ep keeps E/ep experts per rank and
+dispatches tokens over the ep group (`expert_parallelize`), --pp keeps this rank's stage of
+the blocks (`split_stage`) and steps it through a 1F1B or GPipe schedule over micro-batches
+(`PipelineRunner`), training and evaluation alike. Each data-parallel index of a stage
+trains on its own (seed, step, index) batch, which its tp ranks and its stages share; the
+logged loss is the mean over the data-parallel ranks. The layer-wise optimizer takes the
+layout: dense weights over the stage's dp group, experts over their expert group, the
+gradient norm and the non-finite agreement over every stage.
+
 Devices (`orthoptim.train.devices`): gloo ranks on CPU; on CUDA rank r on cuda:LOCAL_RANK over
 NCCL, or with `--shared-gpu` every rank on cuda:0 over "cuda:gloo". Forward and loss run under
 bf16 autocast with `--precision bf16` (the default on CUDA); parameters, gradients and
@@ -29,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,12 +51,20 @@ from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.parallel.layout import ParallelMesh
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import get_batch, load_corpus, val_batches
 from orthoptim.train.devices import autocast, resolve_precision
 from orthoptim.train.hf import build_hf_model
-from orthoptim.train.model import GPT, compile_blocks, get_config, parallelize
+from orthoptim.train.model import (
+    GPT,
+    compile_blocks,
+    expert_parallelize,
+    get_config,
+    parallelize,
+)
+from orthoptim.train.pipeline import PipelineRunner, split_stage
 from orthoptim.train.runfolder import (
     Checkpointer,
     RunLogHandler,
@@ -56,9 +74,6 @@ from orthoptim.train.runfolder import (
     resumed_args,
     saved_param_dtype,
 )
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 
 def lr_multiplier(step: int, args: TrainArgs) -> float:
@@ -94,42 +109,41 @@ def make_optimizer(
     model: nn.Module,
     args: TrainArgs,
     world_size: int,
-    mesh: DeviceMesh | None = None,
+    mesh: ParallelMesh | None = None,
     param_dtype: str = "fp32",
 ) -> Any:
     """The optimizer for this rank: `FSDPOptimizer` under --fsdp (the model already sharded,
     in `param_dtype` by `shard_model`'s mixed precision); otherwise `build_optimizer` on one
     rank and, on more, the layer-wise distributed optimizer (each matrix, and each expert of a
     mixture of experts, owned whole by one rank). All of them route the same parameters to
-    AdamW. With a (dp, tp) `mesh` the layer-wise optimizer owns over the dp group and
-    orthogonalizes with a `TensorParallelOrthogonalizer` (auto mode: duplicated or distributed
-    per shape, by its cost model). `param_dtype` "bf16" without --fsdp: the layer-wise
-    optimizer (on one rank too) holds the parameters in bf16 and fp32 masters of what it
-    owns."""
+    AdamW. `mesh` (the run's layout) gives the layer-wise optimizer its groups: it owns over
+    the data-parallel group of the rank's stage (`model` is the stage under --pp), the
+    experts over the expert-data-parallel group under --ep, and with --tp it orthogonalizes
+    with a `TensorParallelOrthogonalizer` (auto mode: duplicated or distributed per shape, by
+    its cost model). `param_dtype` "bf16" without --fsdp: the layer-wise optimizer (on one
+    rank too) holds the parameters in bf16 and fp32 masters of what it owns."""
     kwargs = _optimizer_kwargs(args)
     if args.fsdp:
         return FSDPOptimizer(model, optimizer=args.optimizer, **kwargs)
     low = low_precision(param_dtype)
     # The keyword only for low precision: fp32 runs build the optimizer they always built.
     masters = {} if low is None else dict(param_dtype=low)
-    if mesh is not None:
-        return LayerwiseDistributedOptimizer(
-            model,
-            optimizer=args.optimizer,
-            process_group=mesh["dp"].get_group(),
-            orthogonalizer=TensorParallelOrthogonalizer(mode="auto"),
-            **masters,
-            **kwargs,
-        )
     if world_size == 1 and low is None:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
-    # only the parameters the model declares expert stacks are split (`optim.routing`)
-    experts = args.optimizer != "adamw"
+    groups: dict[str, Any] = {}
+    if mesh is not None:
+        groups = dict(layout=mesh)
+        if mesh.dims.tp > 1:
+            groups["orthogonalizer"] = TensorParallelOrthogonalizer(mode="auto")
+    # only the parameters the model declares expert stacks are split (`optim.routing`);
+    # not a tensor-parallel model's (DTensor experts are not sliced)
+    experts = args.optimizer != "adamw" and args.tp == 1
     return LayerwiseDistributedOptimizer(
         model,
         optimizer=args.optimizer,
         split_experts=experts,
         state_dict_to="rank0",
+        **groups,
         **masters,
         **kwargs,
     )
@@ -137,7 +151,8 @@ def make_optimizer(
 
 def clip_gradients(model: nn.Module, opt: Any, max_norm: float) -> float:
     """Clip the gradients by their global 2-norm and return the norm (before clipping): the
-    distributed optimizers' `clip_grad_norm_` (gradients reduced to owners or sharded), else
+    distributed optimizers' `clip_grad_norm_` (gradients reduced to owners or sharded; under
+    --pp over every stage's, by the layout's pp group), else
     `torch.nn.utils.clip_grad_norm_` on the model's parameters (one process)."""
     method = getattr(opt, "clip_grad_norm_", None)
     if method is not None:
@@ -184,26 +199,33 @@ def evaluate(
     world_size: int,
     lockstep: bool = False,
     precision: str = "fp32",
+    pipeline: PipelineRunner | None = None,
 ) -> float:
-    """Mean validation loss over the fixed batches, split across ranks, in the run's
-    `precision` ("bf16": under autocast, like training).
+    """Mean validation loss over the fixed batches, split across the `world_size`
+    data-parallel ranks (`rank`: this one's index), in the run's `precision` ("bf16": under
+    autocast, like training). Under a `pipeline` every stage runs the batches of its
+    data-parallel index through it (the ranks of one index count each batch alike, which
+    the mean over every rank leaves as it is).
 
     `lockstep`: every rank runs the same number of forwards (a rank short of batches repeats
-    one and ignores it), as a sharded model's forward is collective."""
+    one and ignores it), as a sharded model's or an expert-parallel one's forward is
+    collective."""
     model.eval()
     total, count = 0.0, 0.0
     rounds = -(-len(batches) // world_size)
+
+    def loss_of(x: Tensor, y: Tensor) -> float:
+        with autocast(x.device, precision):
+            return pipeline.evaluate(x, y) if pipeline is not None else model(x, y).item()
+
     for i in range(rounds):
         j = rank + i * world_size
         if j < len(batches):
             x, y = batches[j]
-            with autocast(x.device, precision):
-                loss = model(x, y)
-            total += loss.item() * y.numel()
+            total += loss_of(x, y) * y.numel()
             count += y.numel()
         elif lockstep:
-            with autocast(batches[0][0].device, precision):
-                model(*batches[0])
+            loss_of(*batches[0])
     model.train()
     with collectives.phase("validation loss (all-reduce)"):
         total, count = collectives.sum_floats([total, count])
@@ -271,8 +293,9 @@ class Preempted(Exception):
 
 @dataclass
 class Run:
-    """What one rank trains, built once by `build_run`: the model and its optimizer, the
-    corpus and validation batches, and how the ranks split the data."""
+    """What one rank trains, built once by `build_run`: the model (under --pp this rank's
+    stage) and its optimizer, the corpus and validation batches, the layout and how the
+    ranks split the data."""
 
     model: nn.Module
     opt: Any
@@ -283,42 +306,78 @@ class Run:
     model_info: dict[str, Any]
     val: list[tuple[Tensor, Tensor]]
     precision: str
-    param_dtype: str  # "bf16" (fp32 masters) or "fp32"
-    dp_rank: int
-    dp_size: int
+    param_dtype: str  # "bf16" (fp32 masters), "fp32" or "fp64"
+    mesh: ParallelMesh
+    parameters: int  # the whole model's (every stage's, every expert)
+    pipeline: PipelineRunner | None = None  # this rank's stage of the pipeline under --pp
     saved_step: int | None = None  # the newest checkpoint's step, once resumed or saved
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: its batches are (seed, step, dp_rank)'s; the tp
+        ranks and pipeline stages of one index share them."""
+        return self.mesh.coord.dp
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dims.dp
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every rank must run the same number of forwards beyond --fsdp's: an
+        expert-parallel model's forward is collective over its ep group."""
+        return self.mesh.dims.ep > 1
+
+    @property
     def tokens_per_step(self) -> int:
-        """Tokens one step trains on over every rank (tp ranks share their dp rank's batch)."""
+        """Tokens one step trains on over every rank (the tp ranks and the stages of a
+        data-parallel index share its batch)."""
         return self.batch * self.seq_len * self.dp_size
 
 
 def build_run(
     args: TrainArgs, rank: int, world_size: int, device: torch.device, log: logging.Logger
 ) -> Run:
-    """The model (same seed on every rank; sharded by FSDP2 or parallelized over a (dp, tp)
-    mesh as the flags say), its optimizer, QK-clip, the corpus and the validation batches."""
+    """The model (same seed on every rank; sharded by FSDP2, or parallelized over the run's
+    layout as the flags say: tensor parallelism over its tp group, experts over its ep group,
+    then cut to this rank's pipeline stage), its optimizer, QK-clip, the corpus and the
+    validation batches."""
     cfg = get_config(args.config)
     corpus = load_corpus(args.data, min_bytes=cfg.seq_len + 1)
     log.info("corpus %s", corpus.describe())
     torch.manual_seed(args.seed)
-    model = (build_hf_model(args.hf_config, cfg.seq_len) if args.hf_config else GPT(cfg)).to(device)
+    model: nn.Module = (
+        build_hf_model(args.hf_config, cfg.seq_len) if args.hf_config else GPT(cfg)
+    ).to(device)
     args.check_nproc(world_size, device.type)
     param_dtype = args.param_dtype_on(device.type)
+    if param_dtype == "fp64":
+        model.to(torch.float64)
+    parameters = sum(p.numel() for p in model.parameters())  # before any cut
+    mesh = args.layout(world_size).build(device.type, rank)
+    dims = mesh.dims
     if args.fsdp and world_size > 1:
         shard_model(model, param_dtype=low_precision(param_dtype))
-    mesh = None
-    dp_rank, dp_size = rank, world_size
-    if args.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(
-            device.type, (world_size // args.tp, args.tp), mesh_dim_names=("dp", "tp")
-        )
-        parallelize(model, mesh["tp"])
-        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    if dims.tp > 1:
+        parallelize(model, mesh.tp_mesh)
+    if dims.ep > 1:
+        # the load-balancing loss counts its routing over the stage's data-parallel ranks
+        # (the global batch's; the layout's None is every rank)
+        dp_group = mesh.dp_group if mesh.dp_group is not None else torch.distributed.group.WORLD
+        expert_parallelize(model, mesh.ep_group, mesh.coord.ep, dims.ep, stats_group=dp_group)
+    if dims.pp > 1:
+        model = split_stage(model, dims.pp, mesh.coord.pp)
     opt = make_optimizer(model, args, world_size, mesh, param_dtype)
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = PipelineRunner(
+            model,
+            mesh,
+            n_microbatches=args.n_microbatches,
+            schedule=args.pp_schedule,
+            device=device,
+            no_sync=getattr(opt, "no_sync", None),  # gradients reduced once a step
+        )
     tau = args.qk_clip_tau
     clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
     precision = resolve_precision(args.precision, device.type)
@@ -331,14 +390,16 @@ def build_run(
         for x, y in val_batches(corpus.val, args.eval_batches, args.batch, cfg.seq_len, args.seed)
     ]
     log.info(
-        "model %s (%d params), optimizer %s%s, world size %d (tp %d), device %s (%s), "
+        "model %s (%d params%s), optimizer %s%s, world size %d (%s, rank %s), device %s (%s), "
         "precision %s, parameters %s%s",
         f"transformers {args.hf_config}" if args.hf_config else args.config,
         sum(p.numel() for p in model.parameters()),
+        f" in stage {mesh.coord.pp}" if pipeline is not None else "",
         args.optimizer,
         " (FSDP2)" if args.fsdp else "",
         world_size,
-        args.tp,
+        dims.describe(),
+        tuple(mesh.coord),
         device,
         collectives.backend_config() or "no process group",
         precision,
@@ -357,8 +418,9 @@ def build_run(
         val,
         precision,
         param_dtype,
-        dp_rank,
-        dp_size,
+        mesh,
+        parameters,
+        pipeline,
     )
 
 
@@ -472,9 +534,14 @@ def train_step(
         # NCCL the last step's loss all-reduce, queued behind the gathers, has waited
         # for them already: only their copy into the parameters moves out of forward.)
         _params_ready(opt)
-    with autocast(device, run.precision):
-        loss = run.model(x, y)
-    loss.backward()
+    if run.pipeline is not None:
+        with autocast(device, run.precision):
+            loss = run.pipeline.step(x, y)  # the batch's mean loss, on every stage
+    else:
+        with autocast(device, run.precision):
+            out = run.model(x, y)
+        out.backward()
+        loss = out.item()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
@@ -493,7 +560,8 @@ def train_step(
     sent, received = _comm_totals(opt)
     asked = float(stop is not None and stop.signal is not None)
     with collectives.phase(f"training loss of step {step} (all-reduce)"):
-        train_loss, stops = collectives.sum_floats([loss.item() / world_size, asked])
+        # the mean over the data-parallel ranks: every rank of one dp index holds its loss
+        train_loss, stops = collectives.sum_floats([loss / world_size, asked])
     if not math.isfinite(train_loss):
         raise FloatingPointError(f"training loss is {train_loss} at step {step}; {_advice(run)}")
     row: dict[str, Any] = dict(
@@ -534,6 +602,7 @@ def train(
         sharded=args.fsdp and world_size > 1,
         tp=args.tp,
         keep=args.keep_checkpoints,
+        layout=args.layout(world_size),
     )
     changes: list[str] = []
     if args.resume:
@@ -570,7 +639,15 @@ def train(
 
     def validate() -> float:
         _params_ready(opt)
-        return evaluate(run.model, run.val, run.dp_rank, run.dp_size, args.fsdp, run.precision)
+        return evaluate(
+            run.model,
+            run.val,
+            run.dp_rank,
+            run.dp_size,
+            args.fsdp or run.lockstep,
+            run.precision,
+            run.pipeline,
+        )
 
     val_loss = None
     if start == 0:
@@ -660,8 +737,9 @@ def _result(
     return dict(
         args=args.to_dict(),
         model=run.model_info,
-        parameters=sum(p.numel() for p in run.model.parameters()),
+        parameters=run.parameters,
         world_size=world_size,
+        layout=run.mesh.dims.describe(),
         device=str(device),
         backend=collectives.backend_config() or None,
         precision=run.precision,

@@ -123,9 +123,12 @@ class GPTStage(nn.Module):
         ]
         return torch.stack(terms).sum() if terms else None
 
-    # The full model's, as they read only named_modules() and iterate over `blocks`.
+    # The full model's, as they read only named_modules() and iterate over `blocks`
+    # (checkpoints read `expert_parallel_slices` to store expert stacks as full tensors).
     split_spec = GPT.split_spec
     record_attention_logits = GPT.record_attention_logits
+    moe_layers = GPT.moe_layers
+    expert_parallel_slices = GPT.expert_parallel_slices
 
     def attention_max_logits(self) -> dict[str, Tensor | None]:
         """As `GPT.attention_max_logits`, for this stage's blocks (full-model layer names)."""

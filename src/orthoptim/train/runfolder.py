@@ -7,8 +7,11 @@ Files under `out`:
     checkpoints/latest.json   the committed checkpoint: its step folder and metadata
     checkpoints/step_NNNNNN/  checkpoint.json (metadata, every file's size and SHA-256), and
                            model.pt and optim.pt (the full optimizer state), by rank 0; with
-                           --fsdp dcp/, one torch.distributed.checkpoint of model and
-                           optimizer shards
+                           --fsdp or --tp dcp/, one torch.distributed.checkpoint of model and
+                           optimizer shards; with --pp model-stage{S}.pt and
+                           optim-stage{S}.pt, each stage's full dicts; with --ep
+                           model-stage{S}.pt and optim-rank{R}.pt, each rank's own
+                           optimizer state
     .lock                  while a run is going: its host, pid and start time
 
 An output folder belongs to one run (`claim_out`): a new run refuses a folder that holds one
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 
 from orthoptim import checkpoint, collectives
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.args import TrainArgs
 
 
@@ -85,7 +89,8 @@ RESUME_MUST_MATCH = (
     "warmup", "min_lr_ratio",
 )  # fmt: skip
 # --nproc, --tp and --fsdp (the layout) may change: the checkpoint is resharded on loading
-# (`Checkpointer._read`), the change named (`layout_change`).
+# (`Checkpointer._read`), the change named (`layout_change`); --pp and --ep may not
+# (`check_layout_resumable`).
 # Flags a resumed run may change (applied with a notice); left off, the checkpoint's value.
 RESUME_MAY_CHANGE = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
 
@@ -100,8 +105,9 @@ def check_resumable(
     info: dict[str, Any], args: TrainArgs, world_size: int, param_dtype: str
 ) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch. Another
-    layout (`world_size`, --tp, --fsdp) is no mismatch: every checkpoint format loads at
-    every layout `TrainArgs.validate` and `check_nproc` allow (`Checkpointer._read`).
+    `world_size`, --tp or --fsdp is no mismatch: a checkpoint loads at every layout
+    `TrainArgs.validate` and `check_nproc` allow of the same --pp and --ep, but under --ep's
+    per-rank format (`check_layout_resumable`; `Checkpointer._read`).
 
     `param_dtype` is this run's ("bf16" or "fp32") and may differ from the checkpoint's: under
     --fsdp the checkpoint's model weights are FSDP2's sharded parameters, the fp32 masters;
@@ -119,17 +125,47 @@ def check_resumable(
         raise ValueError(
             "--resume: the checkpoint does not match this run: " + "; ".join(mismatched)
         )
+    check_layout_resumable(info, args, world_size)
 
 
-CheckpointFormat = Literal["dcp", "full"]
+def check_layout_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
+    """Refuse a layout the checkpoint cannot be read at, naming the checkpoint's values, this
+    run's and the fix: another --pp or --ep (a stage's files hold its blocks only, an
+    expert-parallel rank's its experts only), and under the per-rank format ("ranks", of
+    --ep) any other layout at all."""
+    saved = TrainArgs.from_dict(info["args"])
+    then = f"--pp {saved.pp} --ep {saved.ep}"
+    if (saved.pp, saved.ep) != (args.pp, args.ep):
+        raise ValueError(
+            f"--resume: the checkpoint was written with {then} and this run has --pp {args.pp} "
+            f"--ep {args.ep}; a checkpoint is read at the pipeline and expert-parallel sizes "
+            f"that wrote it: resume with {then}"
+        )
+    if checkpoint_format(info) != "ranks":
+        return
+    before, now = int(info["world_size"]), world_size
+    if before != now or saved.layout(before) != args.layout(now):
+        was = f"--nproc {before} {saved.layout(before).describe()}"
+        raise ValueError(
+            f"--resume: the checkpoint holds each rank's own state (written with {was}; "
+            f"this run has --nproc {now} {args.layout(now).describe()}), which only that "
+            f"layout reads: resume with {was}"
+        )
+
+
+CheckpointFormat = Literal["dcp", "full", "stages", "ranks"]
+CHECKPOINT_FORMATS: tuple[CheckpointFormat, ...] = ("dcp", "full", "stages", "ranks")
 
 
 def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
     """How the checkpoint of record `info` was written (not how the run resuming it would
-    write one): "dcp" (`checkpoint.save_sharded` under dcp/) or "full" (model.pt and optim.pt,
-    the full state dicts), as its record says; a record from before the format was recorded
-    is "dcp" when written by a --tp > 1 or a multi-rank --fsdp run."""
-    if info.get("format") in ("dcp", "full"):  # recorded by the save (`Checkpointer.save`)
+    write one): "dcp" (`checkpoint.save_sharded` under dcp/), "full" (model.pt and optim.pt,
+    the full state dicts), "stages" (model-stage{S}.pt and optim-stage{S}.pt: each pipeline
+    stage's full dicts) or "ranks" (model-stage{S}.pt and optim-rank{R}.pt: each rank's own
+    optimizer state), as its record says;
+    a record from before the format was recorded is "dcp" when written by a --tp > 1 or a
+    multi-rank --fsdp run."""
+    if info.get("format") in CHECKPOINT_FORMATS:  # recorded by the save (`Checkpointer.save`)
         return info["format"]
     saved = TrainArgs.from_dict(info["args"])
     return "dcp" if saved.tp > 1 or (saved.fsdp and info["world_size"] > 1) else "full"
@@ -149,7 +185,7 @@ def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str
         flags.append("--fsdp on → off" if saved.fsdp else "--fsdp off → on")
     if not flags:
         return None
-    dp_before, dp_after = before // saved.tp, after // args.tp
+    dp_before, dp_after = before // (saved.tp * saved.pp), after // (args.tp * args.pp)
     if dp_before == dp_after:
         batch = f"global batch unchanged ({dp_after * args.batch} sequences)"
     else:
@@ -444,8 +480,17 @@ class Checkpointer:
     Formats: `model.pt` and `optim.pt` (the optimizer's full state dict, gathered to rank 0,
     which every rank loads on resume); `sharded` (FSDP2) or `tp` > 1: model and optimizer by
     `orthoptim.checkpoint.save_sharded` under `dcp/` (each rank writes its shards and what it
-    owns; keys free of world and tp size). A checkpoint is read in the format its record says
-    it was written in (`checkpoint_format`), at whatever layout the resuming run has."""
+    owns; keys free of world and tp size). A `layout` with pipeline stages: "stages", each
+    stage's full model and optimizer dicts (`model-stage{S}.pt`, `optim-stage{S}.pt`, by the
+    stage's first rank, tensor-parallel weights and state gathered whole; the stages hold
+    disjoint parameter names), read by every rank of that stage at any data- and
+    tensor-parallel size. With expert parallelism (whose ranks hold different experts under
+    the same names): "ranks", each stage's full model (`model-stage{S}.pt`, the expert
+    stacks gathered over the ep group) and each rank's own optimizer state
+    (`optim-rank{R}.pt`: what it owns), read at the same layout only
+    (`check_layout_resumable`). A checkpoint is read in the format its record says it was
+    written in (`checkpoint_format`), at whatever layout the resuming run has and the format
+    allows."""
 
     def __init__(
         self,
@@ -455,11 +500,22 @@ class Checkpointer:
         sharded: bool = False,
         tp: int = 1,
         keep: int = 2,
+        layout: ParallelDims | None = None,
     ) -> None:
         self.dir = out / "checkpoints"
         self.rank, self.world_size, self.sharded, self.tp = rank, world_size, sharded, tp
         self.keep = keep
-        self._format: CheckpointFormat = "dcp" if tp > 1 or sharded else "full"
+        self.layout = layout or ParallelDims(dp=world_size // tp, tp=tp)
+        self._format = self._format_of(self.layout, sharded)
+
+    @staticmethod
+    def _format_of(layout: ParallelDims, sharded: bool) -> CheckpointFormat:
+        """The format a run of `layout` writes its checkpoints in (see the class)."""
+        if layout.ep > 1:
+            return "ranks"
+        if layout.pp > 1:
+            return "stages"
+        return "dcp" if layout.tp > 1 or sharded else "full"
 
     def latest(self) -> dict[str, Any]:
         """The committed checkpoint's record: latest.json's when it verifies (`read_record`)
@@ -581,7 +637,26 @@ class Checkpointer:
 
     def _write(self, folder: Path, model: nn.Module, opt: Any) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        if self._format == "dcp":
+        coord = self.layout.coordinate(self.rank)
+        first = coord.dp == 0 and coord.tp == 0  # the stage's first rank
+        if self._format == "ranks":
+            with collectives.phase(f"checkpoint {folder.name}: stage {coord.pp}'s full model"):
+                whole = _full_model_state(model)  # collective over the ep or tp group
+            if first:
+                checkpoint.atomic_save(whole, folder / f"model-stage{coord.pp}.pt")
+            optim = _rank_optimizer_state(opt)
+            checkpoint.atomic_save(optim, folder / f"optim-rank{self.rank}.pt")
+        elif self._format == "stages":
+            with collectives.phase(
+                f"checkpoint {folder.name}: stage {coord.pp}'s model and optimizer state to its "
+                "first rank"
+            ):
+                whole = _full_model_state(model)  # collective over the tp group
+                optim = opt.state_dict()  # collective over the stage's data-parallel group
+            if first:
+                checkpoint.atomic_save(whole, folder / f"model-stage{coord.pp}.pt")
+                checkpoint.atomic_save(optim, folder / f"optim-stage{coord.pp}.pt")
+        elif self._format == "dcp":
             with collectives.phase(f"checkpoint {folder.name}: the sharded save"):
                 checkpoint.save_sharded(folder / "dcp", opt, model)
         else:
@@ -678,8 +753,19 @@ class Checkpointer:
         checkpoint's keys are free of both, and each rank reads what it owns now; full dicts
         are read whole by every rank, which keeps what it owns (of a DTensor parameter, its
         shard)."""
-        if checkpoint_format(info) == "dcp":
+        fmt = checkpoint_format(info)
+        if fmt == "dcp":
             checkpoint.load_sharded(folder / "dcp", opt, model)
+            return
+        stage = self.layout.coordinate(self.rank).pp
+        if fmt == "ranks":
+            optim = checkpoint.load_file(folder / f"optim-rank{self.rank}.pt")
+            _load_full_model(model, checkpoint.load_file(folder / f"model-stage{stage}.pt"))
+            _load_rank_optimizer_state(opt, optim)
+            return
+        if fmt == "stages":
+            _load_full_model(model, checkpoint.load_file(folder / f"model-stage{stage}.pt"))
+            opt.load_state_dict(checkpoint.load_file(folder / f"optim-stage{stage}.pt"))
             return
         here = model.state_dict()
         full = checkpoint.load_file(folder / "model.pt")
@@ -692,6 +778,99 @@ class Checkpointer:
             }
         )
         opt.load_state_dict(checkpoint.load_file(folder / "optim.pt"))
+
+
+def _full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict as the full (single-process) model's, on the CPU: expert stacks
+    cut by `expert_parallelize` gathered over their ep group (`full_expert_state_dict`),
+    tensor-parallel DTensors over their tp group. Collective over those groups."""
+    from orthoptim.train.model import full_expert_state_dict
+
+    slices = getattr(model, "expert_parallel_slices", dict)()
+    sd = full_expert_state_dict(model) if slices else model.state_dict()  # type: ignore[arg-type]
+    return {k: collectives.unshard(v).detach().cpu() for k, v in sd.items()}
+
+
+@torch.no_grad()
+def _load_full_model(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Load a full model's state dict into `model`, each rank taking its part: its expert
+    stacks' slices (`load_expert_state_dict`), its shards of tensor-parallel DTensors."""
+    from orthoptim.train.model import load_expert_state_dict
+
+    if getattr(model, "expert_parallel_slices", dict)():
+        load_expert_state_dict(model, full)  # type: ignore[arg-type]
+        return
+    here = model.state_dict()
+    model.load_state_dict(
+        {
+            k: collectives.cut_like(v.to(collectives.local_shard(here[k]).device), here[k])
+            if k in here and collectives.is_dtensor(here[k])
+            else v
+            for k, v in full.items()
+        }
+    )
+
+
+def _rank_optimizer_state(opt: Any) -> dict[str, Any]:
+    """This rank's own optimizer state (the "ranks" format): the layer-wise optimizer's
+    inner optimizer's state dict (of what this rank owns; None when it owns nothing) and
+    its master copies."""
+    inner = getattr(opt, "inner", opt)
+    return dict(
+        inner=inner.state_dict() if inner is not None else None,
+        masters={
+            k: collectives.local_shard(v).detach().cpu()
+            for k, v in getattr(opt, "masters", dict)().items()
+        },
+    )
+
+
+@torch.no_grad()
+def _load_rank_optimizer_state(opt: Any, state: dict[str, Any]) -> None:
+    """Load `_rank_optimizer_state`'s dict into the optimizer of the rank that wrote it (the
+    same layout: `check_layout_resumable`), after the model (the masters it keeps are the
+    checkpoint's, not the model's rounding of them)."""
+    wait = getattr(opt, "wait_for_params", None)
+    if wait is not None:
+        wait()
+    inner = getattr(opt, "inner", opt)
+    if (inner is None) != (state["inner"] is None):
+        raise checkpoint.CheckpointMismatchError(
+            ["this rank's optimizer owns parameters the checkpoint's rank did not, or not those"]
+        )
+    if inner is not None:
+        _load_in_place(inner, state["inner"])
+    masters = getattr(opt, "masters", dict)()
+    if masters.keys() != state["masters"].keys():
+        raise checkpoint.CheckpointMismatchError(
+            [f"master copies: {sorted(state['masters'])} in the checkpoint, {sorted(masters)} here"]
+        )
+    for k, m in masters.items():
+        collectives.local_shard(m).copy_(state["masters"][k])
+
+
+def _load_in_place(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Load torch-format `sd` (`opt.state_dict()` of the same optimizer at the same layout)
+    into `opt`'s own `state` and group dicts, which a layer-wise optimizer and a hybrid's
+    inner optimizers share (torch's `load_state_dict` would put new ones in their place)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved = [len(g["params"]) for g in sd["param_groups"]]
+    if saved != [len(g["params"]) for g in opt.param_groups]:
+        raise checkpoint.CheckpointMismatchError(
+            [
+                f"parameters per group: {saved} in the checkpoint, "
+                f"{[len(g['params']) for g in opt.param_groups]} here"
+            ]
+        )
+    opt.state.clear()
+    for i, st in sd["state"].items():
+        p = params[i]
+        opt.state[p] = {
+            k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
+            for k, v in st.items()
+        }
+    for g, sg in zip(opt.param_groups, sd["param_groups"]):
+        g.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
 
 
 def clean_leftovers(out: Path) -> list[str]:
