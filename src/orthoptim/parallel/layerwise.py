@@ -614,6 +614,15 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         )  # fmt: skip
         self._bind_groups(process_group, expert_group, layout)
         process_group, expert_group = self.process_group, self.expert_group
+        cut = checkpoint.expert_slices(model)
+        if cut and expert_group is None and C.world(process_group)[1] > 1:
+            raise ValueError(
+                f"LayerwiseDistributedOptimizer: the model is expert-parallel (each rank holds "
+                f"its own experts of {sorted(cut)[0]} and {len(cut) - 1} more stacks under the "
+                "full model's names), which averaging over process_group would mix; build it "
+                "with layout=<the ParallelMesh the model was expert_parallelize'd over> (or "
+                "expert_group=<the ranks holding the same experts>)"
+            )
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.gather_dtype = gather_dtype

@@ -8,10 +8,8 @@ Files under `out`:
     checkpoints/step_NNNNNN/  checkpoint.json (metadata, every file's size and SHA-256), and
                            model.pt and optim.pt (the full optimizer state), by rank 0; with
                            --fsdp or --tp dcp/, one torch.distributed.checkpoint of model and
-                           optimizer shards; with --pp model-stage{S}.pt and
-                           optim-stage{S}.pt, each stage's full dicts; with --ep
-                           model-stage{S}.pt and optim-rank{R}.pt, each rank's own
-                           optimizer state
+                           optimizer shards; with --pp or --ep model-stage{S}.pt
+                           and optim-stage{S}.pt, each pipeline stage's full dicts
     .lock                  while a run is going: its host, pid and start time
 
 An output folder belongs to one run (`claim_out`): a new run refuses a folder that holds one
@@ -89,8 +87,8 @@ RESUME_MUST_MATCH = (
     "warmup", "min_lr_ratio",
 )  # fmt: skip
 # --nproc, --tp and --fsdp (the layout) may change: the checkpoint is resharded on loading
-# (`Checkpointer._read`), the change named (`layout_change`); --pp and --ep may not
-# (`check_layout_resumable`).
+# (`Checkpointer._read`), the change named (`layout_change`); so may --ep, whose checkpoints
+# hold the full expert stacks; --pp may not (`check_layout_resumable`).
 # Flags a resumed run may change (applied with a notice); left off, the checkpoint's value.
 RESUME_MAY_CHANGE = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
 
@@ -105,9 +103,9 @@ def check_resumable(
     info: dict[str, Any], args: TrainArgs, world_size: int, param_dtype: str
 ) -> None:
     """Refuse to resume a checkpoint of a different run, listing every mismatch. Another
-    `world_size`, --tp or --fsdp is no mismatch: a checkpoint loads at every layout
-    `TrainArgs.validate` and `check_nproc` allow of the same --pp and --ep, but under --ep's
-    per-rank format (`check_layout_resumable`; `Checkpointer._read`).
+    `world_size`, --tp, --ep or --fsdp is no mismatch: a checkpoint loads at every layout
+    `TrainArgs.validate` and `check_nproc` allow of the same --pp (`check_layout_resumable`;
+    `Checkpointer._read`).
 
     `param_dtype` is this run's ("bf16" or "fp32") and may differ from the checkpoint's: under
     --fsdp the checkpoint's model weights are FSDP2's sharded parameters, the fp32 masters;
@@ -129,40 +127,26 @@ def check_resumable(
 
 
 def check_layout_resumable(info: dict[str, Any], args: TrainArgs, world_size: int) -> None:
-    """Refuse a layout the checkpoint cannot be read at, naming the checkpoint's values, this
-    run's and the fix: another --pp or --ep (a stage's files hold its blocks only, an
-    expert-parallel rank's its experts only), and under the per-rank format ("ranks", of
-    --ep) any other layout at all."""
+    """Refuse another --pp than the checkpoint's (a stage's files hold its blocks only),
+    naming both and the fix; every other layout change reshards on loading."""
     saved = TrainArgs.from_dict(info["args"])
-    then = f"--pp {saved.pp} --ep {saved.ep}"
-    if (saved.pp, saved.ep) != (args.pp, args.ep):
+    if saved.pp != args.pp:
         raise ValueError(
-            f"--resume: the checkpoint was written with {then} and this run has --pp {args.pp} "
-            f"--ep {args.ep}; a checkpoint is read at the pipeline and expert-parallel sizes "
-            f"that wrote it: resume with {then}"
-        )
-    if checkpoint_format(info) != "ranks":
-        return
-    before, now = int(info["world_size"]), world_size
-    if before != now or saved.layout(before) != args.layout(now):
-        was = f"--nproc {before} {saved.layout(before).describe()}"
-        raise ValueError(
-            f"--resume: the checkpoint holds each rank's own state (written with {was}; "
-            f"this run has --nproc {now} {args.layout(now).describe()}), which only that "
-            f"layout reads: resume with {was}"
+            f"--resume: the checkpoint was written with --pp {saved.pp} and this run has --pp "
+            f"{args.pp}; a checkpoint is read at the pipeline size that wrote it (each stage's "
+            f"files hold its own layers): resume with --pp {saved.pp}"
         )
 
 
-CheckpointFormat = Literal["dcp", "full", "stages", "ranks"]
-CHECKPOINT_FORMATS: tuple[CheckpointFormat, ...] = ("dcp", "full", "stages", "ranks")
+CheckpointFormat = Literal["dcp", "full", "stages"]
+CHECKPOINT_FORMATS: tuple[CheckpointFormat, ...] = ("dcp", "full", "stages")
 
 
 def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
     """How the checkpoint of record `info` was written (not how the run resuming it would
     write one): "dcp" (`checkpoint.save_sharded` under dcp/), "full" (model.pt and optim.pt,
-    the full state dicts), "stages" (model-stage{S}.pt and optim-stage{S}.pt: each pipeline
-    stage's full dicts) or "ranks" (model-stage{S}.pt and optim-rank{R}.pt: each rank's own
-    optimizer state), as its record says;
+    the full state dicts) or "stages" (model-stage{S}.pt and optim-stage{S}.pt: each
+    pipeline stage's full dicts), as its record says;
     a record from before the format was recorded is "dcp" when written by a --tp > 1 or a
     multi-rank --fsdp run."""
     if info.get("format") in CHECKPOINT_FORMATS:  # recorded by the save (`Checkpointer.save`)
@@ -174,13 +158,14 @@ def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
 def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str | None:
     """How a resumed run's layout differs from its checkpoint's, in words, or None when it
     does not: the changed flags, and the global batch (`--batch` sequences on each
-    data-parallel rank, so it follows the data-parallel size nproc / tp), e.g. "--nproc 2 → 3:
+    data-parallel rank, so it follows the data-parallel size nproc / (pp · tp)), e.g. "--nproc 2 → 3:
     global batch 32 → 48 sequences (3 data-parallel ranks × --batch 16)"."""
     saved = TrainArgs.from_dict(info["args"])
     before, after = int(info["world_size"]), world_size
     flags = [f"--nproc {before} → {after}"] if before != after else []
-    if saved.tp != args.tp:
-        flags.append(f"--tp {saved.tp} → {args.tp}")
+    for flag in ("tp", "ep"):
+        if getattr(saved, flag) != getattr(args, flag):
+            flags.append(f"--{flag} {getattr(saved, flag)} → {getattr(args, flag)}")
     if saved.fsdp != args.fsdp:
         flags.append("--fsdp on → off" if saved.fsdp else "--fsdp off → on")
     if not flags:
@@ -484,13 +469,12 @@ class Checkpointer:
     stage's full model and optimizer dicts (`model-stage{S}.pt`, `optim-stage{S}.pt`, by the
     stage's first rank, tensor-parallel weights and state gathered whole; the stages hold
     disjoint parameter names), read by every rank of that stage at any data- and
-    tensor-parallel size. With expert parallelism (whose ranks hold different experts under
-    the same names): "ranks", each stage's full model (`model-stage{S}.pt`, the expert
-    stacks gathered over the ep group) and each rank's own optimizer state
-    (`optim-rank{R}.pt`: what it owns), read at the same layout only
-    (`check_layout_resumable`). A checkpoint is read in the format its record says it was
-    written in (`checkpoint_format`), at whatever layout the resuming run has and the format
-    allows."""
+    tensor-parallel size. Expert parallelism (whose ranks hold different experts under the
+    same names) writes "stages" too: the expert stacks gathered whole over the ep group,
+    their optimizer state under global expert names (the layer-wise optimizer's
+    `ExpertSlicesView`), so it reads at any --ep as well. A checkpoint is read in the format
+    its record says it was written in (`checkpoint_format`), at whatever layout the resuming
+    run has and the format allows."""
 
     def __init__(
         self,
@@ -511,9 +495,7 @@ class Checkpointer:
     @staticmethod
     def _format_of(layout: ParallelDims, sharded: bool) -> CheckpointFormat:
         """The format a run of `layout` writes its checkpoints in (see the class)."""
-        if layout.ep > 1:
-            return "ranks"
-        if layout.pp > 1:
+        if layout.pp > 1 or layout.ep > 1:
             return "stages"
         return "dcp" if layout.tp > 1 or sharded else "full"
 
@@ -639,19 +621,12 @@ class Checkpointer:
         folder.mkdir(parents=True, exist_ok=True)
         coord = self.layout.coordinate(self.rank)
         first = coord.dp == 0 and coord.tp == 0  # the stage's first rank
-        if self._format == "ranks":
-            with collectives.phase(f"checkpoint {folder.name}: stage {coord.pp}'s full model"):
-                whole = _full_model_state(model)  # collective over the ep or tp group
-            if first:
-                checkpoint.atomic_save(whole, folder / f"model-stage{coord.pp}.pt")
-            optim = _rank_optimizer_state(opt)
-            checkpoint.atomic_save(optim, folder / f"optim-rank{self.rank}.pt")
-        elif self._format == "stages":
+        if self._format == "stages":
             with collectives.phase(
                 f"checkpoint {folder.name}: stage {coord.pp}'s model and optimizer state to its "
                 "first rank"
             ):
-                whole = _full_model_state(model)  # collective over the tp group
+                whole = _full_model_state(model)  # collective over the ep or tp group
                 optim = opt.state_dict()  # collective over the stage's data-parallel group
             if first:
                 checkpoint.atomic_save(whole, folder / f"model-stage{coord.pp}.pt")
@@ -758,11 +733,6 @@ class Checkpointer:
             checkpoint.load_sharded(folder / "dcp", opt, model)
             return
         stage = self.layout.coordinate(self.rank).pp
-        if fmt == "ranks":
-            optim = checkpoint.load_file(folder / f"optim-rank{self.rank}.pt")
-            _load_full_model(model, checkpoint.load_file(folder / f"model-stage{stage}.pt"))
-            _load_rank_optimizer_state(opt, optim)
-            return
         if fmt == "stages":
             _load_full_model(model, checkpoint.load_file(folder / f"model-stage{stage}.pt"))
             opt.load_state_dict(checkpoint.load_file(folder / f"optim-stage{stage}.pt"))
@@ -809,68 +779,6 @@ def _load_full_model(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
             for k, v in full.items()
         }
     )
-
-
-def _rank_optimizer_state(opt: Any) -> dict[str, Any]:
-    """This rank's own optimizer state (the "ranks" format): the layer-wise optimizer's
-    inner optimizer's state dict (of what this rank owns; None when it owns nothing) and
-    its master copies."""
-    inner = getattr(opt, "inner", opt)
-    return dict(
-        inner=inner.state_dict() if inner is not None else None,
-        masters={
-            k: collectives.local_shard(v).detach().cpu()
-            for k, v in getattr(opt, "masters", dict)().items()
-        },
-    )
-
-
-@torch.no_grad()
-def _load_rank_optimizer_state(opt: Any, state: dict[str, Any]) -> None:
-    """Load `_rank_optimizer_state`'s dict into the optimizer of the rank that wrote it (the
-    same layout: `check_layout_resumable`), after the model (the masters it keeps are the
-    checkpoint's, not the model's rounding of them)."""
-    wait = getattr(opt, "wait_for_params", None)
-    if wait is not None:
-        wait()
-    inner = getattr(opt, "inner", opt)
-    if (inner is None) != (state["inner"] is None):
-        raise checkpoint.CheckpointMismatchError(
-            ["this rank's optimizer owns parameters the checkpoint's rank did not, or not those"]
-        )
-    if inner is not None:
-        _load_in_place(inner, state["inner"])
-    masters = getattr(opt, "masters", dict)()
-    if masters.keys() != state["masters"].keys():
-        raise checkpoint.CheckpointMismatchError(
-            [f"master copies: {sorted(state['masters'])} in the checkpoint, {sorted(masters)} here"]
-        )
-    for k, m in masters.items():
-        collectives.local_shard(m).copy_(state["masters"][k])
-
-
-def _load_in_place(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """Load torch-format `sd` (`opt.state_dict()` of the same optimizer at the same layout)
-    into `opt`'s own `state` and group dicts, which a layer-wise optimizer and a hybrid's
-    inner optimizers share (torch's `load_state_dict` would put new ones in their place)."""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    saved = [len(g["params"]) for g in sd["param_groups"]]
-    if saved != [len(g["params"]) for g in opt.param_groups]:
-        raise checkpoint.CheckpointMismatchError(
-            [
-                f"parameters per group: {saved} in the checkpoint, "
-                f"{[len(g['params']) for g in opt.param_groups]} here"
-            ]
-        )
-    opt.state.clear()
-    for i, st in sd["state"].items():
-        p = params[i]
-        opt.state[p] = {
-            k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
-            for k, v in st.items()
-        }
-    for g, sg in zip(opt.param_groups, sd["param_groups"]):
-        g.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
 
 
 def clean_leftovers(out: Path) -> list[str]:
