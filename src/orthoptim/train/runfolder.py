@@ -158,8 +158,8 @@ def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
 def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str | None:
     """How a resumed run's layout differs from its checkpoint's, in words, or None when it
     does not: the changed flags, and the global batch (`--batch` sequences on each
-    data-parallel rank, so it follows the data-parallel size nproc / (pp · tp)), e.g. "--nproc 2 → 3:
-    global batch 32 → 48 sequences (3 data-parallel ranks × --batch 16)"."""
+    data-parallel rank, so it follows the data-parallel size nproc / (pp · tp)), e.g.
+    "--nproc 2 → 3: global batch 32 → 48 sequences (3 data-parallel ranks × --batch 16)"."""
     saved = TrainArgs.from_dict(info["args"])
     before, after = int(info["world_size"]), world_size
     flags = [f"--nproc {before} → {after}"] if before != after else []
