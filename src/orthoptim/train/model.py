@@ -266,6 +266,14 @@ def _at_least_fp32(t: Tensor) -> Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """The mean next-token cross-entropy of logits [B, T, V] against targets [B, T], in
+    float32 at least (bf16 logits are taken to float32; float64 stays): the loss of
+    `GPT.forward(idx, targets)` and of a pipeline's last stage."""
+    flat = _at_least_fp32(logits).view(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.reshape(-1))
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts; expert weights are 3-D [E, out, in] parameters, so Muon
     orthogonalizes every expert on its own (and gate and up separately, via `split_spec`).
@@ -491,8 +499,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        flat = _at_least_fp32(logits).view(-1, logits.shape[-1])
-        loss = F.cross_entropy(flat, targets.reshape(-1))
+        loss = lm_loss(logits, targets)
         aux = self.router_aux_loss()
         return loss if aux is None else loss + aux
 

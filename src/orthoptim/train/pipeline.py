@@ -18,7 +18,6 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -26,7 +25,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from orthoptim import collectives, host
 from orthoptim.optim.qk_clip import QKHeads
 from orthoptim.parallel.layout import ParallelDims
-from orthoptim.train.model import GPT, GPTConfig
+from orthoptim.train.model import GPT, GPTConfig, lm_loss
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -113,21 +112,12 @@ class GPTStage(nn.Module):
         output; a block adds its autocast output to it in the stream's dtype)."""
         return next(p.dtype for p in self.parameters() if p.is_floating_point())
 
-    def router_aux_loss(self) -> Tensor | None:
-        """Σ over this stage's MoE layers of aux_loss_coef · aux_loss of their last forward
-        (as `GPT.router_aux_loss`); None when no layer computed one."""
-        terms = [
-            m.aux_loss_coef * m.aux_loss
-            for m in self.blocks.modules()
-            if getattr(m, "aux_loss", None) is not None
-        ]
-        return torch.stack(terms).sum() if terms else None
-
     # The full model's, as they read only named_modules() and iterate over `blocks`
     # (checkpoints read `expert_parallel_slices` to store expert stacks as full tensors).
     split_spec = GPT.split_spec
     record_attention_logits = GPT.record_attention_logits
     moe_layers = GPT.moe_layers
+    router_aux_loss = GPT.router_aux_loss
     expert_parallel_slices = GPT.expert_parallel_slices
 
     def attention_max_logits(self) -> dict[str, Tensor | None]:
@@ -167,13 +157,6 @@ def split_stage(model: GPT, pp: int, stage: int) -> GPTStage:
     Tensor parallelism: `parallelize(model, tp_mesh)` the full model BEFORE splitting (its
     plan names every block of the full model)."""
     return GPTStage(model, pp, stage)
-
-
-def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """The mean next-token cross-entropy over logits [B, T, V], in float32 at least (as
-    `GPT.forward(idx, targets)`, which also takes bf16 logits to float32; float64 stays)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class _SyncedStage(PipelineStage):
