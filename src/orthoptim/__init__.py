@@ -1,5 +1,5 @@
-"""orthoptim: matrix-aware optimizers (Muon and its variants, SOAP) at data- and tensor-parallel
-scale."""
+"""orthoptim: matrix-aware optimizers (Muon and its variants, SOAP) at data-, tensor-, expert-
+and pipeline-parallel scale."""
 
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz, polar_factor
 from orthoptim.optim import (
@@ -18,7 +18,7 @@ from orthoptim.optim import (
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.optim.routing import explain_routing
-from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer
+from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer, ParallelDims
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "Muon",
     "NonFiniteGradientError",
     "NorMuon",
+    "ParallelDims",
     "PolarGrad",
     "QKClip",
     "Scion",

@@ -472,11 +472,15 @@ class GPT(nn.Module):
             block.attn.record_logits = on
             block.attn.max_logits = None
 
+    def numbered_blocks(self) -> list[tuple[int, Block]]:
+        """(index in the full model, block) of every block this module holds."""
+        return list(enumerate(self.blocks))
+
     def attention_max_logits(self) -> dict[str, Tensor | None]:
         """Layer → the largest pre-softmax logit per query head since the last call (None:
         no training forward), then reset."""
         out: dict[str, Tensor | None] = {}
-        for i, block in enumerate(self.blocks):
+        for i, block in self.numbered_blocks():
             out[f"blocks.{i}.attn"] = block.attn.max_logits
             block.attn.max_logits = None
         return out
@@ -485,7 +489,7 @@ class GPT(nn.Module):
         """Layer → where its heads' query and key rows live."""
         return {
             f"blocks.{i}.attn": block.attn.qk_heads(f"blocks.{i}.attn.")
-            for i, block in enumerate(self.blocks)
+            for i, block in self.numbered_blocks()
         }
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:

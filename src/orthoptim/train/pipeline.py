@@ -23,7 +23,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from orthoptim import collectives, host
-from orthoptim.optim.qk_clip import QKHeads
 from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.model import GPT, GPTConfig, lm_loss
 
@@ -120,20 +119,13 @@ class GPTStage(nn.Module):
     router_aux_loss = GPT.router_aux_loss
     expert_parallel_slices = GPT.expert_parallel_slices
 
-    def attention_max_logits(self) -> dict[str, Tensor | None]:
-        """As `GPT.attention_max_logits`, for this stage's blocks (full-model layer names)."""
-        out: dict[str, Tensor | None] = {}
-        for i, block in self.blocks.items():
-            out[f"blocks.{i}.attn"] = block.attn.max_logits
-            block.attn.max_logits = None
-        return out
+    def numbered_blocks(self) -> list[tuple[int, nn.Module]]:
+        """(index in the full model, block) of this stage's blocks."""
+        return [(int(i), block) for i, block in self.blocks.items()]
 
-    def qk_clip_heads(self) -> dict[str, QKHeads]:
-        """As `GPT.qk_clip_heads`, for this stage's blocks (full-model parameter names)."""
-        return {
-            f"blocks.{i}.attn": block.attn.qk_heads(f"blocks.{i}.attn.")
-            for i, block in self.blocks.items()
-        }
+    # MuonClip's protocol over this stage's blocks, under the full model's layer names.
+    attention_max_logits = GPT.attention_max_logits
+    qk_clip_heads = GPT.qk_clip_heads
 
 
 class _WithLossGradient(torch.autograd.Function):
