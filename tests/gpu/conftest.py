@@ -11,7 +11,7 @@ the reason; ORTHOPTIM_GPU_TESTS_ON_CPU=1 runs the suite on ("cpu", "gloo") inste
 logic can be checked on a machine without a GPU (the variable wins on a CUDA machine too).
 
 Spawning ranks is the slow part, so each module starts its 2 ranks once and checks many
-things in that run: 5 spawned runs and 3 `orthoptim train` processes in all (the budget is 8
+things in that run: 6 spawned runs and 3 `orthoptim train` processes in all (the budget is 8
 minutes on one H200; about 2 minutes in CPU mode on 2 cores).
 """
 
