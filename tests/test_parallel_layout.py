@@ -64,6 +64,41 @@ def test_model_checks_name_their_flag():
     ParallelDims(dp=4, ep=2, pp=2).check(n_layer=2, n_expert=8)
 
 
+def test_hybrid_sharding_groups():
+    d = ParallelDims(dp=4, tp=2, dp_replicate=2)
+    assert d.dp_shard == 2 and d.describe().endswith("--dp-replicate 2")
+    # dp indices 0,1 are replica 0 and 2,3 replica 1 (ranks: dp index · tp + tp index)
+    assert d.group_ranks("dp_shard", 0) == [0, 2] and d.group_ranks("dp_shard", 5) == [5, 7]
+    assert d.group_ranks("dp_replicate", 0) == [0, 4] and d.group_ranks("dp_replicate", 3) == [3, 7]
+    with pytest.raises(ValueError, match="--dp-replicate 3 must divide --dp 4"):
+        ParallelDims(dp=4, dp_replicate=3)
+
+
+def _fsdp_mesh(rank, world_size):
+    from orthoptim.parallel.fsdp import shard_model
+
+    mesh = ParallelDims.for_world(world_size, dp_replicate=2).build("cpu").fsdp_mesh
+    model = shard_model(torch.nn.Sequential(torch.nn.Linear(4, 8)), mesh)
+    weight = model[0].weight
+    return (
+        mesh.mesh.tolist(),
+        mesh.mesh_dim_names,
+        mesh.get_coordinate(),
+        [str(p) for p in weight.placements],
+        weight.to_local().shape[0],
+        ParallelDims.for_world(world_size).build("cpu").fsdp_mesh.mesh.tolist(),
+    )
+
+
+def test_fsdp_mesh_is_replicate_by_shard_over_dp():
+    """FSDP2 on the layout's mesh: replicated over 2 replicas, each row sharded over 2."""
+    for rank, (ranks, names, coord, placements, rows, flat) in enumerate(run_ranks(_fsdp_mesh, 4)):
+        assert ranks == [[0, 1], [2, 3]] and names == ("replicate", "shard")
+        assert list(coord) == [rank // 2, rank % 2]
+        assert placements == ["R", "S(0)"] and rows == 4  # (Replicate(), Shard(0))
+        assert flat == [0, 1, 2, 3]
+
+
 def _built_groups(rank, world_size):
     import torch.distributed as dist
 

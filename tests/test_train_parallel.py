@@ -245,6 +245,39 @@ def test_probe_every_layout_equals_one_process_and_resumes_bitwise(corpus, tmp_p
     assert not diffs, diffs
 
 
+def _dcp_params(out: Path, config: str) -> dict[str, torch.Tensor]:
+    """The model of a DCP checkpoint (--fsdp), read by one process."""
+    from orthoptim import checkpoint
+
+    record = json.loads((out / "checkpoints/latest.json").read_text())
+    assert record["format"] == "dcp"
+    model = GPT(SMALL[config]).to(torch.float64)
+    opt = build_optimizer(model, optimizer="muon", lr=0.05, adamw_lr=3e-3, adamw_weight_decay=0.0)
+    checkpoint.load_sharded(out / "checkpoints" / record["folder"] / "dcp", opt, model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_hybrid_sharded_fsdp_run_equals_one_process(corpus, tmp_path):
+    """`--fsdp --dp-replicate 2` on 4 ranks: FSDP2 shards over 2 ranks in each of 2
+    replicas (the layout's `fsdp_mesh`, 2-D (replicate, shard)). Stopped after step 2 and
+    resumed with plain `--fsdp` on 2 ranks (its DCP checkpoint resharded), the run equals the
+    single-process run on the same global batches (4, 4, then 2 a step) to 1e-10 on the
+    losses and the parameters after step 3."""
+    out = tmp_path / "run"
+    hybrid = _args(corpus, out, "test-gpt", stop_after=2, fsdp=True, dp_replicate=2, qk_clip=0.0)
+    _run(hybrid, 4)
+    assert json.loads((out / "result.json").read_text())["layout"].endswith("--dp-replicate 2")
+    _run(_args(corpus, out, "test-gpt", resume=True, fsdp=True, qk_clip=0.0), 2)
+    losses, params = _reference("test-gpt", corpus, [4, 4, 2], 1, None)
+    got = _losses(out)
+    assert len(got) == STEPS
+    assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(got, losses)), (got, losses)
+    have = _dcp_params(out, "test-gpt")
+    worst = max(_relative(have[k], params[k]) for k in params)
+    assert worst <= TOL, worst
+    assert "--nproc 4 → 2, --dp-replicate 2 → 1" in (out / "logs/rank0.log").read_text()
+
+
 # ---------------------------------------------------------------- flags and refusals
 
 
@@ -265,6 +298,8 @@ def test_probe_every_layout_equals_one_process_and_resumes_bitwise(corpus, tmp_p
         (dict(pp=2, tp=2), 6, "--nproc 6 must be a multiple of --pp 2 × --tp 2"),
         (dict(pp=2, dp=2), 6, "--pp 2 × --dp 2 × --tp 1 is 4 ranks, but --nproc is 6"),
         (dict(config="tiny-moe", ep=2), 3, "--ep 2 must divide --dp 3"),
+        (dict(dp_replicate=2), 4, "--dp-replicate 2 sets FSDP2's replicas (hybrid sharding)"),
+        (dict(fsdp=True, dp_replicate=3), 4, "--dp-replicate 3 must divide --dp 4"),
     ],
 )
 def test_bad_layouts_are_refused_naming_the_flag(flags, nproc, message):

@@ -20,19 +20,23 @@ so the ranks of a tensor-parallel group are adjacent, then those of an expert-pa
 - `ep`: its stage's ranks with its edp and tp indices (size ep): the all-to-all of tokens;
 - `tp`: its tensor-parallel group (size tp), also as a 1-D DeviceMesh (`tp_mesh`);
 - `pp`: the ranks with its dp and tp indices, one per stage (size pp);
-- `stage`: every rank of its stage (size dp · tp); `world`: every rank of the layout.
+- `stage`: every rank of its stage (size dp · tp); `world`: every rank of the layout;
+- under FSDP2's hybrid sharding (`dp_replicate` > 1, HSDP): `dp_shard`, the ranks of its dp
+  group in its replica (dp / dp_replicate adjacent dp indices, over which FSDP2 shards), and
+  `dp_replicate`, those with its shard index in every replica; `fsdp_mesh` is the 2-D
+  (replicate, shard) DeviceMesh `fully_shard` takes (1-D over dp without replication).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-Dim = Literal["pp", "dp", "edp", "ep", "tp", "stage", "world"]
-DIMS: tuple[Dim, ...] = ("pp", "dp", "edp", "ep", "tp", "stage", "world")
+Dim = Literal["pp", "dp", "edp", "ep", "tp", "stage", "world", "dp_shard", "dp_replicate"]
+DIMS: tuple[Dim, ...] = get_args(Dim)
 
 
 class Coordinate(NamedTuple):
@@ -52,18 +56,25 @@ class ParallelDims:
 
     `dp`: data-parallel ranks per stage (each its own batch); `tp`: tensor-parallel ranks;
     `ep`: expert-parallel ranks, inside dp (each holds 1/ep of every layer's experts);
-    `pp`: pipeline stages."""
+    `pp`: pipeline stages; `dp_replicate`: FSDP2's replicas within dp (hybrid sharding:
+    parameters sharded over dp / dp_replicate ranks, replicated over dp_replicate)."""
 
     dp: int = 1
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
-        for flag in ("dp", "tp", "ep", "pp"):
-            v = getattr(self, flag)
+        for field in ("dp", "tp", "ep", "pp", "dp_replicate"):
+            v, flag = getattr(self, field), field.replace("_", "-")
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{flag} must be a positive integer, got {v!r}")
+        if self.dp % self.dp_replicate:
+            raise ValueError(
+                f"--dp-replicate {self.dp_replicate} must divide --dp {self.dp}: FSDP2 shards "
+                "over dp / dp-replicate ranks in each replica"
+            )
         if self.dp % self.ep:
             raise ValueError(
                 f"--ep {self.ep} must divide --dp {self.dp}: expert parallelism runs inside the "
@@ -73,7 +84,14 @@ class ParallelDims:
 
     @classmethod
     def for_world(
-        cls, world_size: int, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None
+        cls,
+        world_size: int,
+        *,
+        tp: int = 1,
+        ep: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        dp_replicate: int = 1,
     ) -> ParallelDims:
         """The layout of `world_size` ranks: `dp` given, it must make pp · dp · tp ranks;
         else it is world_size / (pp · tp)."""
@@ -89,7 +107,7 @@ class ParallelDims:
                     "form pp stages of dp data-parallel × tp tensor-parallel ranks)"
                 )
             dp = world_size // (pp * tp)
-        dims = cls(dp=dp, tp=tp, ep=ep, pp=pp)
+        dims = cls(dp=dp, tp=tp, ep=ep, pp=pp, dp_replicate=dp_replicate)
         if dims.world != world_size:
             raise ValueError(
                 f"--pp {pp} × --dp {dp} × --tp {tp} is {dims.world} ranks, but --nproc is "
@@ -107,6 +125,11 @@ class ParallelDims:
     def expert_dp(self) -> int:
         """The ranks of a stage that hold the same experts: dp / ep."""
         return self.dp // self.ep
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks of one FSDP2 replica, over which it shards: dp / dp_replicate."""
+        return self.dp // self.dp_replicate
 
     def check(self, *, n_layer: int | None = None, n_expert: int | None = None) -> None:
         """Refuse a layout the model cannot take, naming the flag: more stages than layers,
@@ -157,6 +180,11 @@ class ParallelDims:
             return [self.rank_of(c.pp, d, c.tp) for d in range(self.dp)]
         if dim == "ep":
             return [self.rank_of(c.pp, c.edp * self.ep + e, c.tp) for e in range(self.ep)]
+        n = self.dp_shard
+        if dim == "dp_shard":
+            return [self.rank_of(c.pp, c.dp // n * n + i, c.tp) for i in range(n)]
+        if dim == "dp_replicate":
+            return [self.rank_of(c.pp, r * n + c.dp % n, c.tp) for r in range(self.dp_replicate)]
         return [self.rank_of(c.pp, e * self.ep + c.ep, c.tp) for e in range(self.expert_dp)]
 
     def all_group_ranks(self, dim: Dim) -> list[list[int]]:
@@ -169,8 +197,10 @@ class ParallelDims:
         return [seen[k] for k in sorted(seen)]
 
     def describe(self) -> str:
-        """The layout as flags: "--pp 2 --dp 4 --ep 2 --tp 1"."""
-        return f"--pp {self.pp} --dp {self.dp} --ep {self.ep} --tp {self.tp}"
+        """The layout as flags: "--pp 2 --dp 4 --ep 2 --tp 1" (and "--dp-replicate R" when
+        FSDP2 replicates)."""
+        flags = f"--pp {self.pp} --dp {self.dp} --ep {self.ep} --tp {self.tp}"
+        return flags + (f" --dp-replicate {self.dp_replicate}" if self.dp_replicate > 1 else "")
 
     def build(self, device_type: str = "cpu", rank: int | None = None) -> ParallelMesh:
         """Make every group of the layout (collective: every rank of the default process
@@ -188,7 +218,8 @@ class ParallelDims:
             )
         rank = here if rank is None else rank
         groups: dict[str, Any] = {}
-        for dim in ("dp", "edp", "ep", "tp", "pp", "stage"):
+        hybrid = ("dp_shard", "dp_replicate") if self.dp_replicate > 1 else ()
+        for dim in ("dp", "edp", "ep", "tp", "pp", "stage", *hybrid):
             for ranks in self.all_group_ranks(dim):
                 # A group of every rank is the default group itself (no second communicator).
                 g = None if len(ranks) == size else dist.new_group(ranks) if size > 1 else None
@@ -256,6 +287,29 @@ class ParallelMesh:
                 mesh_dim_names=("tp",),
             )
         return self._tp_mesh
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The DeviceMesh FSDP2's `fully_shard` takes over this rank's dp group: 1-D
+        ("shard",), or under hybrid sharding 2-D ("replicate", "shard")."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        def real(g: Any) -> Any:  # a group spanning every rank is the default group
+            return g if g is not None else _default_group()
+
+        dims = self.dims
+        ranks = torch.tensor(dims.group_ranks("dp", self.rank))
+        if dims.dp_replicate == 1:
+            return DeviceMesh.from_group(
+                real(self.dp_group), self._device_type, mesh=ranks, mesh_dim_names=("shard",)
+            )
+        return DeviceMesh.from_group(
+            [real(self.group("dp_replicate")), real(self.group("dp_shard"))],
+            self._device_type,
+            mesh=ranks.view(dims.dp_replicate, dims.dp_shard),
+            mesh_dim_names=("replicate", "shard"),
+        )
 
     def __repr__(self) -> str:
         return f"ParallelMesh({self.dims.describe()}, rank {self.rank}, {self.coord})"

@@ -78,6 +78,7 @@ class TrainArgs:
     microbatches: int | None = None  # pipeline micro-batches per step; None → --pp
     pp_schedule: PPSchedule = "1f1b"
     fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
+    dp_replicate: int = 1  # FSDP2 replicas (hybrid sharding: shard within, replicate across)
     qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
     grad_clip: float | None = None  # global gradient-norm threshold; 0 → off; None → 1.0,
     # or with --resume the checkpoint's
@@ -232,6 +233,14 @@ class TrainArgs:
                 f"--microbatches {self.microbatches} splits the batch of a pipeline; it takes "
                 "--pp 2 or more (without a pipeline each step is one batch)"
             )
+        if self.dp_replicate < 1:
+            raise ValueError(f"--dp-replicate must be >= 1, got {self.dp_replicate}")
+        if self.dp_replicate > 1 and not self.fsdp:
+            raise ValueError(
+                f"--dp-replicate {self.dp_replicate} sets FSDP2's replicas (hybrid sharding); it "
+                "takes --fsdp (the layer-wise optimizer owns each matrix on one rank and "
+                "replicates it to all)"
+            )
         if self.pp == 1 and self.ep == 1:
             return
         flags = " ".join(f"--{k} {getattr(self, k)}" for k in ("pp", "ep") if getattr(self, k) > 1)
@@ -279,7 +288,9 @@ class TrainArgs:
     def layout(self, nproc: int) -> ParallelDims:
         """This run's parallel layout over `nproc` ranks (--pp × --dp × --tp, --ep inside
         --dp), checked against the model (`ParallelDims.check`)."""
-        dims = ParallelDims.for_world(nproc, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp)
+        dims = ParallelDims.for_world(
+            nproc, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, dp_replicate=self.dp_replicate
+        )
         if self.hf_config is None:
             cfg = get_config(self.config)
             dims.check(n_layer=cfg.n_layer, n_expert=cfg.moe.n_expert if cfg.moe else None)

@@ -104,6 +104,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "tp); given, pp · dp · tp must be --nproc)",
     )
     p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=d.dp_replicate,
+        help="with --fsdp: FSDP2's replicas of the data-parallel ranks (hybrid sharding: "
+        "parameters sharded over dp / dp-replicate ranks; default %(default)s)",
+    )
+    p.add_argument(
         "--microbatches",
         type=int,
         default=None,

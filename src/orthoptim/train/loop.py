@@ -357,7 +357,7 @@ def build_run(
     mesh = args.layout(world_size).build(device.type, rank)
     dims = mesh.dims
     if args.fsdp and world_size > 1:
-        shard_model(model, param_dtype=low_precision(param_dtype))
+        shard_model(model, mesh.fsdp_mesh, param_dtype=low_precision(param_dtype))
     if dims.tp > 1:
         parallelize(model, mesh.tp_mesh)
     if dims.ep > 1:

@@ -163,9 +163,10 @@ def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str
     saved = TrainArgs.from_dict(info["args"])
     before, after = int(info["world_size"]), world_size
     flags = [f"--nproc {before} → {after}"] if before != after else []
-    for flag in ("tp", "ep"):
-        if getattr(saved, flag) != getattr(args, flag):
-            flags.append(f"--{flag} {getattr(saved, flag)} → {getattr(args, flag)}")
+    for field in ("tp", "ep", "dp_replicate"):
+        if getattr(saved, field) != getattr(args, field):
+            was, now = getattr(saved, field), getattr(args, field)
+            flags.append(f"--{field.replace('_', '-')} {was} → {now}")
     if saved.fsdp != args.fsdp:
         flags.append("--fsdp on → off" if saved.fsdp else "--fsdp off → on")
     if not flags:
