@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
@@ -42,7 +41,8 @@ SMALL = {
         d_model=32,
         seq_len=16,
         fused=True,
-        moe=MoEConfig(n_expert=4, top_k=2, hidden=32),
+        # the router's balancing loss on (over the global counts of each micro-batch)
+        moe=MoEConfig(n_expert=4, top_k=2, hidden=32, aux_loss_coef=0.01),
         qk_clip=100.0,
     ),
 }
@@ -146,13 +146,16 @@ def _reference(
         for g, lr in zip(opt.param_groups, initial):
             g["lr"] = lr * lr_multiplier(step, args)
         total, dp = 0.0, sizes[step - 1]
-        for d in range(dp):
-            x, y = get_batch(train, BATCH, cfg.seq_len, args.seed, step, d)
-            for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
-                logits = model(xm)
-                loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), ym.reshape(-1))
-                (loss / (dp * microbatches)).backward()
-                total += loss.item() / (dp * microbatches)
+        # micro-batch m of every data-parallel rank together: the mean cross-entropy over
+        # them is the mean of the ranks', and the router's balancing loss counts its routing
+        # over them (as the ranks' all-reduce of each micro-batch's counts does)
+        batches = [get_batch(train, BATCH, cfg.seq_len, args.seed, step, d) for d in range(dp)]
+        for m in range(microbatches):
+            xm = torch.cat([x.chunk(microbatches)[m] for x, _ in batches])
+            ym = torch.cat([y.chunk(microbatches)[m] for _, y in batches])
+            loss = model(xm, ym)  # with the router's balancing loss, as the run's
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
