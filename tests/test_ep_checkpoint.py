@@ -6,8 +6,9 @@ at dp 4 ep 2 (`layout=`), then resumes a 3rd step at dp 2 ep 2 (from the full di
 `save_sharded` checkpoint) and at dp 2 ep 1 (two copies: each pipeline "stage" of a pp 2
 layout is one dp 2 run of the whole model). The oracle is `build_optimizer` on one process,
 3 uninterrupted steps on the same global batches; it also resumes from the ranks' dict and
-their sharded checkpoint. The same spawn checks expert slices owned as `split_experts` units
-and the refusal of an expert-parallel model whose optimizer has no expert group.
+their sharded checkpoint. The same spawn checks expert slices owned as `split_experts` units,
+the groups given one by one (`process_group=`, `expert_group=`) instead of `layout=`, and the
+refusal of an expert-parallel model whose optimizer has no expert group.
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ def _ranks(rank: int, world: int, folder: str) -> dict:
     _train(model, opt, mesh, range(STEPS - 1))
     out["split"] = opt.state_dict()
     out["split_owners"] = {n: o for n, o in opt.owner_of.items() if "experts_" in n}
+    # the same run with the groups given one by one instead of layout=: the experts'
+    # gradients (summed over ep by the dispatch) are still averaged over dp
+    model = _ep_model(mesh)
+    opt = LayerwiseDistributedOptimizer(
+        model, "muon", process_group=mesh.dp_group, expert_group=mesh.expert_group,
+        bucket_mb=1e-3, **OPT_KW,
+    )  # fmt: skip
+    _train(model, opt, mesh, range(STEPS - 1))
+    out["by_groups"] = opt.state_dict()
     # the experts of an expert-parallel model taken as dense weights (no expert group): the
     # ranks' different experts would be averaged (and their stacks collide under one name in
     # a checkpoint), so the optimizer is refused
@@ -160,6 +170,7 @@ def test_ep_state_dicts_are_the_single_process_ones_and_reshard(tmp_path):
     for rank, r in enumerate(ranks):
         _assert_state_equal(r["full"], want2)
         _assert_state_equal(r["split"], want2)
+        _assert_state_equal(r["by_groups"], want2)
         assert len(r["split_owners"]) == 2 * 2 * CFG.n_layer  # 2 slices of 2 stacks a layer
         assert "the model is expert-parallel" in r["refused"] and "layout=" in r["refused"]
         _assert_model_equal(r["model"], model2)

@@ -561,8 +561,10 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     parameter become separate units, so different ranks may own different experts of one
     tensor; gradients are reduced and parameters gathered per slice), `expert_group` (expert
     data parallelism: the process group over which expert weights, every 3-D matrix
-    parameter, are replicated; they are owned, reduced (averaged over it) and gathered within
-    it, while dense weights use `process_group`; `owner_of` gives a rank within the unit's own
+    parameter, are replicated; they are owned, reduced (averaged over it; over a model cut by
+    `expert_parallelize`, whose dispatch summed them over ep already, summed over it and
+    divided by the size of `process_group`) and gathered within it, while dense weights use
+    `process_group`; `owner_of` gives a rank within the unit's own
     group), `state_dict_to` ("all": `state_dict()` gathers the full dict to every rank;
     "rank0": to rank 0 only, the others get {}), `shard_adamw` (True: the AdamW parameters,
     embeddings, head and vectors, have no owner but are sharded element-wise over
@@ -615,6 +617,10 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self._bind_groups(process_group, expert_group, layout)
         process_group, expert_group = self.process_group, self.expert_group
         cut = checkpoint.expert_slices(model)
+        # The experts' gradients arrive summed over the expert-parallel group (the token
+        # all-to-all's backward): a layout with ep > 1 says so, and so does a model cut by
+        # `expert_parallelize`, whichever way the groups were given.
+        self._dispatched = bool(cut) or (layout is not None and layout.dims.ep > 1)
         if cut and expert_group is None and C.world(process_group)[1] > 1:
             raise ValueError(
                 f"LayerwiseDistributedOptimizer: the model is expert-parallel (each rank holds "
@@ -789,11 +795,11 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
                     slots, self._groups[g], dtype, grad_dtype, self.gather_dtype, rank_major
                 )
                 bucket.label = f"bucket {len(self._buckets)}"
-                if g == 1 and self.layout is not None:
+                if g == 1 and self._dispatched:
                     # expert parallelism: the all-to-all's backward summed each expert's
                     # gradient over the ep group; the sum over the expert group then spans
                     # every dp rank of the stage, so it is averaged over dp
-                    bucket.divisor = self.layout.dims.dp
+                    bucket.divisor = self.world_size
                 self._buckets.append(bucket)
                 self._bucket_of.update((s.unit, bucket) for s in slots)
         self._point()
