@@ -362,9 +362,8 @@ def build_run(
         parallelize(model, mesh.tp_mesh)
     if dims.ep > 1:
         # the load-balancing loss counts its routing over the stage's data-parallel ranks
-        # (the global batch's; the layout's None is every rank)
-        dp_group = mesh.dp_group if mesh.dp_group is not None else torch.distributed.group.WORLD
-        expert_parallelize(model, mesh.ep_group, mesh.coord.ep, dims.ep, stats_group=dp_group)
+        # (the global batch's)
+        expert_parallelize(model, mesh.ep_group, mesh.coord.ep, dims.ep, mesh.dp_group)
     if dims.pp > 1:
         model = split_stage(model, dims.pp, mesh.coord.pp)
     opt = make_optimizer(model, args, world_size, mesh, param_dtype)
@@ -600,7 +599,6 @@ def train(
         rank,
         world_size,
         sharded=args.fsdp and world_size > 1,
-        tp=args.tp,
         keep=args.keep_checkpoints,
         layout=args.layout(world_size),
     )

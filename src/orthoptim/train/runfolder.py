@@ -464,18 +464,18 @@ class Checkpointer:
     `clean_leftovers` before a run starts.
 
     Formats: `model.pt` and `optim.pt` (the optimizer's full state dict, gathered to rank 0,
-    which every rank loads on resume); `sharded` (FSDP2) or `tp` > 1: model and optimizer by
-    `orthoptim.checkpoint.save_sharded` under `dcp/` (each rank writes its shards and what it
-    owns; keys free of world and tp size). A `layout` with pipeline stages: "stages", each
-    stage's full model and optimizer dicts (`model-stage{S}.pt`, `optim-stage{S}.pt`, by the
-    stage's first rank, tensor-parallel weights and state gathered whole; the stages hold
-    disjoint parameter names), read by every rank of that stage at any data- and
-    tensor-parallel size. Expert parallelism (whose ranks hold different experts under the
-    same names) writes "stages" too: the expert stacks gathered whole over the ep group,
-    their optimizer state under global expert names (the layer-wise optimizer's
-    `ExpertSlicesView`), so it reads at any --ep as well. A checkpoint is read in the format
-    its record says it was written in (`checkpoint_format`), at whatever layout the resuming
-    run has and the format allows."""
+    which every rank loads on resume); `sharded` (FSDP2) or a `layout` with tp > 1: model and
+    optimizer by `orthoptim.checkpoint.save_sharded` under `dcp/` (each rank writes its
+    shards and what it owns; keys free of world and tp size). A `layout` with pipeline
+    stages: "stages", each stage's full model and optimizer dicts (`model-stage{S}.pt`,
+    `optim-stage{S}.pt`, by the stage's first rank, tensor-parallel weights and state
+    gathered whole; the stages hold disjoint parameter names), read by every rank of that
+    stage at any data- and tensor-parallel size. Expert parallelism (whose ranks hold
+    different experts under the same names) writes "stages" too: the expert stacks gathered
+    whole over the ep group, their optimizer state under global expert names (the layer-wise
+    optimizer's `ExpertSlicesView`), so it reads at any --ep as well. A checkpoint is read in
+    the format its record says it was written in (`checkpoint_format`), at whatever layout
+    the resuming run has and the format allows."""
 
     def __init__(
         self,
@@ -483,14 +483,13 @@ class Checkpointer:
         rank: int,
         world_size: int,
         sharded: bool = False,
-        tp: int = 1,
         keep: int = 2,
         layout: ParallelDims | None = None,
     ) -> None:
         self.dir = out / "checkpoints"
-        self.rank, self.world_size, self.sharded, self.tp = rank, world_size, sharded, tp
+        self.rank, self.world_size = rank, world_size
         self.keep = keep
-        self.layout = layout or ParallelDims(dp=world_size // tp, tp=tp)
+        self.layout = layout or ParallelDims(dp=world_size)
         self._format = self._format_of(self.layout, sharded)
 
     @staticmethod
@@ -738,16 +737,7 @@ class Checkpointer:
             _load_full_model(model, checkpoint.load_file(folder / f"model-stage{stage}.pt"))
             opt.load_state_dict(checkpoint.load_file(folder / f"optim-stage{stage}.pt"))
             return
-        here = model.state_dict()
-        full = checkpoint.load_file(folder / "model.pt")
-        model.load_state_dict(
-            {
-                k: collectives.cut_like(v.to(collectives.local_shard(here[k]).device), here[k])
-                if k in here and collectives.is_dtensor(here[k])
-                else v
-                for k, v in full.items()
-            }
-        )
+        _load_full_model(model, checkpoint.load_file(folder / "model.pt"))
         opt.load_state_dict(checkpoint.load_file(folder / "optim.pt"))
 
 
@@ -757,8 +747,8 @@ def _full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     tensor-parallel DTensors over their tp group. Collective over those groups."""
     from orthoptim.train.model import full_expert_state_dict
 
-    slices = getattr(model, "expert_parallel_slices", dict)()
-    sd = full_expert_state_dict(model) if slices else model.state_dict()  # type: ignore[arg-type]
+    cut = checkpoint.expert_slices(model)
+    sd = full_expert_state_dict(model) if cut else model.state_dict()  # type: ignore[arg-type]
     return {k: collectives.unshard(v).detach().cpu() for k, v in sd.items()}
 
 
@@ -768,7 +758,7 @@ def _load_full_model(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     stacks' slices (`load_expert_state_dict`), its shards of tensor-parallel DTensors."""
     from orthoptim.train.model import load_expert_state_dict
 
-    if getattr(model, "expert_parallel_slices", dict)():
+    if checkpoint.expert_slices(model):
         load_expert_state_dict(model, full)  # type: ignore[arg-type]
         return
     here = model.state_dict()
