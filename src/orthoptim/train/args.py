@@ -12,10 +12,11 @@ from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES
 from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS, ParamDtype, resolve_param_dtype
 from orthoptim.train.model import check_tensor_parallel, get_config
+from orthoptim.train.pipeline import SCHEDULES, ScheduleName
 
 OPTIMIZERS = OPTIMIZER_NAMES
-PPSchedule = Literal["gpipe", "1f1b"]
-PP_SCHEDULES: tuple[PPSchedule, ...] = ("gpipe", "1f1b")
+# the pipeline's schedules (`--pp-schedule`): the runner's own names
+PP_SCHEDULES = SCHEDULES
 
 
 # Learning rates tuned on the tiny config at compare's defaults (100 steps of 32 x 128 tokens;
@@ -76,7 +77,7 @@ class TrainArgs:
     ep: int = 1  # expert-parallel ranks (inside the data-parallel ones)
     dp: int | None = None  # data-parallel ranks per stage; None → nproc / (pp · tp)
     microbatches: int | None = None  # pipeline micro-batches per step; None → --pp
-    pp_schedule: PPSchedule = "1f1b"
+    pp_schedule: ScheduleName = "1f1b"
     fsdp: bool = False  # shard the model with FSDP2 and step it with FSDPOptimizer
     dp_replicate: int = 1  # FSDP2 replicas (hybrid sharding: shard within, replicate across)
     qk_clip: float | None = None  # MuonClip τ; None → the config's default, 0 → off
@@ -259,12 +260,8 @@ class TrainArgs:
             raise ValueError(
                 f"--compile with {flags} is not wired into `orthoptim train`; drop --compile"
             )
-        cfg = get_config(self.config)
-        n_expert = cfg.moe.n_expert if cfg.moe is not None else None
         # dp as small as the flags allow: the sizes against --nproc are check_nproc's
-        ParallelDims(dp=self.dp or self.ep, tp=self.tp, ep=self.ep, pp=self.pp).check(
-            n_layer=cfg.n_layer, n_expert=n_expert
-        )
+        self._check_model(ParallelDims(dp=self.dp or self.ep, tp=self.tp, ep=self.ep, pp=self.pp))
         if self.batch % self.n_microbatches:
             given = "" if self.microbatches is not None else " (by default --pp)"
             raise ValueError(
@@ -291,10 +288,15 @@ class TrainArgs:
         dims = ParallelDims.for_world(
             nproc, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, dp_replicate=self.dp_replicate
         )
+        self._check_model(dims)
+        return dims
+
+    def _check_model(self, dims: ParallelDims) -> None:
+        """`dims` against the built-in model's layers and experts (`ParallelDims.check`; a
+        transformers model is not checked here)."""
         if self.hf_config is None:
             cfg = get_config(self.config)
             dims.check(n_layer=cfg.n_layer, n_expert=cfg.moe.n_expert if cfg.moe else None)
-        return dims
 
     def check_nproc(self, nproc: int, device_type: str) -> None:
         """Refuse a number of ranks the layout does not fit (`layout`: nproc = pp · dp · tp,
