@@ -281,7 +281,7 @@ class ParallelMesh:
 
             ranks = self.dims.group_ranks("tp", self.rank)
             self._tp_mesh = DeviceMesh.from_group(
-                self.tp_group if self.tp_group is not None else _default_group(),
+                _real(self.tp_group),
                 self._device_type,
                 mesh=torch.tensor(ranks),
                 mesh_dim_names=("tp",),
@@ -295,17 +295,14 @@ class ParallelMesh:
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        def real(g: Any) -> Any:  # a group spanning every rank is the default group
-            return g if g is not None else _default_group()
-
         dims = self.dims
         ranks = torch.tensor(dims.group_ranks("dp", self.rank))
         if dims.dp_replicate == 1:
             return DeviceMesh.from_group(
-                real(self.dp_group), self._device_type, mesh=ranks, mesh_dim_names=("shard",)
+                _real(self.dp_group), self._device_type, mesh=ranks, mesh_dim_names=("shard",)
             )
         return DeviceMesh.from_group(
-            [real(self.group("dp_replicate")), real(self.group("dp_shard"))],
+            [_real(self.group("dp_replicate")), _real(self.group("dp_shard"))],
             self._device_type,
             mesh=ranks.view(dims.dp_replicate, dims.dp_shard),
             mesh_dim_names=("replicate", "shard"),
@@ -315,7 +312,9 @@ class ParallelMesh:
         return f"ParallelMesh({self.dims.describe()}, rank {self.rank}, {self.coord})"
 
 
-def _default_group() -> Any:
+def _real(group: Any) -> Any:
+    """`group` as a process group object: None (a group spanning every rank) is the default
+    group, which DeviceMesh needs by name."""
     import torch.distributed as dist
 
-    return dist.group.WORLD
+    return group if group is not None else dist.group.WORLD

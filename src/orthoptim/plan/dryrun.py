@@ -58,7 +58,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from orthoptim import collectives as C
-from orthoptim.parallel.layout import ParallelMesh
 from orthoptim.plan.hardware import memory_verdict
 from orthoptim.plan.model import Matrix, ModelDescription, expand
 from orthoptim.plan.planner import (
@@ -652,15 +651,6 @@ def _comm_check(comm: dict[str, Any], expected: dict[str, Any]) -> bool:
     )
 
 
-def _dp_mesh(mesh: ParallelMesh) -> Any:
-    """This rank's data-parallel group as the 1-D DeviceMesh FSDP2 shards over."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    ranks = mesh.dims.group_ranks("dp", mesh.rank)
-    group = mesh.dp_group if mesh.dp_group is not None else dist.group.WORLD
-    return DeviceMesh.from_group(group, "meta", mesh=torch.tensor(ranks), mesh_dim_names=("dp",))
-
-
 def run_rank(
     desc: ModelDescription,
     layout: Layout,
@@ -707,7 +697,7 @@ def run_rank(
         if parallel == "fsdp":
             if mixed:
                 mixed["reduce_dtype"] = DTYPES[layout.grad_dtype]
-            shard_model(model, _dp_mesh(mesh), **mixed)
+            shard_model(model, mesh.fsdp_mesh, **mixed)
             fsdp_stats = C.CommStats()
             count_fsdp_collectives(model, fsdp_stats)
             opt: Any = FSDPOptimizer(model, optimizer=optimizer, layout=mesh, **kwargs)

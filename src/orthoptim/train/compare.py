@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 from orthoptim.optim.registry import MATRIX_OPTIMIZERS
+from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_LR, OPTIMIZERS, TrainArgs
 from orthoptim.train.devices import plan_ranks
@@ -167,10 +168,10 @@ class CompareArgs:
 
     def layout(self) -> dict[str, int]:
         """The runs' pipeline stages, data-parallel ranks per stage and expert-parallel size,
-        as train derives what is not given (dp = nproc / pp: compare runs no tensor
+        as train derives what is not given (`ParallelDims.for_world`; compare runs no tensor
         parallelism)."""
-        pp = self.pp or 1
-        return {"pp": pp, "dp": self.dp or (self.nproc or 1) // pp, "ep": self.ep or 1}
+        dims = ParallelDims.for_world(self.nproc or 1, ep=self.ep or 1, pp=self.pp or 1, dp=self.dp)
+        return {"pp": dims.pp, "dp": dims.dp, "ep": dims.ep}
 
 
 def steps_to_reach(rows: list[dict[str, Any]], target: float) -> int | None:
