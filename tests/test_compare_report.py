@@ -198,9 +198,6 @@ def test_an_expert_and_pipeline_parallel_compare_reports_muon_against_adamw():
     assert dense["layout"] == {"pp": 1, "dp": 2, "ep": 1} and "2 ranks (cpu," in report(dense)
 
 
-@pytest.mark.skipif(
-    not hasattr(TrainArgs(), "ep"), reason="train's --pp/--ep/--dp are not in this tree yet"
-)
 def test_compare_hands_its_layout_flags_to_every_train_run(monkeypatch, tmp_path, capsys):
     """`orthoptim compare --config tiny-moe --ep 2 --pp 1 --dp 2` hands those --ep, --pp and
     --dp to its runs (the first, AdamW's, launched), Muon's too; a flag not given is

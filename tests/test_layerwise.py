@@ -6,7 +6,6 @@ part); the reference runs in the test process.
 
 import copy
 import functools
-import importlib.util
 import math
 
 import pytest
@@ -21,7 +20,6 @@ from orthoptim.parallel.layerwise import MAX_PADDING
 
 from distributed import run_ranks
 
-HAS_SOAP = importlib.util.find_spec("orthoptim.optim.soap") is not None
 VOCAB, SEQ, WIDTH, BATCH, STEPS = 64, 8, 32, 8, 10
 
 
@@ -86,10 +84,6 @@ CONFIGS = {
     "adamw": dict(optimizer="adamw", lr=3e-3),
     "soap": dict(optimizer="soap", lr=3e-3, adamw_lr=3e-3),
 }
-
-
-def config_names():
-    return [c for c in CONFIGS if c != "soap" or HAS_SOAP]
 
 
 @functools.cache
@@ -266,7 +260,7 @@ def _distributed_checks(rank, world_size, configs):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_layerwise_matches_single_process(world_size):
-    configs = config_names()
+    configs = list(CONFIGS)
     results = run_ranks(_distributed_checks, world_size, args=(configs,))
     r0 = results[0]
     for rank, res in enumerate(results):
@@ -347,19 +341,7 @@ def test_layerwise_matches_single_process(world_size):
 # ---- world size 1 (no process group): the same machinery in this process -------------------
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        pytest.param(
-            c,
-            marks=pytest.mark.skipif(
-                c == "soap" and not HAS_SOAP,
-                reason="orthoptim.optim.soap is not in this tree; the multi-rank runs skip it too",
-            ),
-        )
-        for c in CONFIGS
-    ],
-)
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_world_size_one_equals_single_process(config):
     _, params = train_layerwise(0, 1, config, bucket_mb=0.01)
     ref = reference(config)

@@ -49,9 +49,6 @@ def shrunk(config: str) -> GPTConfig:
     return dataclasses.replace(cfg, **small, n_layer=3)
 
 
-# The router's load-balancing loss and token dispatch over an ep group, where the model has them.
-HAS_AUX = "aux_loss_coef" in {f.name for f in dataclasses.fields(MoEConfig)}
-HAS_EP = hasattr(model_module, "expert_parallelize")
 AUX = 0.5  # large, so that a lost or mis-scaled balancing loss shows in every router grad
 
 
@@ -213,7 +210,7 @@ def _pipelined(rank, world_size):
             opt.zero_grad()
         losses.append(runner.evaluate(*(t[: BATCH // 2] for t in batch(STEPS))))
         out[config, "steps"] = losses, {k: p.detach() for k, p in stage.named_parameters()}
-    for schedule, n in CASES if HAS_AUX else ():
+    for schedule, n in CASES:
         stage = split_stage(make_model("tiny-moe-aux"), world_size, rank)
         runner = PipelineRunner(stage, None, n_microbatches=n, schedule=schedule)
         loss = runner.step(*batch(0))
@@ -243,7 +240,6 @@ def test_pipeline_loss_and_gradients_equal_the_single_process(config, schedule, 
     assert sorted(held) == sorted(grads)
 
 
-@pytest.mark.skipif(not HAS_AUX, reason="the MoE has no router auxiliary loss here")
 @pytest.mark.parametrize("schedule,n", CASES)
 def test_pipeline_keeps_each_stages_router_loss(schedule, n):
     """The load-balancing loss of the MoE layers on both stages is in the loss and in the
@@ -322,23 +318,22 @@ def _pipelined_4(rank, world_size):
     stage = split_stage(make_model("tiny-deep"), 4, rank)
     loss = PipelineRunner(stage, None, n_microbatches=4).step(*batch(0))
     out["deep"] = loss, {k: p.grad for k, p in stage.named_parameters()}
-    if HAS_EP:
-        mesh = ParallelDims(pp=2, dp=2, ep=2).build()
-        model = make_model("tiny-moe")
-        model_module.expert_parallelize(model, mesh.ep_group, mesh.coord.ep, 2, mesh.dp_group)
-        stage = split_stage(model, 2, mesh.coord.pp)
-        runner = PipelineRunner(stage, mesh, n_microbatches=2, schedule="gpipe")
-        d = mesh.coord.dp
-        loss = runner.step(*(t[d * per : (d + 1) * per] for t in batch(0)))
-        grads = {}
-        for k, p in stage.named_parameters():
-            if k.rsplit(".", 1)[-1].startswith("experts"):  # summed over ep by the dispatch
-                grads[k] = p.grad / 2, slice(2 * mesh.coord.ep, 2 * mesh.coord.ep + 2)
-            else:
-                g = p.grad.clone()
-                collectives.all_reduce(g, group=mesh.dp_group)
-                grads[k] = g / 2, slice(None)
-        out["ep"] = collectives.sum_floats([loss], mesh.dp_group)[0] / 2, grads
+    mesh = ParallelDims(pp=2, dp=2, ep=2).build()
+    model = make_model("tiny-moe")
+    model_module.expert_parallelize(model, mesh.ep_group, mesh.coord.ep, 2, mesh.dp_group)
+    stage = split_stage(model, 2, mesh.coord.pp)
+    runner = PipelineRunner(stage, mesh, n_microbatches=2, schedule="gpipe")
+    d = mesh.coord.dp
+    loss = runner.step(*(t[d * per : (d + 1) * per] for t in batch(0)))
+    grads = {}
+    for k, p in stage.named_parameters():
+        if k.rsplit(".", 1)[-1].startswith("experts"):  # summed over ep by the dispatch
+            grads[k] = p.grad / 2, slice(2 * mesh.coord.ep, 2 * mesh.coord.ep + 2)
+        else:
+            g = p.grad.clone()
+            collectives.all_reduce(g, group=mesh.dp_group)
+            grads[k] = g / 2, slice(None)
+    out["ep"] = collectives.sum_floats([loss], mesh.dp_group)[0] / 2, grads
     return out
 
 
@@ -392,7 +387,6 @@ def test_four_stages_equal_the_single_process():
     assert sorted(held) == sorted(want)
 
 
-@pytest.mark.skipif(not HAS_EP, reason="the MoE has no token dispatch (expert_parallelize) here")
 def test_pipeline_of_an_expert_parallel_model_equals_the_single_process():
     """pp 2 x dp 2 x ep 2: each stage's MoE layers dispatch their tokens over the ep group
     inside the schedule; dense gradients averaged over dp, expert ones (summed over ep by
