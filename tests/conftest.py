@@ -32,11 +32,12 @@ def ill_conditioned(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `probe` (repeated fault probes that give a report's figures, minutes each)
-    run only when selected with `-m probe`."""
+    """Tests marked `probe` (repeated trials that print a report's figures, minutes each) run
+    only when selected with `-m probe`. A correctness check is never a probe: what a claim
+    rests on runs in `.ci/run` (the default stage, or the `slow` one)."""
     if "probe" in (config.getoption("-m") or ""):
         return
-    skip = pytest.mark.skip(reason="a repeated fault probe: select with -m probe")
+    skip = pytest.mark.skip(reason="a figure probe: select with -m probe")
     for item in items:
         if "probe" in item.keywords:
             item.add_marker(skip)
