@@ -259,6 +259,7 @@ def test_the_race_stops_timing_a_path_that_cannot_win(monkeypatch: pytest.Monkey
     """After the first round a path over PRUNE times the best is timed no further; the close
     ones are repeated REPEATS times while the budget lasts, each product's fastest call
     counting."""
+    monkeypatch.setattr(calibration, "PRUNE", 1.5)
     planted = {"gram_matmul": (2,), "poly_matmul": (1,), "apply": (2,), "sym_matmul": (1, 0.6)}
     planted |= {"gram_syrk": (40,), "poly_syrk": (1,)}
     clock, calls = _planted_products(monkeypatch, planted)
@@ -274,9 +275,10 @@ def test_the_race_stops_timing_a_path_that_cannot_win(monkeypatch: pytest.Monkey
 
 def test_the_race_repeats_only_while_the_budget_lasts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Products of 50 ms, two paths alike (neither pruned): the first round takes 250 ms and
-    each repeat 250 ms more, so two repeats fit in BUDGET_S = 0.9 s and a third would end past
-    it."""
-    assert calibration.BUDGET_S == 0.9
+    each repeat 250 ms more, so two of five repeats fit in a budget of 0.9 s and a third would
+    end past it."""
+    monkeypatch.setattr(calibration, "BUDGET_S", 0.9)
+    monkeypatch.setattr(calibration, "REPEATS", 5)
     names = ("gram_matmul", "poly_matmul", "apply", "gram_syrk", "poly_syrk")
     clock, calls = _planted_products(monkeypatch, dict.fromkeys(names, (50.0,)))
     ms = calibration.race(torch.zeros(4, 8), ("matmul", "cpu_syrk"), clock=clock)
