@@ -5,8 +5,9 @@ and measuring stays off where asked (environment variable, distributed jobs)."""
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,12 +31,28 @@ def measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "orthoptim" / calibration.CACHE_NAME
 
 
-def _slow(fn, seconds: float = 0.003):
-    def slowed(*args, **kwargs):
-        time.sleep(seconds)
-        return fn(*args, **kwargs)
+class PlantedClock:
+    """A clock that moves only by the planted time of each call made through `costing`, so a
+    race decides on planted times whatever the machine's load."""
 
-    return slowed
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def costing(self, fn: Callable[..., Any], *ms: float) -> Callable[..., Any]:
+        """`fn` taking ms[i] milliseconds on this clock at its i-th call (the last one for
+        every call after)."""
+        count = 0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            nonlocal count
+            self.now += ms[min(count, len(ms) - 1)] * 1e-3
+            count += 1
+            return fn(*args, **kwargs)
+
+        return timed
 
 
 def _refuse(X: torch.Tensor, paths: tuple[PathName, ...]) -> dict[str, float]:
@@ -56,18 +73,24 @@ def _planted(ms: dict[str, float]):
 def test_the_race_picks_the_faster_path_against_a_planted_slow_one(
     measuring: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The real products, raced on a clock where a SYRK call takes 3 ms and a plain one 1 ms
+    (the apply, common to both paths, takes none), then the other way round."""
     X = torch.randn(48, 60)  # n < 2m: the step form only, plain against blocked SYRK
-    with monkeypatch.context() as mp:
-        mp.setattr(syrk_cpu, "syrk", _slow(syrk_cpu.syrk))
-        d = Calibrator().decide(X)
-    assert (d.path, d.reason) == ("matmul", "measured")
-    assert set(d.ms) == {"matmul", "cpu_syrk"} and d.ms["cpu_syrk"] > d.ms["matmul"]
-    assert d.seconds < 1.0
-    with monkeypatch.context() as mp:
-        mp.setattr(syrk_cpu, "syrk_matmul", _slow(syrk_cpu.syrk_matmul))
-        d = Calibrator().decide(X, remeasure=True)  # the file has the first decision
-    assert (d.path, d.reason) == ("cpu_syrk", "measured")
-    assert d.ms["matmul"] > d.ms["cpu_syrk"]
+    steps = calibration.RUN_STEPS  # a Gram and a polynomial per step, in either path
+    cases = (
+        ("syrk", "syrk_matmul", {"matmul": steps * 2 * 1.0, "cpu_syrk": steps * 2 * 3.0}),
+        ("syrk_matmul", "syrk", {"matmul": steps * 2 * 3.0, "cpu_syrk": steps * 2 * 1.0}),
+    )
+    for i, (slow, fast, want) in enumerate(cases):
+        clock = PlantedClock()
+        with monkeypatch.context() as mp:
+            mp.setattr(syrk_cpu, slow, clock.costing(getattr(syrk_cpu, slow), 3.0))
+            mp.setattr(syrk_cpu, fast, clock.costing(getattr(syrk_cpu, fast), 1.0))
+            # the second case remeasures: the file holds the first one's decision
+            d = Calibrator(clock=clock).decide(X, remeasure=i > 0)
+        assert (d.path, d.reason) == (min(want, key=want.__getitem__), "measured")
+        assert d.ms == pytest.approx(want)
+        assert d.seconds == pytest.approx(clock.now)  # the whole race, on the same clock
 
 
 def test_the_paths_add_up_from_their_products() -> None:
@@ -214,23 +237,51 @@ def test_small_and_half_precision_matrices_are_not_raced(measuring: Path) -> Non
         assert kernels.path_for(torch.randn(40, 60)).reason == "forced"
 
 
-def test_the_race_stops_timing_a_path_that_cannot_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After the first round a path over PRUNE times the best is timed no further; the close
-    ones are repeated up to REPEATS times, within the budget."""
-    sleeps = {"gram_matmul": 2, "poly_matmul": 1, "apply": 2, "sym_matmul": 0.6}
-    sleeps |= {"gram_syrk": 40, "poly_syrk": 1}
-    calls = dict.fromkeys(sleeps, 0)
+def _planted_products(
+    monkeypatch: pytest.MonkeyPatch, ms: dict[str, tuple[float, ...]]
+) -> tuple[PlantedClock, dict[str, int]]:
+    """The race's products replaced by ones taking `ms[name]` milliseconds on the returned
+    clock (per call, as `PlantedClock.costing`), each call counted."""
+    clock = PlantedClock()
+    calls = dict.fromkeys(ms, 0)
 
-    def product(name: str):
+    def product(name: str) -> Callable[[], None]:
         def run() -> None:
             calls[name] += 1
-            time.sleep(sleeps[name] * 1e-3)
 
-        return run
+        return clock.costing(run, *ms[name])
 
-    monkeypatch.setattr(calibration, "_products", lambda X, paths: {n: product(n) for n in sleeps})
-    ms = calibration.race(torch.zeros(4, 8), ("matmul", "cpu_syrk", "gram_form"))
+    monkeypatch.setattr(calibration, "_products", lambda X, paths: {n: product(n) for n in ms})
+    return clock, calls
+
+
+def test_the_race_stops_timing_a_path_that_cannot_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first round a path over PRUNE times the best is timed no further; the close
+    ones are repeated REPEATS times while the budget lasts, each product's fastest call
+    counting."""
+    monkeypatch.setattr(calibration, "PRUNE", 1.5)
+    planted = {"gram_matmul": (2,), "poly_matmul": (1,), "apply": (2,), "sym_matmul": (1, 0.6)}
+    planted |= {"gram_syrk": (40,), "poly_syrk": (1,)}
+    clock, calls = _planted_products(monkeypatch, planted)
+    ms = calibration.race(torch.zeros(4, 8), ("matmul", "cpu_syrk", "gram_form"), clock=clock)
+    # after the first calls gram_form 2 + 3·1 + 6·1 + 2 = 13 is best; matmul 3·(2 + 1 + 2) = 15
+    # is within PRUNE = 1.5 of it, cpu_syrk 3·(40 + 1 + 2) = 129 is not; the repeats bring
+    # gram_form down to 2 + 3·1 + 6·0.6 + 2 = 10.6
+    assert ms == pytest.approx({"matmul": 15.0, "cpu_syrk": 129.0, "gram_form": 10.6})
     assert calls["gram_syrk"] == calls["poly_syrk"] == 1
     assert calls["gram_matmul"] == calls["sym_matmul"] == 1 + calibration.REPEATS
     assert calibration.winner(ms) == "gram_form"
-    assert ms["cpu_syrk"] >= 3 * 40
+
+
+def test_the_race_repeats_only_while_the_budget_lasts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Products of 50 ms, two paths alike (neither pruned): the first round takes 250 ms and
+    each repeat 250 ms more, so two of five repeats fit in a budget of 0.9 s and a third would
+    end past it."""
+    monkeypatch.setattr(calibration, "BUDGET_S", 0.9)
+    monkeypatch.setattr(calibration, "REPEATS", 5)
+    names = ("gram_matmul", "poly_matmul", "apply", "gram_syrk", "poly_syrk")
+    clock, calls = _planted_products(monkeypatch, dict.fromkeys(names, (50.0,)))
+    ms = calibration.race(torch.zeros(4, 8), ("matmul", "cpu_syrk"), clock=clock)
+    assert calls == dict.fromkeys(names, 3)
+    assert clock.now == pytest.approx(0.75)
+    assert ms == pytest.approx({"matmul": 450.0, "cpu_syrk": 450.0})

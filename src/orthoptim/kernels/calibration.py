@@ -227,31 +227,35 @@ def path_times(t: dict[str, float], paths: tuple[PathName, ...]) -> dict[str, fl
 
 
 Racer = Callable[[Tensor, tuple[PathName, ...]], dict[str, float]]
+# Seconds from an arbitrary origin, as `time.perf_counter` reads them.
+Clock = Callable[[], float]
 
 
-def race(X: Tensor, paths: tuple[PathName, ...]) -> dict[str, float]:
-    """Milliseconds per path (RUN_STEPS steps) on X, from its products timed side by side:
-    the first call of each is a sample too, then round-robin repeats (min time per product)
-    while BUDGET_S lasts, of the products of the paths still within PRUNE of the best (a
-    path's time only falls with more samples, so one that far behind cannot win)."""
+def race(
+    X: Tensor, paths: tuple[PathName, ...], clock: Clock = time.perf_counter
+) -> dict[str, float]:
+    """Milliseconds per path (RUN_STEPS steps) on X, from its products timed side by side by
+    `clock`: the first call of each is a sample too, then round-robin repeats (min time per
+    product) while BUDGET_S lasts, of the products of the paths still within PRUNE of the best
+    (a path's time only falls with more samples, so one that far behind cannot win)."""
     calls = _products(X, paths)
-    start = time.perf_counter()
+    start = clock()
     best: dict[str, float] = {}
     for name, fn in calls.items():
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best[name] = (time.perf_counter() - t0) * 1e3
+        best[name] = (clock() - t0) * 1e3
     for _ in range(REPEATS):
         ms = path_times(best, paths)
         live = [p for p in paths if ms[p] <= PRUNE * min(ms.values())]
         names = {n for p in live for n in _needs(p)}
         cost = sum(best[n] for n in names) * 1e-3
-        if len(live) == 1 or time.perf_counter() + cost - start > BUDGET_S:
+        if len(live) == 1 or clock() + cost - start > BUDGET_S:
             break
         for name in (n for n in calls if n in names):
-            t0 = time.perf_counter()
+            t0 = clock()
             calls[name]()
-            best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+            best[name] = min(best[name], (clock() - t0) * 1e3)
     return path_times(best, paths)
 
 
@@ -264,10 +268,13 @@ def winner(ms: dict[str, float]) -> PathName:
 
 
 class Calibrator:
-    """Decisions per shape class: in memory, from the cache file, or raced (see the module)."""
+    """Decisions per shape class: in memory, from the cache file, or raced (see the module).
+    `racer` times the paths of a class (default: `race` timed by `clock`); `clock` also times
+    the whole race (`Decision.seconds`)."""
 
-    def __init__(self, racer: Racer = race) -> None:
-        self.racer = racer
+    def __init__(self, racer: Racer | None = None, clock: Clock = time.perf_counter) -> None:
+        self.clock = clock
+        self.racer: Racer = racer or functools.partial(race, clock=clock)
         self._exact: dict[tuple[Any, ...], Decision] = {}
         self._classes: dict[str, Decision] = {}
         self._file: dict[str, dict[str, Any]] | None = None
@@ -313,10 +320,10 @@ class Calibrator:
             return Decision(cached["path"], "cached", key, shape, dtype, dict(cached.get("ms", {})))
         if not remeasure and not measuring_enabled():
             return Decision("matmul", "default", key, shape, dtype)
-        start = time.perf_counter()
+        start = self.clock()
         with torch.no_grad():
             ms = self.racer(X.detach(), paths)
-        seconds = time.perf_counter() - start
+        seconds = self.clock() - start
         decision = Decision(winner(ms), "measured", key, shape, dtype, ms, seconds)
         self._store(decision)
         return decision
