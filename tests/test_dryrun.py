@@ -5,6 +5,7 @@ against the library's own byte accounting, the planner's figures and each other.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from orthoptim import collectives as C
 from orthoptim.cli import main
 from orthoptim.plan import Layout, load_hardware, load_model, make_plan
 from orthoptim.plan.dryrun import (
+    Collective,
+    RankResult,
     _HostData,
     _Recorder,
     dry_run,
@@ -79,6 +82,92 @@ def test_collectives_equal_the_layout_and_agree_across_ranks(case) -> None:
     shared = {c.group for c in runs[0].collectives[-1]} & {c.group for c in runs[1].collectives[-1]}
     if layout.pp == 1 and layout.tp == 1:
         assert world in shared  # the data-parallel group is the world here
+
+
+def _moved(c: Collective, rank: int) -> tuple[float, float]:
+    """(sent, received) bytes of global `rank` in `c`, from the sizes the backend saw, on a
+    ring of the group's ranks in group order (rank i passes to rank i+1 mod n)."""
+    n, me = len(c.group), c.group.index(rank)
+    if n == 1:
+        return 0.0, 0.0
+    size = [math.prod(shape) * getattr(torch, dtype).itemsize for dtype, shape in c.tensors]
+    if c.kind == "allreduce_":
+        # a reduce-scatter then an all-gather of n chunks of S/n: in each, n−1 ring steps
+        # pass one chunk on
+        b = 2 * (n - 1) * sum(size) / n
+        return b, b
+    if c.kind in ("_reduce_scatter_base_", "_allgather_base_"):
+        out, inp = size
+        # n−1 ring steps, each passing one chunk (the reduce-scatter's output, the
+        # all-gather's input) on
+        chunk = out if c.kind == "_reduce_scatter_base_" else inp
+        assert max(out, inp) == n * chunk, c
+        return (n - 1) * chunk, (n - 1) * chunk
+    if c.kind == "alltoall_base_":
+        out, inp = size
+        if not c.splits:  # equal splits: all but this rank's own 1/n goes, and comes
+            return (n - 1) * inp / n, (n - 1) * out / n
+        # what leaves for the other ranks, what arrives from them (splits in rows of dim 0)
+        (dtype, out_shape), (_, in_shape) = c.tensors
+        es = getattr(torch, dtype).itemsize
+        out_rows, in_rows = c.splits
+        return (
+            (sum(in_rows) - in_rows[me]) * math.prod(in_shape[1:]) * es,
+            (sum(out_rows) - out_rows[me]) * math.prod(out_shape[1:]) * es,
+        )
+    (s,) = size
+    if c.kind == "reduce_":
+        # a chain root+1 → root+2 → … → root: each passes its partial sum on, but the root;
+        # each receives one, but the chain's head
+        return (0.0 if me == c.root else s), (0.0 if me == (c.root + 1) % n else s)
+    if c.kind == "broadcast_":
+        # a chain root → root+1 → … → root−1: each forwards it, but the tail; each
+        # receives it, but the root
+        return (0.0 if me == (c.root - 1) % n else s), (0.0 if me == c.root else s)
+    raise AssertionError(f"no ring arithmetic here for {c.kind}")
+
+
+def _recorded_bytes(r: RankResult) -> dict[str, dict[tuple[int, ...], list[float]]]:
+    """The last step's collectives of `r` as {kind issued as: {group: [sent, received,
+    calls]}}, priced by `_moved`."""
+    out: dict[str, dict[tuple[int, ...], list[float]]] = {}
+    for c in r.collectives[-1]:
+        assert c.issued_as is not None, f"{c.kind} on {c.group[:4]}... not via collectives.py"
+        sent, received = _moved(c, r.rank)
+        row = out.setdefault(c.issued_as, {}).setdefault(c.group, [0.0, 0.0, 0])
+        row[0] += sent
+        row[1] += received
+        row[2] += 1
+    return out
+
+
+def test_counted_bytes_are_the_recorded_collectives(case) -> None:
+    """The bytes the library counted in a step (`comm_stats()` and the counters it keeps
+    apart: FSDP2's own collectives, the TP orthogonalizer's) are, per kind, what every
+    collective the backend saw moves by its recorded sizes and group (`_moved`'s ring
+    arithmetic, summed over the kind's groups); every collective went through
+    collectives.py, and every counted kind was issued."""
+    _, _, runs = case
+    for r in runs:
+        counted: dict[str, list[float]] = {}
+        for stats in (r.comm, *r.comm_apart.values()):
+            for kind, v in stats.items():
+                if kind != "total":
+                    row = counted.setdefault(kind, [0.0, 0.0, 0])
+                    for i, f in enumerate(("sent", "received", "calls")):
+                        row[i] += v[f]
+        recorded = _recorded_bytes(r)
+        assert set(recorded) == set(counted), (
+            f"rank {r.rank}: issued, not counted {sorted(set(recorded) - set(counted))}; "
+            f"counted, not issued {sorted(set(counted) - set(recorded))}"
+        )
+        for kind, groups in recorded.items():
+            total = [sum(g[i] for g in groups.values()) for i in range(3)]
+            by_group = {f"{len(g)} ranks from {g[0]}": v for g, v in groups.items()}
+            assert total == pytest.approx(counted[kind], rel=1e-12, abs=1e-9), (
+                f"rank {r.rank} {kind}: counted (sent, received, calls) {counted[kind]}, "
+                f"the collectives seen move {total}: {by_group}"
+            )
 
 
 def test_state_and_bytes_equal_the_plan(case) -> None:
