@@ -207,26 +207,55 @@ def test_parameters_are_the_stage_and_host_reads_are_counted(case) -> None:
         assert all(site.startswith("orthoptim.") for site in r.host_syncs[-1])
 
 
+# Peaks the plan is known to miss: today's relative gap (dry-run peak / the plan's − 1) on
+# rank 0 and the last rank, per (dp, tp, optimizer, parallel, tp mode). The plan's figure is
+# its peak, or for FSDP the larger of that and its steady memory plus `fsdp_gather` (FSDP2's
+# forward and backward, which its peak leaves out).
+# - duplicated TP: the step holds one more fp32 copy of the owned matrices (60 MiB at dp 4
+#   tp 2: dry run 967 MB, plan 904 MB) than `_tp_transient` models (its `updates` counted
+#   twice in that mode meets the dry run to 72 bytes).
+# - FSDP: FSDP2 frees its unsharded parameters by resizing their storages to 0 (kept for
+#   the next gather: 1.01 GB a step at dp 8), which the recorder does not see: it counts a
+#   storage at its size until the storage dies, so the dry run's peak holds the whole stage
+#   unsharded (dp 8: 1.19 GB, plan 0.56 GB; dp 256 rank 255: 1.06 GB, plan 0.157 GB, the
+#   root and two blocks unsharded).
+KNOWN_PEAK_GAPS = {
+    (4, 2, "muon", "layerwise", "duplicated"): (0.06959, 0.06951),
+    (8, 1, "muon", "fsdp", "auto"): (1.12216, 1.22222),
+    (256, 1, "soap", "fsdp", "auto"): (2.66873, 5.75573),
+}
+GAP_BAND = 0.05  # of the gap itself: a change that moves it further is a fix or a regression
+
+
 def test_memory_per_rank_within_5_percent_of_the_plan(case) -> None:
     """Every memory category of each rank within 5 % of `make_plan`'s `memory_per_rank`, and
-    the layer-wise peak too."""
+    the layer-wise peak too; where the plan is known to miss the peak (`KNOWN_PEAK_GAPS`),
+    the gap is today's within 5 % of itself, so that closing it or widening it fails."""
     layout, parallel, runs = case
     plan = _plan(layout)
-    for r in runs:
+    known = KNOWN_PEAK_GAPS.get((layout.dp, layout.tp, layout.optimizer, parallel, layout.tp_mode))
+    for r, today in zip(runs, known or [None] * len(runs), strict=True):
         figures = plan_figures(plan, r.plan_index)
         for k in ("params", "grads", "masters", "state", "buffers"):
             assert r.memory[k] == pytest.approx(figures[k], rel=0.05, abs=2**20), (k, r.rank)
-        if parallel != "fsdp" and layout.tp_mode != "duplicated":
-            assert r.peak == pytest.approx(figures["peak"], rel=0.05), r.rank
-    if layout.tp > 1 and layout.tp_mode == "duplicated":
-        # the duplicated TP step holds about one more copy of the owned gradients than
-        # `_tp_transient` models (train:base dp 4 tp 2: dry-run peak 967 MB, plan 904 MB)
-        pytest.xfail("plan's duplicated-TP step transient is 7 % under the real code's")
-    if parallel == "fsdp":
-        # FSDP2's unsharded parameters and gradients during forward and backward are in the
-        # dry run's peak; the plan estimates them apart (fsdp_gather), and the two differ
-        # (train:base dp 8: dry-run peak 1.105 GiB, plan 0.571 + 0.143 GiB)
-        pytest.xfail("plan's FSDP peak leaves FSDP2's forward/backward buffers out")
+        planned = figures["peak"]
+        if parallel == "fsdp":
+            row = plan["memory_per_rank"]["per_rank"][r.plan_index]
+            planned = max(planned, row["steady"] + row["fsdp_gather"])
+        if today is None:
+            assert r.peak == pytest.approx(planned, rel=0.05), r.rank
+            continue
+        gap = r.peak / planned - 1
+        lo, hi = today * (1 - GAP_BAND), today * (1 + GAP_BAND)
+        assert gap <= hi, (
+            f"rank {r.rank}: the dry run's peak {r.peak} is {gap:.2%} over the plan's "
+            f"{planned:.0f}, the known gap was {today:.2%}: it widened (a regression)"
+        )
+        assert gap >= lo, (
+            f"rank {r.rank}: the dry run's peak {r.peak} is {gap:.2%} over the plan's "
+            f"{planned:.0f}, the known gap was {today:.2%}: it narrowed (a fix?); update "
+            "KNOWN_PEAK_GAPS, or drop the case from it once within 5 %"
+        )
 
 
 def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monkeypatch) -> None:
