@@ -334,7 +334,7 @@ class _Recorder(TorchDispatchMode):
         # the `collective` argument of the library's one issuing function, when it issued it
         f, issued_as = sys._getframe(1), None
         while f is not None and issued_as is None:
-            if f.f_code is C._issue.__code__:
+            if f.f_code.co_name == "_issue" and f.f_globals.get("__name__") == C.__name__:
                 issued_as = f.f_locals["collective"]
             f = f.f_back
         self.collectives.append(
