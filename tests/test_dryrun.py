@@ -5,6 +5,7 @@ against the library's own byte accounting, the planner's figures and each other.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from orthoptim import collectives as C
 from orthoptim.cli import main
 from orthoptim.plan import Layout, load_hardware, load_model, make_plan
 from orthoptim.plan.dryrun import (
+    Collective,
+    RankResult,
     _HostData,
     _Recorder,
     dry_run,
@@ -81,6 +84,92 @@ def test_collectives_equal_the_layout_and_agree_across_ranks(case) -> None:
         assert world in shared  # the data-parallel group is the world here
 
 
+def _moved(c: Collective, rank: int) -> tuple[float, float]:
+    """(sent, received) bytes of global `rank` in `c`, from the sizes the backend saw, on a
+    ring of the group's ranks in group order (rank i passes to rank i+1 mod n)."""
+    n, me = len(c.group), c.group.index(rank)
+    if n == 1:
+        return 0.0, 0.0
+    size = [math.prod(shape) * getattr(torch, dtype).itemsize for dtype, shape in c.tensors]
+    if c.kind == "allreduce_":
+        # a reduce-scatter then an all-gather of n chunks of S/n: in each, n−1 ring steps
+        # pass one chunk on
+        b = 2 * (n - 1) * sum(size) / n
+        return b, b
+    if c.kind in ("_reduce_scatter_base_", "_allgather_base_"):
+        out, inp = size
+        # n−1 ring steps, each passing one chunk (the reduce-scatter's output, the
+        # all-gather's input) on
+        chunk = out if c.kind == "_reduce_scatter_base_" else inp
+        assert max(out, inp) == n * chunk, c
+        return (n - 1) * chunk, (n - 1) * chunk
+    if c.kind == "alltoall_base_":
+        out, inp = size
+        if not c.splits:  # equal splits: all but this rank's own 1/n goes, and comes
+            return (n - 1) * inp / n, (n - 1) * out / n
+        # what leaves for the other ranks, what arrives from them (splits in rows of dim 0)
+        (dtype, out_shape), (_, in_shape) = c.tensors
+        es = getattr(torch, dtype).itemsize
+        out_rows, in_rows = c.splits
+        return (
+            (sum(in_rows) - in_rows[me]) * math.prod(in_shape[1:]) * es,
+            (sum(out_rows) - out_rows[me]) * math.prod(out_shape[1:]) * es,
+        )
+    (s,) = size
+    if c.kind == "reduce_":
+        # a chain root+1 → root+2 → … → root: each passes its partial sum on, but the root;
+        # each receives one, but the chain's head
+        return (0.0 if me == c.root else s), (0.0 if me == (c.root + 1) % n else s)
+    if c.kind == "broadcast_":
+        # a chain root → root+1 → … → root−1: each forwards it, but the tail; each
+        # receives it, but the root
+        return (0.0 if me == (c.root - 1) % n else s), (0.0 if me == c.root else s)
+    raise AssertionError(f"no ring arithmetic here for {c.kind}")
+
+
+def _recorded_bytes(r: RankResult) -> dict[str, dict[tuple[int, ...], list[float]]]:
+    """The last step's collectives of `r` as {kind issued as: {group: [sent, received,
+    calls]}}, priced by `_moved`."""
+    out: dict[str, dict[tuple[int, ...], list[float]]] = {}
+    for c in r.collectives[-1]:
+        assert c.issued_as is not None, f"{c.kind} on {c.group[:4]}... not via collectives.py"
+        sent, received = _moved(c, r.rank)
+        row = out.setdefault(c.issued_as, {}).setdefault(c.group, [0.0, 0.0, 0])
+        row[0] += sent
+        row[1] += received
+        row[2] += 1
+    return out
+
+
+def test_counted_bytes_are_the_recorded_collectives(case) -> None:
+    """The bytes the library counted in a step (`comm_stats()` and the counters it keeps
+    apart: FSDP2's own collectives, the TP orthogonalizer's) are, per kind, what every
+    collective the backend saw moves by its recorded sizes and group (`_moved`'s ring
+    arithmetic, summed over the kind's groups); every collective went through
+    collectives.py, and every counted kind was issued."""
+    _, _, runs = case
+    for r in runs:
+        counted: dict[str, list[float]] = {}
+        for stats in (r.comm, *r.comm_apart.values()):
+            for kind, v in stats.items():
+                if kind != "total":
+                    row = counted.setdefault(kind, [0.0, 0.0, 0])
+                    for i, f in enumerate(("sent", "received", "calls")):
+                        row[i] += v[f]
+        recorded = _recorded_bytes(r)
+        assert set(recorded) == set(counted), (
+            f"rank {r.rank}: issued, not counted {sorted(set(recorded) - set(counted))}; "
+            f"counted, not issued {sorted(set(counted) - set(recorded))}"
+        )
+        for kind, groups in recorded.items():
+            total = [sum(g[i] for g in groups.values()) for i in range(3)]
+            by_group = {f"{len(g)} ranks from {g[0]}": v for g, v in groups.items()}
+            assert total == pytest.approx(counted[kind], rel=1e-12, abs=1e-9), (
+                f"rank {r.rank} {kind}: counted (sent, received, calls) {counted[kind]}, "
+                f"the collectives seen move {total}: {by_group}"
+            )
+
+
 def test_state_and_bytes_equal_the_plan(case) -> None:
     """The optimizer state each rank holds (Muon or SOAP, layer-wise or FSDP) and the bytes
     its buckets move per step are the planner's figures for that rank (state within 0.1 %,
@@ -118,26 +207,55 @@ def test_parameters_are_the_stage_and_host_reads_are_counted(case) -> None:
         assert all(site.startswith("orthoptim.") for site in r.host_syncs[-1])
 
 
+# Peaks the plan is known to miss: today's relative gap (dry-run peak / the plan's − 1) on
+# rank 0 and the last rank, per (dp, tp, optimizer, parallel, tp mode). The plan's figure is
+# its peak, or for FSDP the larger of that and its steady memory plus `fsdp_gather` (FSDP2's
+# forward and backward, which its peak leaves out).
+# - duplicated TP: the step holds one more fp32 copy of the owned matrices (60 MiB at dp 4
+#   tp 2: dry run 967 MB, plan 904 MB) than `_tp_transient` models (its `updates` counted
+#   twice in that mode meets the dry run to 72 bytes).
+# - FSDP: FSDP2 frees its unsharded parameters by resizing their storages to 0 (kept for
+#   the next gather: 1.01 GB a step at dp 8), which the recorder does not see: it counts a
+#   storage at its size until the storage dies, so the dry run's peak holds the whole stage
+#   unsharded (dp 8: 1.19 GB, plan 0.56 GB; dp 256 rank 255: 1.06 GB, plan 0.157 GB, the
+#   root and two blocks unsharded).
+KNOWN_PEAK_GAPS = {
+    (4, 2, "muon", "layerwise", "duplicated"): (0.06959, 0.06951),
+    (8, 1, "muon", "fsdp", "auto"): (1.12216, 1.22222),
+    (256, 1, "soap", "fsdp", "auto"): (2.66873, 5.75573),
+}
+GAP_BAND = 0.05  # of the gap itself: a change that moves it further is a fix or a regression
+
+
 def test_memory_per_rank_within_5_percent_of_the_plan(case) -> None:
     """Every memory category of each rank within 5 % of `make_plan`'s `memory_per_rank`, and
-    the layer-wise peak too."""
+    the layer-wise peak too; where the plan is known to miss the peak (`KNOWN_PEAK_GAPS`),
+    the gap is today's within 5 % of itself, so that closing it or widening it fails."""
     layout, parallel, runs = case
     plan = _plan(layout)
-    for r in runs:
+    known = KNOWN_PEAK_GAPS.get((layout.dp, layout.tp, layout.optimizer, parallel, layout.tp_mode))
+    for r, today in zip(runs, known or [None] * len(runs), strict=True):
         figures = plan_figures(plan, r.plan_index)
         for k in ("params", "grads", "masters", "state", "buffers"):
             assert r.memory[k] == pytest.approx(figures[k], rel=0.05, abs=2**20), (k, r.rank)
-        if parallel != "fsdp" and layout.tp_mode != "duplicated":
-            assert r.peak == pytest.approx(figures["peak"], rel=0.05), r.rank
-    if layout.tp > 1 and layout.tp_mode == "duplicated":
-        # the duplicated TP step holds about one more copy of the owned gradients than
-        # `_tp_transient` models (train:base dp 4 tp 2: dry-run peak 967 MB, plan 904 MB)
-        pytest.xfail("plan's duplicated-TP step transient is 7 % under the real code's")
-    if parallel == "fsdp":
-        # FSDP2's unsharded parameters and gradients during forward and backward are in the
-        # dry run's peak; the plan estimates them apart (fsdp_gather), and the two differ
-        # (train:base dp 8: dry-run peak 1.105 GiB, plan 0.571 + 0.143 GiB)
-        pytest.xfail("plan's FSDP peak leaves FSDP2's forward/backward buffers out")
+        planned = figures["peak"]
+        if parallel == "fsdp":
+            row = plan["memory_per_rank"]["per_rank"][r.plan_index]
+            planned = max(planned, row["steady"] + row["fsdp_gather"])
+        if today is None:
+            assert r.peak == pytest.approx(planned, rel=0.05), r.rank
+            continue
+        gap = r.peak / planned - 1
+        lo, hi = today * (1 - GAP_BAND), today * (1 + GAP_BAND)
+        assert gap <= hi, (
+            f"rank {r.rank}: the dry run's peak {r.peak} is {gap:.2%} over the plan's "
+            f"{planned:.0f}, the known gap was {today:.2%}: it widened (a regression)"
+        )
+        assert gap >= lo, (
+            f"rank {r.rank}: the dry run's peak {r.peak} is {gap:.2%} over the plan's "
+            f"{planned:.0f}, the known gap was {today:.2%}: it narrowed (a fix?); update "
+            "KNOWN_PEAK_GAPS, or drop the case from it once within 5 %"
+        )
 
 
 def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monkeypatch) -> None:

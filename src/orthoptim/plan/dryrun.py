@@ -25,9 +25,9 @@ What makes that work:
   rank to hold what this one holds (a sum all-reduce multiplies a known value by the
   group's size), so every read gets the answer a healthy run gets (the library's flags
   count what is wrong: zero, unless a unit has no gradient anywhere); unknown values read
-  as zeros; it records every collective (kind, group, dtypes and sizes)
-  in issue order; and it keeps the live storages (each counted once, views included) for
-  the step's peak.
+  as zeros; it records every collective (kind, group, dtypes and sizes, the root, and
+  the kind `collectives.py` issued it as) in issue order; and it keeps the live storages
+  (each counted once, views included) for the step's peak.
 * The steady memory is read off the objects that hold it: parameters, the layer-wise
   bucket buffers, master copies, optimizer state, then gradients; each storage once.
 
@@ -97,12 +97,16 @@ COVERAGE = {
 
 @dataclass
 class Collective:
-    """One collective as the backend saw it: op, group ranks, tensor (dtype, shape)s."""
+    """One collective as the backend saw it: op, group ranks, tensor (dtype, shape)s, split
+    sizes; the root's group rank (reduce, broadcast) and the kind `collectives.py` issued it
+    as (None: issued outside it)."""
 
     kind: str
     group: tuple[int, ...]
     tensors: tuple[tuple[str, tuple[int, ...]], ...]
     splits: tuple[tuple[int, ...], ...] = ()
+    root: int | None = None
+    issued_as: str | None = None
 
     def signature(self) -> tuple[Any, ...]:
         """What every member of the group must issue alike (all-to-all sizes differ by rank)."""
@@ -123,6 +127,9 @@ class RankResult:
     collectives: list[list[Collective]]  # per step, in issue order
     comm: dict[str, Any]
     expected: dict[str, Any]
+    # the last step's bytes counted apart from `comm`: FSDP2's own ("fsdp"), the TP
+    # orthogonalizer's ("tp")
+    comm_apart: dict[str, Any]
     comm_matches: bool
     bytes_per_step: float
     seconds: float
@@ -322,7 +329,17 @@ class _Recorder(TorchDispatchMode):
         splits = tuple(
             tuple(a) for a in args if isinstance(a, list) and a and isinstance(a[0], int)
         )
-        self.collectives.append(Collective(func.__name__.split(".")[0], group, tensors, splits))
+        names = [a.name for a in func._schema.arguments]
+        root = args[names.index("root_rank")] if "root_rank" in names else None
+        # the `collective` argument of the library's one issuing function, when it issued it
+        f, issued_as = sys._getframe(1), None
+        while f is not None and issued_as is None:
+            if f.f_code.co_name == "_issue" and f.f_globals.get("__name__") == C.__name__:
+                issued_as = f.f_locals["collective"]
+            f = f.f_back
+        self.collectives.append(
+            Collective(func.__name__.split(".")[0], group, tensors, splits, root, issued_as)
+        )
 
     def _propagate(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         mutated = [
@@ -692,6 +709,7 @@ def run_rank(
         # the model is built in fp32; a lower parameter dtype is the optimizer's (or FSDP2's
         # mixed precision)
         mixed = {}
+        apart: dict[str, C.CommStats] = {}  # counters besides the optimizer's own
         if layout.param_dtype != "fp32":
             mixed = {"param_dtype": DTYPES[layout.param_dtype]}
         if parallel == "fsdp":
@@ -700,12 +718,14 @@ def run_rank(
             shard_model(model, mesh.fsdp_mesh, **mixed)
             fsdp_stats = C.CommStats()
             count_fsdp_collectives(model, fsdp_stats)
+            apart["fsdp"] = fsdp_stats
             opt: Any = FSDPOptimizer(model, optimizer=optimizer, layout=mesh, **kwargs)
         else:
             if tp > 1:
                 kwargs["orthogonalizer"] = TensorParallelOrthogonalizer(
                     mode=tp_mode, ns_dtype=torch.bfloat16
                 )
+                apart["tp"] = kwargs["orthogonalizer"].stats
             if mixed:
                 mixed["grad_dtype"] = DTYPES[layout.grad_dtype]
             if layout.gather_dtype is not None:
@@ -715,12 +735,14 @@ def run_rank(
             )  # fmt: skip
         rec.reads.clear()
         idx = torch.zeros(1, 4, dtype=torch.long, device=DEVICE)
-        reads, collectives, memory, comm, expected = [], [], {}, {}, {}
+        reads, collectives, memory, comm, expected, comm_apart = [], [], {}, {}, {}, {}
         planted = plant() if plant is not None else contextlib.nullcontext()
         with planted:
             for step in range(steps):
                 rec.reads.clear()
                 rec.collectives = []
+                for stats in apart.values():
+                    stats.reset()
                 rec.reset_peak()
                 model(idx).backward()
                 opt.clip_grad_norm_(1.0)
@@ -734,6 +756,7 @@ def run_rank(
                 collectives.append(rec.collectives)
                 if step == steps - 1:
                     comm, expected = opt.comm_stats(), opt.expected_comm_bytes()
+                    comm_apart = {k: stats.as_dict() for k, stats in apart.items()}
                 opt.zero_grad()
         peak = rec.peak
     kinds = ("reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all")
@@ -749,6 +772,7 @@ def run_rank(
         collectives=collectives,
         comm=comm,
         expected=expected,
+        comm_apart=comm_apart,
         comm_matches=_comm_check(comm, expected),
         bytes_per_step=max(sent, received),
         seconds=time.perf_counter() - t0,
