@@ -576,8 +576,10 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     the owners), `grad_dtype` (the reduction's; fp32 under `param_dtype` by default),
     `layout` (a `ParallelMesh`, instead of `process_group` and `expert_group`: its dp group,
     its expert group when ep > 1, with expert gradients summed over it and divided by dp, its
-    tp group when tp > 1 and its pp group when pp > 1; see the module docstring); other
-    keyword arguments go to `build_optimizer`.
+    tp group when tp > 1 and its pp group when pp > 1; see the module docstring), `cost` (the
+    `MatrixCost` the assignment balances; None: the path Newton-Schulz takes on the
+    parameters' device, `MatrixCost.for_device`); other keyword arguments go to
+    `build_optimizer`.
 
     Parameters and gradients are views of flat buffers (nothing model-sized is held twice).
     `step()` uses the reduced gradients as its scratch space (Muon's Nesterov updates are
@@ -604,6 +606,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         param_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         layout: Any = None,
+        cost: MatrixCost | None = None,
         **inner_kwargs: Any,
     ) -> None:
         check_float_dtype("gather_dtype", gather_dtype)
@@ -669,7 +672,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         # Costs on the path Newton-Schulz takes here (device, dtype, SYRK / Gram form); the
         # expert group's units fill around the dense load its ranks already carry.
         device = next(iter(named.values())).device if named else torch.device("cpu")
-        cost = MatrixCost.for_device(
+        cost = cost or MatrixCost.for_device(
             device, inner_kwargs.get("ns_dtype", "auto"), inner_kwargs.get("ns_steps", NS_STEPS)
         )
         for group, ids in zip(self._groups, self._group_units):
