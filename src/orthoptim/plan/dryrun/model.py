@@ -4,7 +4,7 @@ one pipeline stage and one EP rank's experts, TP-split matrices as DTensors."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,9 @@ from orthoptim import collectives as C
 from orthoptim.plan.dryrun.world import DEVICE
 from orthoptim.plan.model import Matrix, ModelDescription, expand
 from orthoptim.plan.planner import Layout, local_shape, stage_of_layers
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class _Part(nn.Module):
@@ -81,7 +84,7 @@ def build_model(
     layout: Layout,
     stage: int = 0,
     dtype: torch.dtype = torch.float32,
-    tp_mesh: Any = None,
+    tp_mesh: DeviceMesh | None = None,
 ) -> DescribedModel:
     """Stage `stage` of `desc` as a meta-device module with the planner's parameter names and
     this rank's shapes: TP-split matrices as DTensors sharded over `tp_mesh` (their local

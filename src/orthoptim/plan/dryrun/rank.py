@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +22,9 @@ from orthoptim.plan.dryrun.record import Collective, HostData, Recorder, plain
 from orthoptim.plan.dryrun.world import DEVICE, fake_world
 from orthoptim.plan.model import ModelDescription
 from orthoptim.plan.planner import Layout, check_layout, check_stage
+
+if TYPE_CHECKING:
+    from orthoptim.parallel.layout import ParallelMesh
 
 CATEGORIES = ("params", "grads", "masters", "state", "buffers")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the planner's dtype names
@@ -107,7 +110,9 @@ def cuda_cost(ns_dtype: torch.dtype | str = "auto") -> MatrixCost:
     return MatrixCost("cuda", ns_dtype, NS_STEPS, triton=True, kernel_mode="auto")
 
 
-def _optimizer(model: nn.Module, layout: Layout, mesh: Any) -> tuple[Any, dict[str, C.CommStats]]:
+def _optimizer(
+    model: nn.Module, layout: Layout, mesh: ParallelMesh
+) -> tuple[Any, dict[str, C.CommStats]]:
     """The layout's optimizer over `model` (layer-wise, its assignment priced as on CUDA, or
     over FSDP2) and the byte counters besides the optimizer's own, by name."""
     from orthoptim.parallel.fsdp import FSDPOptimizer, count_fsdp_collectives, shard_model
