@@ -12,9 +12,11 @@ the group.
 
 Scenarios, alternated: the layer-wise optimizer with AdaMuon in float64, a few steps and one
 more forward (its parameter gathers land), then `destroy_process_group()`; and DDP with
-`build_optimizer` in a `main()` that never destroys the group. Each teardown is two real
-process exits: ranks are forks (`os.fork`) of one driver process that imported torch and
-orthoptim once, and each leaves by the end of the driver script. A CPU-bound process runs
+`build_optimizer` in a function (a script's `main()`) that never destroys the group. Both
+import torch.distributed.nn after the group starts, as torch._dynamo's import does when the
+first optimizer step comes after `init_process_group`. Each teardown is two real process
+exits: ranks are forks (`os.fork`) of one driver process that imported torch, torch._dynamo
+and orthoptim once, and each leaves by the end of the driver script. A CPU-bound process runs
 beside them (the abort came on a busy machine). Every rank must exit with status 0, and no
 gloo thread may be alive at its last exit handler (checked by a handler registered before
 orthoptim is imported, so after orthoptim's own): that thread is what the abort needs, so the
