@@ -161,6 +161,8 @@ class DistributedOptimizer(CompositeOptimizer):
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
         self._built = True
+        if callable(getattr(self, "wait_for_params", None)):
+            C.finish_at_exit(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported once built: what each rank steps is computed from the whole model."""
