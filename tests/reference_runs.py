@@ -12,6 +12,10 @@ state lost in resharding (a momentum, an Adam moment) shows as a difference.
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import torch
 
 from orthoptim.optim.hybrid import build_optimizer
@@ -75,3 +79,20 @@ def reference_run(
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ (b = 0: the norm of a − b over 1e-300)."""
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def saved_model(out: Path) -> dict[str, torch.Tensor]:
+    """The model of the last checkpoint of the run under `out`, read by torch alone (none
+    of the library's loaders): model.pt of the full format, the "model/" entries of a DCP
+    one (`dcp_to_torch_save`)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    record = json.loads((out / "checkpoints/latest.json").read_text())
+    folder = out / "checkpoints" / record["folder"]
+    if record["format"] == "full":
+        return torch.load(folder / "model.pt", weights_only=True)
+    assert record["format"] == "dcp", record["format"]
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder / "dcp", Path(tmp) / "whole.pt")
+        stored = torch.load(Path(tmp) / "whole.pt", weights_only=True)
+    return {k.removeprefix("model/"): v for k, v in stored.items() if k.startswith("model/")}

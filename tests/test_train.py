@@ -29,7 +29,7 @@ from orthoptim.train.data import (
 )
 from orthoptim.train.model import CONFIGS, GPT, GPTConfig
 from orthoptim.train.runfolder import sealed
-from reference_runs import reference_run, relative
+from reference_runs import reference_run, relative, saved_model
 
 SEQ = CONFIGS["tiny"].seq_len
 
@@ -193,23 +193,6 @@ def _uninterrupted(sizes: list[int], *flags: str) -> tuple[list[float], dict[str
     return reference_run(CONFIGS["tiny"], _stdlib_train(), args, sizes)
 
 
-def _final_model(out: Path) -> dict[str, torch.Tensor]:
-    """The model of the run's last checkpoint, read by torch alone: model.pt of the full
-    format, the "model/" entries of a DCP one (`dcp_to_torch_save`)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    record = json.loads((out / "checkpoints/latest.json").read_text())
-    folder = out / "checkpoints" / record["folder"]
-    if record["format"] == "full":
-        return torch.load(folder / "model.pt", weights_only=True)
-    assert record["format"] == "dcp", record["format"]
-    whole = folder.parent / f"{folder.name}.pt"
-    dcp_to_torch_save(folder / "dcp", whole)
-    stored = torch.load(whole, weights_only=True)
-    whole.unlink()
-    return {k.removeprefix("model/"): v for k, v in stored.items() if k.startswith("model/")}
-
-
 def _check_follows(out: Path, want: tuple[list[float], dict[str, torch.Tensor]]) -> None:
     """The run under `out` equals `want` (`_uninterrupted`) to `TOL`: each step's train
     loss, and every parameter after the last step."""
@@ -218,7 +201,7 @@ def _check_follows(out: Path, want: tuple[list[float], dict[str, torch.Tensor]])
     assert len(got) == len(losses), (got, losses)
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, losses))
     assert worst <= TOL, (worst, got, losses)
-    have = _final_model(out)
+    have = saved_model(out)
     assert have.keys() == params.keys(), sorted(have.keys() ^ params.keys())
     worst = max(relative(have[k].to(torch.float64), params[k]) for k in params)
     assert worst <= TOL, worst
@@ -585,7 +568,7 @@ def test_probe_resume_at_every_layout(tmp_path):
             out, sizes = _resumed_at(tmp_path, source, target)
             losses, params = _uninterrupted(sizes, *FP64)
             got = [r["train_loss"] for r in _metrics(out) if "train_loss" in r]
-            have = _final_model(out)
+            have = saved_model(out)
             far = max(
                 max(abs(a - b) / abs(b) for a, b in zip(got, losses)),
                 max(relative(have[k].to(torch.float64), params[k]) for k in params),

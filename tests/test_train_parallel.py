@@ -23,11 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import load_corpus
-from orthoptim.train.model import CONFIGS, GPT, GPTConfig, MoEConfig
-from reference_runs import reference_run, relative
+from orthoptim.train.model import CONFIGS, GPTConfig, MoEConfig
+from reference_runs import reference_run, relative, saved_model
 
 from distributed import run_ranks
 
@@ -214,18 +213,6 @@ def test_each_layout_kind_equals_one_process_and_resumes_bitwise(corpus, tmp_pat
     assert not diffs, diffs
 
 
-def _dcp_params(out: Path, config: str) -> dict[str, torch.Tensor]:
-    """The model of a DCP checkpoint (--fsdp), read by one process."""
-    from orthoptim import checkpoint
-
-    record = json.loads((out / "checkpoints/latest.json").read_text())
-    assert record["format"] == "dcp"
-    model = GPT(SMALL[config]).to(torch.float64)
-    opt = build_optimizer(model, optimizer="muon", lr=0.05, adamw_lr=3e-3, adamw_weight_decay=0.0)
-    checkpoint.load_sharded(out / "checkpoints" / record["folder"] / "dcp", opt, model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def test_hybrid_sharded_fsdp_run_equals_one_process(corpus, tmp_path):
     """`--fsdp --dp-replicate 2` on 4 ranks: FSDP2 shards over 2 ranks in each of 2
     replicas (the layout's `fsdp_mesh`, 2-D (replicate, shard)). Stopped after step 2 and
@@ -241,7 +228,7 @@ def test_hybrid_sharded_fsdp_run_equals_one_process(corpus, tmp_path):
     got = _losses(out)
     assert len(got) == STEPS
     assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(got, losses)), (got, losses)
-    have = _dcp_params(out, "test-gpt")
+    have = saved_model(out)
     worst = max(relative(have[k], params[k]) for k in params)
     assert worst <= TOL, worst
     assert "--nproc 4 → 2, --dp-replicate 2 → 1" in (out / "logs/rank0.log").read_text()
