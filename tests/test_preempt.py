@@ -180,7 +180,8 @@ def test_between_attempts_the_restart_is_said_and_the_failed_attempts_records_go
 
 # ---------------------------------------------------------------- two ranks
 
-TWO_RANK_STEPS = 12
+# ~50 ms a step here: room for a signal to land under load before the run's last step
+TWO_RANK_STEPS = 40
 PROBE_REPEATS = int(os.environ.get("ORTHOPTIM_PROBE_REPEATS", "5"))
 
 
@@ -262,8 +263,8 @@ def test_max_restarts_survives_a_killed_rank_bitwise(whole2, tmp_path):
     ends with rc 0 and the uninterrupted run's losses bit for bit."""
     out = tmp_path / "run"
     line = _kill_and_restart(whole2, out, 1, 5)
-    found = re.search(r"restarting the ranks from the checkpoint of step (4|8) ", line)
-    assert found, line
+    found = re.search(r"restarting the ranks from the checkpoint of step (\d+) ", line)
+    assert found and int(found[1]) % 4 == 0 and int(found[1]) >= 4, line
     step = int(found[1])  # the restarted ranks did resume it (a fresh start has equal losses)
     log = (out / "logs" / "rank0.log").read_text()
     assert f"resuming from step_{step:06d} (step {step})" in log, log
