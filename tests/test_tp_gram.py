@@ -3,7 +3,6 @@ float64 equality at tp 2 and 4, its collectives (one packed all-reduce per run o
 restart schedule, none for the norm) and their bytes equal to `tp_cost`, `auto` among the
 three modes, and Muon through the layer-wise driver with tp equal to one process."""
 
-import sys
 import traceback
 
 import pytest
@@ -14,9 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from orthoptim import kernels
 from orthoptim.collectives import CommStats, packed_triangle_size, shard_sizes
+from orthoptim.kernels import syrk_cpu
 from orthoptim.newton_schulz import (
     coefficient_schedule,
-    gram_form_runs,
     newton_schulz,
     newton_schulz_gram_form,
 )
@@ -29,14 +28,11 @@ from orthoptim.parallel.tensor_parallel import (
     _Layout,
     gram_mode_form,
     gram_restarts,
+    gram_runs,
     tp_cost,
 )
 
 from distributed import run_ranks
-
-# the modules (`orthoptim.newton_schulz` is also the name of the function the package exports)
-ns = sys.modules["orthoptim.newton_schulz"]
-tpmod = sys.modules["orthoptim.parallel.tensor_parallel"]
 
 STEPS = 5
 # float64: the sharded Gram sums in another order and the norm comes from its trace; the
@@ -89,15 +85,15 @@ def _run(orth, local):
             "forms": list(orth.last_forms)}  # fmt: skip
 
 
-def _spy(lengths):
-    """`gram_form_run` that also records the length of every run it is given."""
-    real = ns.gram_form_run
+def _recording_syrk(calls):
+    """A plain-matmul SYRK that records each call: "G" for a Gram matrix X·Xᵀ (a restart),
+    "Q" for a step's b·A + c·A·A. The string of calls spells the restart schedule."""
 
-    def run(A, steps, *args, **kw):
-        lengths.append(len(steps))
-        return real(A, steps, *args, **kw)
+    def syrk(X, C, beta, alpha):
+        calls.append("G" if C is None else "Q")
+        return syrk_cpu.syrk_matmul(X, C, beta, alpha)
 
-    return run
+    return syrk
 
 
 def _mode_checks(group, mesh):
@@ -124,21 +120,22 @@ def _mode_checks(group, mesh):
         got["placements"] = got["out"].placements == D.placements
         got["out"] = got["out"].full_tensor()
         res[name] = got
-    # the restart schedule, at every step count from 1 to 7: the runs the mode iterates are
-    # the single-device Gram form's (spied on the shared run function), one all-reduce each
+    # the restart schedule, at every step count from 1 to 7: the sequence of Gram products
+    # and steps is the single-device Gram form's (recorded SYRK calls), one all-reduce a run
     G = _full((1, 16, 48), seed=99)
     local = G.chunk(T, dim=2)[rank].contiguous()
-    real = ns.gram_form_run
+    real = kernels.syrk_for
     for steps in range(1, 8):
-        seen: dict[str, list[int]] = {"tp": [], "single": []}
-        tpmod.gram_form_run, ns.gram_form_run = _spy(seen["tp"]), _spy(seen["single"])
+        seen: dict[str, list[str]] = {"tp": [], "single": []}
+        kernels.syrk_for = lambda X, calls=seen["tp"]: _recording_syrk(calls)
         try:
             orth = TensorParallelOrthogonalizer(group, "gram", 1, steps, stats=CommStats())
             out = orth(local)
-            Z = G / torch.linalg.matrix_norm(G, keepdim=True)
-            newton_schulz_gram_form(Z, coefficient_schedule("quintic", steps))
         finally:
-            tpmod.gram_form_run, ns.gram_form_run = real, real
+            kernels.syrk_for = real
+        Z = G / torch.linalg.matrix_norm(G, keepdim=True)
+        schedule = coefficient_schedule("quintic", steps)
+        newton_schulz_gram_form(Z, schedule, syrk=_recording_syrk(seen["single"]))
         ref = gram_reference(G, steps).chunk(T, dim=2)[rank]
         res[("restarts", steps)] = {"runs": seen, "stats": orth.stats.as_dict(),
                                     "err": ((out - ref).norm() / ref.norm()).item()}  # fmt: skip
@@ -354,14 +351,19 @@ def test_gram_mode_collectives_bytes_and_flops_are_tp_cost(ranks, T):
 
 
 def test_restarts_follow_the_single_device_schedule(ranks):
-    """At 1 to 7 steps the mode iterates exactly the single-device Gram form's runs, one
-    Gram all-reduce per run (≤ 2 up to 6 steps), and still equals it in float64."""
+    """At 1 to 7 steps the mode restarts where the single-device Gram form does (the same
+    sequence of Gram products and steps), one Gram all-reduce per run (≤ 2 up to 6 steps),
+    and still equals it in float64."""
     for rank in range(4):
         for T in (2, 4):
             for steps in range(1, 8):
                 got = ranks[rank][T][("restarts", steps)]
-                runs = [len(r) for r in gram_form_runs(list(range(steps)))]
-                assert got["runs"]["tp"] == got["runs"]["single"] == runs, (steps, got["runs"])
+                runs = gram_runs(steps)
+                spelled = "".join("G" + "Q" * n for n in runs)
+                assert "".join(got["runs"]["tp"]) == "".join(got["runs"]["single"]) == spelled, (
+                    steps,
+                    got["runs"],
+                )
                 assert got["stats"][GRAM_KIND]["calls"] == len(runs) == gram_restarts(steps)
                 assert got["stats"]["total"]["calls"] == len(runs)
                 assert len(runs) <= 2 or steps > 6

@@ -383,39 +383,19 @@ def newton_schulz_gram_form(
     """
     syrk = syrk or kernels.syrk_for(X)
     sym_matmul = kernels.sym_matmul_for(X)
-    runs = gram_form_runs(schedule)
-    for i, run in enumerate(runs):
-        R = gram_form_run(syrk(X, None, 0.0, 1.0), run, syrk, sym_matmul)
-        X = _matmul_into(R, X, out=out if i == len(runs) - 1 else None)
+    for start in range(0, len(schedule), GRAM_FORM_RESTART):
+        run = schedule[start : start + GRAM_FORM_RESTART]
+        A = syrk(X, None, 0.0, 1.0)
+        R: Tensor | None = None
+        for k, (a, b, c) in enumerate(run):
+            Q = syrk(A, A, b, c)
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+            R = Q if R is None else sym_matmul(Q, R)
+            if k < len(run) - 1:
+                A = sym_matmul(sym_matmul(A, Q), Q)
+        assert R is not None
+        X = _matmul_into(R, X, out=out if start + GRAM_FORM_RESTART >= len(schedule) else None)
     return X
-
-
-def gram_form_runs(schedule: Sequence[Coefficients]) -> list[Sequence[Coefficients]]:
-    """The runs of steps between the Gram form's restarts: GRAM_FORM_RESTART steps each,
-    the last one what is left. Each run starts from a Gram matrix recomputed from X."""
-    return [
-        schedule[start : start + GRAM_FORM_RESTART]
-        for start in range(0, len(schedule), GRAM_FORM_RESTART)
-    ]
-
-
-def gram_form_run(
-    A: Tensor,
-    run: Sequence[Coefficients],
-    syrk: kernels.Syrk,
-    sym_matmul: kernels.SymMatmul,
-) -> Tensor:
-    """R = Q_{L−1}···Q_0 of one run of L steps from the Gram matrix A = X·Xᵀ ([..., m, m]):
-    the run takes X to R·X. Only m×m products (`newton_schulz_gram_form`)."""
-    R: Tensor | None = None
-    for k, (a, b, c) in enumerate(run):
-        Q = syrk(A, A, b, c)
-        Q.diagonal(dim1=-2, dim2=-1).add_(a)
-        R = Q if R is None else sym_matmul(Q, R)
-        if k < len(run) - 1:
-            A = sym_matmul(sym_matmul(A, Q), Q)
-    assert R is not None
-    return R
 
 
 def polar_factor(X: Tensor) -> Tensor:

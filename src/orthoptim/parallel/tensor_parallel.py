@@ -68,11 +68,11 @@ from orthoptim import collectives, kernels
 from orthoptim._validate import check_choice, check_dtype_or_auto, check_member, check_positive
 from orthoptim.collectives import CommStats
 from orthoptim.newton_schulz import (
+    GRAM_FORM_RESTART,
+    Coefficients,
     CoefficientsLike,
     NSDtype,
     coefficient_schedule,
-    gram_form_run,
-    gram_form_runs,
     newton_schulz,
     resolve_ns_dtype,
 )
@@ -235,10 +235,32 @@ def gram_mode_form(rows: int, cols: int, shard_dim: int) -> GramForm:
     return "gram" if other <= split else "rows"
 
 
+def gram_runs(steps: int) -> list[int]:
+    """The lengths of the runs of steps between the restarts of the single-device Gram form
+    (`newton_schulz_gram_form`: GRAM_FORM_RESTART steps each, the last what is left). Gram
+    mode all-reduces the Gram matrix once per run."""
+    return [min(GRAM_FORM_RESTART, steps - s) for s in range(0, steps, GRAM_FORM_RESTART)]
+
+
 def gram_restarts(steps: int) -> int:
-    """All-reduces of the Gram matrix gram mode makes per batch: one per run of the
-    single-device Gram form (`newton_schulz.gram_form_runs`)."""
-    return len(gram_form_runs(range(steps)))  # type: ignore[arg-type]
+    """All-reduces of the Gram matrix gram mode makes per batch (`gram_runs`)."""
+    return len(gram_runs(steps))
+
+
+def _gram_run(
+    A: Tensor, run: list[Coefficients], syrk: kernels.Syrk, sym_matmul: kernels.SymMatmul
+) -> Tensor:
+    """R = Q_{L−1}···Q_0 of one run of L steps from the Gram matrix A ([k, s, s]), the
+    products of `newton_schulz_gram_form`'s run in the same order: the run takes X to R·X."""
+    R: Tensor | None = None
+    for i, (a, b, c) in enumerate(run):
+        Q = syrk(A, A, b, c)
+        Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        R = Q if R is None else sym_matmul(Q, R)
+        if i < len(run) - 1:
+            A = sym_matmul(sym_matmul(A, Q), Q)
+    assert R is not None
+    return R
 
 
 def tp_cost(
@@ -291,7 +313,7 @@ def tp_cost(
             sent = steps * (T - 1) * k * gathered * element_size
             return TPCost(sent, 2 * steps if T > 1 else 0, steps * k * per_step)
         ring = 2 * (T - 1) / T
-        runs = [len(run) for run in gram_form_runs(range(steps))]  # type: ignore[arg-type]
+        runs = gram_runs(steps)
         sent = len(runs) * ring * k * collectives.packed_triangle_size(p) * element_size
         # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p
         # products), R (L − 1) and A ← A·Q·Q (2·(L − 1))
@@ -561,7 +583,9 @@ class TensorParallelOrthogonalizer:
         self.last_forms.append("gram")
         Z = W.to(compute)
         syrk, sym_matmul = kernels.syrk_for(Z), kernels.sym_matmul_for(Z)
-        for i, run in enumerate(gram_form_runs(self.schedule)):
+        restarts = range(0, len(self.schedule), GRAM_FORM_RESTART)  # as newton_schulz_gram_form
+        for i, start in enumerate(restarts):
+            run = self.schedule[start : start + GRAM_FORM_RESTART]
             A = collectives.all_reduce_symmetric(
                 syrk(Z, None, 0.0, 1.0), group=layout.group, stats=self.stats, kind=GRAM_KIND
             )
@@ -574,7 +598,7 @@ class TensorParallelOrthogonalizer:
                 norm = norm[:, None, None]
                 Z = (W.to(norm_dtype) / norm).to(compute)
                 A = (A.to(norm_dtype) / norm.square()).to(compute)
-            Z = gram_form_run(A, run, syrk, sym_matmul) @ Z
+            Z = _gram_run(A, run, syrk, sym_matmul) @ Z
         out = Z if layout.dim == -1 else Z.mT
         return out.to(X.dtype).contiguous()
 
