@@ -34,9 +34,10 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of five
   norm is folded into A (‖X‖_F² = tr A). Where the single-device form restarts (every
   GRAM_FORM_RESTART steps, A recomputed from X_k), that is one more all-reduce: at the
   default 5 steps two per batch instead of distributed's 5 + 1, for (8L − 6)·s³ flops per
-  run of L steps (28·s³ at 5 steps) of the small iteration repeated on every rank. A matrix split along its short side (the
-  Gram over the split dimension would be the large one) takes the ``rows`` form below
-  instead, its norm read from the first gathered matrix (no norm all-reduce either).
+  run of L steps (28·s³ at 5 steps) of the small iteration repeated on every rank. A
+  matrix split along its short side (the Gram over the split dimension would be the large
+  one) takes the ``rows`` form below instead, its norm read from the first gathered matrix
+  (no norm all-reduce either).
   `last_forms` says which form each batch took ("gram" or "rows").
 - ``blockwise``: each rank orthogonalizes its own shard, no communication. Not the same
   as full Newton-Schulz: every shard becomes (near) orthogonal on its own, so a column-
