@@ -381,8 +381,9 @@ def test_auto_picks_gram_where_latency_dominates_and_agrees_across_ranks(ranks):
 
 
 def test_auto_cost_model_prices_all_three_modes():
-    """`choose_mode` compares duplicated, distributed and gram: each wins where its cost is
-    the lowest (gram: few rounds; distributed: flops split T ways; duplicated: one gather)."""
+    """`choose_mode` compares duplicated, distributed and gram (in float32): each wins where
+    its cost is the lowest (gram: few rounds; distributed: flops split T ways; duplicated:
+    one gather)."""
     layout = _Layout(None, 4, 0, -1, (1024,) * 4)
     k, rows, cols = 4, 1024, 4096
     cases = {
@@ -402,6 +403,12 @@ def test_auto_cost_model_prices_all_three_modes():
         }
         assert min(seconds, key=seconds.__getitem__) == want, seconds
         assert orth.choose_mode(k, rows, cols, layout, "cpu") == want
+    # in bfloat16 auto keeps to the step form's modes (gram squares the condition number),
+    # even where gram would be the cheapest; mode="gram" still forces it
+    bf16 = TensorParallelOrthogonalizer(cost_model=cases["gram"], ns_dtype=torch.bfloat16)
+    assert bf16.choose_mode(k, rows, cols, layout, "cpu") in ("duplicated", "distributed")
+    forced = TensorParallelOrthogonalizer(mode="gram", ns_dtype=torch.bfloat16)
+    assert forced.choose_mode(k, rows, cols, layout, "cpu") == "gram"
     # gram's rounds: one per restart run whatever the steps; distributed's steps + 1
     for steps in (3, 5, 8):
         gram = tp_cost("gram", 1, rows, cols, 1, 8, steps, 2)

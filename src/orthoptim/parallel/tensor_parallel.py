@@ -80,6 +80,18 @@ from orthoptim.newton_schulz import (
 
 TPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
 MODES: tuple[TPMode, ...] = get_args(TPMode)
+
+
+def auto_modes(dtype_bytes: int) -> tuple[TPMode, ...]:
+    """The modes `auto` chooses among for a Newton-Schulz dtype of `dtype_bytes`: gram only
+    for float32 and wider. The Gram form squares the condition number, so in half precision
+    it is several times less accurate than the step form (as single-device Newton-Schulz
+    keeps its Gram form to float32/float64); `mode="gram"` still forces it."""
+    return (
+        ("duplicated", "distributed", "gram") if dtype_bytes >= 4 else ("duplicated", "distributed")
+    )
+
+
 TPForm = Literal["auto", "apply", "square", "split", "rows"]
 FORMS: tuple[TPForm, ...] = get_args(TPForm)
 # the forms gram mode takes: "gram" (split along the long side), "rows" (the short side)
@@ -452,9 +464,10 @@ class TensorParallelOrthogonalizer:
         args = (k, rows, cols, shard, layout.world_size, self.steps, elem)
         form = self.choose_form(*args)
         costs = {
-            "duplicated": self.cost_model.seconds(tp_cost("duplicated", *args)),
-            "distributed": self.cost_model.seconds(tp_cost("distributed", *args, form=form)),
-            "gram": self.cost_model.seconds(tp_cost("gram", *args)),
+            k: self.cost_model.seconds(
+                tp_cost(k, *args, form=form) if k == "distributed" else tp_cost(k, *args)
+            )
+            for k in auto_modes(elem)
         }
         return min(costs, key=costs.__getitem__)
 

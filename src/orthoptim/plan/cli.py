@@ -166,7 +166,7 @@ def format_report(p: dict[str, Any]) -> str:
         chosen = ", ".join(f"{k} {v}" for k, v in sorted(picks.items()))
         lines.append(
             f"  TP-split Muon matrices: {chosen} (cost model: {t['cost_model']}; "
-            f"auto picks among {', '.join(AUTO_MODES)}, never blockwise)"
+            f"auto picks among {', '.join(AUTO_MODES)}, gram only in fp32, never blockwise)"
         )
     lines += ["", f"optimizer overhead at {o['tokens_per_step']:,} tokens per step:"]
     if o["tokens_per_step"]:

@@ -39,9 +39,8 @@ from orthoptim.parallel.assignment import (
     state_numel,
 )
 from orthoptim.parallel.layout import ParallelDims
-from orthoptim.parallel.tensor_parallel import CostModel, TPCost
+from orthoptim.parallel.tensor_parallel import CostModel, TPCost, auto_modes
 from orthoptim.plan.costs import (
-    AUTO_MODES,
     TP_MODES,
     layerwise_bytes,
     layerwise_unpadded_bytes,
@@ -453,7 +452,7 @@ def tp_auto_cost(m: Matrix, layout: Layout, model: CostModel) -> tuple[TPCost, s
     ns_b = DTYPE_BYTES[layout.ns_dtype]
     options = {
         k: tp_ns_cost(m.shape, m.tp_dim, layout.tp, k, layout.ns_steps, ns_b, model)[0]
-        for k in AUTO_MODES
+        for k in auto_modes(ns_b)
     }
     best = min(options, key=lambda k: model.seconds(options[k]))
     return options[best], best
@@ -733,7 +732,7 @@ def _tp_modes(
     def cost(m: Matrix, mode: str) -> tuple[TPCost, str]:
         if mode != "auto":
             return tp_ns_cost(m.shape, m.tp_dim, tp, mode, steps, ns_b, model)
-        options = {k: cost(m, k) for k in AUTO_MODES}
+        options = {k: cost(m, k) for k in auto_modes(ns_b)}
         best = min(options, key=lambda k: model.seconds(options[k][0]))
         return options[best][0], best if m.tp_dim is not None and tp > 1 else ""
 
