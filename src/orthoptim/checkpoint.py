@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from orthoptim import collectives as C
+from orthoptim._torch_compat import disabled_torch_function_impl, make_wrapper_subclass
 from orthoptim.expert_view import ExpertSlices as ExpertSlices
 from orthoptim.expert_view import ExpertSlicesView, expert_slices
 from orthoptim.fileio import atomic_write, fsync_dir
@@ -531,7 +532,7 @@ class FlatShard(Tensor):
 
     @staticmethod
     def __new__(cls, local: Tensor, shape: tuple[int, ...], offset: int) -> FlatShard:
-        t = Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+        t = make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
         t.local = local.view(-1)
         t.offset = int(offset)
         t._boxes = []
@@ -541,7 +542,7 @@ class FlatShard(Tensor):
             start += math.prod(size)
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

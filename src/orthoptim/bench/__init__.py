@@ -333,14 +333,10 @@ def torch_muon_fp32() -> Iterator[Callable[..., Any]]:
     Yields the float32 function. bfloat16 matmul is ~50× slower than float32 on CPUs without
     native bf16, so a comparison against the unpatched optimizer would say nothing.
     """
-    from torch.optim import _muon
+    from orthoptim._torch_compat import torch_muon_newton_schulz_replaced
 
-    original = _muon._zeropower_via_newtonschulz
-    _muon._zeropower_via_newtonschulz = torch_zeropower_fp32
-    try:
+    with torch_muon_newton_schulz_replaced(torch_zeropower_fp32):
         yield torch_zeropower_fp32
-    finally:
-        _muon._zeropower_via_newtonschulz = original
 
 
 def emit(report: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:

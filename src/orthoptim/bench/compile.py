@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from orthoptim._torch_compat import dynamo_config
 from orthoptim.bench import (
     Case,
     add_common_arguments,
@@ -106,8 +107,9 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             f"{', '.join(OPTIMIZERS)}"
         )
     # one cached graph per optimizer instance, all of the same `step` code
-    limit = max(torch._dynamo.config.recompile_limit, len(names))
-    with torch._dynamo.config.patch(recompile_limit=limit):
+    config = dynamo_config()
+    limit = max(config.recompile_limit, len(names))
+    with config.patch(recompile_limit=limit):
         return _run(names, args, device)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from orthoptim import kernels
+from orthoptim._torch_compat import torch_muon_newton_schulz
 from orthoptim.bench import (
     DION_HINT,
     Case,
@@ -252,14 +253,12 @@ def _candidates(
         with kernels.force_matmul():
             return newton_schulz(Xn, steps=steps, coefficients=coefficients, dtype=dtype)
 
-    from torch.optim import _muon
-
     abc = COEFFICIENT_SETS["simple"][0]
     if dtype == torch.float32:
         zp: Callable[..., Tensor] = torch_zeropower_fp32
         torch_note = "torch.optim.Muon's Newton-Schulz made float32 (torch hard-codes bfloat16)"
     else:
-        zp = _muon._zeropower_via_newtonschulz
+        zp = torch_muon_newton_schulz()
         torch_note = "torch.optim.Muon's Newton-Schulz (bfloat16, as shipped)"
 
     def torch_muon() -> list[Tensor]:

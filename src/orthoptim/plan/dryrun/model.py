@@ -38,9 +38,7 @@ class _Part(nn.Module):
 
 def _terms(module: nn.Module, idx: Tensor, lookup: bool) -> Tensor:
     total = torch.zeros((), device=DEVICE)
-    for p in module._parameters.values():
-        if p is None:
-            continue
+    for p in module.parameters(recurse=False):
         local = p.to_local() if C.is_dtensor(p) else p  # type: ignore[attr-defined]
         if local.ndim == 1:
             total = total + local.sum()

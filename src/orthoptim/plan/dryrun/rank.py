@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from orthoptim import collectives as C
+from orthoptim._torch_compat import storage_key, tree_flatten
 from orthoptim.parallel.assignment import NS_STEPS, MatrixCost
 from orthoptim.plan.dryrun.model import build_model
 from orthoptim.plan.dryrun.record import Collective, HostData, Recorder, plain
@@ -74,8 +74,8 @@ def _category_bytes(opt: Any, model: nn.Module, parallel: Parallel) -> dict[str,
                 if x.device.type != "meta":
                     continue
                 st = x.untyped_storage()
-                if st._cdata not in seen:
-                    seen.add(st._cdata)
+                if storage_key(st) not in seen:
+                    seen.add(storage_key(st))
                     out[cat] += st.nbytes()
 
     params = list(model.parameters())

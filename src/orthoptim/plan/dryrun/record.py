@@ -15,10 +15,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from orthoptim import collectives as C
+from orthoptim._torch_compat import (
+    LOCAL_SCALAR_DENSE,
+    TO_COPY,
+    TorchDispatchMode,
+    local_tensor,
+    op_schema,
+    resolve_process_group,
+    storage_key,
+    tree_flatten,
+    tree_map,
+)
 
 # the dry run's own frames (the model's forward, the per-rank run), which `_site` skips
 _PACKAGE = __name__.rpartition(".")[0]
@@ -77,12 +86,12 @@ _DATA_FLAGS: dict[Any, bool] = {
 
 def plain(t: Tensor) -> Tensor:
     """The local tensor of a DTensor, else `t`."""
-    return t._local_tensor if C.is_dtensor(t) else t  # type: ignore[attr-defined]
+    return local_tensor(t) if C.is_dtensor(t) else t
 
 
 def _key(t: Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
     t = plain(t)
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+    return (storage_key(t.untyped_storage()), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
 def _is_output(func: Any, t: Tensor, args: Any) -> bool:
@@ -130,7 +139,7 @@ class Recorder(TorchDispatchMode):
         if t.device.type != "meta":
             return
         st = t.untyped_storage()
-        key = st._cdata
+        key = storage_key(st)
         if key in self.live:
             return
         self.live[key] = st.nbytes()
@@ -182,9 +191,9 @@ class Recorder(TorchDispatchMode):
     # -- dispatch ----------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is _aten._local_scalar_dense.default and args[0].device.type == "meta":
+        if func is LOCAL_SCALAR_DENSE and args[0].device.type == "meta":
             return self._read(args[0]).item()
-        if func is _aten._to_copy.default and args[0].device.type == "meta":
+        if func is TO_COPY and args[0].device.type == "meta":
             dev = kwargs.get("device")
             if dev is not None and torch.device(dev).type == "cpu":
                 dtype = kwargs.get("dtype") or args[0].dtype
@@ -219,9 +228,7 @@ class Recorder(TorchDispatchMode):
                 group = tuple(dist.get_process_group_ranks(pg))
                 break
             if isinstance(a, str) and func.namespace == "_c10d_functional":
-                from torch.distributed.distributed_c10d import _resolve_process_group
-
-                group = tuple(dist.get_process_group_ranks(_resolve_process_group(a)))
+                group = tuple(dist.get_process_group_ranks(resolve_process_group(a)))
                 break
         tensors = tuple(
             (str(a.dtype).removeprefix("torch."), tuple(a.shape))
@@ -231,7 +238,7 @@ class Recorder(TorchDispatchMode):
         splits = tuple(
             tuple(a) for a in args if isinstance(a, list) and a and isinstance(a[0], int)
         )
-        names = [a.name for a in func._schema.arguments]
+        names = [a.name for a in op_schema(func).arguments]
         root = args[names.index("root_rank")] if "root_rank" in names else None
         # the `collective` argument of the library's one issuing function, when it issued it
         f, issued_as = sys._getframe(1), None
@@ -246,7 +253,7 @@ class Recorder(TorchDispatchMode):
     def _propagate(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         mutated = [
             t
-            for i, a in enumerate(func._schema.arguments)
+            for i, a in enumerate(op_schema(func).arguments)
             if a.alias_info is not None and a.alias_info.is_write and i < len(args)
             for t in tree_flatten(args[i])[0]
             if isinstance(t, Tensor)

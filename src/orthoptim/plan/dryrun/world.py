@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from orthoptim._torch_compat import fake_process_group, fake_store, fsdp_param_group
+
 BACKEND = "orthoptim_meta"
 DEVICE = torch.device("meta")
 
@@ -21,10 +23,9 @@ def register_backend() -> None:
     (once per process)."""
     if hasattr(dist.Backend, BACKEND.upper()):
         return
-    from torch._C._distributed_c10d import FakeProcessGroup
 
     def create(common: Any, backend_opts: Any) -> Any:
-        return FakeProcessGroup._create_internal(common.group_rank, common.group_size, backend_opts)
+        return fake_process_group(common.group_rank, common.group_size, backend_opts)
 
     dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["meta"])
 
@@ -48,9 +49,7 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
     device only; torch patched for the meta device (restored on exit): a device module for
     "meta" and FSDP2's refusal of meta parameters lifted. The library is not patched: the
     GPU's assignment is the dry run's `cost` argument (`rank.cuda_cost`)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    FSDPParamGroup = fsdp_param_group()
     if dist.is_initialized():
         raise RuntimeError(
             "orthoptim plan --dry-run: a process group is already initialised in this process"
@@ -60,7 +59,7 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
     torch.meta = _device_module()  # type: ignore[attr-defined]
     FSDPParamGroup._validate_no_meta_params = lambda self: None  # type: ignore[method-assign]
     try:
-        dist.init_process_group(BACKEND, rank=rank, world_size=world, store=FakeStore())
+        dist.init_process_group(BACKEND, rank=rank, world_size=world, store=fake_store())
         yield
     finally:
         if dist.is_initialized():
