@@ -12,71 +12,28 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.checkpoint import (
+    BATCH,
+    HYBRID_KW,
+    KW,
+    WIDTH,
+    Net,
+    every_matrix,
+    make_model,
+    train,
+)
 from orthoptim import Muon, build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 
 from distributed import run_ranks
 
-VOCAB, SEQ, WIDTH, BATCH = 16, 4, 8, 8
 BEFORE, AFTER = 3, 10  # steps before the checkpoint, steps resumed after it
-KW = dict(optimizer="muon", lr=0.02, adamw_lr=3e-3, weight_decay=0.01, bucket_mb=0.0005)
-HYBRID_KW = {k: v for k, v in KW.items() if k != "bucket_mb"}
 # float64 rounding (~1e-16) of a differently ordered gradient sum, grown over AFTER steps of
 # Muon and AdamW, stays many orders below this; a wrong state is off by far more than 1e-6.
 RESHARD_TOL = 1e-10
-
-
-class Net(nn.Module):
-    """Embedding tied to the head (AdamW), a LayerNorm and biases (AdamW), two hidden
-    matrices (Muon), and a frozen matrix that no optimizer holds."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.ln = nn.LayerNorm(WIDTH)
-        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
-        self.fc2 = nn.Linear(2 * WIDTH, WIDTH, bias=False)
-        self.frozen = nn.Linear(WIDTH, WIDTH, bias=False)
-        self.frozen.weight.requires_grad_(False)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        x = x + self.fc2(F.gelu(self.fc1(self.ln(x)))) + 0.1 * self.frozen(x)
-        return self.head(x)
-
-
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return Net().double()
-
-
-def batch(step, rank=0, world_size=1):
-    g = torch.Generator().manual_seed(100 + step)
-    idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    per = BATCH // world_size
-    idx = idx[rank * per : (rank + 1) * per]
-    return idx[:, :-1], idx[:, 1:]
-
-
-def lm_loss(model, step, rank, world_size):
-    x, y = batch(step, rank, world_size)
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-
-
-def train(model, opt, steps, rank=0, world_size=1, loss=lm_loss):
-    for step in steps:
-        loss(model, step, rank, world_size).backward()
-        opt.step()
-        opt.zero_grad()
-    if hasattr(opt, "wait_for_params"):
-        opt.wait_for_params()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def rel_err(got, want):
@@ -127,10 +84,6 @@ class Matrices(nn.Module):
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x)))
-
-
-def every_matrix(name: str, p: nn.Parameter) -> bool:
-    return p.ndim >= 2
 
 
 MUON_KW = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
@@ -368,7 +321,7 @@ def test_atomic_save_interrupted_keeps_previous(tmp_path, monkeypatch):
 KILLED_SAVE = """
 import os, signal, sys, torch
 sys.path.insert(0, {tests!r})
-from test_checkpoint import make_model, train, KW
+from models.checkpoint import make_model, train, KW
 from orthoptim import checkpoint as ckpt
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 model = make_model()

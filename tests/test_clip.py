@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-import test_fsdp as FS
-import test_layerwise as LW
+from models import fsdp as FS
+from models import layerwise as LW
 from orthoptim import build_optimizer
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 from orthoptim.parallel.fsdp import FSDPOptimizer

@@ -26,11 +26,11 @@ import os
 import pytest
 import torch
 
+from models.fsdp import batch, loss_fn, make_model, sharded_model
 from orthoptim import LayerwiseDistributedOptimizer, build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.optim.registry import OPTIMIZER_NAMES
 from orthoptim.parallel.fsdp import FSDPOptimizer
-from test_fsdp import batch, loss_fn, make_model, sharded_model
 
 from distributed import run_ranks
 

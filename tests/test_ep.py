@@ -13,6 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from models.ep import BATCH, CFG, OPT_KW, REL
+from models.ep import moe_model as _model
+from models.ep import rel as _rel
+from models.ep import state_by_name as _state
 from orthoptim import build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim import collectives as C
@@ -28,24 +32,6 @@ from orthoptim.train.model import (
 )
 
 from distributed import run_ranks
-
-# tiny-moe shrunk for speed; the balancing loss weighted enough that its gradient matters.
-CFG = dataclasses.replace(
-    CONFIGS["tiny-moe"],
-    n_head=2,
-    n_kv_head=1,
-    d_model=16,
-    seq_len=8,
-    vocab_size=64,
-    moe=dataclasses.replace(CONFIGS["tiny-moe"].moe, n_expert=8, hidden=16, aux_loss_coef=0.1),
-)
-BATCH = 2  # sequences per rank
-REL = 1e-10  # float64: routing equal, sums in another order (~1e-16 each)
-
-
-def _model(cfg=CFG):
-    torch.manual_seed(0)
-    return GPT(cfg).double()
 
 
 def _global_batch(world_size, seed=0):
@@ -65,10 +51,6 @@ def _counts(model):
 
 def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _ep_ranks(rank, world_size):
@@ -271,8 +253,6 @@ def test_ep2_drops_per_rank_and_state_dicts_gather_and_cut():
 
 # ---------------------------------------------------------------- checkpoints across --ep
 
-OPT_KW = dict(lr=0.02, adamw_lr=3e-3, weight_decay=0.01, ns_dtype=torch.float64)
-
 
 def _ep_optimizer(model, group):
     """A per-rank optimizer over an expert-parallel model whose state view names the experts
@@ -296,12 +276,6 @@ def _step(model, opt, x, y, world_size=1):
                 p.grad /= world_size
     opt.step()
     opt.zero_grad()
-
-
-def _state(sd):
-    """A full optimizer dict's state by parameter name."""
-    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
-    return {names[i]: st for i, st in sd["state"].items()}
 
 
 def _ckpt_ranks(rank, world_size, folder):

@@ -17,6 +17,10 @@ import copy
 
 import torch
 
+from models.ep import BATCH, CFG, OPT_KW, REL
+from models.ep import moe_model as _model
+from models.ep import rel as _rel
+from models.ep import state_by_name as _state
 from orthoptim import build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
@@ -27,7 +31,6 @@ from orthoptim.train.model import (
     full_expert_state_dict,
     load_expert_state_dict,
 )
-from test_ep import BATCH, CFG, OPT_KW, REL, _model, _rel, _state
 
 from distributed import run_ranks
 

@@ -18,7 +18,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import test_resume
+from models import processes
+from models.processes import GUARD_S
+from models.processes import finish as _finish
+from models.processes import orthoptim_process as _orthoptim
+from models.processes import rank_pid as _rank_pid
+from models.processes import wait_for_steps as _wait_for_steps
 from orthoptim.cli import main
 from orthoptim.train import launcher, runfolder
 from orthoptim.train.loop import setup_logging
@@ -36,55 +40,6 @@ TINY = ["--config", "tiny", "--batch", "2", "--eval-batches", "1", "--no-progres
 # cause, raised by the optimizer on every rank (NonFiniteGradientError, which the loop turns
 # into advice on flags).
 DIVERGING = ["--lr", "1e12", "--adamw-lr", "1e12"]
-GUARD_S = 120  # the most a subprocess may take before the test gives up on it
-
-
-def _orthoptim(*argv: str) -> subprocess.Popen:
-    """`python -m orthoptim ARGV` in its own session (so a signal can reach every rank)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "orthoptim", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _finish(proc: subprocess.Popen) -> str:
-    """Wait for `proc` (killing its session if it overruns GUARD_S) and return its stderr."""
-    try:
-        return proc.communicate(timeout=GUARD_S)[1]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"`orthoptim {' '.join(proc.args[3:])}` did not end within {GUARD_S} s")
-
-
-def _wait_for_steps(proc: subprocess.Popen, out: Path, steps: int) -> None:
-    """Return once rank 0 logged `steps` training steps in metrics.jsonl."""
-    rows = out / "metrics.jsonl"
-    deadline = time.monotonic() + GUARD_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before step {steps}: {proc.communicate()[1]}")
-        done = rows.read_text().count('"train_loss"') if rows.exists() else 0
-        if done >= steps:
-            return
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"no step {steps} within {GUARD_S} s")
-
-
-def _rank_pid(out: Path, parent: int, rank: int) -> int:
-    """The pid of `rank`, as its heartbeat gives it, checked to be a child of `parent`."""
-    beat = json.loads((out / "logs" / launcher.HEARTBEAT_FILE.format(rank=rank)).read_text())
-    children = {
-        int(c)
-        for t in Path(f"/proc/{parent}/task").iterdir()
-        for c in (t / "children").read_text().split()
-    }
-    assert beat["pid"] in children
-    return beat["pid"]
 
 
 # ---------------------------------------------------------------- flags
@@ -493,7 +448,7 @@ def _fill(disk: Path) -> None:
 
 
 NO_SPACE = r"no space left on {} \(\d+ bytes free\)"
-small_disk = test_resume.small_disk  # a fixture: a tmpfs mount of a given size
+small_disk = processes.small_disk  # a fixture: a tmpfs mount of a given size
 
 
 def test_a_full_disk_before_the_start_is_one_line_and_leaves_no_lock(small_disk, capsys):

@@ -20,11 +20,11 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from models.checkpoint import KW, every_matrix, make_model, train
 from orthoptim import build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.collectives import CollectiveError
 from orthoptim.parallel import LayerwiseDistributedOptimizer
-from test_checkpoint import KW, every_matrix, make_model, train
 
 from distributed import free_port
 

@@ -22,6 +22,7 @@ pytest.importorskip("torchtitan", reason="the torchtitan integration needs torch
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 
+from models.checkpoint import same
 from orthoptim import checkpoint as ckpt
 from orthoptim import collectives as C
 from orthoptim.integrations.torchtitan import (
@@ -29,7 +30,6 @@ from orthoptim.integrations.torchtitan import (
     build_optimizers,
 )
 from orthoptim.parallel.fsdp import shard_model
-from test_safe_load import same
 
 from distributed import run_ranks
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from models.layerwise import BATCH, CONFIGS, TinyGPT, batch, loss_fn, make_model
 from orthoptim import build_optimizer
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layerwise import MAX_PADDING
 from orthoptim.plan.dryrun import fake_world
-from test_layerwise import BATCH, CONFIGS, TinyGPT, batch, loss_fn, make_model
 
 from distributed import run_ranks
 
@@ -210,10 +210,10 @@ def test_split_experts_across_buckets_stay_views(world, bucket_mb):
     buckets (at 2 ranks one begins at the end of a rank-major bucket, which is then laid out
     region by region); every parameter is one piece of its group's flat buffers, none is
     copied in and out."""
+    from models.plan import MOE
     from orthoptim.plan.dryrun import build_model
     from orthoptim.plan.model import model_from_dict
     from orthoptim.plan.planner import Layout
-    from test_plan_memory import MOE
 
     with fake_world(0, world):
         model = build_model(model_from_dict(MOE), Layout(dp=world))

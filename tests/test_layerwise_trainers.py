@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from models.layerwise import BATCH, CONFIGS, batch, loss_fn, make_model
 from orthoptim import build_optimizer
 from orthoptim import collectives as C
 from orthoptim.parallel import LayerwiseDistributedOptimizer
-from test_layerwise import BATCH, CONFIGS, batch, loss_fn, make_model
 
 from distributed import run_ranks
 

@@ -120,3 +120,11 @@ def test_build_makes_the_groups_the_sizes_describe():
             assert real == planned, (rank, dim)
             assert total == sum(planned), (rank, dim)  # a collective over it reaches them
         assert tp_mesh == [rank]
+
+
+@pytest.mark.parametrize("field", ["dp", "tp", "ep", "pp", "dp_replicate"])
+@pytest.mark.parametrize("bad", [0, -2, True, 2.0, "2"])
+def test_every_size_must_be_a_positive_int(field, bad):
+    flag = field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"^--{flag} must be a positive integer, got {bad!r}$"):
+        ParallelDims(**{field: bad})

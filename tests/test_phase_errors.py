@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from models.checkpoint import KW, make_model, train
 from orthoptim import checkpoint as ckpt
 from orthoptim import collectives as C
 from orthoptim.parallel import LayerwiseDistributedOptimizer
-from test_checkpoint import KW, make_model, train
 
 from distributed import free_port, run_ranks
 

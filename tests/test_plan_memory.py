@@ -31,6 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from models.plan import DENSE, MOE
 from orthoptim import collectives as C
 from orthoptim.optim.state import base_name
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
@@ -43,26 +44,6 @@ from orthoptim.plan.dryrun import (
 from orthoptim.plan.model import ModelDescription, expand
 
 _register_backend()  # the dry run's fake process group, serving the meta device only
-
-DENSE = dict(
-    name="tiny-dense",
-    vocab_size=512,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=160,
-    tie_word_embeddings=False,
-)
-MOE = dict(
-    DENSE,
-    name="tiny-moe",
-    n_routed_experts=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=48,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-)
 
 
 def model_of(desc: ModelDescription, ep: int) -> tuple[nn.Module, dict[str, str]]:

@@ -25,11 +25,14 @@ import pytest
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+from models.processes import finish as _finish
+from models.processes import orthoptim_process as _orthoptim
+from models.processes import rank_pid as _rank_pid
+from models.processes import wait_for_steps as _wait_for_steps
 from orthoptim.cli import main
 from orthoptim.train import launcher
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.loop import Preempted
-from test_errors import _finish, _orthoptim, _rank_pid, _wait_for_steps
 
 STEPS = 3  # of the one-rank runs, which train with AdamW (the cheapest step)
 FLAGS = [

@@ -15,13 +15,13 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from models import processes
 from orthoptim import checkpoint, safe_load
 from orthoptim.cli import main
 from orthoptim.train import runfolder
@@ -515,26 +515,7 @@ def test_metrics_are_synced_at_checkpoints_and_the_checkpoint_row_is_restored(
     assert synced.count(str(metrics)) == 1, synced
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs mount of a given size (root only: skipped where mounting is not allowed)."""
-    mounts = []
-
-    def mount(size: int) -> Path:
-        path = tmp_path / f"disk{len(mounts)}"
-        path.mkdir()
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            capture_output=True,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-        mounts.append(path)
-        return path
-
-    yield mount
-    for path in mounts:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+small_disk = processes.small_disk  # a fixture: a tmpfs mount of a given size
 
 
 def test_disk_full_says_so_and_keeps_the_last_good_checkpoint(runs, tmp_path, small_disk, capsys):

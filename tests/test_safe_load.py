@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import nn
 
+from models.checkpoint import HYBRID_KW, KW, make_model, same, train
+from models.fsdp import KW as FSDP_KW
+from models.fsdp import sharded_model
+from models.fsdp import train as train_fsdp
 from orthoptim import SOAP, Muon, build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 from orthoptim.parallel.fsdp import FSDPOptimizer
-from test_checkpoint import HYBRID_KW, KW, make_model, train
-from test_fsdp import KW as FSDP_KW
-from test_fsdp import sharded_model
-from test_fsdp import train as train_fsdp
 
 from distributed import run_ranks
 
@@ -35,17 +35,6 @@ class Payload:
 
     def __reduce__(self):
         return os.mkdir, (self.marker,)
-
-
-def same(a, b):
-    """Equal values of equal types all the way down (tensors: dtype and every element)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
-    return type(a) is type(b) and a == b
 
 
 def test_same_tells_apart():

@@ -79,6 +79,13 @@ def check_int(name: str, value: T, minimum: int) -> T:
     return value
 
 
+def check_positive_int(name: str, value: T) -> T:
+    """An int (not a bool, not 2.0) >= 1 (the sizes of a parallel layout)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def check_float_dtype(name: str, value: T) -> T:
     """None or a floating-point torch dtype (compute and wire dtypes)."""
     if value is None:

@@ -78,7 +78,7 @@ def _values(rank: int, n: int, device: str) -> dict:
 
 def _refusals(rank: int, n: int) -> dict[str, str]:
     """Under a CUDA-only backend: every wrapper refuses a CPU tensor itself, by name."""
-    from test_collectives import cpu_tensor_refusals
+    from models.collectives import cpu_tensor_refusals
 
     return cpu_tensor_refusals(n)
 

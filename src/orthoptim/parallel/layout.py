@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
+from orthoptim._validate import check_positive_int
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -67,9 +69,7 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         for field in ("dp", "tp", "ep", "pp", "dp_replicate"):
-            v, flag = getattr(self, field), field.replace("_", "-")
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{flag} must be a positive integer, got {v!r}")
+            check_positive_int(f"--{field.replace('_', '-')}", getattr(self, field))
         if self.dp % self.dp_replicate:
             raise ValueError(
                 f"--dp-replicate {self.dp_replicate} must divide --dp {self.dp}: FSDP2 shards "
@@ -97,9 +97,8 @@ class ParallelDims:
         else it is world_size / (pp · tp)."""
         if world_size < 1:
             raise ValueError(f"--nproc must be >= 1, got {world_size}")
-        for flag, v in (("tp", tp), ("pp", pp)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{flag} must be a positive integer, got {v!r}")
+        check_positive_int("--tp", tp)
+        check_positive_int("--pp", pp)
         if dp is None:
             if world_size % (pp * tp):
                 raise ValueError(

@@ -95,6 +95,15 @@ class TrainArgs:
 
     def validate(self) -> None:
         """Reject bad values up front, naming the flag."""
+        self._validate_choices()
+        get_config(self.config)
+        self._validate_numbers()
+        self._validate_parallel()
+        self._validate_combinations()
+
+    def _validate_choices(self) -> None:
+        """The flags that name one of a set: --optimizer, --elementwise, --precision and
+        --param-dtype, alone and together."""
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.elementwise not in ELEMENTWISE_OPTIMIZERS:
@@ -118,7 +127,10 @@ class TrainArgs:
                 "--param-dtype fp64 (the reference dtype of equivalence checks) runs without "
                 "autocast; pass --precision fp32 or auto with it"
             )
-        get_config(self.config)
+
+    def _validate_numbers(self) -> None:
+        """The counts, rates, limits and the seed each in its range, --resume against
+        --overwrite and --stop-after against --steps."""
         for name in (
             "steps",
             "batch",
@@ -176,7 +188,10 @@ class TrainArgs:
             raise ValueError(
                 f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}"
             )
-        self._validate_parallel()
+
+    def _validate_combinations(self) -> None:
+        """--compile, --fsdp, --hf-config, --qk-clip and --tp against each other and the
+        model."""
         if self.compile and (self.fsdp or self.tp > 1):
             flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
             raise ValueError(

@@ -619,24 +619,9 @@ def verdicts(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def definitions(summary: dict[str, Any]) -> str:
-    """What each figure of the table means and how the code measured it."""
-    base = _name(summary["baseline"])
-    nproc, steps = summary["nproc"], summary["steps"]
-    timed = ", ".join(
-        f"{a}–{b}" if a != b else f"{a}"
-        for a, b in summary["runs"][summary["baseline"]]["timed_steps"]
-    )
-    first, last = summary["last_segment_steps"]
-    comm = (
-        " (it waits there for the gradient reductions that backward launched)" if nproc > 1 else ""
-    )
-    gather = ", which launches the all-gather of the updated parameters" if nproc > 1 else ""
-    gather_wait = (
-        ", including the wait at the start of forward for the previous step's parameter gathers"
-        if nproc > 1
-        else ""
-    )
+def _memory_definition(summary: dict[str, Any]) -> tuple[str, str]:
+    """The peak-memory figure's definition: what it measures, and over which process and
+    steps (with the launcher's high-water mark where it may show)."""
     if summary["peak_memory_measure"] == "max_rss":
         memory = (
             "the high-water mark of the process's resident set (`getrusage` `ru_maxrss`): "
@@ -650,6 +635,8 @@ def definitions(summary: dict[str, Any]) -> str:
             "rank's GPU (parameters, gradients, optimizer state, activations, communication "
             "buffers), not what the caching allocator reserved beyond them nor the CUDA context"
         )
+    nproc = summary["nproc"]
+    first, last = summary["last_segment_steps"]
     if nproc == 1:
         memory_scope = (
             "With one rank the run executes inside the `orthoptim compare` process itself, so "
@@ -677,6 +664,27 @@ def definitions(summary: dict[str, Any]) -> str:
                     else "here some are, so read those as at most that."
                 )
             )
+    return memory, memory_scope
+
+
+def definitions(summary: dict[str, Any]) -> str:
+    """What each figure of the table means and how the code measured it."""
+    base = _name(summary["baseline"])
+    nproc, steps = summary["nproc"], summary["steps"]
+    timed = ", ".join(
+        f"{a}–{b}" if a != b else f"{a}"
+        for a, b in summary["runs"][summary["baseline"]]["timed_steps"]
+    )
+    comm = (
+        " (it waits there for the gradient reductions that backward launched)" if nproc > 1 else ""
+    )
+    gather = ", which launches the all-gather of the updated parameters" if nproc > 1 else ""
+    gather_wait = (
+        ", including the wait at the start of forward for the previous step's parameter gathers"
+        if nproc > 1
+        else ""
+    )
+    memory, memory_scope = _memory_definition(summary)
     if summary["segments"] > 1:
         turns = (
             f"The runs took turns in {summary['segments']} segments, each resuming from its "

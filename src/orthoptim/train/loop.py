@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import Tensor, nn
@@ -594,45 +594,13 @@ def train(
     is set on any rank, every rank finishes its step, saves a checkpoint of it and raises
     `Preempted` (unless that step was the last: the run then ends as usual)."""
     stop = stop or StopRequest()
-    ckpt = Checkpointer(
-        out,
-        rank,
-        world_size,
-        sharded=args.fsdp and world_size > 1,
-        keep=args.keep_checkpoints,
-        dims=args.layout(world_size),
-    )
-    changes: list[str] = []
-    if args.resume:
-        args, changes = resumed_args(args, ckpt.latest())
-    run = build_run(args, rank, world_size, device, log)
-    opt = run.opt
     metrics_path = out / "metrics.jsonl"
-    resumed = Resumed()
-    if args.resume:
-        resumed = resume(run, ckpt, args, changes, rank, log, metrics_path)
-        run.saved_step = resumed.step
-    elif rank == 0:
-        metrics_path.write_text("")
+    args, run, ckpt, resumed = _start_run(args, rank, world_size, device, out, log, metrics_path)
+    opt = run.opt
     start, train_time = resumed.step, resumed.train_time_s
-    where = f"after resuming at step {start}" if start else "before step 1"
-    with collectives.phase(f"the ranks' barrier {where}"):
-        collectives.barrier()
-
     tokens_per_step = run.tokens_per_step
     last = args.stop_after or args.steps
-    bar = None
-    wants_bar = rank == 0 and args.progress
-    tqdm = optional_extra("tqdm", "orthoptim train: no progress bar") if wants_bar else None
-    if tqdm is not None:
-        bar = tqdm.tqdm(
-            total=args.steps,
-            initial=start,
-            desc=f"{args.optimizer}",
-            unit="step",
-            dynamic_ncols=True,
-            mininterval=0.5,
-        )
+    bar = _progress_bar(args, rank, start)
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
 
     def validate() -> float:
@@ -653,8 +621,7 @@ def train(
         if metrics_file:
             row0 = dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)
             row0.update(precision=run.precision, param_dtype=run.param_dtype)
-            metrics_file.write(json.dumps(row0) + "\n")
-            metrics_file.flush()
+            _write_row(metrics_file, row0)
     row: dict[str, Any] = {}
     try:
         for step in range(start + 1, last + 1):
@@ -670,31 +637,11 @@ def train(
                 val_loss = row["val_loss"] = validate()
                 log.info("step %d train %.4f val %.4f", step, row["train_loss"], val_loss)
             if metrics_file:
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
+                _write_row(metrics_file, row)
             if bar is not None:
-                bar.set_postfix(
-                    loss=f"{row['train_loss']:.3f}",
-                    val=f"{val_loss:.3f}" if val_loss is not None else "-",
-                    tok_s=f"{tokens_per_step / row['step_time_s']:,.0f}",
-                )
-                bar.update(1)
+                _advance_bar(bar, row, val_loss, tokens_per_step)
             if step % args.ckpt_every == 0 or step == last or stopping:
-                meta = dict(
-                    args=args.to_dict(),
-                    train_time_s=train_time,
-                    tokens=row["tokens"],
-                    layout_since=resumed.layout_since,
-                    precision=run.precision,
-                    param_dtype=run.param_dtype,
-                    metrics_row=row,
-                )
-                if metrics_file:  # the rows up to the checkpoint on disk before it commits
-                    os.fsync(metrics_file.fileno())
-                _params_ready(opt)
-                ckpt.save(step, run.model, opt, meta)
-                run.saved_step = step
-                log.info("checkpoint at step %d", step)
+                _save_checkpoint(run, ckpt, args, step, row, resumed, metrics_file, log)
             if stopping and step < last:
                 log.warning("stopped by %s after step %d", stop.signal or "a signal", step)
                 raise Preempted(stop.signal or "a signal to another rank", step)
@@ -703,11 +650,127 @@ def train(
             bar.close()
         if metrics_file:
             metrics_file.close()
+    return _finish_run(run, args, rank, world_size, device, out, last, val_loss, row, resumed, log)
 
+
+def _start_run(
+    args: TrainArgs,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    out: Path,
+    log: logging.Logger,
+    metrics_path: Path,
+) -> tuple[TrainArgs, Run, Checkpointer, Resumed]:
+    """The run built and, if asked, resumed (its args as the checkpoint leaves them), its
+    checkpointer and where it resumed; every rank past the barrier before the first step."""
+    ckpt = Checkpointer(
+        out,
+        rank,
+        world_size,
+        sharded=args.fsdp and world_size > 1,
+        keep=args.keep_checkpoints,
+        dims=args.layout(world_size),
+    )
+    changes: list[str] = []
+    if args.resume:
+        args, changes = resumed_args(args, ckpt.latest())
+    run = build_run(args, rank, world_size, device, log)
+    resumed = Resumed()
+    if args.resume:
+        resumed = resume(run, ckpt, args, changes, rank, log, metrics_path)
+        run.saved_step = resumed.step
+    elif rank == 0:
+        metrics_path.write_text("")
+    start = resumed.step
+    where = f"after resuming at step {start}" if start else "before step 1"
+    with collectives.phase(f"the ranks' barrier {where}"):
+        collectives.barrier()
+    return args, run, ckpt, resumed
+
+
+def _progress_bar(args: TrainArgs, rank: int, start: int) -> Any:
+    """Rank 0's tqdm bar when `--progress` asks for one and tqdm is installed, else None."""
+    wants_bar = rank == 0 and args.progress
+    tqdm = optional_extra("tqdm", "orthoptim train: no progress bar") if wants_bar else None
+    if tqdm is None:
+        return None
+    return tqdm.tqdm(
+        total=args.steps,
+        initial=start,
+        desc=f"{args.optimizer}",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
+
+
+def _write_row(metrics_file: IO[str], row: dict[str, Any]) -> None:
+    """One metrics row appended and flushed."""
+    metrics_file.write(json.dumps(row) + "\n")
+    metrics_file.flush()
+
+
+def _advance_bar(
+    bar: Any, row: dict[str, Any], val_loss: float | None, tokens_per_step: int
+) -> None:
+    """The progress bar one step on, showing the step's loss, the last val loss and tokens/s."""
+    bar.set_postfix(
+        loss=f"{row['train_loss']:.3f}",
+        val=f"{val_loss:.3f}" if val_loss is not None else "-",
+        tok_s=f"{tokens_per_step / row['step_time_s']:,.0f}",
+    )
+    bar.update(1)
+
+
+def _save_checkpoint(
+    run: Run,
+    ckpt: Checkpointer,
+    args: TrainArgs,
+    step: int,
+    row: dict[str, Any],
+    resumed: Resumed,
+    metrics_file: IO[str] | None,
+    log: logging.Logger,
+) -> None:
+    """Step `step` checkpointed, the metrics rows up to it on disk first."""
+    meta = dict(
+        args=args.to_dict(),
+        train_time_s=row["train_time_s"],
+        tokens=row["tokens"],
+        layout_since=resumed.layout_since,
+        precision=run.precision,
+        param_dtype=run.param_dtype,
+        metrics_row=row,
+    )
+    if metrics_file:  # the rows up to the checkpoint on disk before it commits
+        os.fsync(metrics_file.fileno())
+    _params_ready(run.opt)
+    ckpt.save(step, run.model, run.opt, meta)
+    run.saved_step = step
+    log.info("checkpoint at step %d", step)
+
+
+def _finish_run(
+    run: Run,
+    args: TrainArgs,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    out: Path,
+    last: int,
+    val_loss: float | None,
+    row: dict[str, Any],
+    resumed: Resumed,
+    log: logging.Logger,
+) -> dict[str, Any]:
+    """The run's result with its throughput, written (rank 0) to `result.json`; every rank
+    past the last barrier."""
+    tokens_per_step = run.tokens_per_step
     comm = (row.get("comm_sent_bytes", 0.0), row.get("comm_received_bytes", 0.0))
     result = _result(run, args, world_size, device, last, val_loss, comm)
     # over the steps run at this layout (the rows' tokens per step are this run's)
-    rows = read_metrics(metrics_path) if rank == 0 else []
+    rows = read_metrics(out / "metrics.jsonl") if rank == 0 else []
     timed = [r for r in rows if r["step"] > resumed.layout_since]
     result.update(throughput(timed, tokens_per_step))
     if rank == 0:

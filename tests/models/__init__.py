@@ -1,0 +1,1 @@
+"""Models and helpers that several test modules share."""

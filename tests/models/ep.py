@@ -1,0 +1,41 @@
+"""The expert-parallel tests' float64 MoE GPT (tiny-moe shrunk), its sizes and tolerance,
+and the helpers the expert-parallel checkpoint tests share with them."""
+
+import dataclasses
+
+import torch
+
+from orthoptim.train.model import CONFIGS, GPT
+
+# tiny-moe shrunk for speed; the balancing loss weighted enough that its gradient matters.
+CFG = dataclasses.replace(
+    CONFIGS["tiny-moe"],
+    n_head=2,
+    n_kv_head=1,
+    d_model=16,
+    seq_len=8,
+    vocab_size=64,
+    moe=dataclasses.replace(CONFIGS["tiny-moe"].moe, n_expert=8, hidden=16, aux_loss_coef=0.1),
+)
+BATCH = 2  # sequences per rank
+REL = 1e-10  # float64: routing equal, sums in another order (~1e-16 each)
+
+
+def moe_model(cfg=CFG):
+    """The float64 MoE GPT of `cfg`, seeded the same on every rank."""
+    torch.manual_seed(0)
+    return GPT(cfg).double()
+
+
+def rel(a, b):
+    """The relative error of `a` against `b`."""
+    return ((a - b).norm() / b.norm()).item()
+
+
+OPT_KW = dict(lr=0.02, adamw_lr=3e-3, weight_decay=0.01, ns_dtype=torch.float64)
+
+
+def state_by_name(sd):
+    """A full optimizer dict's state by parameter name."""
+    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    return {names[i]: st for i, st in sd["state"].items()}
