@@ -456,7 +456,8 @@ def fsdp_rows(
     rows: list[dict[str, int]] = []
     for stage_groups in by_stage:
         params = _fsdp_params(stage_groups, position)
-        rows += _fsdp_stage_rows(params, layout, compute_bytes, reduce_bytes, state_bytes, ns_bytes)
+        widths = (compute_bytes, reduce_bytes, state_bytes, ns_bytes)
+        rows += _fsdp_stage_rows(params, layout, widths)
     return rows
 
 
@@ -468,12 +469,11 @@ def _rest(shape: tuple[int, ...]) -> int:
 def _fsdp_stage_rows(
     params: Sequence[tuple[str, tuple[int, ...], str, int, int | None]],
     layout: Layout,
-    compute_bytes: int,
-    reduce_bytes: int,
-    state_bytes: int,
-    ns_bytes: int,
+    widths: tuple[int, int, int, int],
 ) -> list[dict[str, int]]:
-    """`fsdp_rows` of one stage's parameters (`_fsdp_params`), one row per DP rank."""
+    """`fsdp_rows` of one stage's parameters (`_fsdp_params`), one row per DP rank; `widths`
+    the bytes of a compute, reduce, state and Newton-Schulz iteration element."""
+    compute_bytes, reduce_bytes, state_bytes, ns_bytes = widths
     from orthoptim.parallel.assignment import Unit, assign
 
     dp = layout.dp
