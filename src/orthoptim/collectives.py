@@ -1,33 +1,8 @@
 """Every collective orthoptim issues goes through here, so bytes can be counted per step.
 
-Byte accounting: for each collective kind we record, per rank, the bytes it sends and the
-bytes it receives under the bandwidth-optimal algorithm NCCL uses for it, on a ring of the N
-group ranks in rank order (r → r+1 mod N). S = the tensor's bytes, c_r = rank r's chunk:
-
-    all_reduce       ring reduce-scatter then ring all-gather over N equal chunks of S/N:
-                     every rank sends 2·(N−1)/N · S and receives the same
-                     (exact when N divides the elements; else the mean over ranks)
-    reduce_scatter   rank r ends with chunk r; it forwards every chunk but its own and
-                     receives every chunk but c_{r−1}: sends S − c_r, receives S − c_{r−1}
-                     ((N−1)/N · S_in each way: torch's chunks are equal)
-    all_gather       rank r starts with chunk r; it forwards every chunk but c_{r+1} and
-                     receives every chunk but its own: sends S − c_{r+1}, receives S − c_r
-                     ((N−1)/N · S_out each way; gloo's padding to the largest chunk counts)
-    reduce           pipelined chain dst+1 → dst+2 → … → dst: every rank but dst sends S,
-                     every rank but dst+1 receives S
-    broadcast        pipelined chain src → src+1 → … → src−1: every rank but src−1 sends S,
-                     every rank but src receives S
-    all_to_all       sends what leaves this rank, receives what arrives
-    gather           (gather_object) point to point: each rank sends its size (8 bytes) and
-                     payload to dst, which receives them
-
-So summed over the ranks of a group, sent = received for every kind: (N−1)·S each way for
-reduce and broadcast — the same 2·(N−1)·S in total as reduce-scatter + all-gather of S.
-Reduce and broadcast are the reduce-scatter and all-gather with only one non-empty chunk
-(dst's / src's). The helpers below (`ring_all_reduce_bytes`, `ring_reduce_scatter_bytes`,
-`ring_all_gather_bytes`, `reduce_bytes`, `broadcast_bytes`) are the only place these
-formulas live: the wrappers record them, `expected_comm_bytes()` and `orthoptim plan` use
-them. They are what the algorithm moves, not what gloo's own implementation does on loopback.
+Byte accounting: every wrapper records in a `CommStats` the bytes each rank sends and
+receives under the bandwidth-optimal ring or chain algorithm of its kind
+(`orthoptim.comm_bytes`, where the formulas live and are explained).
 
 Devices: a tensor handed to a collective must live on a device the group's backend serves —
 CUDA for NCCL (and "cuda:gloo"), CPU or CUDA for plain gloo, both for "cpu:gloo,cuda:nccl".
@@ -57,14 +32,32 @@ import sys
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim import host
+from orthoptim.comm_bytes import (
+    CommStats,
+    broadcast_bytes,
+    reduce_bytes,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    ring_reduce_scatter_bytes,
+)
+
+# the shard and packing helpers, importable from here as before
+from orthoptim.shards import cut_like as cut_like
+from orthoptim.shards import is_dtensor, pack_upper, unpack_upper
+from orthoptim.shards import local_shard as local_shard
+from orthoptim.shards import packed_triangle_size as packed_triangle_size
+from orthoptim.shards import shard_sizes as shard_sizes
+from orthoptim.shards import wrap_local as wrap_local
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def _unbind_world_defaults() -> None:
@@ -124,101 +117,22 @@ def _end_at_exit() -> None:
         dist.destroy_process_group()
 
 
-@dataclass
-class CommStats:
-    """Bytes sent / received and call counts per collective kind since the last `reset()`."""
-
-    sent: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    received: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-    def record(self, kind: str, sent: float, received: float) -> None:
-        """Add one call of `kind`."""
-        self.sent[kind] += sent
-        self.received[kind] += received
-        self.calls[kind] += 1
-
-    def reset(self) -> None:
-        """Forget everything recorded so far (called at the start of each step)."""
-        self.sent.clear()
-        self.received.clear()
-        self.calls.clear()
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        """{kind: {"sent": bytes, "received": bytes, "calls": n}} plus a "total" entry."""
-        out: dict[str, dict[str, float]] = {
-            k: {"sent": self.sent[k], "received": self.received[k], "calls": self.calls[k]}
-            for k in sorted(self.calls)
-        }
-        out["total"] = {
-            "sent": sum(self.sent.values()),
-            "received": sum(self.received.values()),
-            "calls": sum(self.calls.values()),
-        }
-        return out
-
-
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def world(group: Any = None) -> tuple[int, int]:
+def world(group: ProcessGroup | None = None) -> tuple[int, int]:
     """(rank, world size) in `group`; (0, 1) when torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def group_rank(group: Any, global_rank: int) -> int:
+def group_rank(group: ProcessGroup | None, global_rank: int) -> int:
     """The rank in `group` of `global_rank` (what broadcast / reduce take as src / dst)."""
     if group is None or not dist.is_initialized():
         return global_rank
     return dist.get_group_rank(group, global_rank)
-
-
-# -- byte accounting (see the module docstring): [(sent, received)] of every group rank -----
-
-
-def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
-    """Bytes every rank sends, and receives, in a ring all-reduce of `nbytes` over `n` ranks."""
-    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
-
-
-def ring_reduce_scatter_bytes(chunks: list[float]) -> list[tuple[float, float]]:
-    """(sent, received) of every rank in a ring reduce-scatter that leaves chunk r
-    (`chunks[r]` bytes) on rank r: rank r forwards every chunk but its own and receives
-    every chunk but rank r−1's."""
-    n = len(chunks)
-    if n <= 1:
-        return [(0.0, 0.0)] * n
-    total = sum(chunks)
-    return [(total - chunks[r], total - chunks[r - 1]) for r in range(n)]
-
-
-def ring_all_gather_bytes(chunks: list[float]) -> list[tuple[float, float]]:
-    """(sent, received) of every rank in a ring all-gather of chunk r (`chunks[r]` bytes)
-    from every rank r: rank r forwards every chunk but rank r+1's, receives all but its own."""
-    n = len(chunks)
-    if n <= 1:
-        return [(0.0, 0.0)] * n
-    total = sum(chunks)
-    return [(total - chunks[(r + 1) % n], total - chunks[r]) for r in range(n)]
-
-
-def reduce_bytes(nbytes: float, n: int, dst: int) -> list[tuple[float, float]]:
-    """(sent, received) of every group rank in a pipelined chain reduce of `nbytes` to group
-    rank `dst` (dst+1 → dst+2 → … → dst): all but dst send it, all but dst+1 receive it."""
-    if n <= 1:
-        return [(0.0, 0.0)] * n
-    return [(0.0 if r == dst else nbytes, 0.0 if r == (dst + 1) % n else nbytes) for r in range(n)]
-
-
-def broadcast_bytes(nbytes: float, n: int, src: int) -> list[tuple[float, float]]:
-    """(sent, received) of every group rank in a pipelined chain broadcast of `nbytes` from
-    group rank `src` (src → src+1 → … → src−1): all but src−1 send it, all but src receive it."""
-    if n <= 1:
-        return [(0.0, 0.0)] * n
-    return [(0.0 if r == (src - 1) % n else nbytes, 0.0 if r == src else nbytes) for r in range(n)]
 
 
 # -- devices ---------------------------------------------------------------------------------
@@ -243,7 +157,7 @@ class CollectiveError(RuntimeError):
 _NO_BACKEND_FOR_DEVICE = "No backend type associated with device type"
 
 
-def _failure_message(exc: CollectiveError, group: Any) -> str:
+def _failure_message(exc: CollectiveError, group: ProcessGroup | None) -> str:
     rank, n = world(group)
     where = exc.collective if exc.phase is None else f"{exc.phase} ({exc.collective})"
     return (
@@ -254,7 +168,7 @@ def _failure_message(exc: CollectiveError, group: Any) -> str:
 
 
 def _collective_error(
-    collective: str, cause: BaseException, group: Any, phase: str | None = None
+    collective: str, cause: BaseException, group: ProcessGroup | None, phase: str | None = None
 ) -> CollectiveError:
     """The `CollectiveError` for `cause`, raised by (or while waiting for) `collective`."""
     err = CollectiveError()
@@ -263,7 +177,9 @@ def _collective_error(
     return err
 
 
-def _device_error(what: str, exc: BaseException, group: Any) -> CollectiveDeviceError:
+def _device_error(
+    what: str, exc: BaseException, group: ProcessGroup | None
+) -> CollectiveDeviceError:
     """The backend's own refusal of a tensor's device (`exc`), met in `what`."""
     rank, n = world(group)
     return CollectiveDeviceError(
@@ -274,7 +190,7 @@ def _device_error(what: str, exc: BaseException, group: Any) -> CollectiveDevice
 
 
 @contextlib.contextmanager
-def issuing(collective: str, group: Any = None) -> Iterator[None]:
+def issuing(collective: str, group: ProcessGroup | None = None) -> Iterator[None]:
     """Around a call into torch.distributed (a collective, the wait of one, or a torch
     routine made of collectives such as a torch.distributed.checkpoint save, which reports
     its local failures as a CheckpointException): a RuntimeError it raises is the
@@ -297,7 +213,7 @@ class _Work:
     """An in-flight collective (torch's Work): `wait()` reports a failure as
     `CollectiveError`; everything else is the Work's own."""
 
-    def __init__(self, work: Any, collective: str, group: Any) -> None:
+    def __init__(self, work: Any, collective: str, group: ProcessGroup | None) -> None:
         self._work, self._collective, self._group = work, collective, group
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
@@ -310,7 +226,9 @@ class _Work:
         return getattr(self._work, name)
 
 
-def _issue(collective: str, group: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
+def _issue(
+    collective: str, group: ProcessGroup | None, call: Any, *args: Any, **kwargs: Any
+) -> Any:
     """`call(*args, group=group, **kwargs)` (a torch.distributed collective) under
     `issuing`; the work of an async call comes back as a `_Work`."""
     with issuing(collective, group):
@@ -318,7 +236,7 @@ def _issue(collective: str, group: Any, call: Any, *args: Any, **kwargs: Any) ->
     return _Work(work, collective, group) if work is not None else None
 
 
-def backend_config(group: Any = None) -> str:
+def backend_config(group: ProcessGroup | None = None) -> str:
     """The group's backend as "device:backend" pairs, e.g. "cpu:gloo,cuda:gloo" for gloo,
     "cuda:nccl" for NCCL; "" when torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():
@@ -329,7 +247,7 @@ def backend_config(group: Any = None) -> str:
 _DEVICES_OF = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda")}
 
 
-def _backends(group: Any = None) -> dict[str, str]:
+def _backends(group: ProcessGroup | None = None) -> dict[str, str]:
     """{device type: name of the backend serving it} in `group`, in the backend's order;
     {} when torch.distributed is not initialised."""
     config = backend_config(group)
@@ -339,7 +257,7 @@ def _backends(group: Any = None) -> dict[str, str]:
     return {kind.strip(): name.strip() for kind, _, name in pairs}
 
 
-def backend_devices(group: Any = None) -> tuple[str, ...]:
+def backend_devices(group: ProcessGroup | None = None) -> tuple[str, ...]:
     """Device types ("cpu", "cuda", ...) whose tensors `group`'s collectives accept, in
     the backend's order; () when torch.distributed is not initialised (anything goes)."""
     return tuple(_backends(group))
@@ -352,7 +270,9 @@ def _default_device(kind: str) -> torch.device:
     return torch.device(kind)
 
 
-def device_for(group: Any = None, like: torch.device | str | Tensor | None = None) -> torch.device:
+def device_for(
+    group: ProcessGroup | None = None, like: torch.device | str | Tensor | None = None
+) -> torch.device:
     """The device for a tensor made to be handed to `group`'s collectives: `like`'s device (a
     device or a tensor) when the backend serves its type, else the backend's first device type
     (CPU for gloo, the current CUDA device for NCCL). CPU without a process group."""
@@ -367,7 +287,7 @@ def device_for(group: Any = None, like: torch.device | str | Tensor | None = Non
     return _default_device(served[0])
 
 
-def check_device(t: Tensor, what: str, group: Any = None) -> None:
+def check_device(t: Tensor, what: str, group: ProcessGroup | None = None) -> None:
     """Raise `CollectiveDeviceError` unless `group`'s backend serves `t`'s device."""
     served = backend_devices(group)
     if served and t.device.type not in served:
@@ -378,12 +298,14 @@ def check_device(t: Tensor, what: str, group: Any = None) -> None:
         )
 
 
-def to_backend(t: Tensor, group: Any = None) -> Tensor:
+def to_backend(t: Tensor, group: ProcessGroup | None = None) -> Tensor:
     """`t` itself when `group`'s backend serves its device, else a copy on `device_for(group)`."""
     return t.to(device_for(group, t))
 
 
-def all_reduce_max(t: Tensor, group: Any = None, what: str = "max all-reduce") -> Tensor:
+def all_reduce_max(
+    t: Tensor, group: ProcessGroup | None = None, what: str = "max all-reduce"
+) -> Tensor:
     """The elementwise max of `t` over `group` (a new CPU tensor; `t` itself alone), one
     all-reduce on the backend's device, named `what` in errors."""
     if world(group)[1] == 1:
@@ -397,7 +319,7 @@ def all_reduce_max(t: Tensor, group: Any = None, what: str = "max all-reduce") -
 def all_reduce(
     t: Tensor,
     op: Any = None,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     async_op: bool = False,
     kind: str = "all_reduce",
@@ -423,7 +345,7 @@ def reduce_scatter(
     out: Tensor,
     inp: Tensor,
     op: Any = None,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     async_op: bool = False,
     kind: str = "reduce_scatter",
@@ -445,7 +367,7 @@ def reduce_scatter(
 def all_gather(
     out: Tensor,
     inp: Tensor,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     async_op: bool = False,
     kind: str = "all_gather",
@@ -479,7 +401,7 @@ class _Gathered:
 def all_gatherv(
     local: Tensor,
     sizes: list[int],
-    group: Any = None,
+    group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     async_op: bool = False,
     out: Tensor | None = None,
@@ -517,7 +439,7 @@ def all_gatherv(
     return _Gathered(work if async_op else None, buffer, sizes)
 
 
-def global_rank(group: Any, group_rank: int) -> int:
+def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
     """The global rank of `group_rank` in `group` (what broadcast / reduce take as src / dst)."""
     if group is None or not dist.is_initialized():
         return group_rank
@@ -528,7 +450,7 @@ def reduce(
     t: Tensor,
     dst: int,
     op: Any = None,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     async_op: bool = False,
 ) -> Any:
@@ -544,7 +466,11 @@ def reduce(
 
 
 def broadcast(
-    t: Tensor, src: int, group: Any = None, stats: CommStats | None = None, async_op: bool = False
+    t: Tensor,
+    src: int,
+    group: ProcessGroup | None = None,
+    stats: CommStats | None = None,
+    async_op: bool = False,
 ) -> Any:
     """Broadcast `t` from group rank `src` (a global rank, as torch.distributed expects)."""
     rank, n = world(group)
@@ -561,7 +487,7 @@ def all_to_all(
     inp: Tensor,
     out_splits: list[int],
     in_splits: list[int],
-    group: Any = None,
+    group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     async_op: bool = False,
     kind: str = "all_to_all",
@@ -597,7 +523,7 @@ class _AllToAllRows(torch.autograd.Function):
         inp: Tensor,
         out_rows: list[int],
         in_rows: list[int],
-        group: Any,
+        group: ProcessGroup | None,
         stats: CommStats | None,
         kind: str,
     ) -> Tensor:
@@ -615,7 +541,7 @@ def _rows_to_all(
     inp: Tensor,
     out_rows: list[int],
     in_rows: list[int],
-    group: Any,
+    group: ProcessGroup | None,
     stats: CommStats | None,
     kind: str,
 ) -> Tensor:
@@ -632,7 +558,7 @@ def all_to_all_rows(
     inp: Tensor,
     out_rows: list[int],
     in_rows: list[int],
-    group: Any = None,
+    group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     kind: str = "all_to_all",
 ) -> Tensor:
@@ -650,47 +576,6 @@ def all_to_all_rows(
     return _AllToAllRows.apply(inp, list(out_rows), list(in_rows), group, stats, kind)
 
 
-def is_dtensor(t: Any) -> bool:
-    """True for a torch.distributed.tensor.DTensor (sharded or replicated over a mesh): the one
-    DTensor test of the package."""
-    return isinstance(t, Tensor) and hasattr(t, "device_mesh") and hasattr(t, "to_local")
-
-
-def local_shard(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a plain tensor is its own shard); shares storage."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def shard_sizes(size: int, world_size: int) -> list[int]:
-    """Sizes of the `world_size` shards of a dimension of `size` under DTensor's Shard (the
-    torch.chunk rule): chunks of ceil(size / N), so trailing ranks may hold less or nothing."""
-    full = -(-size // world_size) if size else 0
-    return [max(0, min(full, size - r * full)) for r in range(world_size)]
-
-
-def wrap_local(local: Tensor, like: Tensor) -> Tensor:
-    """`local` as THIS rank's shard of a DTensor laid out as `like` (mesh, placements, global
-    shape); `local` itself when `like` is a plain tensor. No communication, no copy."""
-    if not is_dtensor(like):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-        stride=like.stride(),
-    )  # fmt: skip
-
-
-def cut_like(full: Tensor, like: Tensor) -> Tensor:
-    """The full tensor `full`, which every rank holds, cut into a DTensor laid out as `like`
-    (each rank keeps its shard): no communication. A plain `like` gives `full` back."""
-    if not is_dtensor(like):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-
-
 def unshard(t: Tensor, stats: CommStats | None = None) -> Tensor:
     """The full (global) tensor of a DTensor, all-gathered over its sharded mesh
     dimensions; a plain tensor is returned as is. Counted as an all-gather of the result."""
@@ -706,29 +591,11 @@ def unshard(t: Tensor, stats: CommStats | None = None) -> Tensor:
         return t.full_tensor()
 
 
-def packed_triangle_size(m: int) -> int:
-    """Elements of the packed upper triangle of an m×m symmetric matrix: m(m+1)/2."""
-    return m * (m + 1) // 2
-
-
-def pack_upper(A: Tensor) -> Tensor:
-    """The upper triangle (diagonal included) of each symmetric [..., m, m] matrix, flattened."""
-    m = A.shape[-1]
-    rows, cols = torch.triu_indices(m, m, device=A.device)
-    return A[..., rows, cols]
-
-
-def unpack_upper(packed: Tensor, m: int) -> Tensor:
-    """Rebuild the full symmetric [..., m, m] matrices from `pack_upper`'s output."""
-    rows, cols = torch.triu_indices(m, m, device=packed.device)
-    A = packed.new_zeros(*packed.shape[:-1], m, m)
-    A[..., rows, cols] = packed
-    A[..., cols, rows] = packed
-    return A
-
-
 def all_reduce_symmetric(
-    A: Tensor, group: Any = None, stats: CommStats | None = None, kind: str = "all_reduce"
+    A: Tensor,
+    group: ProcessGroup | None = None,
+    stats: CommStats | None = None,
+    kind: str = "all_reduce",
 ) -> Tensor:
     """Sum symmetric [..., m, m] matrices over ranks, sending only the packed upper triangle.
 
@@ -762,7 +629,7 @@ def _note(exc: BaseException, note: str) -> None:
 
 
 @contextlib.contextmanager
-def phase(name: str, group: Any = None) -> Iterator[None]:
+def phase(name: str, group: ProcessGroup | None = None) -> Iterator[None]:
     """Name the step `name` in what fails inside, so a user learns where it failed and why.
 
     A collective that failed or timed out (`CollectiveError`, raised by the wrappers here;
@@ -789,7 +656,7 @@ def phase(name: str, group: Any = None) -> Iterator[None]:
         raise
 
 
-def _in_phase(exc: Exception, name: str, group: Any) -> None:
+def _in_phase(exc: Exception, name: str, group: ProcessGroup | None) -> None:
     """Note on a local error `exc` that it was raised in phase `name` (once: the innermost)."""
     if getattr(exc, "_orthoptim_phase", None) is None:
         exc._orthoptim_phase = name  # type: ignore[attr-defined]
@@ -799,7 +666,7 @@ def _in_phase(exc: Exception, name: str, group: Any) -> None:
         )
 
 
-def wait(work: Any, name: str, group: Any = None) -> Any:
+def wait(work: Any, name: str, group: ProcessGroup | None = None) -> Any:
     """`work.wait()` (when `work` is not None) with failures reported under phase `name`."""
     if work is None:
         return None
@@ -807,20 +674,9 @@ def wait(work: Any, name: str, group: Any = None) -> Any:
         return work.wait()
 
 
-def _agreement_groups(group: Any) -> list[Any]:
-    return list(group) if isinstance(group, (list, tuple)) else [group]
-
-
-def _flags(present: Sequence[bool], bad: Sequence[bool] | Tensor, device: torch.device) -> Tensor:
-    """`present` and `bad` packed as int32 counts of what is wrong (a missing gradient, a
-    non-finite one): zero is the normal answer, and the one a dry run gives."""
-    missing = torch.tensor([not p for p in present], dtype=torch.int32, device=device)
-    if not isinstance(bad, Tensor):
-        bad = torch.tensor(list(bad), dtype=torch.bool, device=device)
-    return torch.cat([missing, bad.reshape(-1).to(device=device, dtype=torch.int32)])
-
-
-def _summed(flags: Tensor, groups: Sequence[Any], stats: CommStats | None, what: str) -> Tensor:
+def _summed(
+    flags: Tensor, groups: Sequence[ProcessGroup | None], stats: CommStats | None, what: str
+) -> Tensor:
     """`flags` summed over each group in turn (moved to a device each backend serves)."""
     for g in groups:
         flags = to_backend(flags, g)
@@ -832,10 +688,10 @@ def _summed(flags: Tensor, groups: Sequence[Any], stats: CommStats | None, what:
 def agree(
     present: Sequence[bool],
     bad: Sequence[bool] | Tensor,
-    group: Any = None,
+    group: ProcessGroup | Sequence[ProcessGroup | None] | None = None,
     stats: CommStats | None = None,
     device: torch.device | str | None = None,
-    across: Sequence[Any] = (),
+    across: Sequence[ProcessGroup | None] = (),
 ) -> tuple[list[bool], list[bool]]:
     """What every rank must agree on before a distributed step, in ONE small all-reduce per
     group and ONE host read: `present[i]` (item i has a gradient here) and `bad[j]` (item j's
@@ -866,15 +722,6 @@ def agree(
     return [v < ranks for v in summed[:k]], [v > 0 for v in summed[k:]]
 
 
-def _summed(flags: Tensor, groups: Sequence[Any], stats: CommStats | None, what: str) -> Tensor:
-    """`flags` summed over each group in turn (moved to a device each backend serves)."""
-    for g in groups:
-        flags = to_backend(flags, g)
-        with phase(what, g):
-            all_reduce(flags, group=g, stats=stats)
-    return flags
-
-
 class Verdict(NamedTuple):
     """What `agree_nonfinite` found: `present[i]` (item i has a gradient on some rank of the
     stage), `which[j]` (item j's gradient is non-finite on some rank of the stage; [] when
@@ -889,10 +736,10 @@ def agree_nonfinite(
     present: Sequence[bool],
     checks: Sequence[Tensor],
     per_item: Any,
-    group: Any = None,
+    group: ProcessGroup | Sequence[ProcessGroup | None] | None = None,
     stats: CommStats | None = None,
     device: torch.device | str | None = None,
-    across: Sequence[Any] = (),
+    across: Sequence[ProcessGroup | None] = (),
 ) -> Verdict:
     """`agree` for a distributed step's non-finite check, in two rounds: the `checks` (0-d
     flags, true for a local gradient that holds NaN or Inf) are summed on the device into one
@@ -931,7 +778,9 @@ def _store() -> Any:
         return None
 
 
-def rendezvous(name: str, fix: str, group: Any = None, timeout_s: float | None = None) -> None:
+def rendezvous(
+    name: str, fix: str, group: ProcessGroup | None = None, timeout_s: float | None = None
+) -> None:
     """Return once every rank of `group` has entered the rendezvous `name` (the n-th call of
     `name` meets the n-th call on the other ranks), or raise RuntimeError after `timeout_s`
     (`RENDEZVOUS_TIMEOUT_S`) saying how many ranks came and `fix`. Called before a collective
@@ -965,12 +814,12 @@ def rendezvous(name: str, fix: str, group: Any = None, timeout_s: float | None =
         raise err  # noqa: B904 (its cause is set: the count that fell short)
 
 
-def barrier(group: Any = None, stats: CommStats | None = None) -> None:
+def barrier(group: ProcessGroup | None = None, stats: CommStats | None = None) -> None:
     """Every rank waits for every other (a one-element all-reduce, so it is counted)."""
     all_reduce(torch.zeros(1, device=device_for(group)), group=group, stats=stats, kind="barrier")
 
 
-def sum_floats(values: list[float], group: Any = None) -> list[float]:
+def sum_floats(values: list[float], group: ProcessGroup | None = None) -> list[float]:
     """`values` summed over the ranks (float64, on the backend's device); unchanged without a
     process group. For the small host-side numbers a training loop agrees on."""
     if world(group)[1] == 1:
@@ -980,7 +829,7 @@ def sum_floats(values: list[float], group: Any = None) -> list[float]:
     return t.tolist()
 
 
-def gather_floats(values: list[float], group: Any = None) -> list[list[float]]:
+def gather_floats(values: list[float], group: ProcessGroup | None = None) -> list[list[float]]:
     """Every rank's `values` (the same length on every rank), in rank order."""
     n = world(group)[1]
     if n == 1:
@@ -1002,7 +851,9 @@ def _from_bytes(t: Tensor) -> Any:
     return torch.load(io.BytesIO(t.cpu().numpy().tobytes()), weights_only=False)
 
 
-def all_gather_object(obj: Any, group: Any = None, stats: CommStats | None = None) -> list[Any]:
+def all_gather_object(
+    obj: Any, group: ProcessGroup | None = None, stats: CommStats | None = None
+) -> list[Any]:
     """Every rank's `obj` (tensors included, serialised with torch.save), in rank order."""
     rank, n = world(group)
     if n == 1:
@@ -1017,7 +868,7 @@ def all_gather_object(obj: Any, group: Any = None, stats: CommStats | None = Non
 
 
 def gather_object(
-    obj: Any, dst: int = 0, group: Any = None, stats: CommStats | None = None
+    obj: Any, dst: int = 0, group: ProcessGroup | None = None, stats: CommStats | None = None
 ) -> list[Any] | None:
     """Every rank's `obj` on group rank `dst` (point to point, so only `dst` holds them all);
     None on the other ranks."""

@@ -77,9 +77,9 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_report(p: dict[str, Any]) -> str:
-    """The human-readable report of a plan dict (as `make_plan` returns it)."""
-    m, lay, o = p["model"], p["layout"], p["overhead"]
+def _header_lines(p: dict[str, Any]) -> list[str]:
+    """The layout, the model's counts and, with experts, where they are assigned."""
+    m, lay = p["model"], p["layout"]
     lines = [
         f"orthoptim plan: {m['name']} on {p['hardware']}: DP {lay['dp']} x TP {lay['tp']} "
         f"x PP {lay['pp']} (EP {lay['ep']}) = {lay['gpus']} GPUs"
@@ -95,8 +95,14 @@ def format_report(p: dict[str, Any]) -> str:
             f"experts: {lay['experts_per_ep_rank']} per layer on each EP rank, assigned over "
             f"the expert-data-parallel group of {lay['expert_dp']}; the rest over DP {lay['dp']}"
         )
+    return lines
+
+
+def _balancing_lines(p: dict[str, Any]) -> list[str]:
+    """Newton-Schulz flops per rank under each balancing, and how lumpy the layout is."""
+    lay = p["layout"]
     tp_note = ", TP-split matrices as auto mode" if lay["tp"] > 1 else ""
-    lines += [
+    lines = [
         "",
         f"Newton-Schulz per rank{' (stage x DP rank)' if lay['pp'] > 1 else ''} "
         f"({lay['ns_steps']} steps on the {lay['device']} {lay['ns_dtype']} path{tp_note})",
@@ -123,9 +129,14 @@ def format_report(p: dict[str, Any]) -> str:
             + ("; " if bound > 1.01 and free < 8 else "")
             + ("too few movable units per rank to even out" if free < 8 else "")
         )
-    mem = p["memory"]
+    return lines
+
+
+def _state_lines(p: dict[str, Any]) -> list[str]:
+    """Optimizer state per rank: layer-wise beside ZeRO-1 AdamW and a replicated one."""
+    lay, mem = p["layout"], p["memory"]
     extra = " + master copies" if lay["masters"] else ""
-    lines += [
+    return [
         "",
         f"optimizer state per rank ({lay['optimizer']} / AdamW state{extra}; layer-wise as "
         "memory per rank's state below):",
@@ -135,10 +146,15 @@ def format_report(p: dict[str, Any]) -> str:
         + ("(AdamW sharded over DP)" if lay["tp"] == 1 else "(AdamW owned whole under TP)"),
         f"  ZeRO-1 AdamW               {_bytes(mem['zero1_adamw_state_bytes_per_rank'])}",
         f"  replicated (no shard)      {_bytes(mem['replicated_muon_state_bytes'])}",
+    ]
+
+
+def _comm_lines(p: dict[str, Any]) -> list[str]:
+    """Bytes per rank per step for each gather dtype, beside ZeRO-1 AdamW's."""
+    lines = [
         "",
-        *_memory_lines(p),
-        "",
-        f"bytes per rank per step ({lay['grad_dtype']} grads; the larger of sent and received)",
+        f"bytes per rank per step ({p['layout']['grad_dtype']} grads; the larger of sent and "
+        "received)",
         "                 layer-wise Muon (ratio)   unpadded v-collectives (ratio)   ZeRO-1 AdamW",
     ]
     for gather in ("fp32", "bf16"):
@@ -148,27 +164,39 @@ def format_report(p: dict[str, Any]) -> str:
             f"   {_bytes(c['layerwise_unpadded_bytes']):>16} ({c['unpadded_ratio']:6.3f})"
             f"   {_bytes(c['zero1_adamw_bytes']):>14}"
         )
-    t = p["tp"]
-    if lay["tp"] > 1:
-        lines += [
-            "",
-            f"tensor-parallel Newton-Schulz, TP {lay['tp']} ({lay['ns_dtype']}), busiest rank:",
-            "                 bytes sent  collectives       flops   flops max/mean       time",
-        ]
-        for mode in (*TP_MODES, "auto"):
-            r = t[mode]
-            lines.append(
-                f"  {mode:<12}{_bytes(r['bytes_max']):>13}{r.get('rounds_max', 0):>13}"
-                f"{_si(r['flops_max'], 'FLOP'):>12}"
-                f"{r['flops_imbalance']:>17.4f}{r['time_max_s'] * 1e3:>9.2f} ms"
-            )
-        picks = t["auto_picks"]
-        chosen = ", ".join(f"{k} {v}" for k, v in sorted(picks.items()))
+    return lines
+
+
+def _tp_lines(p: dict[str, Any]) -> list[str]:
+    """Under tensor parallelism, the busiest rank's figures per TP mode and auto's picks."""
+    lay, t = p["layout"], p["tp"]
+    if lay["tp"] == 1:
+        return []
+    lines = [
+        "",
+        f"tensor-parallel Newton-Schulz, TP {lay['tp']} ({lay['ns_dtype']}), busiest rank:",
+        "                 bytes sent  collectives       flops   flops max/mean       time",
+    ]
+    for mode in (*TP_MODES, "auto"):
+        r = t[mode]
         lines.append(
-            f"  TP-split Muon matrices: {chosen} (cost model: {t['cost_model']}; "
-            f"auto picks among {', '.join(AUTO_MODES)}, gram only in fp32, never blockwise)"
+            f"  {mode:<12}{_bytes(r['bytes_max']):>13}{r.get('rounds_max', 0):>13}"
+            f"{_si(r['flops_max'], 'FLOP'):>12}"
+            f"{r['flops_imbalance']:>17.4f}{r['time_max_s'] * 1e3:>9.2f} ms"
         )
-    lines += ["", f"optimizer overhead at {o['tokens_per_step']:,} tokens per step:"]
+    picks = t["auto_picks"]
+    chosen = ", ".join(f"{k} {v}" for k, v in sorted(picks.items()))
+    lines.append(
+        f"  TP-split Muon matrices: {chosen} (cost model: {t['cost_model']}; "
+        f"auto picks among {', '.join(AUTO_MODES)}, gram only in fp32, never blockwise)"
+    )
+    return lines
+
+
+def _overhead_lines(p: dict[str, Any]) -> list[str]:
+    """Newton-Schulz work and time against the model's, and the published GB300 figures."""
+    o = p["overhead"]
+    lines = ["", f"optimizer overhead at {o['tokens_per_step']:,} tokens per step:"]
     if o["tokens_per_step"]:
         lines += [
             f"  model 6·active·tokens per GPU {_si(o['model_flops_per_gpu'], 'FLOP')}; "
@@ -193,7 +221,23 @@ def format_report(p: dict[str, Any]) -> str:
                 "    the modelled share equals the published one at "
                 f"{pub['tokens_per_step_matching_share']:,.0f} tokens per step"
             )
-    return "\n".join(lines)
+    return lines
+
+
+def format_report(p: dict[str, Any]) -> str:
+    """The human-readable report of a plan dict (as `make_plan` returns it)."""
+    return "\n".join(
+        [
+            *_header_lines(p),
+            *_balancing_lines(p),
+            *_state_lines(p),
+            "",
+            *_memory_lines(p),
+            *_comm_lines(p),
+            *_tp_lines(p),
+            *_overhead_lines(p),
+        ]
+    )
 
 
 def plot_plan(p: dict[str, Any], path: str | Path) -> None:

@@ -136,12 +136,12 @@ def _padding_bytes(g: Group, bucket: int, element_bytes: int) -> int:
 
 
 def _flats(
-    g: Group, param_b: int, grad_b: int, gather_b: int | None
+    g: Group, param_bytes: int, grad_bytes: int, gather_bytes: int | None
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Per rank of `g`'s world, what its buckets hold beyond the parameters' and gradients'
-    own elements: the padding of the flat parameters (`param_b`-byte elements) and of the
-    flat gradients (`grad_b`), the gather buffer when the gather dtype (`gather_b`) differs
-    from the parameters' (None: it does not), and the bytes of the non-finite check of the
+    own elements: the padding of the flat parameters (`param_bytes`-byte elements) and of the
+    flat gradients (`grad_bytes`), the gather buffer when the gather dtype (`gather_bytes`)
+    differs from the parameters' (None: it does not), and the bytes of the non-finite check of the
     largest gradient slot the rank checks (`_widest_slots`). A group of one rank makes no
     flat: its gradients are checked where autograd left them, in the parameter dtype."""
     a, n = g.assignment, g.world
@@ -154,29 +154,30 @@ def _flats(
             continue  # no slot has elements: the optimizer makes no bucket
         if n == 1:
             # isfinite(x) is composite, (x == x) * (x.abs() != inf), all four alive at once
-            check[0] = max(check[0], *(numels[i] * (param_b + 3) for i in bucket))
+            check[0] = max(check[0], *(numels[i] * (param_bytes + 3) for i in bucket))
             continue
         for r, widest in enumerate(_widest_slots(g, b)):
-            check[r] = max(check[r], widest * (grad_b + 3))
+            check[r] = max(check[r], widest * (grad_bytes + 3))
         for r in range(n):
-            params[r] += _padding_bytes(g, b, param_b)
-            grads[r] += _padding_bytes(g, b, grad_b)
-            if gather_b is not None:
+            params[r] += _padding_bytes(g, b, param_bytes)
+            grads[r] += _padding_bytes(g, b, grad_bytes)
+            if gather_bytes is not None:
                 elements = sum(numels[i] for i in bucket)
-                gather[r] += elements * gather_b + _padding_bytes(g, b, gather_b)
+                gather[r] += elements * gather_bytes + _padding_bytes(g, b, gather_bytes)
     return params, grads, gather, check
 
 
 def _muon_transient(
     owned: Sequence[tuple[int, tuple[int, ...]]],
     layout: Layout,
-    sb: int,
-    cb: int,
+    state_bytes: int,
+    ns_bytes: int,
     fresh_updates: bool = True,
 ) -> int:
     """Peak bytes of one Muon step over the owned matrices, given as (forward position,
-    local shape): `sb` the state (update) element size, `cb` the iteration's; the Nesterov
-    updates counted unless the caller holds them already (`fresh_updates` False). Each
+    local shape): `state_bytes` the state (update) element size, `ns_bytes` the iteration's;
+    the Nesterov updates counted unless the caller holds them already (`fresh_updates`
+    False). Each
     update is a fresh tensor (Muon's default, Nesterov, `Muon.owns_updates`) that takes its
     own orthogonalized result, so the updates are alive through the step and the results
     add nothing to them. A stack goes in chunks of at most `batch_limit(rows, cols,
@@ -189,7 +190,7 @@ def _muon_transient(
     updates = 0
     for _, shape in sorted(owned):
         k = math.prod(shape[:-2]) if len(shape) > 2 else 1
-        updates += math.prod(shape) * sb  # the Nesterov update, a fresh tensor
+        updates += math.prod(shape) * state_bytes  # the Nesterov update, a fresh tensor
         if stack:
             batches.setdefault(shape[-2:], []).append(k)
         else:
@@ -202,17 +203,17 @@ def _muon_transient(
         limit = batch_limit(rows, cols, layout.ns_batch_mb) if stack else None
         for chunk in batch_chunks(blocks, limit):
             k = sum(take for _, _, take in chunk)
-            out = k * m * n * sb
+            out = k * m * n * state_bytes
             cat = out if len(chunk) > 1 else 0
-            x, square = k * m * n * cb, k * m * m * cb
+            x, square = k * m * n * ns_bytes, k * m * m * ns_bytes
             iterate = (_gram_iterate if form == "gram" else _step_iterate)(
-                x, square, layout.ns_steps, cb == sb
+                x, square, layout.ns_steps, ns_bytes == state_bytes
             )
             peak = max(peak, out + cat + iterate)
     return (updates if fresh_updates else 0) + peak
 
 
-def _soap_transient(owned: Sequence[tuple[int, tuple[int, ...]]], sb: int) -> int:
+def _soap_transient(owned: Sequence[tuple[int, tuple[int, ...]]], state_bytes: int) -> int:
     """Peak bytes of one SOAP step (not a refresh one) over the owned matrices, given as
     (forward position, shape), one after the other (`SOAP._direction`): the directions of
     those done so far and, for the one in flight, its rotated gradient G', the denominator
@@ -223,48 +224,48 @@ def _soap_transient(owned: Sequence[tuple[int, tuple[int, ...]]], sb: int) -> in
     for _, shape in sorted(owned):
         k = math.prod(shape[:-2]) if len(shape) > 2 else 1
         m, n = shape[-2:]
-        x = k * m * n * sb
-        peak = max(peak, done + 3 * x + k * (m * m + n * n) * sb)
+        x = k * m * n * state_bytes
+        peak = max(peak, done + 3 * x + k * (m * m + n * n) * state_bytes)
         done += x
     return peak
 
 
-def _soap_state(shape: tuple[int, ...], sb: int) -> int:
+def _soap_state(shape: tuple[int, ...], state_bytes: int) -> int:
     """SOAP's state of an owned matrix: two moments, and per matrix a Kronecker factor and
     an eigenbasis of each side (`SOAP.state_numel`; every side within `max_precond_dim`)."""
     k = math.prod(shape[:-2]) if len(shape) > 2 else 1
     m, n = shape[-2:]
-    return (2 * math.prod(shape) + 2 * k * (m * m + n * n)) * sb
+    return (2 * math.prod(shape) + 2 * k * (m * m + n * n)) * state_bytes
 
 
-def _adamw_transient(runs: Sequence[int], layout: Layout, sb: int) -> int:
+def _adamw_transient(runs: Sequence[int], layout: Layout, state_bytes: int) -> int:
     """Peak bytes of torch's AdamW step over owned pieces of `runs` elements: foreach on
     CUDA (a square root of every second moment at once), else one parameter at a time
     (its square root and the denominator made from it)."""
     if not runs:
         return 0
     if layout.device == "cuda":
-        return sum(runs) * sb
-    return 2 * max(runs) * sb
+        return sum(runs) * state_bytes
+    return 2 * max(runs) * state_bytes
 
 
 def _matrix_transient(
     owned: Sequence[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]],
     layout: Layout,
-    sb: int,
-    cb: int,
+    state_bytes: int,
+    ns_bytes: int,
 ) -> int:
     """The matrix optimizer's step over the owned matrices, given as (forward position,
     local shape, TP-split dim, global shape): Muon's (`_muon_transient`, or through the
     tensor-parallel orthogonalizer, `_tp_transient`) or SOAP's."""
     if layout.optimizer == "soap":
-        return _soap_transient([(pos, shape) for pos, shape, _, _ in owned], sb)
+        return _soap_transient([(pos, shape) for pos, shape, _, _ in owned], state_bytes)
     if layout.tp > 1:
-        return _tp_transient(owned, layout, sb, cb)
+        return _tp_transient(owned, layout, state_bytes, ns_bytes)
     # the layer-wise optimizer's reduced gradients take the Nesterov updates
     # (`MatrixOptimizer.consumes_grads`)
     pairs = [(pos, shape) for pos, shape, _, _ in owned]
-    return _muon_transient(pairs, layout, sb, cb, fresh_updates=False)
+    return _muon_transient(pairs, layout, state_bytes, ns_bytes, fresh_updates=False)
 
 
 def _finish(rows: list[dict[str, int]], gather: str) -> dict[str, Any]:
@@ -286,6 +287,9 @@ def _finish(rows: list[dict[str, int]], gather: str) -> dict[str, Any]:
     }
 
 
+Flats = tuple[list[int], list[int], list[int], list[int]]
+
+
 def memory_per_rank(
     slots: Sequence[Sequence[tuple[Group, int]]],
     by_stage: Sequence[Sequence[Group]],
@@ -298,84 +302,101 @@ def memory_per_rank(
     layout (module docstring), with rank 0's, the last rank's and the maximum over ranks of
     each category, and every rank's state and master copies (`state_per_rank`,
     `masters_per_rank`)."""
-    pb = dtype_bytes[layout.param_dtype]
-    grad_b = dtype_bytes[layout.grad_dtype]
+    param_bytes = dtype_bytes[layout.param_dtype]
+    grad_bytes = dtype_bytes[layout.grad_dtype]
     gather = layout.gather
-    gb = dtype_bytes[gather] if gather != layout.param_dtype else None
-    sb = dtype_bytes["fp32"]  # optimizer state and master copies
-    cb = dtype_bytes[layout.ns_dtype]
+    gather_bytes = dtype_bytes[gather] if gather != layout.param_dtype else None
+    state_bytes = dtype_bytes["fp32"]  # optimizer state and master copies
+    ns_bytes = dtype_bytes[layout.ns_dtype]
     position = {m: i for i, m in enumerate(matrices)}
     if layout.fsdp:
-        return _finish(fsdp_rows(by_stage, position, layout, pb, grad_b, sb, cb), gather)
-    masters = layout.masters
+        rows = fsdp_rows(by_stage, position, layout, param_bytes, grad_bytes, state_bytes, ns_bytes)
+        return _finish(rows, gather)
     dealt = {}
-    flats: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
+    flats: dict[int, Flats] = {}
     for stage_groups in by_stage:
         for g in stage_groups:
             for s in g.siblings or [g]:
-                d = s.dealt(masters)
+                d = s.dealt(layout.masters)
                 dealt[id(s)] = d
-                flats[id(s)] = _flats(d, pb, grad_b, gb)
-    rows: list[dict[str, int]] = []
-    for slot in slots:
-        # every unit of the rank's groups, in its local (TP-shard) shape
-        held = {id(g): sum(math.prod(u.shape) for u in g.units) for g, _ in slot}
-        params = sum(held[id(g)] * pb + flats[id(g)][0][gr] for g, gr in slot)
-        # a group of one rank makes no flat gradients: autograd's, in the parameter dtype
-        grads = sum(
-            held[id(g)] * (pb if g.world == 1 else grad_b) + flats[id(g)][1][gr] for g, gr in slot
-        )
-        owned_elements, state = 0, 0
-        owned: list[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]] = []
-        adamw: list[int] = []
-        buf, check, converted = 0, 0, 0
-        for g, gr in slot:
-            d = dealt[id(g)]
-            buf += flats[id(g)][2][gr]
-            check = max(check, flats[id(g)][3][gr])
-            for i in d.owned(gr):
-                m, u = d.matrices[i], d.units[i]
-                numel = math.prod(u.shape)
-                owned_elements += numel
-                if g.world == 1 and pb != sb:
-                    # a group of one rank's gradients are autograd's: the step hands the
-                    # masters their copies in the state dtype, alive through the step
-                    converted += numel * sb
-                if m.kind != "muon":
-                    state += 2 * numel * sb
-                    adamw.append(numel)
-                    continue
-                full = u.shape[:-2] + m.shape[-2:]
-                owned.append((position[m], u.shape, m.tp_dim, full))
-                state += _soap_state(u.shape, sb) if layout.optimizer == "soap" else numel * sb
-            runs = [split[gr] for split in d.assignment.adamw_split if split and split[gr]]
-            owned_elements += sum(runs)
-            state += 2 * sum(runs) * sb
-            adamw += runs
-        # each parameter whole (an expert stack is one), where its gradient goes into flats
-        fresh: dict[str, int] = {}
-        for g, _ in slot:
-            if g.world > 1:
-                for m, u in zip(g.matrices, g.units, strict=True):
-                    fresh[m.param] = fresh.get(m.param, 0) + math.prod(u.shape)
-        rows.append(
-            {
-                "params": params,
-                "grads": grads,
-                "masters": owned_elements * sb if masters else 0,
-                "state": state,
-                "buffers": buf,
-                "transient": converted
-                + max(
-                    _matrix_transient(owned, layout, sb, cb),
-                    _adamw_transient(adamw, layout, sb),
-                    check,
-                ),
-                "backward": max(fresh.values(), default=0) * pb,
-                "fsdp_gather": 0,
-            }
-        )
+                flats[id(s)] = _flats(d, param_bytes, grad_bytes, gather_bytes)
+    widths = (param_bytes, grad_bytes, state_bytes, ns_bytes)
+    rows = [_layerwise_row(slot, dealt, flats, position, layout, widths) for slot in slots]
     return _finish(rows, gather)
+
+
+def _layerwise_row(
+    slot: Sequence[tuple[Group, int]],
+    dealt: dict[int, Group],
+    flats: dict[int, Flats],
+    position: dict[Matrix, int],
+    layout: Layout,
+    widths: tuple[int, int, int, int],
+) -> dict[str, int]:
+    """The categories of one (stage, DP rank) under the layer-wise optimizer: `slot` its
+    (group, rank in it) pairs, `dealt` and `flats` every group's AdamW deal and flat
+    buffers (`_flats`), `widths` the bytes of a parameter, gradient, state and Newton-Schulz
+    iteration element."""
+    param_bytes, grad_bytes, state_bytes, ns_bytes = widths
+    # every unit of the rank's groups, in its local (TP-shard) shape
+    held = {id(g): sum(math.prod(u.shape) for u in g.units) for g, _ in slot}
+    params = sum(held[id(g)] * param_bytes + flats[id(g)][0][gr] for g, gr in slot)
+    # a group of one rank makes no flat gradients: autograd's, in the parameter dtype
+    grads = sum(
+        held[id(g)] * (param_bytes if g.world == 1 else grad_bytes) + flats[id(g)][1][gr]
+        for g, gr in slot
+    )
+    owned_elements, state = 0, 0
+    owned: list[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]] = []
+    adamw: list[int] = []
+    buf, check, converted = 0, 0, 0
+    for g, gr in slot:
+        d = dealt[id(g)]
+        buf += flats[id(g)][2][gr]
+        check = max(check, flats[id(g)][3][gr])
+        for i in d.owned(gr):
+            m, u = d.matrices[i], d.units[i]
+            numel = math.prod(u.shape)
+            owned_elements += numel
+            if g.world == 1 and param_bytes != state_bytes:
+                # a group of one rank's gradients are autograd's: the step hands the
+                # masters their copies in the state dtype, alive through the step
+                converted += numel * state_bytes
+            if m.kind != "muon":
+                state += 2 * numel * state_bytes
+                adamw.append(numel)
+                continue
+            full = u.shape[:-2] + m.shape[-2:]
+            owned.append((position[m], u.shape, m.tp_dim, full))
+            if layout.optimizer == "soap":
+                state += _soap_state(u.shape, state_bytes)
+            else:
+                state += numel * state_bytes
+        runs = [split[gr] for split in d.assignment.adamw_split if split and split[gr]]
+        owned_elements += sum(runs)
+        state += 2 * sum(runs) * state_bytes
+        adamw += runs
+    # each parameter whole (an expert stack is one), where its gradient goes into flats
+    fresh: dict[str, int] = {}
+    for g, _ in slot:
+        if g.world > 1:
+            for m, u in zip(g.matrices, g.units, strict=True):
+                fresh[m.param] = fresh.get(m.param, 0) + math.prod(u.shape)
+    return {
+        "params": params,
+        "grads": grads,
+        "masters": owned_elements * state_bytes if layout.masters else 0,
+        "state": state,
+        "buffers": buf,
+        "transient": converted
+        + max(
+            _matrix_transient(owned, layout, state_bytes, ns_bytes),
+            _adamw_transient(adamw, layout, state_bytes),
+            check,
+        ),
+        "backward": max(fresh.values(), default=0) * param_bytes,
+        "fsdp_gather": 0,
+    }
 
 
 def _fsdp_params(
@@ -400,15 +421,15 @@ def fsdp_rows(
     by_stage: Sequence[Sequence[Group]],
     position: dict[Matrix, int],
     layout: Layout,
-    compute_b: int,
-    reduce_b: int,
-    sb: int,
-    cb: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    state_bytes: int,
+    ns_bytes: int,
 ) -> list[dict[str, int]]:
     """Bytes per category on every (stage, DP rank) under `FSDPOptimizer` over FSDP2, its
-    sharded parameters fp32 (`sb`-byte elements) in any case: with a lower `param_dtype`
-    FSDP2's `MixedPrecisionPolicy` computes in it (`compute_b`-byte elements) and reduces
-    gradients in `grad_dtype` (`reduce_b`), the sharded fp32 parameters being the masters:
+    sharded parameters fp32 (`state_bytes`-byte elements) in any case: with a lower `param_dtype`
+    FSDP2's `MixedPrecisionPolicy` computes in it (`compute_bytes`-byte elements) and reduces
+    gradients in `grad_dtype` (`reduce_bytes`), the sharded fp32 parameters being the masters:
 
     params, grads  every parameter's dim-0 shard padded as FSDP2 pads it (⌈d₀/N⌉ rows on
                    every rank, the last ranks' rows partly or wholly padding; gradients are
@@ -432,90 +453,131 @@ def fsdp_rows(
                    in the reduce dtype. An estimate: FSDP2's
                    forward and backward cannot run on meta tensors under the fake group.
     """
-    from orthoptim.parallel.assignment import Unit, assign
-
-    dp = layout.dp
-    pb = sb  # the sharded parameters and their gradients
     rows: list[dict[str, int]] = []
     for stage_groups in by_stage:
         params = _fsdp_params(stage_groups, position)
-
-        def rest(shape: tuple[int, ...]) -> int:
-            return math.prod(shape[1:])
-
-        chunk = [-(-shape[0] // dp) for _, shape, _, _, _ in params]
-        matrices = [i for i, p in enumerate(params) if p[2] == "muon"]
-        units = [
-            Unit(params[i][0], params[i][1], layout.optimizer, chunk[i] * rest(params[i][1]) * pb)
-            for i in matrices
-        ]
-        a = assign(units, dp, balance="cost", bucket_bytes=int(layout.bucket_mb * 2**20))
-        padded = sum(c * rest(p[1]) for c, p in zip(chunk, params, strict=True))
-        unsharded: dict[int | None, int] = {}  # elements per block
-        for c, p in zip(chunk, params, strict=True):
-            unsharded[p[4]] = unsharded.get(p[4], 0) + dp * c * rest(p[1])
-        root = unsharded.pop(None, 0)
-        blocks = [unsharded[k] for k in sorted(unsharded)]
-        pairs = [x + y for x, y in itertools.pairwise(blocks)] or blocks or [0]
-        gather = (root + max(pairs)) * compute_b + (max(blocks) if blocks else 0) * reduce_b
-        for r in range(dp):
-            # rank r's rows of every parameter (torch.chunk's: the last ranks' may be fewer)
-            rows_here = [
-                max(0, min(c, p[1][0] - r * c)) for c, p in zip(chunk, params, strict=True)
-            ]
-            local = [n * rest(p[1]) for n, p in zip(rows_here, params, strict=True)]
-
-            state = sum(2 * local[i] * sb for i, p in enumerate(params) if p[2] != "muon")
-            owned = [(params[matrices[j]][3], params[matrices[j]][1])
-                     for j, o in enumerate(a.owners) if o == r]  # fmt: skip
-            whole = sum(math.prod(shape) for _, shape in owned) * sb
-            if layout.optimizer == "soap":
-                state += sum(_soap_state(shape, sb) for _, shape in owned)
-                # SOAP's prepare is the gradient itself in the state dtype
-                updates = 0 if pb == sb else sum(local[i] for i in matrices) * sb
-                directions = _soap_transient(owned, sb)
-                apart = whole  # SOAP's directions, tensors of their own
-            else:
-                state += sum(local[i] for i in matrices) * sb
-                updates = sum(local[i] for i in matrices) * sb  # the Nesterov updates
-                directions = _muon_transient(owned, layout, sb, cb, fresh_updates=False)
-                apart = 0  # Muon's are written into the whole matrices (`Muon.owns_updates`)
-            send = sum(local[i] for i in matrices) * sb
-            # a bucket's back exchange: what its owners return (the size they received)
-            back = max(
-                (
-                    sum(math.prod(units[j].shape) for j in bucket if a.owners[j] == r) * sb
-                    for bucket in a.buckets
-                ),
-                default=0,
-            )
-            # held through the step: the updates, the send and receive buffers, the whole
-            # matrices; then the directions, or those (held `apart` from the whole matrices
-            # or in them) with the back exchange's send buffer (one bucket's at a time) and
-            # every bucket's receive buffer
-            step = updates + send + 2 * whole + max(directions, apart + back + send)
-            widest = max((local[i] for i in range(len(params))), default=0)
-            adamw = [local[i] for i, p in enumerate(params) if p[2] != "muon"]
-            rows.append(
-                {
-                    "params": padded * pb,
-                    "grads": padded * pb,
-                    "masters": 0,
-                    "state": state,
-                    "buffers": 0,
-                    "transient": max(step, _adamw_transient(adamw, layout, sb), widest * (pb + 3)),
-                    "backward": 0,  # FSDP2's backward: `fsdp_gather`
-                    "fsdp_gather": gather,
-                }
-            )
+        widths = (compute_bytes, reduce_bytes, state_bytes, ns_bytes)
+        rows += _fsdp_stage_rows(params, layout, widths)
     return rows
+
+
+def _rest(shape: tuple[int, ...]) -> int:
+    """Elements of one dim-0 row of `shape`."""
+    return math.prod(shape[1:])
+
+
+def _fsdp_stage_rows(
+    params: Sequence[tuple[str, tuple[int, ...], str, int, int | None]],
+    layout: Layout,
+    widths: tuple[int, int, int, int],
+) -> list[dict[str, int]]:
+    """`fsdp_rows` of one stage's parameters (`_fsdp_params`), one row per DP rank; `widths`
+    the bytes of a compute, reduce, state and Newton-Schulz iteration element."""
+    compute_bytes, reduce_bytes, state_bytes, ns_bytes = widths
+    from orthoptim.parallel.assignment import Unit, assign
+
+    dp = layout.dp
+    param_bytes = state_bytes  # the sharded parameters and their gradients
+    chunk = [-(-shape[0] // dp) for _, shape, _, _, _ in params]
+    matrices = [i for i, p in enumerate(params) if p[2] == "muon"]
+    units = [
+        Unit(
+            params[i][0],
+            params[i][1],
+            layout.optimizer,
+            chunk[i] * _rest(params[i][1]) * param_bytes,
+        )
+        for i in matrices
+    ]
+    a = assign(units, dp, balance="cost", bucket_bytes=int(layout.bucket_mb * 2**20))
+    padded = sum(c * _rest(p[1]) for c, p in zip(chunk, params, strict=True))
+    unsharded: dict[int | None, int] = {}  # elements per block
+    for c, p in zip(chunk, params, strict=True):
+        unsharded[p[4]] = unsharded.get(p[4], 0) + dp * c * _rest(p[1])
+    root = unsharded.pop(None, 0)
+    blocks = [unsharded[k] for k in sorted(unsharded)]
+    pairs = [x + y for x, y in itertools.pairwise(blocks)] or blocks or [0]
+    gather = (root + max(pairs)) * compute_bytes + (max(blocks) if blocks else 0) * reduce_bytes
+    rows = []
+    for r in range(dp):
+        # rank r's rows of every parameter (torch.chunk's: the last ranks' may be fewer)
+        rows_here = [max(0, min(c, p[1][0] - r * c)) for c, p in zip(chunk, params, strict=True)]
+        local = [n * _rest(p[1]) for n, p in zip(rows_here, params, strict=True)]
+        state, step = _fsdp_step(
+            r, params, local, matrices, units, a, layout, state_bytes, ns_bytes
+        )
+        widest = max((local[i] for i in range(len(params))), default=0)
+        adamw = [local[i] for i, p in enumerate(params) if p[2] != "muon"]
+        rows.append(
+            {
+                "params": padded * param_bytes,
+                "grads": padded * param_bytes,
+                "masters": 0,
+                "state": state,
+                "buffers": 0,
+                "transient": max(
+                    step,
+                    _adamw_transient(adamw, layout, state_bytes),
+                    widest * (param_bytes + 3),
+                ),
+                "backward": 0,  # FSDP2's backward: `fsdp_gather`
+                "fsdp_gather": gather,
+            }
+        )
+    return rows
+
+
+def _fsdp_step(
+    r: int,
+    params: Sequence[tuple[str, tuple[int, ...], str, int, int | None]],
+    local: Sequence[int],
+    matrices: Sequence[int],
+    units: Sequence[Any],
+    a: Any,
+    layout: Layout,
+    state_bytes: int,
+    ns_bytes: int,
+) -> tuple[int, int]:
+    """(state, the step's peak) of rank `r` under `FSDPOptimizer`: `local` its elements of
+    every parameter, `matrices` the matrix parameters' indices, `units` and `a` their
+    assignment to owners."""
+    param_bytes = state_bytes  # the sharded parameters and their gradients
+    state = sum(2 * local[i] * state_bytes for i, p in enumerate(params) if p[2] != "muon")
+    owned = [(params[matrices[j]][3], params[matrices[j]][1])
+             for j, o in enumerate(a.owners) if o == r]  # fmt: skip
+    whole = sum(math.prod(shape) for _, shape in owned) * state_bytes
+    if layout.optimizer == "soap":
+        state += sum(_soap_state(shape, state_bytes) for _, shape in owned)
+        # SOAP's prepare is the gradient itself in the state dtype
+        updates = 0 if param_bytes == state_bytes else sum(local[i] for i in matrices) * state_bytes
+        directions = _soap_transient(owned, state_bytes)
+        apart = whole  # SOAP's directions, tensors of their own
+    else:
+        state += sum(local[i] for i in matrices) * state_bytes
+        updates = sum(local[i] for i in matrices) * state_bytes  # the Nesterov updates
+        directions = _muon_transient(owned, layout, state_bytes, ns_bytes, fresh_updates=False)
+        apart = 0  # Muon's are written into the whole matrices (`Muon.owns_updates`)
+    send = sum(local[i] for i in matrices) * state_bytes
+    # a bucket's back exchange: what its owners return (the size they received)
+    back = max(
+        (
+            sum(math.prod(units[j].shape) for j in bucket if a.owners[j] == r) * state_bytes
+            for bucket in a.buckets
+        ),
+        default=0,
+    )
+    # held through the step: the updates, the send and receive buffers, the whole
+    # matrices; then the directions, or those (held `apart` from the whole matrices
+    # or in them) with the back exchange's send buffer (one bucket's at a time) and
+    # every bucket's receive buffer
+    return state, updates + send + 2 * whole + max(directions, apart + back + send)
 
 
 def _tp_transient(
     owned: Sequence[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]],
     layout: Layout,
-    sb: int,
-    cb: int,
+    state_bytes: int,
+    ns_bytes: int,
 ) -> int:
     """Peak bytes of one Muon step through the tensor-parallel orthogonalizer over the owned
     matrices, given as (forward position, local shape, TP-split dim, global shape). A custom
@@ -536,7 +598,7 @@ def _tp_transient(
     batches: dict[tuple[int, ...], list[tuple[tuple[int, ...], int | None, tuple[int, ...]]]] = {}
     updates = 0
     for _, shape, dim, full in sorted(owned):
-        updates += math.prod(shape) * sb
+        updates += math.prod(shape) * state_bytes
         batches.setdefault((*shape[-2:], -1 if dim is None else dim), []).append((shape, dim, full))
     done, peak = 0, 0
     for entries in batches.values():
@@ -544,25 +606,25 @@ def _tp_transient(
         r, c = shape[-2:]
         k = sum(math.prod(s[:-2]) if len(s) > 2 else 1 for s, _, _ in entries)
         x = k * r * c
-        cat = x * sb if len(entries) > 1 else 0
+        cat = x * state_bytes if len(entries) > 1 else 0
         if dim is None or mode == "blockwise":
             m, n = sorted((r, c))
             form, _ = price.path(m, n)
             iterate = (_gram_iterate if form == "gram" else _step_iterate)(
-                x * cb, k * m * m * cb, layout.ns_steps, cb == sb
+                x * ns_bytes, k * m * m * ns_bytes, layout.ns_steps, ns_bytes == state_bytes
             )
-            own = x * sb + iterate
+            own = x * state_bytes + iterate
         elif mode == "distributed":
             p = (r, c)[1 - dim]
-            gram = k * p * p * cb
+            gram = k * p * p * ns_bytes
             copies = 2 if dim == 0 else 1
-            own = max(copies * x * sb + x * cb + gram, 3 * x * cb + gram)
+            own = max(copies * x * state_bytes + x * ns_bytes + gram, 3 * x * ns_bytes + gram)
         else:
             rows, cols = full[-2:]
             m, n = sorted((rows, cols))
-            whole = k * m * n * cb
-            iterate = _step_iterate(whole, k * m * m * cb, layout.ns_steps, True)
-            own = x * cb + 2 * whole + max(iterate, whole + x * sb)
+            whole = k * m * n * ns_bytes
+            iterate = _step_iterate(whole, k * m * m * ns_bytes, layout.ns_steps, True)
+            own = x * ns_bytes + 2 * whole + max(iterate, whole + x * state_bytes)
         peak = max(peak, done + cat + own)
-        done += x * sb
+        done += x * state_bytes
     return updates + peak

@@ -355,7 +355,9 @@ def stage_of_layers(num_layers: int, pp: int) -> list[int]:
     return stages
 
 
-def _stage(m: Matrix, stages: list[int], pp: int) -> int:
+def stage_of(m: Matrix, stages: list[int], pp: int) -> int:
+    """The pipeline stage holding `m`, given every block's (`stage_of_layers`): its block's,
+    else the first stage for the embeddings and the last for the rest (final norm, head)."""
     if m.layer is not None:
         return stages[m.layer]
     return 0 if m.param.startswith("embed") else pp - 1
@@ -411,7 +413,7 @@ def plan_groups(
     for s in range(layout.pp):
         stage_groups: list[_Group] = []
         for mats in parts:
-            ordered = backward_order([m for m in mats if _stage(m, stages, layout.pp) == s])
+            ordered = backward_order([m for m in mats if stage_of(m, stages, layout.pp) == s])
             if not ordered:
                 continue
             units = to_units(ordered, layout.tp, grad_b, layout.optimizer)
@@ -537,32 +539,13 @@ def balancing_figures(
     }
 
 
-def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dict[str, Any]:
-    """Every figure `orthoptim plan` reports, as a JSON-ready dict.
-
-    Per-rank lists hold one entry per (pipeline stage, data-parallel rank), stage-major.
-    """
-    check_layout(desc, layout)
-    tp, dp, ep, pp = layout.tp, layout.dp, layout.ep, layout.pp
+def _memory_figures(
+    held: dict[str, Any], by_stage: Sequence[Sequence[_Group]], layout: Layout
+) -> dict[str, Any]:
+    """The layer-wise optimizer's state per rank beside what ZeRO-1 AdamW and a replicated
+    matrix optimizer would hold on the busiest stage."""
+    tp = layout.tp
     grad_b = DTYPE_BYTES[layout.grad_dtype]
-    ns_b = DTYPE_BYTES[layout.ns_dtype]
-    matrices = expand(desc)
-    dense, experts = split_matrices(matrices, desc, ep)
-    counts = param_counts(matrices)
-    tokens = layout.tokens_per_step or desc.default_tokens_per_step
-    stages = stage_of_layers(desc.num_hidden_layers, pp)
-
-    steps = layout.ns_steps
-    balancing: dict[str, Any] = {}
-    per_balance: dict[str, tuple[list[Slot], list[list[_Group]]]] = {}
-    for balance in BALANCES:
-        per_balance[balance] = plan_slots(desc, layout, balance, hardware, matrices)
-        balancing[balance] = balancing_figures(*per_balance[balance], dp)
-
-    slots, by_stage = per_balance["cost"]
-    held = memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES)
-    capacity = hardware.memory_gb * 1e9
-    fits = [peak <= capacity for peak in held["peak_per_rank"]]
     # The comparison rows hold what those optimizers would: fp32 state, and an fp32 master
     # copy of every element where this layout keeps them (as the layer-wise one).
     state_b = DTYPE_BYTES["fp32"]
@@ -585,45 +568,70 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
         for sg in by_stage
     )
     replicated_state = max(sum(whole_state(m) for g in sg for m in g.matrices) for sg in by_stage)
+    return {
+        "layerwise_state_bytes_per_rank": state,
+        "layerwise_state_bytes_max": max(state),
+        "layerwise_state_bytes_mean": sum(state) / len(state),
+        "zero1_adamw_state_bytes_per_rank": zero1_state,
+        "replicated_muon_state_bytes": replicated_state,
+    }
 
-    comm: dict[str, Any] = {}
-    bw, _ = hardware.link(dp * tp)
-    for gather in ("fp32", "bf16"):
-        gb = DTYPE_BYTES[gather]
-        # the optimizer keeps master copies for this gather (`keeps_masters`), and deals its
-        # AdamW elements for them: that deal's padding
-        masters = keeps_masters(layout.param_dtype, gather)
-        dealt = {id(g): g.dealt(masters) for g in all_groups(by_stage)}
-        per_group = {
-            id(g): (*d.comm(grad_b, gb), d.comm_unpadded(grad_b, gb)) for g, d in
-            ((g, dealt[id(g)]) for g in all_groups(by_stage))
-        }  # fmt: skip
-        sent = [sum(per_group[id(g)][0][gr] for g, gr in slot) for slot in slots]
-        received = [sum(per_group[id(g)][1][gr] for g, gr in slot) for slot in slots]
-        unpadded = [sum(per_group[id(g)][2][gr] for g, gr in slot) for slot in slots]
-        z1 = max(
-            sum(
-                zero1_bytes(sum(math.prod(u.shape) for u in g.units), g.world, grad_b, gb)
-                for g in sg
-            )
-            for sg in by_stage
+
+def _gather_comm(
+    slots: Sequence[Slot],
+    by_stage: Sequence[Sequence[_Group]],
+    layout: Layout,
+    gather: str,
+    bandwidth: float,
+) -> dict[str, Any]:
+    """One step's bytes per rank when the parameters are gathered in `gather`, beside
+    ZeRO-1 AdamW's on the busiest stage, and their times over `bandwidth`."""
+    grad_b = DTYPE_BYTES[layout.grad_dtype]
+    gather_b = DTYPE_BYTES[gather]
+    # the optimizer keeps master copies for this gather (`keeps_masters`), and deals its
+    # AdamW elements for them: that deal's padding
+    masters = keeps_masters(layout.param_dtype, gather)
+    dealt = {id(g): g.dealt(masters) for g in all_groups(by_stage)}
+    per_group = {
+        id(g): (*d.comm(grad_b, gather_b), d.comm_unpadded(grad_b, gather_b)) for g, d in
+        ((g, dealt[id(g)]) for g in all_groups(by_stage))
+    }  # fmt: skip
+    sent = [sum(per_group[id(g)][0][gr] for g, gr in slot) for slot in slots]
+    received = [sum(per_group[id(g)][1][gr] for g, gr in slot) for slot in slots]
+    unpadded = [sum(per_group[id(g)][2][gr] for g, gr in slot) for slot in slots]
+    z1 = max(
+        sum(
+            zero1_bytes(sum(math.prod(u.shape) for u in g.units), g.world, grad_b, gather_b)
+            for g in sg
         )
-        lw = max(max(sent), max(received))
-        comm[f"{gather}_gather"] = {
-            "layerwise_sent_per_rank": sent,
-            "layerwise_received_per_rank": received,
-            "layerwise_muon_bytes": lw,
-            "layerwise_unpadded_bytes": max(unpadded),
-            "zero1_adamw_bytes": z1,
-            "ratio": lw / z1 if z1 else 1.0,
-            "unpadded_ratio": max(unpadded) / z1 if z1 else 1.0,
-            "layerwise_time_s": lw / bw,
-            "zero1_time_s": z1 / bw,
-        }
+        for sg in by_stage
+    )
+    lw = max(max(sent), max(received))
+    return {
+        "layerwise_sent_per_rank": sent,
+        "layerwise_received_per_rank": received,
+        "layerwise_muon_bytes": lw,
+        "layerwise_unpadded_bytes": max(unpadded),
+        "zero1_adamw_bytes": z1,
+        "ratio": lw / z1 if z1 else 1.0,
+        "unpadded_ratio": max(unpadded) / z1 if z1 else 1.0,
+        "layerwise_time_s": lw / bandwidth,
+        "zero1_time_s": z1 / bandwidth,
+    }
 
-    tp_section = _tp_modes(slots, by_stage, layout, hardware)
-    chosen = tp_section["auto"] if tp > 1 else tp_section["duplicated"]
-    model_flops = 6 * counts["matmul_active"] * tokens
+
+def _overhead(
+    desc: ModelDescription,
+    hardware: Hardware,
+    layout: Layout,
+    chosen: dict[str, Any],
+    matmul_active: int,
+) -> dict[str, Any]:
+    """Newton-Schulz work and time of the busiest GPU (`chosen`: its TP mode's figures)
+    against the model's own per step, and the published GB300 figures where there are."""
+    tokens = layout.tokens_per_step or desc.default_tokens_per_step
+    ns_b = DTYPE_BYTES[layout.ns_dtype]
+    model_flops = 6 * matmul_active * tokens
     per_gpu_model = model_flops / layout.gpus
     ns_rate = hardware.matmul_flops_per_s(ns_b)
     t_model = per_gpu_model / (hardware.bf16_tflops * 1e12 * hardware.model_mfu)
@@ -651,55 +659,104 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
                 tokens * overhead["ns_share_of_model_flops_mean"] / share if tokens else None
             ),
         }
+    return overhead
 
+
+def _model_figures(
+    desc: ModelDescription,
+    matrices: Sequence[Matrix],
+    counts: dict[str, int],
+    dense: Sequence[Matrix],
+    experts: Sequence[Matrix],
+    ep: int,
+) -> dict[str, Any]:
+    """The model's parameter counts (computed and published) and its units."""
     return {
-        "model": {
-            "name": desc.name,
-            "source": desc.source,
-            "params_total": counts["total"],
-            "params_active": counts["active"],
-            "params_matmul_active": counts["matmul_active"],
-            "published_total": desc.published_total_params or None,
-            "published_active": desc.published_active_params or None,
-            "units": len(dense) + (len(experts) * ep),
-            "muon_units": sum(m.kind == "muon" for m in matrices),
-        },
-        "layout": {
-            "dp": dp,
-            "tp": tp,
-            "ep": ep,
-            "pp": pp,
-            "layers_per_stage": [stages.count(k) for k in range(pp)],
-            "gpus": layout.gpus,
-            "expert_dp": layout.expert_dp,
-            "experts_per_ep_rank": len({m.expert for m in experts}),
-            "muon_units_per_rank": (
-                sum(m.kind == "muon" for m in dense) + sum(m.kind == "muon" for m in experts) * ep
-            )
-            / (dp * pp),
-            "movable_muon_units_per_rank": movable_units_per_rank(by_stage, dp),
-            "ns_steps": steps,
-            "ns_dtype": layout.ns_dtype,
-            "device": layout.device,
-            "grad_dtype": layout.grad_dtype,
-            "bucket_mb": layout.bucket_mb,
-            "masters": layout.masters,
-            "optimizer": layout.optimizer,
-            "fsdp": layout.fsdp,
-            "tp_mode": layout.tp_mode,
-            "param_dtype": layout.param_dtype,
-            "gather_dtype": layout.gather,
-            "ns_batch_mb": layout.ns_batch_mb,
-        },
+        "name": desc.name,
+        "source": desc.source,
+        "params_total": counts["total"],
+        "params_active": counts["active"],
+        "params_matmul_active": counts["matmul_active"],
+        "published_total": desc.published_total_params or None,
+        "published_active": desc.published_active_params or None,
+        "units": len(dense) + (len(experts) * ep),
+        "muon_units": sum(m.kind == "muon" for m in matrices),
+    }
+
+
+def _layout_figures(
+    desc: ModelDescription,
+    layout: Layout,
+    dense: Sequence[Matrix],
+    experts: Sequence[Matrix],
+    by_stage: Sequence[Sequence[_Group]],
+) -> dict[str, Any]:
+    """The layout's sizes and choices, and the Muon units per rank (all and movable)."""
+    dp, ep, pp = layout.dp, layout.ep, layout.pp
+    stages = stage_of_layers(desc.num_hidden_layers, pp)
+    return {
+        "dp": dp,
+        "tp": layout.tp,
+        "ep": ep,
+        "pp": pp,
+        "layers_per_stage": [stages.count(k) for k in range(pp)],
+        "gpus": layout.gpus,
+        "expert_dp": layout.expert_dp,
+        "experts_per_ep_rank": len({m.expert for m in experts}),
+        "muon_units_per_rank": (
+            sum(m.kind == "muon" for m in dense) + sum(m.kind == "muon" for m in experts) * ep
+        )
+        / (dp * pp),
+        "movable_muon_units_per_rank": movable_units_per_rank(by_stage, dp),
+        "ns_steps": layout.ns_steps,
+        "ns_dtype": layout.ns_dtype,
+        "device": layout.device,
+        "grad_dtype": layout.grad_dtype,
+        "bucket_mb": layout.bucket_mb,
+        "masters": layout.masters,
+        "optimizer": layout.optimizer,
+        "fsdp": layout.fsdp,
+        "tp_mode": layout.tp_mode,
+        "param_dtype": layout.param_dtype,
+        "gather_dtype": layout.gather,
+        "ns_batch_mb": layout.ns_batch_mb,
+    }
+
+
+def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dict[str, Any]:
+    """Every figure `orthoptim plan` reports, as a JSON-ready dict.
+
+    Per-rank lists hold one entry per (pipeline stage, data-parallel rank), stage-major.
+    """
+    check_layout(desc, layout)
+    tp, dp, ep = layout.tp, layout.dp, layout.ep
+    matrices = expand(desc)
+    dense, experts = split_matrices(matrices, desc, ep)
+    counts = param_counts(matrices)
+
+    balancing: dict[str, Any] = {}
+    per_balance: dict[str, tuple[list[Slot], list[list[_Group]]]] = {}
+    for balance in BALANCES:
+        per_balance[balance] = plan_slots(desc, layout, balance, hardware, matrices)
+        balancing[balance] = balancing_figures(*per_balance[balance], dp)
+
+    slots, by_stage = per_balance["cost"]
+    held = memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES)
+    capacity = hardware.memory_gb * 1e9
+    fits = [peak <= capacity for peak in held["peak_per_rank"]]
+    bw, _ = hardware.link(dp * tp)
+    comm = {
+        f"{gather}_gather": _gather_comm(slots, by_stage, layout, gather, bw)
+        for gather in ("fp32", "bf16")
+    }
+    tp_section = _tp_modes(slots, by_stage, layout, hardware)
+    chosen = tp_section["auto"] if tp > 1 else tp_section["duplicated"]
+    return {
+        "model": _model_figures(desc, matrices, counts, dense, experts, ep),
+        "layout": _layout_figures(desc, layout, dense, experts, by_stage),
         "hardware": hardware.name,
         "balancing": balancing,
-        "memory": {
-            "layerwise_state_bytes_per_rank": state,
-            "layerwise_state_bytes_max": max(state),
-            "layerwise_state_bytes_mean": sum(state) / len(state),
-            "zero1_adamw_state_bytes_per_rank": zero1_state,
-            "replicated_muon_state_bytes": replicated_state,
-        },
+        "memory": _memory_figures(held, by_stage, layout),
         "memory_per_rank": {
             **held,
             "hardware_bytes": capacity,
@@ -711,7 +768,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
         },
         "comm": comm,
         "tp": tp_section,
-        "overhead": overhead,
+        "overhead": _overhead(desc, hardware, layout, chosen, counts["matmul_active"]),
     }
 
 

@@ -68,13 +68,13 @@ class DescribedModel(_Part):
 def stage_matrices(desc: ModelDescription, layout: Layout, stage: int) -> list[Matrix]:
     """The units of pipeline stage `stage` in parameter order (embeddings on the first stage,
     the final norm and head on the last), experts of EP rank 0 only."""
-    from orthoptim.plan.planner import _stage, split_matrices
+    from orthoptim.plan.planner import split_matrices, stage_of
 
     matrices = expand(desc)
     dense, experts = split_matrices(matrices, desc, layout.ep)
     keep = {id(m) for m in dense + experts}
     stages = stage_of_layers(desc.num_hidden_layers, layout.pp)
-    return [m for m in matrices if id(m) in keep and _stage(m, stages, layout.pp) == stage]
+    return [m for m in matrices if id(m) in keep and stage_of(m, stages, layout.pp) == stage]
 
 
 def build_model(
