@@ -110,6 +110,27 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+def unbind_world_defaults() -> None:
+    """Make torch.distributed.nn's `group=group.WORLD` defaults None (the default group at
+    call time), what they are when that module is imported before a group exists.
+
+    Its functions bind `group.WORLD` when the module is imported: imported after
+    `init_process_group` (torch._dynamo imports it, and the first `torch.optim` step imports
+    torch._dynamo) they hold the default group for good, so `destroy_process_group()` no longer
+    ends it and gloo's worker threads run on into the interpreter's exit, where one that still
+    releases a finished collective aborts the process ("terminate called without an active
+    exception"). Imported here, with orthoptim, it binds None unless a group existed
+    already; this undoes that case."""
+    from torch.distributed.nn import functional
+
+    for f in vars(functional).values():
+        defaults = getattr(f, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            f.__defaults__ = tuple(
+                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
+            )
+
+
 def resolve_process_group(name: str) -> dist.ProcessGroup:
     """The process group a functional collective names by string."""
     from torch.distributed.distributed_c10d import _resolve_process_group

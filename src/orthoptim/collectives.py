@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim import host
+from orthoptim._torch_compat import default_store, unbind_world_defaults
 from orthoptim.comm_bytes import (
     CommStats,
     broadcast_bytes,
@@ -60,29 +61,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
-def _unbind_world_defaults() -> None:
-    """Make torch.distributed.nn's `group=group.WORLD` defaults None (the default group at
-    call time), what they are when that module is imported before a group exists.
-
-    Its functions bind `group.WORLD` when the module is imported: imported after
-    `init_process_group` (torch._dynamo imports it, and the first `torch.optim` step imports
-    torch._dynamo) they hold the default group for good, so `destroy_process_group()` no longer
-    ends it and gloo's worker threads run on into the interpreter's exit, where one that still
-    releases a finished collective aborts the process ("terminate called without an active
-    exception"). Imported here, with orthoptim, it binds None unless a group existed
-    already; this undoes that case."""
-    from torch.distributed.nn import functional
-
-    for f in vars(functional).values():
-        defaults = getattr(f, "__defaults__", None)
-        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
-            f.__defaults__ = tuple(
-                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
-            )
-
-
 if dist.is_available():
-    _unbind_world_defaults()
+    unbind_world_defaults()
 
 # Drivers whose parameter gathers may still be in flight when the program ends (weakly held).
 _PENDING_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -100,14 +80,14 @@ def _end_at_exit() -> None:
     when orthoptim is imported, and they run last-registered first), end every process group
     while the interpreter still serves gloo's worker threads (one that releases a finished
     collective needs the interpreter, and aborts the process once its teardown has begun):
-    release a group torch.distributed.nn bound after it started (`_unbind_world_defaults`),
+    release a group torch.distributed.nn bound after it started (`unbind_world_defaults`),
     land every collective a live driver still has in flight, and destroy the default group if
     the program left it, which joins gloo's threads. A failure here (a peer already gone) is
     no failure of the program's: it is left unsaid."""
     if not dist.is_available():
         return
     with contextlib.suppress(Exception):
-        _unbind_world_defaults()
+        unbind_world_defaults()
     if not dist.is_initialized():
         return
     for driver in list(_PENDING_AT_EXIT):
@@ -773,7 +753,7 @@ def _store() -> Any:
     if not dist.is_available() or not dist.is_initialized() or dist.get_backend() == "fake":
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
 
