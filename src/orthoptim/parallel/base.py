@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -48,6 +48,9 @@ from orthoptim.optim.registry import OptimizerName
 from orthoptim.optim.state import StateView
 from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import BALANCES, Balance
+
+#: what `DistributedOptimizer.memory()` reports, in the order a shared storage is counted in
+MEMORY_CATEGORIES = ("params", "grads", "masters", "state", "buffers")
 
 #: the name a clean stage's non-finite verdict gives for the parameters of the stage that had one
 ANOTHER_STAGE = "parameters of another pipeline stage"
@@ -308,6 +311,46 @@ class DistributedOptimizer(CompositeOptimizer):
         dtype = next(iter(self.named.values())).dtype if self.named else None
         return grads, grads, dtype
 
+    # -- the driver's contract with training loops -------------------------------------
+    def wait_for_params(self) -> None:
+        """Finish every parameter gather still in flight (call it before reading parameters
+        outside a forward pass); nothing by default, where none outlives the step."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which backward passes accumulate gradients without communicating
+        (gradient accumulation: every micro-batch but the last); by default the driver's
+        gradients travel otherwise and this does nothing."""
+        return contextlib.nullcontext()
+
+    def memory_tensors(self) -> dict[str, list[Tensor]]:
+        """The tensors this rank holds for training, by `MEMORY_CATEGORIES` (local shards of
+        DTensors): by default the model's parameters and gradients and the optimizer's state;
+        a driver adds what it holds beyond them (masters, flat buffers)."""
+        params = list(self.model.parameters())
+        return {
+            "params": params,
+            "grads": [p.grad for p in params if p.grad is not None],
+            "masters": [],
+            "state": list(_state_tensors(self.state.values())),
+            "buffers": [],
+        }
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds by category (`MEMORY_CATEGORIES`: params, grads, masters,
+        state, buffers), from `memory_tensors()`: each storage counted once, in the first
+        category holding it (a parameter that views a flat buffer makes the buffer params)."""
+        seen: set[int] = set()
+        out = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        for cat, tensors in self.memory_tensors().items():
+            for t in tensors:
+                storage = C.local_shard(t).untyped_storage()
+                if storage.data_ptr() in seen:
+                    continue
+                if storage.data_ptr():  # (meta tensors have none: each counted)
+                    seen.add(storage.data_ptr())
+                out[cat] += storage.nbytes()
+        return out
+
     # -- accounting --------------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, float]]:
         """Bytes sent / received per collective kind (and calls) in the last step."""
@@ -393,3 +436,15 @@ class DistributedOptimizer(CompositeOptimizer):
     def _loading(self) -> contextlib.AbstractContextManager[None]:
         """What a load runs inside (nothing by default)."""
         return contextlib.nullcontext()
+
+
+def _state_tensors(states: Iterable[Any]) -> Iterator[Tensor]:
+    """The tensors of an optimizer's per-parameter states (dicts), nested lists and dicts
+    included."""
+    for v in states:
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, dict):
+            yield from _state_tensors(v.values())
+        elif isinstance(v, (list, tuple)):
+            yield from _state_tensors(v)
