@@ -35,9 +35,10 @@ from orthoptim.parallel.layerwise.ownership import (
     check_tensor_parallel_layout,
     counted_here,
     inner_parts,
+    make_slots,
     tensor_parallel_groups,
 )
-from orthoptim.parallel.layerwise.slots import Slot, unit_label
+from orthoptim.parallel.layerwise.slots import Slot, make_masters
 from orthoptim.parallel.layerwise.sync import GradSync
 from orthoptim.parallel.layerwise.view import LayerwiseView
 from orthoptim.parallel.layout import ParallelMesh, expert_gradient_divisor
@@ -137,8 +138,10 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self.unit_groups = self._assign(self._group_units(layout), balance, bucket_mb, inner_kwargs)
         # The dense units' assignment (all units' when there is no expert group).
         self.assignment = self.unit_groups[0].assignment
-        self._make_slots()
-        self._master = self._make_masters()
+        self._slots, self._slots_by_unit, self.owner_of = make_slots(
+            self.units, self.named, self.unit_groups
+        )
+        self._master = make_masters(self._slots, param_dtype, gather_dtype)
         self._build_buckets()
         self.inner = self._build_inner(optimizer, lr, nonfinite, inner_kwargs)
         self._expose()
@@ -204,48 +207,6 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
                 cost=cost, base=base, shard_adamw=self.shard_adamw, masters=masters,
             )  # fmt: skip
             out.append(UnitGroup(group, ids, a, divisor, expert=k > 0))
-        return out
-
-    def _make_slots(self) -> None:
-        """One slot per unit owned whole and one per rank's run of a sharded AdamW unit, in
-        unit order; `owner_of` the owner rank of every unit within its group (-1: AdamW,
-        sharded over the group)."""
-        owners = [0] * len(self.units)
-        for g in self.unit_groups:
-            for i, r in zip(g.units, g.assignment.owners):
-                owners[i] = r
-        runs = self._adamw_runs()
-        self._slots: list[Slot] = []
-        for i, u in enumerate(self.units):
-            p = self.named[u.name]
-            if owners[i] >= 0:
-                self._slots.append(Slot(u.name, p, i, owners[i], u.part))
-                continue
-            for r, lo, hi in runs.get(i, []):  # a run of the whole parameter is the parameter
-                flat = None if (lo, hi) == (0, p.numel()) else (lo, hi)
-                self._slots.append(Slot(u.name, p, i, r, flat=flat))
-        self._slots_by_unit: list[list[Slot]] = [[] for _ in self.units]
-        for s in self._slots:
-            self._slots_by_unit[s.unit].append(s)
-        for g in self.unit_groups:
-            rank = C.world(g.group)[0]
-            for i in g.units:
-                for s in self._slots_by_unit[i]:
-                    s.mine = s.owner == rank
-        self.owner_of: dict[str, int] = {
-            unit_label(u.name, u.part): o for u, o in zip(self.units, owners)
-        }
-
-    def _make_masters(self) -> dict[str, Tensor]:
-        """The owner's fp32 masters (of what it owns), taken before the parameters change
-        dtype; the inner optimizer steps them and the parameters are written from them."""
-        out: dict[str, Tensor] = {}
-        for s in self._slots:
-            master_dtype = torch.float32 if self.param_dtype is not None else s.data.dtype
-            keeps = (self.param_dtype or s.data.dtype) != master_dtype
-            if s.mine and (keeps or self.gather_dtype not in (None, s.data.dtype)):
-                m = C.local_shard(s.data).detach().to(master_dtype, copy=True)
-                out[s.name] = C.wrap_local(m, s.data).requires_grad_(True)
         return out
 
     def _build_inner(
@@ -343,16 +304,6 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     def _copied(self) -> set[int]:
         """ids of the parameters copied to and from the buffers (`FlatBuffers.copied`)."""
         return self._flat.copied
-
-    def _adamw_runs(self) -> dict[int, list[tuple[int, int, int]]]:
-        """Unit → (rank, lo, hi) of every rank's run of a sharded AdamW unit
-        (`Assignment.adamw_runs`, bucket by bucket)."""
-        return {
-            g.units[j]: runs
-            for g in self.unit_groups
-            for b in range(len(g.assignment.buckets))
-            for j, runs in g.assignment.adamw_runs(b).items()
-        }
 
     # -- hooks and copies --------------------------------------------------------------
     def _grad_hook(self, p: Tensor) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from orthoptim import collectives as C
 from orthoptim.optim.hybrid import HybridOptimizer
-from orthoptim.parallel.assignment import Assignment
-from orthoptim.parallel.layerwise.slots import Slot
+from orthoptim.parallel.assignment import Assignment, Unit
+from orthoptim.parallel.layerwise.slots import Slot, unit_label
 
 
 @dataclass
@@ -27,6 +27,40 @@ class UnitGroup:
     assignment: Assignment
     divisor: int
     expert: bool = False
+
+
+def make_slots(
+    units: list[Unit], named: dict[str, nn.Parameter], groups: list[UnitGroup]
+) -> tuple[list[Slot], list[list[Slot]], dict[str, int]]:
+    """One slot per unit owned whole and one per rank's run of a sharded AdamW unit
+    (`Assignment.adamw_runs`, bucket by bucket), in unit order; the slots by unit; and the
+    owner rank of every unit within its group by label (-1: AdamW, sharded over the group)."""
+    owners = [0] * len(units)
+    runs: dict[int, list[tuple[int, int, int]]] = {}
+    for g in groups:
+        for i, r in zip(g.units, g.assignment.owners):
+            owners[i] = r
+        for b in range(len(g.assignment.buckets)):
+            runs.update((g.units[j], rs) for j, rs in g.assignment.adamw_runs(b).items())
+    slots: list[Slot] = []
+    for i, u in enumerate(units):
+        p = named[u.name]
+        if owners[i] >= 0:
+            slots.append(Slot(u.name, p, i, owners[i], u.part))
+            continue
+        for r, lo, hi in runs.get(i, []):  # a run of the whole parameter is the parameter
+            flat = None if (lo, hi) == (0, p.numel()) else (lo, hi)
+            slots.append(Slot(u.name, p, i, r, flat=flat))
+    by_unit: list[list[Slot]] = [[] for _ in units]
+    for s in slots:
+        by_unit[s.unit].append(s)
+    for g in groups:
+        rank = C.world(g.group)[0]
+        for i in g.units:
+            for s in by_unit[i]:
+                s.mine = s.owner == rank
+    owner_of = {unit_label(u.name, u.part): o for u, o in zip(units, owners)}
+    return slots, by_unit, owner_of
 
 
 def inner_parts(opt: Any) -> list[Any]:

@@ -106,3 +106,19 @@ def by_param(slots: list[Slot]) -> list[list[Slot]]:
     for s in slots:
         groups.setdefault(id(s.param), []).append(s)
     return [sorted(g, key=start_of) for g in groups.values()]
+
+
+def make_masters(
+    slots: list[Slot], param_dtype: torch.dtype | None, gather_dtype: torch.dtype | None
+) -> dict[str, Tensor]:
+    """The owner's masters of the slots it owns, by name, taken before the parameters change
+    dtype (fp32 under `param_dtype`; in the parameter's dtype where only `gather_dtype`
+    rounds): the inner optimizer steps them and the parameters are written from them."""
+    out: dict[str, Tensor] = {}
+    for s in slots:
+        master_dtype = torch.float32 if param_dtype is not None else s.data.dtype
+        keeps = (param_dtype or s.data.dtype) != master_dtype
+        if s.mine and (keeps or gather_dtype not in (None, s.data.dtype)):
+            m = C.local_shard(s.data).detach().to(master_dtype, copy=True)
+            out[s.name] = C.wrap_local(m, s.data).requires_grad_(True)
+    return out
