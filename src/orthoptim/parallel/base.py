@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from orthoptim import checkpoint
 from orthoptim import collectives as C
@@ -48,6 +49,7 @@ from orthoptim.optim.registry import OptimizerName
 from orthoptim.optim.state import StateView
 from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import BALANCES, Balance
+from orthoptim.parallel.layout import ParallelMesh
 
 #: what `DistributedOptimizer.memory()` reports, in the order a shared storage is counted in
 MEMORY_CATEGORIES = ("params", "grads", "masters", "state", "buffers")
@@ -61,11 +63,11 @@ class AgreementGroups(NamedTuple):
     (data-parallel, then each tensor-parallel group), and `across` (the pipeline group),
     over which only the count of non-finite gradients travels (stages step other items)."""
 
-    stage: tuple[Any, ...]
-    across: tuple[Any, ...]
+    stage: tuple[ProcessGroup | None, ...]
+    across: tuple[ProcessGroup | None, ...]
 
     @property
-    def all(self) -> tuple[Any, ...]:
+    def all(self) -> tuple[ProcessGroup | None, ...]:
         """Every group, stage first: what a sum over the whole model runs over."""
         return self.stage + self.across
 
@@ -89,12 +91,14 @@ class DistributedOptimizer(CompositeOptimizer):
     holds gradients otherwise than every rank holding its averaged ones, `_before_agree`,
     `_after_step`, `_agreement_items`, `_clip_tensors` and `state_view`."""
 
-    layout: Any = None  # the ParallelMesh it was built with, if any
-    process_group: Any = None  # data-parallel
-    expert_group: Any = None  # expert data-parallel (ep > 1)
-    pp_group: Any = None  # pipeline (None: the default group, when every rank is a stage)
+    layout: ParallelMesh | None = None  # the ParallelMesh it was built with, if any
+    process_group: ProcessGroup | None = None  # data-parallel
+    expert_group: ProcessGroup | None = None  # expert data-parallel (ep > 1)
+    # pipeline (None: the default group, when every rank is a stage)
+    pp_group: ProcessGroup | None = None
     stages = 1  # pipeline stages of the layout (1 without one)
-    tp_groups: list[Any]  # tensor-parallel (set by _bind_groups; a driver may find them)
+    # tensor-parallel (set by _bind_groups; a driver may find them)
+    tp_groups: list[ProcessGroup | None]
     rank, world_size = 0, 1  # in `process_group`
     _prepared: dict[str, Any] | None = None  # prepare_state_dict()'s, until the next step
 
@@ -131,7 +135,10 @@ class DistributedOptimizer(CompositeOptimizer):
         }
 
     def _bind_groups(
-        self, process_group: Any = None, expert_group: Any = None, layout: Any = None
+        self,
+        process_group: ProcessGroup | None = None,
+        expert_group: ProcessGroup | None = None,
+        layout: ParallelMesh | None = None,
     ) -> None:
         """Take the process groups, one by one or from `layout` (a `ParallelMesh`; not both),
         and check every trainable parameter's device against each group's backend."""

@@ -87,7 +87,7 @@ def carried_load(
     return out
 
 
-def check_tensor_parallel_layout(found: list[Any], want: list[int]) -> None:
+def check_tensor_parallel_layout(found: list[ProcessGroup | None], want: list[int]) -> None:
     """Refuse DTensor parameters whose mesh groups (`found`) are not the layout's tp group
     (of ranks `want`)."""
     import torch.distributed as dist
@@ -103,14 +103,14 @@ def check_tensor_parallel_layout(found: list[Any], want: list[int]) -> None:
 
 def tensor_parallel_groups(
     params: dict[str, Tensor], process_group: ProcessGroup | None
-) -> list[Any]:
+) -> list[ProcessGroup | None]:
     """The process groups of the device meshes of the DTensor (tensor-parallel) parameters,
     one per mesh dimension, in first-seen order; each must meet the data-parallel group
     `process_group` in this rank only (the TP ranks of a data-parallel rank own the same
     matrices and run the orthogonalizer together)."""
     import torch.distributed as dist
 
-    groups: list[Any] = []
+    groups: list[ProcessGroup | None] = []
     for name, p in params.items():
         if not C.is_dtensor(p):
             continue
@@ -134,7 +134,7 @@ def tensor_parallel_groups(
     return groups
 
 
-def counted_here(s: Slot, tp_groups: list[Any]) -> bool:
+def counted_here(s: Slot, tp_groups: list[ProcessGroup | None]) -> bool:
     """Whether this rank counts owned slot `s` in the gradient norm: always without
     tensor parallelism; under it, a DTensor's local shard unless the tensor is replicated
     over a mesh dimension where this rank's coordinate is not 0, a plain tensor on the
