@@ -340,7 +340,8 @@ def test_round_robin_is_kept_when_the_greedy_loses_to_it():
     """One shared bucket on 2 ranks: keeping its shards even (128 B each) pins the two 64 B
     units together, 6 + 4 against 4; round-robin (by size) pads more but pairs 4 + 4 against
     6. The balancing keeps whichever has the lighter busiest rank."""
-    from orthoptim.parallel.assignment import _bucketed_lpt, _local_search
+    from orthoptim.parallel.balancing import bucketed_lpt as _bucketed_lpt
+    from orthoptim.parallel.balancing import local_search as _local_search
 
     costs, nbytes = [6.0, 4.0, 4.0], [64, 64, 128]
     units = [Unit(f"w{i}", (4, 4), "muon", b) for i, b in enumerate(nbytes)]
@@ -356,7 +357,9 @@ def test_round_robin_is_kept_when_the_greedy_loses_to_it():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_local_search_never_pads_a_bucket_more(seed):
-    from orthoptim.parallel.assignment import _bucketed_lpt, _local_search, _round_robin
+    from orthoptim.parallel.balancing import bucketed_lpt as _bucketed_lpt
+    from orthoptim.parallel.balancing import local_search as _local_search
+    from orthoptim.parallel.balancing import round_robin as _round_robin
 
     world = 4 + seed
     units, costs = _random_units(seed, 10 * world)

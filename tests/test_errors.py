@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -445,10 +446,15 @@ def _save_kill(tmp_path: Path, rank: int, delay: float, *extra: str) -> tuple[in
 
 
 @pytest.mark.slow
-def test_a_rank_killed_during_a_save_is_the_one_named_with_its_step(tmp_path):
-    rc, line, _ = _save_kill(tmp_path, 1, 0.0)
+@pytest.mark.parametrize("rank, fsdp", [(1, False), (0, True)], ids=["layerwise", "fsdp"])
+def test_a_rank_killed_during_a_save_is_the_one_named_with_its_step(tmp_path, rank, fsdp):
+    """A rank SIGKILLed as the save of step 3 begins (the layer-wise save, which rank 0
+    writes, and the --fsdp DCP save, which every rank writes) is the one the line names, with
+    its step, above its survivor's knock-on error."""
+    rc, line, _ = _save_kill(tmp_path, rank, 0.0, *(("--fsdp",) if fsdp else ()))
     assert rc == 2
-    assert re.fullmatch(r"orthoptim: error: rank 1 died after step 3 \(.+\); logs: .+", line), line
+    pattern = rf"orthoptim: error: rank {rank} died after step 3 \(.+\); logs: .+"
+    assert re.fullmatch(pattern, line), line
 
 
 @pytest.mark.probe
@@ -601,35 +607,54 @@ def test_a_disk_filled_mid_run_is_one_line_and_the_resume_cleans_up(small_disk, 
     assert left == [] and not (out / ".lock").exists()
 
 
+def _full_disk_at_two_ranks(
+    small_disk: Callable[[int], Path], in_save: bool, *extra: str
+) -> tuple[bool, str]:
+    """A --nproc 2 run on a disk with room for the run but not its first checkpoint
+    (`in_save`), or on one filled after step 2: whether it ended with rc 2 and one line,
+    "no space left on PATH (N bytes free)" naming a path under the step folder (under --out
+    mid-run), by rank 0 in a layer-wise save (the one writing the files); and what it said."""
+    disk = small_disk(4 * 2**20 if in_save else 24 * 2**20)
+    out = disk / "run"
+    argv = ["--steps", "4" if in_save else "400", "--ckpt-every", "2" if in_save else "1000",
+            "--nproc", "2", "--out", str(out), *extra]  # fmt: skip
+    proc = _orthoptim("train", *TINY, *argv)
+    if not in_save:
+        _wait_for_steps(proc, out, 2)
+        _fill(disk)
+    err = _finish(proc)
+    line = err.splitlines()[-1] if err else ""
+    where = re.escape(str(out / "checkpoints" / "step_000002") if in_save else str(out))
+    pattern = rf"orthoptim: error: rank {'0' if in_save and '--fsdp' not in extra else '[01]'} .*"
+    ok = (
+        proc.returncode == 2
+        and len(err.splitlines()) <= 2  # the report, and a log's own line at most
+        and "Traceback" not in err
+        and re.fullmatch(pattern + NO_SPACE.format(where + r"\S*") + ".*", line) is not None
+    )
+    return ok, f"{'in a save' if in_save else 'mid-run'}: rc {proc.returncode}, {err!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True], ids=["layerwise", "fsdp"])
+def test_a_full_disk_in_a_save_at_nproc_2_is_one_line_naming_the_path(small_disk, fsdp):
+    """A disk with room for a --nproc 2 run but not its first checkpoint: rc 2 and one line
+    naming the path in the step folder and the bytes free (`_full_disk_at_two_ranks`), in the
+    layer-wise save (rank 0's) and in the --fsdp DCP save (both ranks writing)."""
+    ok, said = _full_disk_at_two_ranks(small_disk, True, *(("--fsdp",) if fsdp else ()))
+    assert ok, said
+
+
 @pytest.mark.probe
 @pytest.mark.parametrize("fsdp", [False, True], ids=["layerwise", "fsdp"])
 def test_probe_a_full_disk_at_nproc_2_is_one_line_naming_the_path(small_disk, fsdp):
     """Issue 32's figure: a disk with room for the run but not its first checkpoint (3 times),
-    and a disk filled after step 2 (twice), at --nproc 2: rc 2 and one line, "no space left
-    on PATH (N bytes free)"; in a layer-wise save rank 0's, the one writing the files."""
+    and a disk filled after step 2 (twice), at --nproc 2 (`_full_disk_at_two_ranks`)."""
     extra = ("--fsdp",) if fsdp else ()
     good = 0
     for trial in range(5):
-        disk = small_disk(4 * 2**20 if trial < 3 else 24 * 2**20)
-        out = disk / "run"
-        argv = ["--steps", "4" if trial < 3 else "400", "--ckpt-every", "2" if trial < 3 else
-                "1000", "--nproc", "2", "--out", str(out), *extra]  # fmt: skip
-        proc = _orthoptim("train", *TINY, *argv)
-        if trial >= 3:
-            _wait_for_steps(proc, out, 2)
-            _fill(disk)
-        err = _finish(proc)
-        line = err.splitlines()[-1] if err else ""
-        where = re.escape(str(out / "checkpoints" / "step_000002") if trial < 3 else str(out))
-        pattern = rf"orthoptim: error: rank {'0' if trial < 3 and not fsdp else '[01]'} .*"
-        ok = (
-            proc.returncode == 2
-            and len(err.splitlines()) <= 2  # the report, and a log's own line at most
-            and "Traceback" not in err
-            and re.fullmatch(pattern + NO_SPACE.format(where + r"\S*") + ".*", line) is not None
-        )
+        ok, said = _full_disk_at_two_ranks(small_disk, trial < 3, *extra)
         good += ok
-        print(f"{'in a save' if trial < 3 else 'mid-run'}: rc {proc.returncode}, "
-              f"{len(err.splitlines())} line(s), {'OK' if ok else 'WRONG'}: {err!r}")  # fmt: skip
+        print(f"{said}: {'OK' if ok else 'WRONG'}")
     print(f"{'--fsdp' if fsdp else 'layer-wise'}: {good}/5 one clear line")
     assert good == 5

@@ -224,7 +224,7 @@ def test_tp_costs_equal_a_real_tensor_parallel_run(layerwise_runs) -> None:
     what a real 2-rank TensorParallelOrthogonalizer (same cost model) sent and computed."""
     for rank in range(2):
         for shape, dim in TP_SHAPES:
-            for mode in ("duplicated", "distributed", "blockwise"):
+            for mode in ("duplicated", "distributed", "gram", "blockwise"):
                 cost, _ = tp_ns_cost(shape, dim, 2, mode, 5, 4, TP_MODEL)
                 sent, flops = layerwise_runs[rank]["tp"][(shape, dim, mode)]
                 assert (cost.bytes_sent, cost.flops) == (sent, flops), (shape, dim, mode)
@@ -295,7 +295,7 @@ def _tp_runs(rank: int, pair: object) -> dict:
     for shape, dim in TP_SHAPES:
         full = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         local = full.chunk(2, dim=dim)[rank].contiguous()
-        for mode in ("duplicated", "distributed", "blockwise"):
+        for mode in ("duplicated", "distributed", "gram", "blockwise"):
             stats = CommStats()
             orth = TensorParallelOrthogonalizer(
                 pair, mode=mode, shard_dim=dim, steps=5, cost_model=TP_MODEL, stats=stats

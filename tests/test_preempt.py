@@ -6,8 +6,9 @@ bit-identically. With --max-restarts, torchelastic restarts the ranks after a fa
 each restart resumes from the last checkpoint by itself. The oracle of "bit-identically" is an
 uninterrupted run. The default suite runs one rank in this process (a signal sent from an
 optimizer-step hook lands in a known step) and the launcher's turn between two attempts on
-planted records; the two-rank cases, with a signal or a SIGKILL at a random step, are probes
-(`-m probe`): a subprocess `python -m orthoptim train --nproc 2` each.
+planted records; the two-rank cases are subprocesses `python -m orthoptim train --nproc 2`,
+signalled or SIGKILLed once it has logged a step: once each (`slow`), and repeated at seeded
+random steps for the figures (probes, `-m probe`).
 """
 
 from __future__ import annotations
@@ -177,75 +178,125 @@ def test_between_attempts_the_restart_is_said_and_the_failed_attempts_records_go
         attempts.reify(envs)
 
 
-# ---------------------------------------------------------------- two ranks (probes)
+# ---------------------------------------------------------------- two ranks
 
-PROBE_STEPS = 12
+# ~50 ms a step here: room for a signal to land under load before the run's last step
+TWO_RANK_STEPS = 40
 PROBE_REPEATS = int(os.environ.get("ORTHOPTIM_PROBE_REPEATS", "5"))
 
 
 @pytest.fixture(scope="module")
 def whole2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted two-rank run, as a subprocess like the probed ones."""
+    """An uninterrupted two-rank run, as a subprocess like the signalled ones."""
     out = tmp_path_factory.mktemp("whole2") / "run"
-    proc = _orthoptim(*_argv(out, nproc=2, steps=PROBE_STEPS))
+    proc = _orthoptim(*_argv(out, nproc=2, steps=TWO_RANK_STEPS))
     err = _finish(proc)
     assert proc.returncode == 0, err
     return out
 
 
+def _sigterm_and_resume(whole2: Path, out: Path, to: str, after: int) -> int:
+    """A two-rank run under `out` sent SIGTERM once it has logged step `after`: to its
+    process group (Slurm, systemd), to the launcher only (Kubernetes' PID 1: torch's agent
+    forwards it) or to the ranks only (`to`). It stops with exit status 75 and one line naming
+    a step, its checkpoint is of that step, and --resume ends with `whole2`'s losses, bit for
+    bit. Returns the step it stopped after."""
+    proc = _orthoptim(*_argv(out, nproc=2, steps=TWO_RANK_STEPS))
+    _wait_for_steps(proc, out, after)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    elif to == "launcher":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        for pid in [_rank_pid(out, proc.pid, r) for r in range(2)]:
+            os.kill(pid, signal.SIGTERM)
+    err = _finish(proc)
+    assert proc.returncode == 75, err
+    found = re.fullmatch(
+        r"orthoptim: stopped by SIGTERM after step (\d+); checkpoint saved at step \1: "
+        r"--resume to continue\n",
+        err,
+    )
+    assert found, err
+    stopped = int(found[1])
+    assert after <= stopped < TWO_RANK_STEPS, err
+    assert _latest_step(out) == stopped
+    assert max(_losses(out)) == stopped
+    proc = _orthoptim(*_argv(out, "--resume", nproc=2, steps=TWO_RANK_STEPS))
+    err = _finish(proc)
+    assert proc.returncode == 0, err
+    assert _losses(out) == _losses(whole2), f"stopped after step {stopped}"
+    return stopped
+
+
+def _kill_and_restart(whole2: Path, out: Path, rank: int, after: int) -> str:
+    """A two-rank run under `out` with --max-restarts 2 whose `rank` is SIGKILLed once the
+    run has logged step `after`: it completes by itself (rc 0), says the restart in one line
+    naming the rank (in its launcher log too), and its losses equal `whole2`'s bit for bit.
+    Returns that line."""
+    proc = _orthoptim(*_argv(out, "--max-restarts", "2", nproc=2, steps=TWO_RANK_STEPS))
+    _wait_for_steps(proc, out, after)
+    os.kill(_rank_pid(out, proc.pid, rank), signal.SIGKILL)
+    err = _finish(proc)
+    assert proc.returncode == 0, err
+    restart = [line for line in err.splitlines() if "restarting the ranks" in line]
+    assert len(restart) == 1 and restart[0].endswith("(restart 1 of 2)"), err
+    assert f"rank {rank} died" in restart[0], err
+    assert "restarting the ranks" in (out / "logs" / "launcher.log").read_text()
+    assert _losses(out) == _losses(whole2), restart[0]
+    return restart[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["group", "launcher", "ranks"])
+def test_sigterm_at_two_ranks_saves_and_resumes_bitwise(whole2, tmp_path, to):
+    """SIGTERM to a real two-rank run (`_sigterm_and_resume`) once it has logged step 3:
+    exit status 75, one line, the checkpoint of the step named, and a bitwise resume."""
+    _sigterm_and_resume(whole2, tmp_path / "run", to, 3)
+
+
+@pytest.mark.slow
+def test_max_restarts_survives_a_killed_rank_bitwise(whole2, tmp_path):
+    """Rank 1 of a real two-rank run with --max-restarts 2 SIGKILLed once it has logged step
+    5, after its checkpoint of step 4 (--ckpt-every 4; `_kill_and_restart`): the run
+    restarts its ranks from that checkpoint (or a later one) by itself, says so in one line,
+    ends with rc 0 and the uninterrupted run's losses bit for bit."""
+    out = tmp_path / "run"
+    line = _kill_and_restart(whole2, out, 1, 5)
+    found = re.search(r"restarting the ranks from the checkpoint of step (\d+) ", line)
+    assert found and int(found[1]) % 4 == 0 and int(found[1]) >= 4, line
+    step = int(found[1])  # the restarted ranks did resume it (a fresh start has equal losses)
+    log = (out / "logs" / "rank0.log").read_text()
+    assert f"resuming from step_{step:06d} (step {step})" in log, log
+
+
 @pytest.mark.probe
 @pytest.mark.parametrize("to", ["group", "launcher", "ranks"])
-def test_probe_sigterm_at_two_ranks_saves_and_resumes_bitwise(whole2, tmp_path, to):
-    """SIGTERM at a random step to the process group (Slurm, systemd), to the launcher only
-    (Kubernetes' PID 1: torch's agent forwards it) or to the ranks only: every repeat stops
-    with exit status 75 and one line naming a step, the checkpoint is of that step, and
-    --resume ends with the uninterrupted run's losses."""
+def test_probe_sigterm_at_two_ranks_saves_and_resumes_bitwise(whole2, tmp_path, to, capsys):
+    """The figure: `PROBE_REPEATS` SIGTERMs (`_sigterm_and_resume`) at seeded random steps;
+    prints the step each stopped after."""
     rng = random.Random(f"sigterm-{to}")
-    for i in range(PROBE_REPEATS):
-        out = tmp_path / f"run{i}"
-        proc = _orthoptim(*_argv(out, nproc=2, steps=PROBE_STEPS))
-        _wait_for_steps(proc, out, rng.randint(1, PROBE_STEPS - 3))
-        if to == "group":
-            os.killpg(proc.pid, signal.SIGTERM)
-        elif to == "launcher":
-            os.kill(proc.pid, signal.SIGTERM)
-        else:
-            for pid in [_rank_pid(out, proc.pid, r) for r in range(2)]:
-                os.kill(pid, signal.SIGTERM)
-        err = _finish(proc)
-        assert proc.returncode == 75, err
-        found = re.fullmatch(
-            r"orthoptim: stopped by SIGTERM after step (\d+); checkpoint saved at step \1: "
-            r"--resume to continue\n",
-            err,
-        )
-        assert found, err
-        assert _latest_step(out) == int(found[1])
-        proc = _orthoptim(*_argv(out, "--resume", nproc=2, steps=PROBE_STEPS))
-        err = _finish(proc)
-        assert proc.returncode == 0, err
-        assert _losses(out) == _losses(whole2), f"stopped after step {found[1]}"
+    stopped = [
+        _sigterm_and_resume(whole2, tmp_path / f"run{i}", to, rng.randint(1, TWO_RANK_STEPS - 3))
+        for i in range(PROBE_REPEATS)
+    ]
+    with capsys.disabled():
+        print(f"\nSIGTERM to the {to}: {len(stopped)}/{PROBE_REPEATS} stopped with rc 75 and "
+              f"resumed bitwise, after steps {stopped}")  # fmt: skip
 
 
 @pytest.mark.probe
-def test_probe_max_restarts_survives_a_killed_rank_bitwise(whole2, tmp_path):
-    """--max-restarts 2, one rank (each in turn) SIGKILLed at a random step: the run
-    completes by itself (rc 0), says the restart in one line, and its losses equal the
-    uninterrupted run's."""
+def test_probe_max_restarts_survives_a_killed_rank_bitwise(whole2, tmp_path, capsys):
+    """The figure: `PROBE_REPEATS` SIGKILLs of a rank (each in turn) at seeded random steps
+    under --max-restarts 2 (`_kill_and_restart`); prints each restart's line."""
     rng = random.Random("restarts")
-    for i in range(PROBE_REPEATS):
-        out = tmp_path / f"run{i}"
-        proc = _orthoptim(*_argv(out, "--max-restarts", "2", nproc=2, steps=PROBE_STEPS))
-        _wait_for_steps(proc, out, rng.randint(1, PROBE_STEPS - 2))
-        rank = i % 2
-        os.kill(_rank_pid(out, proc.pid, rank), signal.SIGKILL)
-        err = _finish(proc)
-        assert proc.returncode == 0, err
-        restart = [line for line in err.splitlines() if "restarting the ranks" in line]
-        assert len(restart) == 1 and restart[0].endswith("(restart 1 of 2)"), err
-        assert f"rank {rank} died" in restart[0], err
-        assert "restarting the ranks" in (out / "logs" / "launcher.log").read_text()
-        assert _losses(out) == _losses(whole2), restart[0]
+    lines = [
+        _kill_and_restart(whole2, tmp_path / f"run{i}", i % 2, rng.randint(1, TWO_RANK_STEPS - 2))
+        for i in range(PROBE_REPEATS)
+    ]
+    with capsys.disabled():
+        print(f"\n{len(lines)}/{PROBE_REPEATS} killed runs restarted and ended bitwise:")
+        print("\n".join(lines))
 
 
 def test_a_stop_signal_during_compare_is_one_line(tmp_path, capsys, monkeypatch):

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from orthoptim import checkpoint
+from orthoptim import checkpoint, safe_load
 from orthoptim.cli import main
 from orthoptim.train import runfolder
 from orthoptim.train.args import TrainArgs
@@ -351,7 +351,7 @@ def test_a_dcp_read_failure_is_one_line():
         raise EOFError()
     except EOFError as exc:
         wrapped = _wrap_exception(exc)
-    with pytest.raises(checkpoint.CheckpointLoadError) as info, checkpoint._reading("ck/dcp"):
+    with pytest.raises(checkpoint.CheckpointLoadError) as info, safe_load.reading("ck/dcp"):
         raise CheckpointException("load failed", {0: wrapped, 1: (ValueError("a\nb"), None)})
     assert (
         str(info.value)

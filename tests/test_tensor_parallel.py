@@ -272,11 +272,17 @@ def test_cost_model_and_forms():
     assert all(short[f].flops > plain / 4 for f in ("apply", "square", "split"))
     assert short["rows"].flops == plain / 4
     layout = _Layout(None, 4, 0, -1, (256,) * 4)
-    # Slow links and fast matmuls favour one gather; fast links and slow matmuls the
-    # distributed iteration; blockwise is never chosen by auto.
+    # Slow links and fast matmuls favour one gather of a square matrix (of a wide one, the
+    # two packed 256² Grams of gram mode are fewer bytes than the gathered matrix); fast
+    # links and slow matmuls the distributed iteration; blockwise is never chosen by auto.
     slow_link = TensorParallelOrthogonalizer(
-        cost_model=CostModel(bandwidth=1e6, latency=1e-3, throughput=1e15)
+        cost_model=CostModel(bandwidth=1e6, latency=1e-3, throughput=1e15),
+        ns_dtype=torch.float32,
     )
+    assert slow_link.choose_mode(4, 256, 256, _Layout(None, 4, 0, -1, (64,) * 4)) == "duplicated"
+    assert slow_link.choose_mode(4, 256, 1024, layout) == "gram"
+    # in bf16 (the GPU default) auto leaves gram out: one gather of the wide matrix
+    slow_link.ns_dtype = "auto"
     assert slow_link.choose_mode(4, 256, 1024, layout) == "duplicated"
     slow_math = TensorParallelOrthogonalizer(
         cost_model=CostModel(bandwidth=1e12, latency=0.0, throughput=1e6)

@@ -2,8 +2,9 @@
 real gloo ranks: the runs equal a single-process float64 reference on the same global batch,
 and a run stopped after step 2 and resumed equals the uninterrupted one.
 
-The oracle (`_reference`) is a plain loop in this file: the model built with the run's seed,
-`build_optimizer`'s Muon and AdamW in one process, each step's global batch (every
+The oracle (`_reference`: `reference_runs.reference_run`) is a plain loop: the model built
+with the run's seed, `build_optimizer`'s Muon and AdamW in one process, each step's global
+batch (every
 data-parallel rank's (seed, step, rank) batch, in micro-batches as the pipeline cuts them)
 with accumulated gradients, the LR schedule, clipping at 1 and QK-clip. Everything runs in
 float64 (`--param-dtype fp64`), where the layouts' different reduction orders differ by
@@ -22,11 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from orthoptim.optim.hybrid import build_optimizer
-from orthoptim.optim.qk_clip import QKClip
 from orthoptim.train.args import TrainArgs
-from orthoptim.train.data import get_batch, load_corpus
-from orthoptim.train.model import CONFIGS, GPT, GPTConfig, MoEConfig
+from orthoptim.train.data import load_corpus
+from orthoptim.train.model import CONFIGS, GPTConfig, MoEConfig
+from reference_runs import reference_run, relative, saved_model
 
 from distributed import run_ranks
 
@@ -121,52 +121,14 @@ def _reference(
     tau: float | None,
     optimizer: str = "muon",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The single-process float64 run on the layout's global batch: its losses (the mean over
-    the data-parallel ranks' batches) and its parameters after `STEPS` steps. `dp`: the
-    data-parallel size, or one per step (a run resumed at another size)."""
+    """The single-process float64 run on the layout's global batch (`reference_run`): its
+    losses (the mean over the data-parallel ranks' batches) and its parameters after `STEPS`
+    steps. `dp`: the data-parallel size, or one per step (a run resumed at another size)."""
     sizes = dp if isinstance(dp, list) else [dp] * STEPS
-    from orthoptim.train.loop import lr_multiplier
-
     cfg = SMALL[config]
     args = TrainArgs(config=config, steps=STEPS, batch=BATCH, warmup=1, optimizer=optimizer)
     train = load_corpus(data, min_bytes=cfg.seq_len + 1).train
-    torch.manual_seed(0)
-    model = GPT(cfg).to(torch.float64)
-    if optimizer == "adamw":  # AdamW for every parameter
-        opt = build_optimizer(model, optimizer="adamw", lr=args.matrix_lr, adamw_weight_decay=0.0)
-    else:
-        opt = build_optimizer(
-            model, optimizer=optimizer, lr=args.matrix_lr, adamw_lr=args.embed_lr,
-            adamw_weight_decay=0.0, elementwise="adamw",
-        )  # fmt: skip
-    qk = QKClip(model, tau=tau) if tau else None
-    initial = [g["lr"] for g in opt.param_groups]
-    losses = []
-    for step in range(1, STEPS + 1):
-        for g, lr in zip(opt.param_groups, initial):
-            g["lr"] = lr * lr_multiplier(step, args)
-        total, dp = 0.0, sizes[step - 1]
-        # micro-batch m of every data-parallel rank together: the mean cross-entropy over
-        # them is the mean of the ranks', and the router's balancing loss counts its routing
-        # over them (as the ranks' all-reduce of each micro-batch's counts does)
-        batches = [get_batch(train, BATCH, cfg.seq_len, args.seed, step, d) for d in range(dp)]
-        for m in range(microbatches):
-            xm = torch.cat([x.chunk(microbatches)[m] for x, _ in batches])
-            ym = torch.cat([y.chunk(microbatches)[m] for _, y in batches])
-            loss = model(xm, ym)  # with the router's balancing loss, as the run's
-            (loss / microbatches).backward()
-            total += loss.item() / microbatches
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if qk is not None:
-            qk.step()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+    return reference_run(cfg, train, args, sizes, microbatches, tau)
 
 
 def _check_equal(out: Path, args: TrainArgs, nproc: int, want: tuple) -> None:
@@ -177,16 +139,18 @@ def _check_equal(out: Path, args: TrainArgs, nproc: int, want: tuple) -> None:
         assert abs(a - b) <= TOL * abs(b), (got, losses)
     have = _params(out, args, nproc)
     assert have.keys() == params.keys()
-    worst = max(_relative(have[k], params[k]) for k in params)
+    worst = max(relative(have[k], params[k]) for k in params)
     assert worst <= TOL, worst
 
 
 # name → (config, nproc, flags, data-parallel size): the issue's two 8-rank layouts, and
-# (probe) the 4-rank --pp 2 --dp 2 --ep 2 and the GPipe schedule. QK-clip at τ = 0.045,
-# under the shrunk MoE's first max logits (0.035 to 0.054), so heads are clipped on stages.
+# one 4-rank layout of each kind (tensor, expert parallel, the GPipe schedule). QK-clip at
+# τ = 0.045, under the shrunk MoE's first max logits (0.035 to 0.054), so heads are clipped
+# on stages.
 LAYOUTS = {
     "pp2 tp2 dp2": ("test-gpt", 8, dict(pp=2, tp=2, qk_clip=0.0), 2),
     "pp2 dp4 ep2": ("test-moe", 8, dict(pp=2, ep=2, qk_clip=0.045), 4),
+    "pp2 tp2": ("test-gpt", 4, dict(pp=2, tp=2, qk_clip=0.0), 1),
     "pp2 dp2 ep2": ("test-moe", 4, dict(pp=2, ep=2, qk_clip=0.045), 2),
     "pp2 dp2 gpipe": ("test-gpt", 4, dict(pp=2, pp_schedule="gpipe", qk_clip=0.0), 2),
 }
@@ -232,10 +196,11 @@ def test_adamw_steps_expert_parallel_experts_over_their_expert_group(corpus, tmp
     _check_equal(tmp_path / "run", args, 2, _reference("test-moe", corpus, 2, 1, None, "adamw"))
 
 
-@pytest.mark.probe
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_probe_every_layout_equals_one_process_and_resumes_bitwise(corpus, tmp_path, layout):
-    """Every layout of `LAYOUTS`: the uninterrupted 3-step run equals the single-process
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2 tp2", "pp2 dp2 ep2", "pp2 dp2 gpipe"])
+def test_each_layout_kind_equals_one_process_and_resumes_bitwise(corpus, tmp_path, layout):
+    """A 4-rank layout of each kind (`--tp`, `--ep` with QK-clip, `--pp-schedule gpipe`; the
+    1f1b schedule in the first two): the uninterrupted 3-step run equals the single-process
     one to 1e-10, and the run stopped after step 2 and resumed equals it bit for bit."""
     config, nproc, flags, _ = LAYOUTS[layout]
     whole = _args(corpus, tmp_path / "whole", config, **flags)
@@ -244,20 +209,8 @@ def test_probe_every_layout_equals_one_process_and_resumes_bitwise(corpus, tmp_p
     _stopped_and_resumed(corpus, tmp_path / "part", layout)
     assert _losses(tmp_path / "part") == _losses(tmp_path / "whole")
     a, b = _params(tmp_path / "part", whole, nproc), _params(tmp_path / "whole", whole, nproc)
-    diffs = {k: _relative(a[k], b[k]) for k in b if not torch.equal(a[k], b[k])}
+    diffs = {k: relative(a[k], b[k]) for k in b if not torch.equal(a[k], b[k])}
     assert not diffs, diffs
-
-
-def _dcp_params(out: Path, config: str) -> dict[str, torch.Tensor]:
-    """The model of a DCP checkpoint (--fsdp), read by one process."""
-    from orthoptim import checkpoint
-
-    record = json.loads((out / "checkpoints/latest.json").read_text())
-    assert record["format"] == "dcp"
-    model = GPT(SMALL[config]).to(torch.float64)
-    opt = build_optimizer(model, optimizer="muon", lr=0.05, adamw_lr=3e-3, adamw_weight_decay=0.0)
-    checkpoint.load_sharded(out / "checkpoints" / record["folder"] / "dcp", opt, model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_hybrid_sharded_fsdp_run_equals_one_process(corpus, tmp_path):
@@ -275,8 +228,8 @@ def test_hybrid_sharded_fsdp_run_equals_one_process(corpus, tmp_path):
     got = _losses(out)
     assert len(got) == STEPS
     assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(got, losses)), (got, losses)
-    have = _dcp_params(out, "test-gpt")
-    worst = max(_relative(have[k], params[k]) for k in params)
+    have = saved_model(out)
+    worst = max(relative(have[k], params[k]) for k in params)
     assert worst <= TOL, worst
     assert "--nproc 4 → 2, --dp-replicate 2 → 1" in (out / "logs/rank0.log").read_text()
 
@@ -355,7 +308,8 @@ def test_resume_at_another_pipeline_size_is_refused_naming_both():
 
 
 # (nproc, flags) before and after: an --ep checkpoint (the experts whole, their optimizer
-# state under global names) resumed at another expert-parallel and data-parallel size
+# state under global names) resumed at another expert-parallel and data-parallel size, of
+# one process and of a pipeline stage (8 ranks: slow)
 EP_RESHARDS = {
     "ep2 -> one process": ((2, dict(ep=2)), (1, {})),
     "pp2 dp2 ep2 -> pp2 dp4 ep4": ((4, dict(pp=2, ep=2)), (8, dict(pp=2, ep=4))),
@@ -363,7 +317,7 @@ EP_RESHARDS = {
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(k, marks=[pytest.mark.probe] if "pp2" in k else []) for k in EP_RESHARDS]
+    "case", [pytest.param(k, marks=[pytest.mark.slow] if "pp2" in k else []) for k in EP_RESHARDS]
 )
 def test_an_expert_parallel_checkpoint_resumes_at_another_ep(corpus, tmp_path, case):
     """Stopped after step 2 at one --ep and resumed at another (one process, or fewer experts
@@ -389,7 +343,7 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_ep(corpus, tmp_path, c
         have = torch.load(folder / "model.pt")
     else:
         have = _params(out, args, n1)
-    worst = max(_relative(have[k], params[k]) for k in params)
+    worst = max(relative(have[k], params[k]) for k in params)
     assert worst <= TOL, worst
     log = (out / "logs/rank0.log").read_text()
     assert f"--nproc {n0} → {n1}, --ep {f0['ep']} → {f1.get('ep', 1)}" in log, log
@@ -416,15 +370,16 @@ def test_the_launcher_refuses_another_pp_before_any_rank_starts(tmp_path, capsys
     assert "resume with --pp 2" in err
 
 
-@pytest.mark.probe
 @pytest.mark.parametrize(
     "before, after",
-    [((4, 1), (2, 1)), ((8, 2), (4, 2)), ((8, 2), (2, 1)), ((2, 1), (4, 2))],
+    [((4, 1), (4, 2)), pytest.param((4, 2), (4, 1), marks=pytest.mark.slow)],
+    ids=["dp2 tp1 -> dp1 tp2", "dp1 tp2 -> dp2 tp1"],
 )
-def test_probe_a_stage_checkpoint_resumes_at_another_dp_and_tp(corpus, tmp_path, before, after):
+def test_a_stage_checkpoint_resumes_at_another_dp_and_tp(corpus, tmp_path, before, after):
     """The per-stage format reshards within a stage: `--pp 2` at (nproc, tp) `before`
-    stopped after step 2 and resumed at `after` equals the single-process run whose global
-    batch follows the data-parallel size (nproc / (2 · tp) batches a step), to 1e-10."""
+    stopped after step 2 and resumed at `after` (another --dp and another --tp at once, each
+    way) equals the uninterrupted single-process run whose global batch follows the
+    data-parallel size (nproc / (2 · tp) batches a step), to 1e-10."""
     (n0, tp0), (n1, tp1) = before, after
     _run(_args(corpus, tmp_path / "run", "test-gpt", stop_after=2, pp=2, tp=tp0, qk_clip=0.0), n0)
     args = _args(corpus, tmp_path / "run", "test-gpt", resume=True, pp=2, tp=tp1, qk_clip=0.0)
@@ -432,4 +387,5 @@ def test_probe_a_stage_checkpoint_resumes_at_another_dp_and_tp(corpus, tmp_path,
     dp = [n0 // (2 * tp0)] * 2 + [n1 // (2 * tp1)]
     _check_equal(tmp_path / "run", args, n1, _reference("test-gpt", corpus, dp, 2, None))
     log = (tmp_path / "run/logs/rank0.log").read_text()
-    assert f"--nproc {n0} → {n1}" in log, log
+    notice = f"--tp {tp0} → {tp1}: global batch {BATCH * dp[0]} → {BATCH * dp[-1]} sequences"
+    assert notice in log, log

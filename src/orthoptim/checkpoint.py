@@ -47,17 +47,19 @@ import io
 import itertools
 import math
 import os
-import pickle
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from typing import IO, Any, Literal, get_args
+from typing import IO, TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from orthoptim import collectives as C
+from orthoptim.expert_view import ExpertSlices as ExpertSlices
+from orthoptim.expert_view import ExpertSlicesView, expert_slices
+from orthoptim.fileio import atomic_write, fsync_dir
 from orthoptim.optim.state import (
     IMPLEMENTATION_HYPERS,
     NOT_HYPERS,
@@ -78,6 +80,21 @@ from orthoptim.optim.state import (
     state_view,
     validate,
 )
+from orthoptim.safe_load import ONE_LINE_CHARS as ONE_LINE_CHARS
+from orthoptim.safe_load import (
+    CheckpointLoadError,
+    MetadataUnpickler,
+    atomic_load,
+    load_file,
+    pack,
+    reading,
+    safe_load,
+    unpack,
+)
+from orthoptim.safe_load import one_line as one_line
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "META_KEY",
@@ -121,48 +138,6 @@ def parse_sharded_key(key: str) -> tuple[Literal["state", "master"], str, str] |
     if key.startswith(_MASTER_PREFIX):
         return "master", key[len(_MASTER_PREFIX) :], ""
     return None
-
-
-class CheckpointLoadError(Exception):
-    """A checkpoint could not be read (missing or damaged files), or was refused because
-    loading it would run code it pickled (`load_file`). Raised in place of
-    torch.distributed.checkpoint's `CheckpointException`, a BaseException that
-    `except Exception` would not catch; the original is its `__cause__`."""
-
-
-# An exception's message in `one_line` is cut to this many characters.
-ONE_LINE_CHARS = 300
-
-
-def one_line(exc: BaseException) -> str:
-    """`exc` as "Type: message" on one line (whitespace runs joined, cut to ONE_LINE_CHARS);
-    "Type" alone when it has no message (an `EOFError()` of a file cut short); a
-    `CheckpointLoadError` (which says what it is and what to do) as its whole message."""
-    message = " ".join(str(exc).split())
-    if isinstance(exc, CheckpointLoadError) and message:
-        return message
-    if len(message) > ONE_LINE_CHARS:
-        message = message[: ONE_LINE_CHARS - 1] + "…"
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-
-
-@contextlib.contextmanager
-def _reading(path: str) -> Iterator[None]:
-    """Turn a failed DCP read of checkpoint `path` into a one-line `CheckpointLoadError`
-    that names every rank's failure (KeyboardInterrupt, SystemExit and the like pass
-    unchanged). DCP keeps each failure as (exception, stack summary): only the exception is
-    told."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        yield
-    except CheckpointException as exc:
-        failures = getattr(exc, "failures", {}) or {}
-        why = "; ".join(
-            f"rank {r}: {one_line(e[0] if isinstance(e, tuple) else e)}"
-            for r, e in sorted(failures.items())
-        ) or one_line(exc)
-        raise CheckpointLoadError(f"could not read checkpoint {path}: {why}") from exc
 
 
 # -- install, shared by every loader -----------------------------------------------------------
@@ -324,84 +299,6 @@ def _placed(v: Any, p: Tensor, elementwise: bool) -> Any:
     return v.detach().to(p.device, copy=True)
 
 
-# -- expert parallelism ---------------------------------------------------------------------
-# Under --ep, rank e's stack of parameter `w` holds global experts [lo, hi) of E. Its
-# optimizer state is named by the global range (`w[lo:hi]`, or `w[lo+a:lo+b]` for a local
-# slice `w[a:b]`), and the layout reports `w` at its global shape, so the slices of every ep
-# rank join into the single-process optimizer's entry and are cut again on load.
-
-ExpertSlices = dict[str, tuple[int, int, int]]  # name → (start, stop, n_expert), global
-
-
-def expert_slices(model: nn.Module | None) -> ExpertSlices:
-    """The model's expert-parallel stacks (`expert_parallel_slices()`, read duck-typed so
-    that no driver imports the model's module; {} for other models)."""
-    get = getattr(model, "expert_parallel_slices", None)
-    return get() if callable(get) else {}
-
-
-class ExpertSlicesView(StateView):
-    """`inner` (a driver's `StateView` over an expert-parallel model) with global expert
-    names: the state of a local stack of `slices[name] = (lo, hi, E)` is named `name[lo:hi]`
-    (a local slice `name[a:b]`: `name[lo+a:lo+b]`) and the layout gives `name` the shape
-    [E, ...]. `gather_group` (and the DCP group) must span every rank that holds another
-    part of the state: the data-parallel group of a stage (ep inside dp). A driver returns it
-    from `state_view()` when its model is expert-parallel."""
-
-    spread = True
-
-    def __init__(self, inner: StateView, slices: ExpertSlices, gather_group: Any) -> None:
-        super().__init__(inner.opt, inner.kinds)
-        self.inner, self.slices = inner, dict(slices)
-        self.gather_group = self.dcp_group = gather_group
-        self._local: dict[str, str] = {}  # global name → the inner view's name
-
-    def _global(self, name: str) -> str:
-        base, part = _range(name)
-        if base not in self.slices:
-            return name
-        lo, hi, _ = self.slices[base]
-        a, b = part if part is not None else (0, hi - lo)
-        out = f"{base}[{lo + a}:{lo + b}]"
-        self._local[out] = name
-        return out
-
-    def _renamed(self, entries: dict[str, Any]) -> dict[str, Any]:
-        return {self._global(n): v for n, v in entries.items()}
-
-    def sync(self) -> None:
-        self.inner.sync()
-
-    def layout(self) -> dict[str, Any]:
-        meta = self.inner.layout()
-        shapes = dict(meta["shapes"])
-        for name, (_, _, n_expert) in self.slices.items():
-            if name in shapes:
-                shapes[name] = [n_expert, *shapes[name][1:]]
-        return {**meta, "shapes": shapes}
-
-    def owned_params(self) -> dict[str, Tensor]:
-        return self._renamed(self.inner.owned_params())
-
-    def owned_state(self) -> dict[str, dict[str, Any]]:
-        return self._renamed(self.inner.owned_state())
-
-    def masters(self) -> dict[str, Tensor]:
-        return self._renamed(self.inner.masters())
-
-    def params(self) -> dict[str, Tensor]:
-        return self.inner.params()
-
-    def sends(self, name: str, key: str, value: Any) -> bool:
-        return self.inner.sends(self._local.get(name, name), key, value)
-
-    def keeps(self, name: str, key: str) -> bool:
-        return self.inner.keeps(self._local.get(name, name), key)
-
-    def elementwise(self, name: str, key: str) -> bool:
-        return self.inner.elementwise(self._local.get(name, name), key)
-
-
 def _model_entries(model: nn.Module, fresh: bool = False) -> dict[str, Any]:
     """`model`'s state for DCP (`fresh`: empty tensors to read into): each expert-parallel
     stack as its slice of the full [E, ...] tensor (a `FlatShard`: experts are dim 0, so a
@@ -540,7 +437,7 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
     view = state_view(opt)
     view.sync()
     meta = view.layout()
-    out: dict[str, Any] = {META_KEY: _pack(meta)}
+    out: dict[str, Any] = {META_KEY: pack(meta)}
 
     def value(name: str, v: Any) -> tuple[str, Any]:
         # a run of a sharded parameter: its boxes of the full-size tensor, under its key
@@ -562,7 +459,7 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
 def load_sharded_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Install a dict read with DCP (keys as `sharded_state_dict`, for the parameters this
     rank owns now, whatever world size wrote them); validates first, lists every mismatch."""
-    saved_meta = _unpack(sd[META_KEY], f"the state dict's {META_KEY!r} entry")
+    saved_meta = unpack(sd[META_KEY], f"the state dict's {META_KEY!r} entry")
     validate(opt, saved_meta)
     state: dict[str, dict[str, Any]] = {}
     masters: dict[str, Tensor] = {}
@@ -700,57 +597,6 @@ class FlatShard(Tensor):
         raise ValueError(f"{index.fqn}: this rank holds no box at offset {index.offset}")
 
 
-def _pack(obj: Any) -> bytes:
-    """Serialise a nested value so that DCP stores it as one item (DCP flattens dicts)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpack(data: bytes, source: str) -> Any:
-    """What `_pack` serialised, read as `_safe_load` reads files (`source` names it in errors)."""
-    return _safe_load(io.BytesIO(data), source)
-
-
-def _safe_load(f: str | IO[bytes], source: str, map_location: Any = None) -> Any:
-    """`torch.load(f, weights_only=True)`. Everything orthoptim saves (optimizer, full and
-    sharded state dicts, their metadata) is made of what that allows by default: tensors,
-    dicts, lists, tuples, str, int, float, bool, None, torch.dtype, torch.Size; so nothing
-    is added to the allow-list. Anything else is refused with a `CheckpointLoadError` that
-    names `source` and the globals it wanted."""
-    try:
-        return torch.load(f, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError) as exc:  # torch's reader: a file cut short or not a zip
-        raise CheckpointLoadError(f"could not load {source}: {one_line(exc)}") from exc
-    except pickle.UnpicklingError as exc:
-        if not isinstance(f, str):
-            f.seek(0)
-        try:
-            wanted = torch.serialization.get_unsafe_globals_in_checkpoint(f)
-        except Exception:
-            wanted = []
-        if not wanted:  # torch's own reason, without its advice around it
-            why = str(exc.__cause__ or exc.__context__ or exc)
-            raise CheckpointLoadError(
-                f"refused to load {source}: torch.load(weights_only=True) cannot read it "
-                f"({why}): it is damaged, not a torch.save file, or holds objects that only "
-                "an unrestricted load builds, which may execute code it pickled; if you trust "
-                "its source, load it with torch.load(weights_only=False) yourself"
-            ) from exc
-        raise _refused(source, wanted) from exc
-
-
-def _refused(source: str, wanted: list[str]) -> CheckpointLoadError:
-    """The error for a file (`source`) refused because it needs the globals `wanted`."""
-    return CheckpointLoadError(
-        f"refused to load {source}: it needs the global(s) {', '.join(wanted)}, which "
-        "torch.load(weights_only=True) does not allow: loading it would execute code it "
-        "pickled. orthoptim's own checkpoints hold only tensors, numbers, strings and "
-        "containers of them; if you trust its source, load it with "
-        "torch.load(weights_only=False) yourself"
-    )
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """DCP warns on every call made without a process group; that is intended here."""
@@ -766,47 +612,6 @@ def _dcp() -> Any:
     return dcp
 
 
-# What the `.metadata` pickle of a DCP checkpoint may name: DCP's metadata records and what
-# they hold. Checked before anything is imported; torch dtypes are allowed too.
-_DCP_METADATA_GLOBALS = frozenset(
-    [
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "StorageMeta",
-            "MetadataIndex",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "_MEM_FORMAT_ENCODING",
-        )
-    ]
-    + [
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-    ]
-    # Python 3.13 pickles paths from pathlib._local
-    + [(m, c) for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "WindowsPath")]
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads a DCP `.metadata` pickle (`source`), refusing every global outside
-    `_DCP_METADATA_GLOBALS` and torch dtypes."""
-
-    def __init__(self, file: IO[bytes], source: str) -> None:
-        super().__init__(file)
-        self.source = source
-
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if dtype or (module, name) in _DCP_METADATA_GLOBALS:
-            return super().find_class(module, name)
-        raise _refused(self.source, [f"{module}.{name}"])
-
-
 @functools.cache
 def _safe_dcp() -> tuple[type, type]:
     """DCP's file reader and load planner, made to unpickle nothing that
@@ -820,7 +625,7 @@ def _safe_dcp() -> tuple[type, type]:
             # FileSystemReader.read_metadata with a restricted unpickler
             path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f, os.fspath(path)).load()
+                metadata = MetadataUnpickler(f, os.fspath(path)).load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -833,15 +638,17 @@ def _safe_dcp() -> tuple[type, type]:
 
         def load_bytes(self, read_item: Any, value: IO[bytes]) -> None:
             fqn = read_item.dest_index.fqn
-            obj = _safe_load(value, f"{fqn!r} of checkpoint {self.path}")
+            obj = safe_load(value, f"{fqn!r} of checkpoint {self.path}")
             # the parent places it in the state dict; what it unpickles is only what passed
-            super().load_bytes(read_item, io.BytesIO(_pack(obj)))
+            super().load_bytes(read_item, io.BytesIO(pack(obj)))
 
     return Reader, Planner
 
 
 def dcp_load(
-    state_dict: dict[str, Any], path: str | os.PathLike[str], process_group: Any = None
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    process_group: ProcessGroup | None = None,
 ) -> None:
     """`torch.distributed.checkpoint.load(state_dict, checkpoint_id=path, process_group=...)`
     that unpickles only what `torch.load(weights_only=True)` allows (and DCP's own metadata
@@ -850,7 +657,7 @@ def dcp_load(
     naming every rank's reason. Collective over `process_group`."""
     reader, planner = _safe_dcp()
     path = os.fspath(path)
-    with _quiet(), _reading(path), C.issuing("torch.distributed.checkpoint.load", process_group):
+    with _quiet(), reading(path), C.issuing("torch.distributed.checkpoint.load", process_group):
         _dcp().load(
             state_dict,
             storage_reader=reader(path),
@@ -893,7 +700,7 @@ def save_sharded(
     if model is not None:
         sd.update({f"model/{k}": v for k, v in _model_entries(model).items()})
     for k, v in (extra or {}).items():
-        sd[f"extra/{k}"] = _pack(v)
+        sd[f"extra/{k}"] = pack(v)
     if rank == 0 and os.path.exists(partial):
         shutil.rmtree(partial)
     with C.phase("checkpoint save", group):
@@ -908,7 +715,7 @@ def save_sharded(
                 shutil.rmtree(old)
             os.replace(path, old)
         os.replace(partial, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
         if os.path.exists(old):
             shutil.rmtree(old)
     with C.phase("checkpoint save: waiting for rank 0 to move it into place", group):
@@ -942,47 +749,85 @@ def load_sharded(
     would run code while loading (nothing is unpickled beyond what
     `torch.load(weights_only=True)` allows, `dcp_load`), before anything is changed.
     """
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     check_optimizer(opt)
     group = state_view(opt).dcp_group
     path = resolve(path)
+    stored = _stored_metadata(path)
+    with C.phase("checkpoint load (metadata)", group):
+        head: dict[str, Any] = {META_KEY: None}
+        dcp_load(head, path, group)
+    saved_meta = unpack(head[META_KEY], f"{META_KEY!r} of checkpoint {path}")
+    mismatches = compare(saved_meta, describe(opt))
+    model_sd = model.state_dict() if model is not None else {}
+    if model is not None:
+        mismatches += _model_mismatches(model, model_sd, stored)
+    if mismatches:
+        raise CheckpointMismatchError(mismatches)
+    want = _read_targets(state_view(opt), stored)
+    fresh_model = (
+        {f"model/{k}": v for k, v in _model_entries(model, fresh=True).items()}
+        if model is not None
+        else {}
+    )
+    want.update(fresh_model)
+    with C.phase("checkpoint load", group):
+        dcp_load(want, path, group)
+    extra = {
+        k[len("extra/") :]: unpack(v, f"{k!r} of checkpoint {path}")
+        for k, v in want.items()
+        if k.startswith("extra/")
+    }
+    # Everything was read (and nothing refused): only now change anything.
+    with torch.no_grad():
+        for k, v in model_sd.items():
+            got = fresh_model[f"model/{k}"]
+            v.copy_(got.local.view_as(v) if isinstance(got, FlatShard) else got)
+    load_sharded_state_dict(opt, {**want, META_KEY: head[META_KEY]})
+    return extra
+
+
+def _stored_metadata(path: str) -> dict[str, Any]:
+    """What DCP checkpoint `path` stores (key → its storage metadata), read as `dcp_load`
+    reads; a failure to read it is a `CheckpointLoadError`."""
     reader, _ = _safe_dcp()
     try:
-        stored = reader(path).read_metadata().state_dict_metadata
+        return reader(path).read_metadata().state_dict_metadata
     except CheckpointLoadError:
         raise
     except Exception as exc:
         raise CheckpointLoadError(
             f"could not read the metadata of checkpoint {path}: {type(exc).__name__}: {exc}"
         ) from exc
-    with C.phase("checkpoint load (metadata)", group):
-        head: dict[str, Any] = {META_KEY: None}
-        dcp_load(head, path, group)
-    saved_meta = _unpack(head[META_KEY], f"{META_KEY!r} of checkpoint {path}")
-    mismatches = compare(saved_meta, describe(opt))
-    model_sd = model.state_dict() if model is not None else {}
-    model_shapes = _model_shapes(model) if model is not None else {}
-    if model is not None:
-        saved_model = {k[len("model/") :]: v for k, v in stored.items() if k.startswith("model/")}
-        for k in sorted(set(model_sd) - set(saved_model)):
-            mismatches.append(f"model entry {k}: in this model, missing from the checkpoint")
-        for k in sorted(set(saved_model) - set(model_sd)):
-            mismatches.append(f"model entry {k}: in the checkpoint, not in this model")
-        for k in sorted(set(saved_model) & set(model_sd)):
-            size = getattr(saved_model[k], "size", None)
-            if size is not None and list(size) != list(model_shapes[k]):
-                mismatches.append(
-                    f"model entry {k}: shape {tuple(size)} in the checkpoint, "
-                    f"{model_shapes[k]} here"
-                )
-    if mismatches:
-        raise CheckpointMismatchError(mismatches)
 
-    # what this rank needs: the entries of the parameters it owns (whole, or the expert
-    # slices it owns: entries of the same parameter are read and cut or joined by `_take`;
-    # or its run of a sharded parameter: only those elements are read)
-    view = state_view(opt)
+
+def _model_mismatches(
+    model: nn.Module, model_sd: dict[str, Any], stored: dict[str, Any]
+) -> list[str]:
+    """How the model entries of a checkpoint (`stored`'s `model/` keys) differ from `model`'s
+    state dict `model_sd`: entries missing on either side, shapes that differ."""
+    mismatches = []
+    model_shapes = _model_shapes(model)
+    saved_model = {k[len("model/") :]: v for k, v in stored.items() if k.startswith("model/")}
+    for k in sorted(set(model_sd) - set(saved_model)):
+        mismatches.append(f"model entry {k}: in this model, missing from the checkpoint")
+    for k in sorted(set(saved_model) - set(model_sd)):
+        mismatches.append(f"model entry {k}: in the checkpoint, not in this model")
+    for k in sorted(set(saved_model) & set(model_sd)):
+        size = getattr(saved_model[k], "size", None)
+        if size is not None and list(size) != list(model_shapes[k]):
+            mismatches.append(
+                f"model entry {k}: shape {tuple(size)} in the checkpoint, {model_shapes[k]} here"
+            )
+    return mismatches
+
+
+def _read_targets(view: StateView, stored: dict[str, Any]) -> dict[str, Any]:
+    """What this rank reads of the optimizer's entries in `stored` (key → its storage
+    metadata), as DCP's targets: the entries of the parameters it owns (whole, or the expert
+    slices it owns: entries of the same parameter are read and cut or joined by `_take`; or
+    its run of a sharded parameter: only those elements are read), and the `extra` values."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     owned_params = view.owned_params()
     named = view.params()
     need_state = {base_name(n) for n in owned_params}
@@ -1013,42 +858,10 @@ def load_sharded(
             if kind == "state" and not view.elementwise(name, entry):
                 like = None  # whole-matrix state: read whole
             want[key] = _template(md, like)
-    fresh_model = (
-        {f"model/{k}": v for k, v in _model_entries(model, fresh=True).items()}
-        if model is not None
-        else {}
-    )
-    want.update(fresh_model)
-    with C.phase("checkpoint load", group):
-        dcp_load(want, path, group)
-    extra = {
-        k[len("extra/") :]: _unpack(v, f"{k!r} of checkpoint {path}")
-        for k, v in want.items()
-        if k.startswith("extra/")
-    }
-    # Everything was read (and nothing refused): only now change anything.
-    with torch.no_grad():
-        for k, v in model_sd.items():
-            got = fresh_model[f"model/{k}"]
-            v.copy_(got.local.view_as(v) if isinstance(got, FlatShard) else got)
-    load_sharded_state_dict(opt, {**want, META_KEY: head[META_KEY]})
-    return extra
+    return want
 
 
 # -- single-file atomic save ------------------------------------------------------------------
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def atomic_save(
@@ -1057,33 +870,6 @@ def atomic_save(
     _before_rename: Callable[[str], None] | None = None,
 ) -> None:
     """`torch.save(obj, path)` that never leaves a partial file at `path`: written to a
-    temporary file in the same directory, flushed to disk, then renamed over `path`."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if _before_rename is not None:
-            _before_rename(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def load_file(path: str | os.PathLike[str], map_location: Any = "cpu") -> Any:
-    """Load a checkpoint file (an optimizer's state dict, `full_state_dict`, a model's state
-    dict; tensors onto `map_location`) with `torch.load(weights_only=True)`: a file that
-    would run code while loading is refused with a `CheckpointLoadError` naming what it
-    wanted, instead of running it."""
-    path = os.fspath(path)
-    return _safe_load(path, path, map_location)
-
-
-def atomic_load(path: str | os.PathLike[str], map_location: Any = "cpu") -> Any:
-    """Load what `atomic_save` wrote, as `load_file` does."""
-    return load_file(path, map_location)
+    temporary file in the same directory, flushed to disk, then renamed over `path`
+    (`fileio.atomic_write`)."""
+    atomic_write(path, lambda f: torch.save(obj, f), before_rename=_before_rename)

@@ -47,12 +47,14 @@ naming the phase, so it is not blamed on another rank.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import hashlib
 import io
 import math
 import sys
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +65,63 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim import host
+
+
+def _unbind_world_defaults() -> None:
+    """Make torch.distributed.nn's `group=group.WORLD` defaults None (the default group at
+    call time), what they are when that module is imported before a group exists.
+
+    Its functions bind `group.WORLD` when the module is imported: imported after
+    `init_process_group` (torch._dynamo imports it, and the first `torch.optim` step imports
+    torch._dynamo) they hold the default group for good, so `destroy_process_group()` no longer
+    ends it and gloo's worker threads run on into the interpreter's exit, where one that still
+    releases a finished collective aborts the process ("terminate called without an active
+    exception"). Imported here, with orthoptim, it binds None unless a group existed
+    already; this undoes that case."""
+    from torch.distributed.nn import functional
+
+    for f in vars(functional).values():
+        defaults = getattr(f, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            f.__defaults__ = tuple(
+                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
+            )
+
+
+if dist.is_available():
+    _unbind_world_defaults()
+
+# Drivers whose parameter gathers may still be in flight when the program ends (weakly held).
+_PENDING_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def finish_at_exit(driver: Any) -> None:
+    """Have `driver.wait_for_params()` called when the interpreter exits (`_end_at_exit`),
+    so that no collective it launched is still in flight then; `driver` is held weakly."""
+    _PENDING_AT_EXIT.add(driver)
+
+
+@atexit.register
+def _end_at_exit() -> None:
+    """At interpreter exit, after the program's own exit handlers (this one is registered
+    when orthoptim is imported, and they run last-registered first), end every process group
+    while the interpreter still serves gloo's worker threads (one that releases a finished
+    collective needs the interpreter, and aborts the process once its teardown has begun):
+    release a group torch.distributed.nn bound after it started (`_unbind_world_defaults`),
+    land every collective a live driver still has in flight, and destroy the default group if
+    the program left it, which joins gloo's threads. A failure here (a peer already gone) is
+    no failure of the program's: it is left unsaid."""
+    if not dist.is_available():
+        return
+    with contextlib.suppress(Exception):
+        _unbind_world_defaults()
+    if not dist.is_initialized():
+        return
+    for driver in list(_PENDING_AT_EXIT):
+        with contextlib.suppress(Exception):
+            driver.wait_for_params()
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """`orthoptim bench tp --nproc N`: tensor-parallel Newton-Schulz modes side by side.
 
 Starts N gloo ranks on this machine (one thread each, so a rank stands for one device) and,
-per shape and shard dimension, runs every mode of `TensorParallelOrthogonalizer` on the
-same matrix. Reported per mode: median time (slowest rank), bytes sent per rank (as
-`collectives.CommStats` counts them), matmul flops per rank (counted by
-`torch.utils.flop_counter`, not computed), flops ÷ (single-device plain iteration ÷ N),
-packed Gram bytes ÷ the unpacked all-reduce of the same Gram, and the relative Frobenius
-deviation from full Newton-Schulz of the whole matrix.
+per shape and shard dimension, runs every mode of `TensorParallelOrthogonalizer` (or those
+`--modes` names) on the same batch of `--k` matrices. Reported per mode: median time per
+batch (slowest rank), collectives and bytes sent per rank (as `collectives.CommStats` counts
+them), matmul flops per rank (counted by `torch.utils.flop_counter`, not computed), flops ÷
+(single-device plain iteration ÷ N), packed Gram bytes ÷ the unpacked all-reduce of the same
+Gram, and the relative Frobenius deviation from full Newton-Schulz of the whole matrix.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from orthoptim.parallel.tensor_parallel import (
 
 DEFAULT_SHAPES = "512x512,256x1024,1024x256"
 # (label, mode, form, cost model: "default" or "calibrated")
-VARIANTS = (
+VARIANTS: tuple[tuple[str, str, str, str], ...] = (
     ("duplicated", "duplicated", "auto", "default"),
     ("distributed/apply", "distributed", "apply", "default"),
     ("distributed/square", "distributed", "square", "default"),
     ("distributed/split", "distributed", "split", "default"),
     ("distributed/rows", "distributed", "rows", "default"),
     ("distributed/auto", "distributed", "auto", "calibrated"),
+    ("gram", "gram", "auto", "default"),
     ("blockwise", "blockwise", "auto", "default"),
     ("auto/default", "auto", "auto", "default"),
     ("auto/calibrated", "auto", "auto", "calibrated"),
@@ -51,6 +52,22 @@ VARIANTS = (
 
 def _parse_shapes(text: str) -> list[tuple[int, ...]]:
     return parse_shapes(text, batched=False)
+
+
+def _parse_modes(text: str) -> list[str]:
+    labels = [v[0] for v in VARIANTS]
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in modes:
+        if m not in labels:
+            raise argparse.ArgumentTypeError(f"unknown mode {m!r}; choose from {', '.join(labels)}")
+    return modes
+
+
+def _parse_dims(text: str) -> list[int]:
+    dims = [int(d) for d in text.split(",")]
+    if not dims or any(d not in (0, 1) for d in dims):
+        raise argparse.ArgumentTypeError(f"shard dims must be 0 and/or 1, got {text!r}")
+    return dims
 
 
 def _timed(fn: Any, repeats: int, group: Any) -> float:
@@ -77,10 +94,14 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
         g = torch.Generator().manual_seed(si)
         G = torch.randn(args.k, rows, cols, generator=g, dtype=dtype)
         full = newton_schulz(G, steps=args.steps)
-        t_single = _timed(lambda G=G: newton_schulz(G, steps=args.steps), args.repeats, None)
+        t_single = (
+            _timed(lambda G=G: newton_schulz(G, steps=args.steps), args.repeats, None)
+            if args.single
+            else None
+        )
         m, n = min(rows, cols), max(rows, cols)
         plain = args.steps * args.k * (4 * m * m * n + 2 * m**3)
-        for shard_dim in (0, 1):
+        for shard_dim in args.shard_dims:
             if (rows, cols)[shard_dim] % T:
                 continue
             local = G.chunk(T, dim=1 + shard_dim)[rank].contiguous()
@@ -92,6 +113,8 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
             collectives.all_reduce(kernels.gram(W).contiguous(), stats=unpacked)
             unpacked_bytes = unpacked.sent["all_reduce"] * args.steps
             for label, mode, form, model in VARIANTS:
+                if args.modes and label not in args.modes:
+                    continue
                 stats = CommStats()
                 cm = calibrated if model == "calibrated" else CostModel()
                 orth = TensorParallelOrthogonalizer(
@@ -105,6 +128,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
                 with FlopCounterMode(display=False) as counter:
                     out = orth(local)
                 sent = stats.as_dict()["total"]["sent"]
+                calls = stats.as_dict()["total"]["calls"]
                 gram_sent = stats.sent.get(GRAM_KIND, 0.0)
                 diff = torch.stack(
                     [(out - ref).double().square().sum(), ref.double().square().sum()]
@@ -127,10 +151,13 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
                         "seconds": seconds,
                         "single_seconds": t_single,
                         "bytes_per_rank": sent,
+                        "collectives": calls,
                         "flops_per_rank": flops.item(),
                         "flops_vs_plain_over_T": flops.item() / (plain / T),
                         "gram_bytes_vs_unpacked": (
-                            gram_sent / unpacked_bytes if mode == "distributed" else None
+                            gram_sent / unpacked_bytes
+                            if orth.last_modes[0] != "duplicated" and gram_sent
+                            else None
                         ),
                         "gram_side": p,
                         "rel_deviation": float((diff[0] / diff[1]).sqrt()),
@@ -178,25 +205,28 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     )
     head = (
         f"{'shape':>10} {'shard':>5} {'mode':<19} {'chose':<18} {'ms':>8} {'x single':>8} "
-        f"{'KiB/rank':>10} {'MFLOP/rank':>11} {'fl/(pl/T)':>9} {'gram/unp':>8} {'rel dev':>9}"
+        f"{'colls':>5} {'KiB/rank':>10} {'MFLOP/rank':>11} {'fl/(pl/T)':>9} {'gram/unp':>8} "
+        f"{'rel dev':>9}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         gram = r["gram_bytes_vs_unpacked"]
+        single = "" if r["single_seconds"] is None else f"{r['seconds'] / r['single_seconds']:.2f}"
         print(
             f"{r['shape']:>10} {r['shard_dim']:>5} {r['mode']:<19} {r['chosen']:<18} "
-            f"{r['seconds'] * 1e3:8.1f} {r['seconds'] / r['single_seconds']:8.2f} "
+            f"{r['seconds'] * 1e3:8.1f} {single:>8} {r['collectives']:>5} "
             f"{r['bytes_per_rank'] / 1024:10.1f} {r['flops_per_rank'] / 1e6:11.1f} "
             f"{r['flops_vs_plain_over_T']:9.3f} {'' if gram is None else f'{gram:.3f}':>8} "
             f"{r['rel_deviation']:9.2e}"
         )
     print(
-        "ms: median time of the slowest rank; x single: ÷ full Newton-Schulz of the whole matrix "
-        "on one rank; fl/(pl/T): flops per rank ÷ (single-device plain iteration "
-        "steps·(4m²n+2m³) ÷ T); gram/unp: packed Gram bytes ÷ unpacked all-reduce of the same "
-        "Gram; rel dev: ‖out − NS(full)‖_F ÷ ‖NS(full)‖_F over all ranks. auto/default uses "
-        "CostModel() (a GPU node), auto/calibrated and distributed/auto the probe above."
+        "ms: median time per batch of the slowest rank; x single: ÷ full Newton-Schulz of the "
+        "whole batch on one rank; colls: collectives per batch; fl/(pl/T): flops per rank ÷ "
+        "(single-device plain iteration steps·(4m²n+2m³) ÷ T); gram/unp: packed Gram bytes ÷ "
+        "the unpacked all-reduce of the same Gram at every step; rel dev: ‖out − NS(full)‖_F ÷ "
+        "‖NS(full)‖_F over all ranks. auto/default uses CostModel() (a GPU node), "
+        "auto/calibrated and distributed/auto the probe above."
     )
 
 
@@ -211,7 +241,8 @@ def _cmd(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench tp`."""
     p = subparsers.add_parser(
-        "tp", help="tensor-parallel Newton-Schulz: duplicated / distributed / blockwise / auto"
+        "tp",
+        help="tensor-parallel Newton-Schulz: duplicated / distributed / gram / blockwise / auto",
     )
     p.add_argument("--nproc", type=int, default=2, help="tensor-parallel ranks (gloo)")
     p.add_argument(
@@ -226,6 +257,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--repeats", type=int, default=3, help="timed repeats; the median is reported (default 3)"
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--modes",
+        type=_parse_modes,
+        default=[],
+        help="comma-separated mode labels to run, e.g. duplicated,distributed/apply,gram "
+        f"(default every one: {', '.join(v[0] for v in VARIANTS)})",
+    )
+    p.add_argument(
+        "--shard-dims",
+        type=_parse_dims,
+        default=[0, 1],
+        help="the matrix dims to shard along, comma-separated (default 0,1)",
+    )
+    p.add_argument(
+        "--no-single",
+        dest="single",
+        action="store_false",
+        help="skip timing the whole batch on one rank (the x single column)",
+    )
     p.add_argument(
         "--dtype",
         default="float32",

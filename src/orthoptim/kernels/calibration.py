@@ -40,7 +40,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from orthoptim.fileio import atomic_write_json
 from orthoptim.kernels import syrk_cpu
 
 CALIBRATION_ENV = "ORTHOPTIM_KERNEL_CALIBRATION"
@@ -384,18 +384,11 @@ def read_cache(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def write_cache(path: Path, entries: dict[str, dict[str, Any]]) -> None:
-    """Write the decisions file atomically: a temporary file in its directory, renamed over it."""
+    """Write the decisions file atomically (`fileio.atomic_write_json`: a temporary file in its
+    directory, flushed and renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"format": CACHE_FORMAT, "entries": entries}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_json(doc, path, indent=1, sort_keys=True)
 
 
 CALIBRATOR = Calibrator()

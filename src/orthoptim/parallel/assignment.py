@@ -5,17 +5,16 @@ A model's trainable parameters become `Unit`s (a matrix, a vector, or a slice of
 of a 3-D parameter), listed in backward order. `assign` gives every unit one owner rank and
 cuts the list into communication buckets (`make_buckets`). It is a pure function of its inputs, so
 every rank (and the planner, for models nobody can run here) computes the same assignment.
+The balancing algorithms themselves, on plain lists of costs and bytes, are `balancing`'s.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
-import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -34,6 +33,22 @@ from orthoptim.optim.registry import (
     is_elementwise,
 )
 from orthoptim.optim.shapes import stack_shape
+from orthoptim.parallel.balancing import CAPPED_FACTOR as CAPPED_FACTOR
+from orthoptim.parallel.balancing import KINDS_PER_COST as KINDS_PER_COST
+from orthoptim.parallel.balancing import MAX_IMPROVEMENTS as MAX_IMPROVEMENTS
+from orthoptim.parallel.balancing import PAD_ALLOWANCE as PAD_ALLOWANCE
+from orthoptim.parallel.balancing import RELEASE_GAIN as RELEASE_GAIN
+from orthoptim.parallel.balancing import RELEASE_SLACK as RELEASE_SLACK
+from orthoptim.parallel.balancing import (
+    SPREAD,
+    balance_cost,
+    capped,
+    count_movable,
+    lower_bound,
+    release_pinned,
+    round_robin,
+)
+from orthoptim.parallel.balancing import SWAP_PARTNERS as SWAP_PARTNERS
 
 if TYPE_CHECKING:
     from orthoptim.optim.routing import RoutePredicate
@@ -41,21 +56,7 @@ if TYPE_CHECKING:
 KINDS = (*MATRIX_OPTIMIZERS, *ELEMENTWISE_OPTIMIZERS)
 Balance = Literal["cost", "round_robin", "capped"]
 BALANCES: tuple[Balance, ...] = get_args(Balance)
-CAPPED_FACTOR = 1.3
-SPREAD = 2.0
 NS_STEPS = 5
-# Local search after the greedy: how many of the lightest ranks a swap may pair the busiest
-# rank with, and at most how many moves or swaps it makes (each lowers the sum of squared
-# loads, so it ends anyway).
-SWAP_PARTNERS = 32
-MAX_IMPROVEMENTS = 20_000
-KINDS_PER_COST = 8  # units of one cost in different shared buckets a rank offers per step
-# Freeing units pinned by even bucket shards (`_release`): stop within this much of the bound,
-# and only keep a layout that lowers the busiest rank by at least RELEASE_GAIN.
-RELEASE_SLACK = 0.01
-RELEASE_GAIN = 0.001
-# Padding (padded / unpadded bytes) make_buckets sizes buckets for: "about 1 + 1/spread"
-PAD_ALLOWANCE = 1 + 1 / SPREAD
 # Padding (bytes) a bucket laid out rank by rank in equal shards may carry, as a fraction of
 # what it holds; a bucket that would need more is reduced to and broadcast from each owner
 # (`Assignment.rank_major`).
@@ -257,7 +258,7 @@ class Assignment:
     base: list[float] = field(default_factory=list)
     bound: float = 0.0
     # matrix-optimizer units with a choice of owner: alone in their bucket, or in one where
-    # some rank has room for them without padding the bucket further (`_movable`)
+    # some rank has room for them without padding the bucket further (`count_movable`)
     movable: int = 0
     # AdamW units sharded element-wise (`deal_adamw`, owner -1): per bucket, the elements of
     # its AdamW units each rank holds ([] for a bucket without), and their element size
@@ -444,480 +445,6 @@ def make_buckets(
     return buckets
 
 
-def _bucketed_lpt(
-    costs: Sequence[float],
-    nbytes: Sequence[int],
-    buckets: list[list[int]],
-    world_size: int,
-    base: Sequence[float] | None = None,
-) -> list[int]:
-    """Cost balancing that keeps every bucket's shards even.
-
-    First the buckets of several units, in order: inside one, units go largest cost first,
-    each to the least-loaded rank (total cost so far, then bytes, then rank) among those
-    whose shard in this bucket stays within the bucket's current largest shard, or, when none
-    can, to the rank with the smallest shard. Then the one-unit buckets (one owner, nothing
-    to pad) fill the gaps longest-processing-time first. Loads start at `base`.
-    Deterministic: every rank computes the same owners.
-    """
-    owners = [0] * len(costs)
-    load = [float(b) for b in base] if base else [0.0] * world_size
-    used = [0] * world_size
-
-    def give(i: int, r: int) -> None:
-        owners[i] = r
-        load[r] += costs[i]
-        used[r] += nbytes[i]
-
-    for bucket in buckets:
-        if len(bucket) == 1:
-            continue
-        # ranks by their shard of this bucket: shard → heap of (load, bytes, rank)
-        by_shard = {0: [(load[r], used[r], r) for r in range(world_size)]}
-        heapq.heapify(by_shard[0])
-        shards, top = [0], 0  # the distinct shards, ascending; the largest
-        for i in sorted(bucket, key=lambda i: (-costs[i], -nbytes[i], i)):
-            fitting = shards[: bisect.bisect_right(shards, top - nbytes[i])]
-            v = min(fitting, key=lambda v: by_shard[v][0]) if fitting else shards[0]
-            _, _, r = heapq.heappop(by_shard[v])
-            if not by_shard[v]:
-                del by_shard[v]
-                shards.remove(v)
-            give(i, r)
-            v += nbytes[i]
-            if v not in by_shard:
-                by_shard[v] = []
-                bisect.insort(shards, v)
-            heapq.heappush(by_shard[v], (load[r], used[r], r))
-            top = max(top, v)
-    solo = sorted((b[0] for b in buckets if len(b) == 1), key=lambda i: (-costs[i], -nbytes[i], i))
-    heap = [(load[r], used[r], r) for r in range(world_size)]
-    heapq.heapify(heap)
-    for i in solo:
-        _, _, r = heapq.heappop(heap)
-        give(i, r)
-        heapq.heappush(heap, (load[r], used[r], r))
-    return owners
-
-
-def _rank_loads(
-    costs: Sequence[float], owners: Sequence[int], world_size: int, base: Sequence[float] | None
-) -> list[float]:
-    load = [float(b) for b in base] if base else [0.0] * world_size
-    for i, r in enumerate(owners):
-        load[r] += costs[i]
-    return load
-
-
-def _take(heaps: dict, key: object, i: int) -> None:
-    """Remove unit i from the heap `heaps[key]` (dropping the key once it is empty)."""
-    heap = heaps[key]
-    if heap[0] == i:
-        heapq.heappop(heap)
-    else:
-        heap.remove(i)
-        heapq.heapify(heap)
-    if not heap:
-        del heaps[key]
-
-
-def _local_search(
-    costs: Sequence[float],
-    nbytes: Sequence[int],
-    buckets: list[list[int]],
-    owners: Sequence[int],
-    world_size: int,
-    base: Sequence[float] | None = None,
-) -> list[int]:
-    """Relieve the busiest rank by moves and swaps that never grow a bucket's padding.
-
-    Repeatedly takes the busiest rank r (the lowest index among equals) and applies the best
-    of: moving one of its units to the lightest rank that may take it, or swapping one of its
-    units for a cheaper one of one of the SWAP_PARTNERS lightest ranks; best is the smallest
-    max(load of r, load of the partner) afterwards, which must be below r's load now (so the
-    sum of squared loads falls and the search ends). A unit of a bucket of several units may
-    go to a rank only while that rank's shard of the bucket stays within the bucket's largest
-    shard when the search began, so every bucket pads to at most what it did; one-unit
-    buckets move freely. Units of a rank that are interchangeable (same cost, and the same
-    bucket and size when the bucket is shared) are tried once, the lowest index. Stops when
-    the busiest rank cannot be relieved or after MAX_IMPROVEMENTS steps. Deterministic.
-    """
-    n = world_size
-    owners = list(owners)
-    if n == 1 or not owners:
-        return owners
-    load = _rank_loads(costs, owners, n, base)
-    bucket_of = [-1] * len(costs)
-    shard: dict[int, list[int]] = {}
-    cap: dict[int, int] = {}
-    for b, bucket in enumerate(buckets):
-        if len(bucket) > 1:
-            sh = [0] * n
-            for i in bucket:
-                bucket_of[i] = b
-                sh[owners[i]] += nbytes[i]
-            shard[b], cap[b] = sh, max(sh)
-    # the most bytes some rank can still take in a shared bucket
-    spare = {b: cap[b] - min(sh) for b, sh in shard.items()}
-    # per rank, interchangeable units: free ones by cost, shared ones by bucket, (cost, size)
-    free: list[dict[float, list[int]]] = [{} for _ in range(n)]
-    shared: list[dict[int, dict[tuple[float, int], list[int]]]] = [{} for _ in range(n)]
-    for i, r in enumerate(owners):  # ascending indices: every list is a heap
-        b = bucket_of[i]
-        if b < 0:
-            free[r].setdefault(costs[i], []).append(i)
-        else:
-            shared[r].setdefault(b, {}).setdefault((costs[i], nbytes[i]), []).append(i)
-
-    def fits(i: int, s: int, leaving: int = -1) -> bool:
-        """Unit i may join rank s (while unit `leaving` leaves s)."""
-        b = bucket_of[i]
-        if b < 0:
-            return True
-        freed = nbytes[leaving] if leaving >= 0 and bucket_of[leaving] == b else 0
-        return shard[b][s] + nbytes[i] - freed <= cap[b]
-
-    def give(i: int, s: int) -> None:
-        r, b, c = owners[i], bucket_of[i], costs[i]
-        if b < 0:
-            _take(free[r], c, i)
-            heapq.heappush(free[s].setdefault(c, []), i)
-        else:
-            _take(shared[r][b], (c, nbytes[i]), i)
-            if not shared[r][b]:
-                del shared[r][b]
-            heapq.heappush(shared[s].setdefault(b, {}).setdefault((c, nbytes[i]), []), i)
-            shard[b][r] -= nbytes[i]
-            shard[b][s] += nbytes[i]
-            spare[b] = cap[b] - min(shard[b])
-        load[r] -= c
-        load[s] += c
-        owners[i] = s
-        offers.pop(r, None)
-        offers.pop(s, None)
-
-    # shared buckets whose units differ in cost: swaps inside them can shift load
-    mixed = {b for b in shard if len({costs[i] for i in buckets[b]}) > 1}
-
-    offers: dict[int, dict[float, list[int]]] = {}  # movable(r), until r's units change
-
-    def movable(r: int) -> dict[float, list[int]]:
-        """Cost → units of r that some other rank might take: one free unit per cost, and
-        up to KINDS_PER_COST units of that cost from different shared buckets with room (the
-        room may have shrunk since: `fits` decides)."""
-        if r in offers:
-            return offers[r]
-        out = {c: [units[0]] for c, units in free[r].items()}
-        for b, kinds in shared[r].items():
-            if spare[b] > 0:
-                for (c, size), units in kinds.items():
-                    if size <= spare[b] and len(out.setdefault(c, [])) < KINDS_PER_COST:
-                        out[c].append(units[0])
-        offers[r] = out
-        return out
-
-    Move = tuple[float, int, int, int]  # (busiest load afterwards, unit, partner, its unit)
-
-    def offer(
-        best: Move | None, r: int, s: int, d: float, pairs: Iterable[tuple[int, int]]
-    ) -> Move | None:
-        """`best`, or the first feasible (unit of r, unit of s or -1) of `pairs`, which shift
-        d from r to s, if that leaves the busier of the two lighter than r is now."""
-        top = load[r]
-        if d <= 0 or load[s] + d >= top - 1e-12 * abs(top):
-            return best
-        value = max(top - d, load[s] + d)
-        if best is not None and value > best[0]:
-            return best
-        for i, j in pairs:
-            if fits(i, s, j) and (j < 0 or fits(j, r, i)):
-                cand = (value, i, s, j)
-                return cand if best is None or cand < best else best
-        return best
-
-    for _ in range(MAX_IMPROVEMENTS):
-        r = min(range(n), key=lambda x: (-load[x], x))
-        limit = load[r] - 1e-12 * abs(load[r])  # an improvement must land below this
-        ranked = sorted(range(n), key=lambda x: (load[x], x))
-        mine = movable(r)
-        best: Move | None = None
-        for c, units in mine.items():  # moves: the lightest rank that takes one
-            for s in ranked:
-                if load[s] + c >= limit:
-                    break
-                if s != r and any(fits(i, s) for i in units):
-                    best = offer(best, r, s, c, ((i, -1) for i in units))
-                    break
-        mixed_r = [b for b in shared[r] if b in mixed]
-        for s in [x for x in ranked[: SWAP_PARTNERS + 1] if x != r][:SWAP_PARTNERS]:
-            if load[s] >= limit:
-                break
-            theirs = movable(s).items()
-            for ci, units_i in mine.items():
-                for cj, units_j in theirs:
-                    if ci - cj <= 0 or load[s] + (ci - cj) >= limit:
-                        continue  # (what `offer` would refuse first, without the call)
-                    pairs = ((i, j) for i in units_i for j in units_j)
-                    best = offer(best, r, s, ci - cj, pairs)
-            for b in mixed_r:  # swaps inside one bucket leave its shards' sizes alone
-                if b in shared[s]:
-                    for (cj, _), units_j in shared[s][b].items():
-                        for (ci, _), units_i in shared[r][b].items():
-                            best = offer(best, r, s, ci - cj, [(units_i[0], units_j[0])])
-        if best is None:
-            break
-        _, i, s, j = best
-        give(i, s)
-        if j >= 0:
-            give(j, r)
-    return owners
-
-
-def _padded(
-    nbytes: Sequence[int], buckets: Sequence[Sequence[int]], owners: Sequence[int], n: int
-) -> int:
-    """Bytes the buckets take on the wire under `owners` (as `Assignment.padded_bytes`): a
-    shared bucket is N shards padded to its largest, a one-owner bucket just its units."""
-    total = 0
-    for bucket in buckets:
-        shard: dict[int, int] = {}
-        for i in bucket:
-            if nbytes[i] > 0:
-                shard[owners[i]] = shard.get(owners[i], 0) + nbytes[i]
-        if shard:
-            total += max(shard.values()) * (n if len(shard) > 1 else 1)
-    return total
-
-
-def _lower_bound(
-    costs: Sequence[float],
-    world_size: int,
-    base: Sequence[float] | None,
-    buckets: Sequence[Sequence[int]] = (),
-    nbytes: Sequence[int] = (),
-    owners: Sequence[int] = (),
-) -> float:
-    """A load some rank reaches under any assignment of `costs` whose buckets pad no more than
-    `owners`' do: the mean, the largest base, the largest unit on the lightest base, and
-    (pigeonhole) the N-th and (N+1)-th largest units together.
-
-    A shared bucket of S bytes padded to w bytes per rank leaves every rank at least
-    S − (N−1)·w of its bytes, at no less than the bucket's cheapest cost per byte (equal units
-    filling N shards exactly: the same units on every rank). That floor F is on every rank,
-    so the largest unit outside such buckets lands on at least min(base) + F.
-    """
-    n = world_size
-    b = [float(x) for x in base] if base else [0.0] * n
-    bound = max((sum(costs) + sum(b)) / n, max(b))
-    if not costs:
-        return bound
-    top = heapq.nlargest(n + 1, costs)
-    bound = max(bound, min(b) + top[0])
-    if len(top) > n:
-        bound = max(bound, min(b) + top[-2] + top[-1])
-    floor, pinned = 0.0, set()
-    for bucket in buckets:
-        held = [i for i in bucket if nbytes[i] > 0]  # (units of no bytes pad nothing)
-        if len(bucket) < 2 or not held or not owners:
-            continue
-        shard = [0] * n
-        for i in held:
-            shard[owners[i]] += nbytes[i]
-        least = sum(shard) - (n - 1) * max(shard)
-        if least > 0:
-            floor += least * min(costs[i] / nbytes[i] for i in held)
-            pinned.update(held)
-    rest = [c for i, c in enumerate(costs) if i not in pinned]
-    if floor and rest:
-        bound = max(bound, min(b) + floor + max(rest))
-    return bound
-
-
-def _movable(
-    counted: Sequence[bool],
-    nbytes: Sequence[int],
-    buckets: Sequence[Sequence[int]],
-    owners: Sequence[int],
-    world_size: int,
-) -> int:
-    """How many `counted` units could change owner without padding their bucket more: those
-    alone in a bucket, and those of a shared bucket where some rank's shard is at least their
-    size below the largest. Equal units filling N shards exactly are pinned: every rank holds
-    the same number of them, whatever the balancing."""
-    if world_size == 1:
-        return 0
-    count = 0
-    for bucket in buckets:
-        if len(bucket) == 1:
-            count += counted[bucket[0]]
-            continue
-        shard = [0] * world_size
-        for i in bucket:
-            shard[owners[i]] += nbytes[i]
-        room = max(shard) - min(shard)
-        count += sum(1 for i in bucket if counted[i] and nbytes[i] <= room)
-    return count
-
-
-def _balance_cost(
-    costs: Sequence[float],
-    nbytes: Sequence[int],
-    buckets: list[list[int]],
-    world_size: int,
-    base: Sequence[float],
-) -> list[int]:
-    """The cost balancing of fixed buckets: `_bucketed_lpt`, then `_local_search`; round-robin's
-    dealing (improved the same way) instead when its busiest rank is lighter and its buckets
-    pad within what make_buckets sizes them for (or no more than the greedy's)."""
-    owners = _bucketed_lpt(costs, nbytes, buckets, world_size, base)
-    owners = _local_search(costs, nbytes, buckets, owners, world_size, base)
-    worst = max(_rank_loads(costs, owners, world_size, base))
-    dealt = _round_robin(nbytes, world_size)
-    allowed = max(_padded(nbytes, buckets, owners, world_size), PAD_ALLOWANCE * sum(nbytes))
-    if max(_rank_loads(costs, dealt, world_size, base)) < worst and (
-        _padded(nbytes, buckets, dealt, world_size) <= allowed
-    ):
-        dealt = _local_search(costs, nbytes, buckets, dealt, world_size, base)
-        if max(_rank_loads(costs, dealt, world_size, base)) < worst:
-            owners = dealt
-    return owners
-
-
-def _release(
-    costs: Sequence[float],
-    nbytes: Sequence[int],
-    bucket_bytes: int,
-    buckets: list[list[int]],
-    owners: list[int],
-    world_size: int,
-    base: Sequence[float],
-) -> tuple[list[int], list[list[int]]]:
-    """Free units that even bucket shards pin, when that is what keeps the busiest rank above
-    the bound: (owners, buckets), the given ones if nothing better is found.
-
-    Equal units filling every rank's shard of their buckets give each rank the same number of
-    them, so they cannot even out the other units' load (qwen3-30b-a3b's experts at 256
-    ranks: 1.117). Candidates free the weighted units of the last j shared buckets (j = 1, 2,
-    4, …, all; whole buckets, so the others keep their even shards), each freed unit a bucket
-    of its own, and balance again (`_bucketed_lpt`, `_local_search`); the first candidate
-    within RELEASE_SLACK of the bound without bucket constraints wins (bisected down to the
-    fewest freed buckets that stay within it), else the one with the lightest busiest rank
-    (a gain of at least RELEASE_GAIN). The freed units then share one-owner buckets
-    (`_one_owner_buckets`): a bucket with one owner is reduced to it and broadcast from it,
-    so it pads nothing.
-    """
-    n = world_size
-    best = max(_rank_loads(costs, owners, n, base))
-    target = (1 + RELEASE_SLACK) * _lower_bound(costs, n, base)
-    weighted = [[i for i in b if costs[i] > 0 and nbytes[i]] for b in buckets]
-    shared = [b for b, w in enumerate(weighted) if len(buckets[b]) > 1 and w]
-    if n == 1 or best <= target or not shared:
-        return owners, buckets
-
-    def attempt(j: int) -> tuple[float, list[int], list[list[int]], list[int]]:
-        """(busiest load, owners, buckets, freed units) with the last j shared buckets freed."""
-        freed = sorted(i for b in shared[-j:] for i in weighted[b])
-        out = set(freed)
-        rest = [[i for i in b if i not in out] for b in buckets]
-        trial = sorted([b for b in rest if b] + [[i] for i in freed])
-        dealt = _bucketed_lpt(costs, nbytes, trial, n, base)
-        dealt = _local_search(costs, nbytes, trial, dealt, n, base)
-        return max(_rank_loads(costs, dealt, n, base)), dealt, trial, freed
-
-    found: tuple[float, list[int], list[list[int]], list[int]] | None = None
-    lo = hi = 0  # the most buckets freed short of the target; the fewest found to reach it
-    while hi < len(shared) and (found is None or found[0] > target):
-        lo, hi = hi, min(len(shared), 2 * hi or 1)
-        trial = attempt(hi)
-        if trial[0] < (found[0] if found else best) * (1 - RELEASE_GAIN):
-            found = trial
-    while found is not None and found[0] <= target and hi - lo > 1:  # fewer freed buckets
-        mid = (lo + hi) // 2
-        trial = attempt(mid)
-        lo, hi = (lo, mid) if trial[0] <= target else (mid, hi)
-        found = trial if trial[0] <= target else found
-    if found is None:
-        return owners, buckets
-    _, dealt, trial_buckets, freed = found
-    return dealt, _one_owner_buckets(costs, nbytes, bucket_bytes, trial_buckets, dealt, freed)
-
-
-def _one_owner_buckets(
-    costs: Sequence[float],
-    nbytes: Sequence[int],
-    bucket_bytes: int,
-    buckets: list[list[int]],
-    owners: list[int],
-    freed: Sequence[int],
-) -> list[list[int]]:
-    """`buckets` with the one-unit buckets of `freed` (ascending) merged into buckets of one
-    owner each, up to `bucket_bytes`: fewer collectives, none padded.
-
-    Freed units of equal cost and size are interchangeable, so their owners are first
-    reordered (in place, loads and bytes per rank unchanged) to give each rank one run of them;
-    then consecutive freed units of one owner share a bucket."""
-    same: dict[tuple[float, int], list[int]] = {}
-    for i in freed:
-        same.setdefault((costs[i], nbytes[i]), []).append(i)
-    for ids in same.values():
-        for i, r in zip(ids, sorted(owners[i] for i in ids)):
-            owners[i] = r
-    out = set(freed)
-    merged = [b for b in buckets if len(b) > 1 or b[0] not in out]
-    run: list[int] = []
-    size = 0
-    for i in freed:
-        if run and (owners[i] != owners[run[0]] or size + nbytes[i] > bucket_bytes):
-            merged.append(run)
-            run, size = [], 0
-        run.append(i)
-        size += nbytes[i]
-    merged.append(run)
-    return sorted(merged)
-
-
-def _lpt(costs: Sequence[float], nbytes: Sequence[int], world_size: int) -> list[int]:
-    """Longest-processing-time first: largest cost to the least-loaded rank.
-
-    Ties are broken by (bytes, index) for units and (bytes, rank) for ranks, so the result is
-    identical on every rank.
-    """
-    owners = [0] * len(costs)
-    heap = [(0.0, 0, r) for r in range(world_size)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], -nbytes[i], i)):
-        load, used, r = heapq.heappop(heap)
-        owners[i] = r
-        heapq.heappush(heap, (load + costs[i], used + nbytes[i], r))
-    return owners
-
-
-def _round_robin(nbytes: Sequence[int], world_size: int) -> list[int]:
-    """Sort by size (largest first, stable) and deal the units to ranks 0, 1, …, N−1, 0, …"""
-    owners = [0] * len(nbytes)
-    for k, i in enumerate(sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i))):
-        owners[i] = k % world_size
-    return owners
-
-
-def _capped(costs: Sequence[float], buckets: list[list[int]], world_size: int) -> list[int]:
-    """A size-capped greedy per bucket: walk the bucket in order, filling one rank after the
-    other, each up to CAPPED_FACTOR × the bucket's mean cost per rank; the next bucket starts
-    at the rank after the last one used (wrapping), so one-unit buckets are dealt in turn.
-    """
-    owners = [0] * len(costs)
-    start = 0
-    for bucket in buckets:
-        cap = CAPPED_FACTOR * sum(costs[i] for i in bucket) / world_size
-        r, filled, load = start, 1, 0.0
-        for i in bucket:
-            if load > 0 and load + costs[i] > cap and filled < world_size:
-                r, filled, load = (r + 1) % world_size, filled + 1, 0.0
-            owners[i] = r
-            load += costs[i]
-        start = (r + 1) % world_size
-    return owners
-
-
 def assign(
     units: Sequence[Unit],
     world_size: int,
@@ -930,15 +457,15 @@ def assign(
 ) -> Assignment:
     """Give every unit one owner rank among `world_size` and cut the units into buckets.
 
-    balance: "cost" minimises the busiest rank's load: `_bucketed_lpt` (largest first, each
-    bucket's shards kept even), then `_local_search` (moves and swaps off the busiest rank
+    balance: "cost" minimises the busiest rank's load: `bucketed_lpt` (largest first, each
+    bucket's shards kept even), then `local_search` (moves and swaps off the busiest rank
     that never grow a bucket's padding); round-robin's dealing, improved the same way, is
     kept instead whenever its busiest rank is lighter, so "cost" is never worse than
     "round_robin" on the cost it balances. Where even shards pin equal units (every rank
-    the same number of them) and that keeps the busiest rank above the bound, `_release`
+    the same number of them) and that keeps the busiest rank above the bound, `release_pinned`
     frees some into one-owner buckets. "round_robin": size-sorted dealing, the simple
     baseline. "capped": fill ranks in order up to 1.3 × the mean cost per bucket. Buckets come
-    from `make_buckets(…, bucket_bytes, world_size)` (less what `_release` frees); ownership
+    from `make_buckets(…, bucket_bytes, world_size)` (less what `release_pinned` frees); ownership
     inside a bucket is free because the optimizer lays each bucket out rank by rank.
 
     cost: a function of a unit (e.g. `MatrixCost.for_device(device)`) or the list of unit
@@ -972,23 +499,23 @@ def assign(
         costs = [0.0 if is_elementwise(u.kind) else c for u, c in zip(units, costs)]
         nbytes = [0 if is_elementwise(u.kind) else b for u, b in zip(units, nbytes)]
     if balance == "cost":
-        owners = _balance_cost(costs, nbytes, buckets, world_size, base_load)
-        owners, buckets = _release(
+        owners = balance_cost(costs, nbytes, buckets, world_size, base_load)
+        owners, buckets = release_pinned(
             costs, nbytes, bucket_bytes, buckets, owners, world_size, base_load
         )
     elif balance == "round_robin":
-        owners = _round_robin(nbytes, world_size)
+        owners = round_robin(nbytes, world_size)
     else:
-        owners = _capped(costs, buckets, world_size)
+        owners = capped(costs, buckets, world_size)
     rank_cost = [0.0] * world_size
     rank_bytes = [0] * world_size
     for i, r in enumerate(owners):
         rank_cost[r] += costs[i]
         rank_bytes[r] += nbytes[i]
-    bound = _lower_bound(costs, world_size, base_load, buckets, nbytes, owners)
+    bound = lower_bound(costs, world_size, base_load, buckets, nbytes, owners)
     a = Assignment(owners, rank_cost, rank_bytes, buckets, nbytes, balance, base_load, bound)
     matrix = [not is_elementwise(u.kind) and c > 0 for u, c in zip(units, costs)]
-    a.movable = _movable(matrix, nbytes, buckets, owners, world_size)
+    a.movable = count_movable(matrix, nbytes, buckets, owners, world_size)
     if shard_adamw:
         a.owners = [-1 if is_elementwise(u.kind) else o for u, o in zip(units, owners)]
         return deal_adamw(units, a, masters)

@@ -171,6 +171,7 @@ class DistributedOptimizer(CompositeOptimizer):
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
         self._built = True
+        C.finish_at_exit(self)  # `wait_for_params()` at interpreter exit
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported once built: what each rank steps is computed from the whole model."""

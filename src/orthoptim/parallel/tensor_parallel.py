@@ -3,7 +3,7 @@
 Under tensor parallelism each rank holds a slice of every weight matrix (column-parallel:
 a block of output rows; row-parallel: a block of input columns), but Newton-Schulz needs the
 whole matrix. `TensorParallelOrthogonalizer` is the callable Muon takes as `orthogonalizer`;
-it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of four modes:
+it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of five modes:
 
 - ``duplicated``: all-gather the shards (in the Newton-Schulz dtype, so bf16 halves the
   bytes), run the full iteration on every rank, keep the local slice. One collective, T×
@@ -26,12 +26,25 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of four
   normalised by its global Frobenius norm (one k-element all-reduce). Since
   (X·Xᵀ)·X = X·(Xᵀ·X), using the Gram side that sums over the sharded dimension gives the
   same iteration as the single-device one whatever the global orientation.
+- ``gram``: the Gram form of Newton-Schulz (`newton_schulz_gram_form`) over the ranks.
+  Every iterate is X_k = R_k·X_0 with R_k a polynomial in the small s×s Gram matrix
+  A = X_0·X_0ᵀ (s the unsplit side, when it is the shorter one: X_0 split along its long
+  side), so A = Σ_i X_i·X_iᵀ needs one packed all-reduce; the steps then run on s×s
+  matrices, the same on every rank, and each rank applies R to its own block. The
+  norm is folded into A (‖X‖_F² = tr A). Where the single-device form restarts (every
+  GRAM_FORM_RESTART steps, A recomputed from X_k), that is one more all-reduce: at the
+  default 5 steps two per batch instead of distributed's 5 + 1, for (8L − 6)·s³ flops per
+  run of L steps (28·s³ at 5 steps) of the small iteration repeated on every rank. A
+  matrix split along its short side (the Gram over the split dimension would be the large
+  one) takes the ``rows`` form below instead, its norm read from the first gathered matrix
+  (no norm all-reduce either).
+  `last_forms` says which form each batch took ("gram" or "rows").
 - ``blockwise``: each rank orthogonalizes its own shard, no communication. Not the same
   as full Newton-Schulz: every shard becomes (near) orthogonal on its own, so a column-
   parallel slice gets orthonormal rows where the full result's slice would not; the
   deviation is measured by `orthoptim bench tp`.
 - ``auto``: a cost model (bytes ÷ bandwidth + rounds × latency + flops ÷ throughput) picks
-  duplicated or distributed per batch, identically on every rank. Never blockwise.
+  duplicated, distributed or gram per batch, identically on every rank. Never blockwise.
 
 Inputs are DTensors (as `parallelize_module` makes them: the group and shard dimension are
 read from the mesh and placements, uneven shards allowed) or plain local shards (the group
@@ -56,6 +69,8 @@ from orthoptim import collectives, kernels
 from orthoptim._validate import check_choice, check_dtype_or_auto, check_member, check_positive
 from orthoptim.collectives import CommStats
 from orthoptim.newton_schulz import (
+    GRAM_FORM_RESTART,
+    Coefficients,
     CoefficientsLike,
     NSDtype,
     coefficient_schedule,
@@ -63,10 +78,24 @@ from orthoptim.newton_schulz import (
     resolve_ns_dtype,
 )
 
-TPMode = Literal["auto", "duplicated", "distributed", "blockwise"]
+TPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
 MODES: tuple[TPMode, ...] = get_args(TPMode)
+
+
+def auto_modes(dtype_bytes: int) -> tuple[TPMode, ...]:
+    """The modes `auto` chooses among for a Newton-Schulz dtype of `dtype_bytes`: gram only
+    for float32 and wider. The Gram form squares the condition number, so in half precision
+    it is several times less accurate than the step form (as single-device Newton-Schulz
+    keeps its Gram form to float32/float64); `mode="gram"` still forces it."""
+    return (
+        ("duplicated", "distributed", "gram") if dtype_bytes >= 4 else ("duplicated", "distributed")
+    )
+
+
 TPForm = Literal["auto", "apply", "square", "split", "rows"]
 FORMS: tuple[TPForm, ...] = get_args(TPForm)
+# the forms gram mode takes: "gram" (split along the long side), "rows" (the short side)
+GramForm = Literal["gram", "rows"]
 
 # CommStats kinds, so benchmarks and tests can tell the collectives of each mode apart.
 GRAM_KIND = "all_reduce_gram"
@@ -212,6 +241,41 @@ def _distributed_flops(
     raise ValueError(f"form must be one of {FORMS[1:]}, got {form!r}")
 
 
+def gram_mode_form(rows: int, cols: int, shard_dim: int) -> GramForm:
+    """The form gram mode takes for a rows×cols matrix split along `shard_dim` (0/1): "gram"
+    when the split side is the long one (or the matrix is square), else "rows"."""
+    split, other = (rows, cols)[shard_dim], (cols, rows)[shard_dim]
+    return "gram" if other <= split else "rows"
+
+
+def gram_runs(steps: int) -> list[int]:
+    """The lengths of the runs of steps between the restarts of the single-device Gram form
+    (`newton_schulz_gram_form`: GRAM_FORM_RESTART steps each, the last what is left). Gram
+    mode all-reduces the Gram matrix once per run."""
+    return [min(GRAM_FORM_RESTART, steps - s) for s in range(0, steps, GRAM_FORM_RESTART)]
+
+
+def gram_restarts(steps: int) -> int:
+    """All-reduces of the Gram matrix gram mode makes per batch (`gram_runs`)."""
+    return len(gram_runs(steps))
+
+
+def _gram_run(
+    A: Tensor, run: list[Coefficients], syrk: kernels.Syrk, sym_matmul: kernels.SymMatmul
+) -> Tensor:
+    """R = Q_{L−1}···Q_0 of one run of L steps from the Gram matrix A ([k, s, s]), the
+    products of `newton_schulz_gram_form`'s run in the same order: the run takes X to R·X."""
+    R: Tensor | None = None
+    for i, (a, b, c) in enumerate(run):
+        Q = syrk(A, A, b, c)
+        Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        R = Q if R is None else sym_matmul(Q, R)
+        if i < len(run) - 1:
+            A = sym_matmul(sym_matmul(A, Q), Q)
+    assert R is not None
+    return R
+
+
 def tp_cost(
     mode: TPMode,
     k: int,
@@ -225,7 +289,8 @@ def tp_cost(
 ) -> TPCost:
     """Per-rank cost of `mode` on k global rows×cols matrices sharded along `shard_dim` (0/1).
 
-    `form` is distributed mode's way of applying B (apply, square or split).
+    `form` is distributed mode's way of applying B (apply, square, split or rows); gram
+    mode's form follows from the shape (`gram_mode_form`).
 
     Flops count plain matmuls (2·m·n·k each). Bytes are what one rank sends under the ring
     algorithm, as `collectives.CommStats` records them.
@@ -252,6 +317,21 @@ def tp_cost(
         norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
         rounds = (steps * (2 if form in ("split", "rows") else 1) + 1) if T > 1 else 0
         return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
+    if mode == "gram":
+        q = (rows, cols)[shard_dim]
+        p = (cols, rows)[shard_dim]
+        q_local = max(collectives.shard_sizes(q, T))
+        if gram_mode_form(rows, cols, shard_dim) == "rows":
+            per_step, gathered = _distributed_flops(p, q, q_local, T, "rows")
+            sent = steps * (T - 1) * k * gathered * element_size
+            return TPCost(sent, 2 * steps if T > 1 else 0, steps * k * per_step)
+        ring = 2 * (T - 1) / T
+        runs = gram_runs(steps)
+        sent = len(runs) * ring * k * collectives.packed_triangle_size(p) * element_size
+        # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p
+        # products), R (L − 1) and A ← A·Q·Q (2·(L − 1))
+        flops = sum(4 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
+        return TPCost(sent, len(runs) if T > 1 else 0, k * flops)
     if mode == "blockwise":
         local = [rows, cols]
         local[shard_dim] = max(collectives.shard_sizes(local[shard_dim], T))
@@ -350,6 +430,8 @@ class TensorParallelOrthogonalizer:
             out = self._duplicated(flat, layout)
         elif mode == "distributed":
             out = self._distributed(flat, layout)
+        elif mode == "gram":
+            out = self._gram(flat, layout)
         else:
             out = self._newton_schulz(flat)
         out = out.reshape(local.shape)
@@ -382,8 +464,10 @@ class TensorParallelOrthogonalizer:
         args = (k, rows, cols, shard, layout.world_size, self.steps, elem)
         form = self.choose_form(*args)
         costs = {
-            "duplicated": self.cost_model.seconds(tp_cost("duplicated", *args)),
-            "distributed": self.cost_model.seconds(tp_cost("distributed", *args, form=form)),
+            k: self.cost_model.seconds(
+                tp_cost(k, *args, form=form) if k == "distributed" else tp_cost(k, *args)
+            )
+            for k in auto_modes(elem)
         }
         return min(costs, key=costs.__getitem__)
 
@@ -499,6 +583,39 @@ class TensorParallelOrthogonalizer:
         out = W if layout.dim == -1 else W.mT
         return out.to(X.dtype).contiguous()
 
+    def _gram(self, X: Tensor, layout: _Layout) -> Tensor:
+        """The Gram form over the ranks: per run of steps one packed all-reduce of the small
+        Gram matrix, the run's polynomial R on it on every rank, then X_i ← R·X_i locally."""
+        compute = self._compute_dtype(X)
+        W = X if layout.dim == -1 else X.mT  # the sharded dimension last: W is [k, p, q_i]
+        p, q = W.shape[-2], sum(layout.sizes)
+        norm_dtype = torch.float64 if compute == torch.float64 else torch.float32
+        if p > q:  # split along the short side
+            self.last_forms.append("rows")
+            out = self._rows_iteration(W.mT.to(compute), layout, normalise=True)
+            return (out.mT if layout.dim == -1 else out).to(X.dtype).contiguous()
+        self.last_forms.append("gram")
+        Z = W.to(compute)
+        syrk, sym_matmul = kernels.syrk_for(Z), kernels.sym_matmul_for(Z)
+        restarts = range(0, len(self.schedule), GRAM_FORM_RESTART)  # as newton_schulz_gram_form
+        for i, start in enumerate(restarts):
+            run = self.schedule[start : start + GRAM_FORM_RESTART]
+            A = collectives.all_reduce_symmetric(
+                syrk(Z, None, 0.0, 1.0), group=layout.group, stats=self.stats, kind=GRAM_KIND
+            )
+            if i == 0:
+                # ‖X‖_F² = tr A: normalise X and A. No host read per batch (the optimizer
+                # checked the gradients): NaN or Inf entries, or an overflowing sum of
+                # squares, come out as NaN.
+                sq = A.diagonal(dim1=-2, dim2=-1).to(norm_dtype).sum(dim=-1)
+                norm = torch.where(torch.isfinite(sq), sq.sqrt().clamp_min(self.eps), torch.nan)
+                norm = norm[:, None, None]
+                Z = (W.to(norm_dtype) / norm).to(compute)
+                A = (A.to(norm_dtype) / norm.square()).to(compute)
+            Z = _gram_run(A, run, syrk, sym_matmul) @ Z
+        out = Z if layout.dim == -1 else Z.mT
+        return out.to(X.dtype).contiguous()
+
     def _gather_rows(self, part: Tensor, layout: _Layout) -> Tensor:
         """All-gather [k, rows_i, n] row blocks (rows_i = the shard sizes) into [k, Σrows_i, n]."""
         k, n = part.shape[0], part.shape[-1]
@@ -511,11 +628,19 @@ class TensorParallelOrthogonalizer:
         ).wait()
         return torch.cat([t.view(k, r, n) for t, r in zip(parts, layout.sizes)], dim=1)
 
-    def _rows_iteration(self, X: Tensor, layout: _Layout) -> Tensor:
+    def _rows_iteration(self, X: Tensor, layout: _Layout, normalise: bool = False) -> Tensor:
         """The `rows` form on normalised row blocks X_i [k, q_i, p] of X [k, q, p]: the small
-        q×q Gram, each rank its rows of every product, two all-gathers per step."""
-        for a, b, c in self.schedule:
+        q×q Gram, each rank its rows of every product, two all-gathers per step.
+        `normalise`: X is not normalised yet; its norm is read from the first gathered X."""
+        for step, (a, b, c) in enumerate(self.schedule):
             full = self._gather_rows(X, layout)
+            if normalise and step == 0:
+                norm_dtype = torch.float64 if X.dtype == torch.float64 else torch.float32
+                sq = full.to(norm_dtype).square().sum(dim=(-2, -1))
+                norm = torch.where(torch.isfinite(sq), sq.sqrt().clamp_min(self.eps), torch.nan)
+                norm = norm[:, None, None]
+                X = (X.to(norm_dtype) / norm).to(full.dtype)
+                full = (full.to(norm_dtype) / norm).to(full.dtype)
             A_i = X @ full.mT  # [k, q_i, q]: this rank's rows of X·Xᵀ
             A = self._gather_rows(A_i, layout)
             B_i = torch.baddbmm(A_i, A_i, A, beta=b, alpha=c)

@@ -12,6 +12,7 @@ from typing import Any
 
 from orthoptim._extras import require_extra
 from orthoptim.newton_schulz import NS_BATCH_MB
+from orthoptim.plan.costs import AUTO_MODES, TP_MODES
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
 from orthoptim.plan.planner import (
@@ -152,19 +153,20 @@ def format_report(p: dict[str, Any]) -> str:
         lines += [
             "",
             f"tensor-parallel Newton-Schulz, TP {lay['tp']} ({lay['ns_dtype']}), busiest rank:",
-            "                 bytes sent       flops   flops max/mean       time",
+            "                 bytes sent  collectives       flops   flops max/mean       time",
         ]
-        for mode in ("duplicated", "distributed", "blockwise", "auto"):
+        for mode in (*TP_MODES, "auto"):
             r = t[mode]
             lines.append(
-                f"  {mode:<12}{_bytes(r['bytes_max']):>13}{_si(r['flops_max'], 'FLOP'):>12}"
+                f"  {mode:<12}{_bytes(r['bytes_max']):>13}{r.get('rounds_max', 0):>13}"
+                f"{_si(r['flops_max'], 'FLOP'):>12}"
                 f"{r['flops_imbalance']:>17.4f}{r['time_max_s'] * 1e3:>9.2f} ms"
             )
         picks = t["auto_picks"]
         chosen = ", ".join(f"{k} {v}" for k, v in sorted(picks.items()))
         lines.append(
             f"  TP-split Muon matrices: {chosen} (cost model: {t['cost_model']}; "
-            "auto never picks blockwise)"
+            f"auto picks among {', '.join(AUTO_MODES)}, gram only in fp32, never blockwise)"
         )
     lines += ["", f"optimizer overhead at {o['tokens_per_step']:,} tokens per step:"]
     if o["tokens_per_step"]:

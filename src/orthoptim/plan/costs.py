@@ -45,10 +45,13 @@ from orthoptim.parallel.tensor_parallel import (
     CostModel,
     TensorParallelOrthogonalizer,
     TPCost,
+    gram_mode_form,
     tp_cost,
 )
 
-TP_MODES = ("duplicated", "distributed", "blockwise")
+TP_MODES = ("duplicated", "distributed", "gram", "blockwise")
+# the modes the orthogonalizer's `auto` chooses among (never blockwise)
+AUTO_MODES = ("duplicated", "distributed", "gram")
 
 
 @lru_cache(maxsize=4096)
@@ -151,12 +154,14 @@ def tp_ns_cost(
     dtype_bytes: int,
     cost_model: CostModel,
 ) -> tuple[TPCost, str]:
-    """Per-TP-rank cost of orthogonalizing one matrix, and distributed mode's form.
+    """Per-TP-rank cost of orthogonalizing one matrix, and the form it takes.
 
     The tensor-parallel orthogonalizer's own cost model (`tp_cost`): `shape` is the full
     matrix, split along `tp_dim` over `tp` ranks; distributed mode uses the form (apply,
-    square, split) the orthogonalizer's `cost_model` would choose. A replicated matrix
-    (`tp_dim` None) or tp = 1 costs the full single-device iteration and no bytes.
+    square, split, rows) the orthogonalizer's `cost_model` would choose, gram mode the one
+    its shape gives (`gram_mode_form`: gram, or rows when split along the short side). A
+    replicated matrix (`tp_dim` None) or tp = 1 costs the full single-device iteration and
+    no bytes.
     """
     if mode not in TP_MODES:
         raise ValueError(f"mode must be one of {TP_MODES}, got {mode!r}")
@@ -164,7 +169,9 @@ def tp_ns_cost(
         return TPCost(0.0, 0, ns_flops(shape, steps)), ""
     rows, cols = shape[-2:]
     form = "apply"
-    if mode == "distributed":
+    if mode == "gram":
+        form = gram_mode_form(rows, cols, tp_dim)
+    elif mode == "distributed":
         chooser = TensorParallelOrthogonalizer(
             mode="distributed", shard_dim=tp_dim, steps=steps, cost_model=cost_model
         )

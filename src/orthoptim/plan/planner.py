@@ -39,7 +39,7 @@ from orthoptim.parallel.assignment import (
     state_numel,
 )
 from orthoptim.parallel.layout import ParallelDims
-from orthoptim.parallel.tensor_parallel import CostModel, TPCost
+from orthoptim.parallel.tensor_parallel import CostModel, TPCost, auto_modes
 from orthoptim.plan.costs import (
     TP_MODES,
     layerwise_bytes,
@@ -56,7 +56,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # the matrix optimizers the planner models (`memory_per_rank`): the layout's `optimizer`
 PlanOptimizer = Literal["muon", "soap"]
 PLAN_OPTIMIZERS: tuple[PlanOptimizer, ...] = get_args(PlanOptimizer)
-PlanTPMode = Literal["auto", "duplicated", "distributed", "blockwise"]
+PlanTPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
 PLAN_TP_MODES: tuple[PlanTPMode, ...] = get_args(PlanTPMode)
 
 # Published Muon vs AdamW throughput on GB300 NVL72 (NVIDIA technical blog "Advancing
@@ -447,12 +447,12 @@ def tp_cost_model(hw: Hardware, layout: Layout) -> CostModel:
 
 
 def tp_auto_cost(m: Matrix, layout: Layout, model: CostModel) -> tuple[TPCost, str]:
-    """Per-TP-rank cost of `m` in the mode the orthogonalizer's `auto` picks (the cheaper of
-    duplicated and distributed under `model`), and that mode."""
+    """Per-TP-rank cost of `m` in the mode the orthogonalizer's `auto` picks (the cheapest of
+    duplicated, distributed and gram under `model`), and that mode."""
     ns_b = DTYPE_BYTES[layout.ns_dtype]
     options = {
         k: tp_ns_cost(m.shape, m.tp_dim, layout.tp, k, layout.ns_steps, ns_b, model)[0]
-        for k in ("duplicated", "distributed")
+        for k in auto_modes(ns_b)
     }
     best = min(options, key=lambda k: model.seconds(options[k]))
     return options[best], best
@@ -718,7 +718,8 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
 def _tp_modes(
     slots: list[Slot], by_stage: list[list[_Group]], layout: Layout, hw: Hardware
 ) -> dict[str, Any]:
-    """Per TP mode: bytes, flops and modelled time of the busiest rank; what auto picks.
+    """Per TP mode: bytes, collective rounds, flops and modelled time of the busiest rank;
+    what auto picks and the forms distributed and gram take, counted over the matrices.
 
     Costs and the auto choice come from the tensor-parallel orthogonalizer's cost model
     (`tp_cost`, `CostModel.seconds`, its choice of distributed form), with the hardware's
@@ -731,32 +732,32 @@ def _tp_modes(
     def cost(m: Matrix, mode: str) -> tuple[TPCost, str]:
         if mode != "auto":
             return tp_ns_cost(m.shape, m.tp_dim, tp, mode, steps, ns_b, model)
-        options = {k: cost(m, k) for k in ("duplicated", "distributed")}
+        options = {k: cost(m, k) for k in auto_modes(ns_b)}
         best = min(options, key=lambda k: model.seconds(options[k][0]))
         return options[best][0], best if m.tp_dim is not None and tp > 1 else ""
 
     out: dict[str, Any] = {}
     picks: dict[str, int] = {}
     for mode in (*TP_MODES, "auto"):
-        # (sent, flops, seconds) of every matrix, then summed per rank
-        per_matrix: dict[int, list[tuple[float, float, float]]] = {}
+        # (sent, flops, seconds, rounds) of every matrix, then summed per rank
+        per_matrix: dict[int, list[tuple[float, float, float, float]]] = {}
         for sg in by_stage:
             for g in sg:
                 rows = []
                 for m in g.matrices:
                     if m.kind != "muon":
-                        rows.append((0.0, 0.0, 0.0))
+                        rows.append((0.0, 0.0, 0.0, 0.0))
                         continue
                     c, choice = cost(m, mode)
-                    rows.append((c.bytes_sent, c.flops, model.seconds(c)))
-                    if mode in ("auto", "distributed") and choice:
-                        key = choice if mode == "auto" else f"distributed form {choice}"
+                    rows.append((c.bytes_sent, c.flops, model.seconds(c), float(c.rounds)))
+                    if mode in ("auto", "distributed", "gram") and choice:
+                        key = choice if mode == "auto" else f"{mode} form {choice}"
                         picks[key] = picks.get(key, 0) + 1
                 per_matrix[id(g.matrices)] = rows  # shared by an expert group's siblings
         per_rank = [
             tuple(
                 sum(per_matrix[id(g.matrices)][i][j] for g, gr in slot for i in g.owned(gr))
-                for j in range(3)
+                for j in range(4)
             )
             for slot in slots
         ]
@@ -768,6 +769,7 @@ def _tp_modes(
             "flops_imbalance": _stats([p[1] for p in per_rank])["imbalance"],
             "time_max_s": per_rank[worst][2],
             "time_per_rank_s": [p[2] for p in per_rank],
+            "rounds_max": int(max(p[3] for p in per_rank)),
         }
     out["auto_picks"] = picks
     out["cost_model"] = "orthoptim.parallel.tensor_parallel (tp_cost, CostModel)"

@@ -232,7 +232,7 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
 def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
     """Run the ranks; a failure comes back as one `RankFailedError` (the first failing rank's
     exception, or the rank the watchdog found stalled) once --max-restarts restarts are
-    spent (each said on stderr and in the launcher log, `_Attempts`), Ctrl-C as
+    spent (each said on stderr and in the launcher log, `RestartPolicy`), Ctrl-C as
     KeyboardInterrupt, a stop signal as `Preempted`, and torch's launcher reports go to
     OUT/logs/launcher.log instead of the terminal.
 
@@ -351,14 +351,6 @@ def _after_stop_signal(args: TrainArgs, sig: signal.Signals, started: float) -> 
     raise Preempted(sig.name, _committed_step(out) or 0, saved=False, signum=int(sig))
 
 
-def _restart_line(args: TrainArgs, nproc: int, watchdog: _Watchdog, count: int) -> str:
-    """Why the ranks' last attempt failed and where the next resumes, in one line."""
-    cause = _attempt_failure(Path(args.out) / "logs", nproc, args.pg_timeout, watchdog.found)
-    step = _committed_step(Path(args.out))
-    whence = f"from the checkpoint of step {step}" if step is not None else "afresh"
-    return f"{cause}; restarting the ranks {whence} (restart {count} of {args.max_restarts})"
-
-
 def _attempt_failure(
     logs: Path, nproc: int, limit: float, stalled: tuple[int, dict[str, Any], float] | None
 ) -> str:
@@ -373,32 +365,62 @@ def _attempt_failure(
     return _failure_message(logs, nproc, limit, stalled=stalled)
 
 
+class RestartPolicy:
+    """What the launcher does between two attempts of the ranks under --max-restarts
+    (torchelastic restarts the whole group when a rank fails or the watchdog finds one
+    stalled), once every rank of the last attempt ended and before the next starts: ranks
+    that a stop signal ended (their exit status is not 0) are not restarted, `Preempted` ends
+    the launch; after a failure the restart is said (stderr and the launcher log) from what
+    that attempt left, naming its cause and the step the next attempt resumes from, and its
+    failure records, heartbeats and half-written checkpoint files are cleared for the next.
+    The restarted ranks resume from the last checkpoint, or start afresh without one
+    (`_restarted`)."""
+
+    def __init__(self, args: TrainArgs, nproc: int, watchdog: _Watchdog) -> None:
+        self.args, self.nproc, self.watchdog = args, nproc, watchdog
+
+    def before_attempt(self, count: int) -> None:
+        """Prepare attempt `count` of the ranks (0: the first start, which needs nothing)."""
+        if not count:
+            return
+        out = Path(self.args.out)
+        stopped = _read_json(out / "logs" / STOP_FILE)
+        if stopped:  # the ranks alone were signalled: a stop, not a failure
+            raise Preempted(stopped["signal"], stopped["step"])
+        line = self.restart_line(count)
+        _LOG.warning("%s", line)
+        print(f"orthoptim: {line}", file=sys.stderr, flush=True)
+        _clear_records(out / "logs")
+        for path in clean_leftovers(out):
+            _LOG.warning("removed %s, left by the failed attempt", path)
+        self.watchdog.found = None
+
+    def restart_line(self, count: int) -> str:
+        """Why the ranks' last attempt failed and where attempt `count` resumes, in one line."""
+        out = Path(self.args.out)
+        cause = _attempt_failure(
+            out / "logs", self.nproc, self.args.pg_timeout, self.watchdog.found
+        )
+        step = _committed_step(out)
+        whence = f"from the checkpoint of step {step}" if step is not None else "afresh"
+        return (
+            f"{cause}; restarting the ranks {whence} (restart {count} of {self.args.max_restarts})"
+        )
+
+
 class _Attempts(DefaultLogsSpecs):
-    """torch's default logs layout, and the launcher's turn between two attempts of the
-    ranks: torch asks for the next attempt's logs once the failed attempt's ranks ended and
-    before new ones start, so the restart is said (stderr and the launcher log) from what
-    that attempt left, and its failure records, heartbeats and half-written checkpoint
-    files are cleared for the next. Ranks that a stop signal ended (their exit status is
-    not 0) are not restarted: `Preempted` ends the launch from here."""
+    """torch's default logs layout, and the hook of the `RestartPolicy`: torch asks for the
+    next attempt's logs (`reify`) once the failed attempt's ranks ended and before new ones
+    start."""
 
     def __init__(self, args: TrainArgs, nproc: int, watchdog: _Watchdog) -> None:
         super().__init__()
-        self.args, self.nproc, self.watchdog = args, nproc, watchdog
+        self.policy = RestartPolicy(args, nproc, watchdog)
 
     def reify(self, envs: dict[int, dict[str, str]]) -> Any:
-        count = int(envs[0].get("TORCHELASTIC_RESTART_COUNT", "0")) if envs else 0
-        stopped = _read_json(Path(self.args.out) / "logs" / STOP_FILE)
-        if count and stopped:  # the ranks alone were signalled: a stop, not a failure
-            raise Preempted(stopped["signal"], stopped["step"])
-        if count:
-            line = _restart_line(self.args, self.nproc, self.watchdog, count)
-            _LOG.warning("%s", line)
-            print(f"orthoptim: {line}", file=sys.stderr, flush=True)
-            out = Path(self.args.out)
-            _clear_records(out / "logs")
-            for path in clean_leftovers(out):
-                _LOG.warning("removed %s, left by the failed attempt", path)
-            self.watchdog.found = None
+        self.policy.before_attempt(
+            int(envs[0].get("TORCHELASTIC_RESTART_COUNT", "0")) if envs else 0
+        )
         return super().reify(envs)
 
 

@@ -601,7 +601,7 @@ def train(
         world_size,
         sharded=args.fsdp and world_size > 1,
         keep=args.keep_checkpoints,
-        layout=args.layout(world_size),
+        dims=args.layout(world_size),
     )
     changes: list[str] = []
     if args.resume:

@@ -79,8 +79,10 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     the owners), `grad_dtype` (the reduction's; fp32 under `param_dtype` by default),
     `layout` (a `ParallelMesh`, instead of `process_group` and `expert_group`: its dp group,
     its expert group when ep > 1, with expert gradients summed over it and divided by dp, its
-    tp group when tp > 1 and its pp group when pp > 1; see the module docstring); other
-    keyword arguments go to `build_optimizer`.
+    tp group when tp > 1 and its pp group when pp > 1; see the module docstring), `cost` (the
+    `MatrixCost` the assignment balances; None: the path Newton-Schulz takes on the
+    parameters' device, `MatrixCost.for_device`); other keyword arguments go to
+    `build_optimizer`.
 
     Parameters and gradients are views of flat buffers (nothing model-sized is held twice).
     `step()` uses the reduced gradients as its scratch space (Muon's Nesterov updates are
@@ -107,6 +109,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         param_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         layout: ParallelMesh | None = None,
+        cost: MatrixCost | None = None,
         **inner_kwargs: Any,
     ) -> None:
         for name, dtype in (("gather_dtype", gather_dtype), ("param_dtype", param_dtype)):
@@ -135,7 +138,8 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             split_experts=split_experts,
             elementwise=inner_kwargs.get("elementwise", "adamw"),
         )
-        self.unit_groups = self._assign(self._group_units(layout), balance, bucket_mb, inner_kwargs)
+        groups = self._group_units(layout)
+        self.unit_groups = self._assign(groups, balance, bucket_mb, cost, inner_kwargs)
         # The dense units' assignment (all units' when there is no expert group).
         self.assignment = self.unit_groups[0].assignment
         self._slots, self._slots_by_unit, self.owner_of = make_slots(
@@ -185,18 +189,19 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         groups: list[tuple[ProcessGroup | None, list[int], int]],
         balance: Balance,
         bucket_mb: float,
+        cost: MatrixCost | None,
         inner_kwargs: dict[str, Any],
     ) -> list[UnitGroup]:
-        """Each group's units assigned over its ranks, on the costs of the path Newton-Schulz
-        takes here (device, dtype, SYRK / Gram form); the expert group's units fill around the
-        dense load its ranks already carry."""
+        """Each group's units assigned over its ranks, on `cost` (None: the costs of the path
+        Newton-Schulz takes here, device, dtype, SYRK / Gram form); the expert group's units
+        fill around the dense load its ranks already carry."""
         named = self.named
         masters = (self.param_dtype not in (None, torch.float32)) or (
             self.gather_dtype is not None
             and any(p.dtype != self.gather_dtype for p in named.values())
         )
         device = next(iter(named.values())).device if named else torch.device("cpu")
-        cost = MatrixCost.for_device(
+        cost = cost or MatrixCost.for_device(
             device, inner_kwargs.get("ns_dtype", "auto"), inner_kwargs.get("ns_steps", NS_STEPS)
         )
         out: list[UnitGroup] = []
