@@ -4,6 +4,7 @@ parameters and gradients are views of (`FlatBuffers`, storage re-pointing)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -315,6 +316,30 @@ class Bucket:
         for s in self.slots:
             if id(s.param) in self.copied and (s.owner != self.rank or self.rounds):
                 s.local().view(-1).copy_(self.param_slice(s))
+
+
+def agreement_items(
+    buckets: list[Bucket], n_units: int, device: torch.device
+) -> tuple[list[bool], list[Tensor], Callable[[], Tensor]]:
+    """What the step's agreement checks of `n_units` units: which had a gradient on this rank,
+    a check per owned reduced gradient (one per owned slot, so that checking them costs at
+    most the largest slot's temporaries), and per unit whether its owned gradient holds a NaN
+    or Inf."""
+    present = [False] * n_units
+    for b in buckets:
+        for unit in b.present:
+            present[unit] = True
+    owned = [b for b in buckets if b.mine]
+    checks = [~torch.isfinite(t).all() for b in owned for t in b.shards()]
+
+    def per_unit() -> Tensor:
+        flags = torch.zeros(n_units, dtype=torch.int32, device=device)
+        for b in owned:
+            for s in b.mine:
+                flags[s.unit] |= ~torch.isfinite(b.shard_view(s)).all()
+        return flags
+
+    return present, checks, per_unit
 
 
 class FlatBuffers:

@@ -28,7 +28,7 @@ from orthoptim.parallel.assignment import (
     units_from_model,
 )
 from orthoptim.parallel.base import DistributedOptimizer
-from orthoptim.parallel.layerwise.buffers import Bucket, FlatBuffers
+from orthoptim.parallel.layerwise.buffers import Bucket, FlatBuffers, agreement_items
 from orthoptim.parallel.layerwise.ownership import (
     UnitGroup,
     carried_load,
@@ -351,24 +351,9 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         return self._comms.no_sync()
 
     def _agreement_items(self) -> tuple[list[bool], list[Tensor], Callable[[], Tensor], list[str]]:
-        """The units: which had a gradient here, a check per owned reduced gradient (one per
-        owned slot, so that checking them costs at most the largest slot's temporaries), and
-        per unit whether its owned gradient holds a NaN or Inf."""
-        present = [False] * len(self.units)
-        for b in self._buckets:
-            for unit in b.present:
-                present[unit] = True
-        owned = [b for b in self._buckets if b.mine]
+        """The units, checked on the buckets' reduced gradients (`buffers.agreement_items`)."""
         device = self._slots[0].param.device
-        checks = [~torch.isfinite(t).all() for b in owned for t in b.shards()]
-
-        def per_unit() -> Tensor:
-            flags = torch.zeros(len(self.units), dtype=torch.int32, device=device)
-            for b in owned:
-                for s in b.mine:
-                    flags[s.unit] |= ~torch.isfinite(b.shard_view(s)).all()
-            return flags
-
+        present, checks, per_unit = agreement_items(self._buckets, len(self.units), device)
         return present, checks, per_unit, [u.name for u in self.units]
 
     # -- gradient clipping -------------------------------------------------------------
