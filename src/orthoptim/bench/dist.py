@@ -47,6 +47,7 @@ from orthoptim import collectives as C
 from orthoptim.bench import emit, environment
 from orthoptim.checkpoint import load_file
 from orthoptim.optim.hybrid import build_optimizer
+from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.fsdp import FSDPOptimizer, count_fsdp_collectives, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 
@@ -84,10 +85,9 @@ def _batch(args: argparse.Namespace, rank: int, world: int, step: int) -> tuple[
 
 def state_bytes(optimizer: Any) -> int:
     """Bytes of every tensor in an optimizer's state on this rank."""
-    if isinstance(optimizer, LayerwiseDistributedOptimizer):
-        inner = optimizer.inner.state.values() if optimizer.inner is not None else []
-        master = sum(t.numel() * t.element_size() for t in optimizer._master.values())
-        return master + sum(_tensor_bytes(s) for s in inner)
+    if isinstance(optimizer, DistributedOptimizer):  # the state and the owners' masters
+        held = optimizer.memory()
+        return held["masters"] + held["state"]
     if hasattr(optimizer, "optim"):  # ZeroRedundancyOptimizer: the local shard's optimizer
         optimizer = optimizer.optim
     return sum(_tensor_bytes(s) for s in optimizer.state.values())
@@ -205,7 +205,7 @@ class _Method:
             }
 
     def result(self) -> dict[str, Any]:
-        if isinstance(self.opt, LayerwiseDistributedOptimizer):
+        if isinstance(self.opt, DistributedOptimizer):
             self.opt.wait_for_params()
         out: dict[str, Any] = {
             "step_s": statistics.median(self.times[self.args.warmup :]),
@@ -222,8 +222,9 @@ class _Method:
             out["optimizer_sent_bytes"] = opt_total["sent"]
             out["fsdp2_sent_bytes"] = out["sent_bytes"] - opt_total["sent"]
         if isinstance(self.opt, FSDPOptimizer):
+            # fp32 gradient shards of the matrices (the optimizer's units): dim-0 shards
             out["sharded_matrix_grad_bytes"] = sum(
-                4 * m.numels[self.rank] for m in self.opt._matrices
+                4 * C.local_shard(self.opt.named[u.name]).numel() for u in self.opt.units
             )
         return out
 

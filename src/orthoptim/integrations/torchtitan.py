@@ -55,6 +55,7 @@ from orthoptim._validate import check_choice
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.registry import OPTIMIZER_NAMES, OptimizerName
 from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer
+from orthoptim.parallel.base import DistributedOptimizer
 
 __all__ = ["DISTRIBUTED", "Distributed", "OrthoptimOptimizersContainer", "build_optimizers"]
 
@@ -222,7 +223,7 @@ class OrthoptimOptimizersContainer(OptimizersContainer):
             for g, lr in zip(opt.param_groups, lrs):
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
-        if hasattr(opt, "wait_for_params"):
+        if isinstance(opt, DistributedOptimizer):
             opt.wait_for_params()
         self._placeholder[i] = True
 

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from orthoptim import checkpoint
 from orthoptim import collectives as C
@@ -48,6 +49,10 @@ from orthoptim.optim.registry import OptimizerName
 from orthoptim.optim.state import StateView
 from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import BALANCES, Balance
+from orthoptim.parallel.layout import ParallelMesh
+
+#: what `DistributedOptimizer.memory()` reports, in the order a shared storage is counted in
+MEMORY_CATEGORIES = ("params", "grads", "masters", "state", "buffers")
 
 #: the name a clean stage's non-finite verdict gives for the parameters of the stage that had one
 ANOTHER_STAGE = "parameters of another pipeline stage"
@@ -58,11 +63,11 @@ class AgreementGroups(NamedTuple):
     (data-parallel, then each tensor-parallel group), and `across` (the pipeline group),
     over which only the count of non-finite gradients travels (stages step other items)."""
 
-    stage: tuple[Any, ...]
-    across: tuple[Any, ...]
+    stage: tuple[ProcessGroup | None, ...]
+    across: tuple[ProcessGroup | None, ...]
 
     @property
-    def all(self) -> tuple[Any, ...]:
+    def all(self) -> tuple[ProcessGroup | None, ...]:
         """Every group, stage first: what a sum over the whole model runs over."""
         return self.stage + self.across
 
@@ -86,12 +91,14 @@ class DistributedOptimizer(CompositeOptimizer):
     holds gradients otherwise than every rank holding its averaged ones, `_before_agree`,
     `_after_step`, `_agreement_items`, `_clip_tensors` and `state_view`."""
 
-    layout: Any = None  # the ParallelMesh it was built with, if any
-    process_group: Any = None  # data-parallel
-    expert_group: Any = None  # expert data-parallel (ep > 1)
-    pp_group: Any = None  # pipeline (None: the default group, when every rank is a stage)
+    layout: ParallelMesh | None = None  # the ParallelMesh it was built with, if any
+    process_group: ProcessGroup | None = None  # data-parallel
+    expert_group: ProcessGroup | None = None  # expert data-parallel (ep > 1)
+    # pipeline (None: the default group, when every rank is a stage)
+    pp_group: ProcessGroup | None = None
     stages = 1  # pipeline stages of the layout (1 without one)
-    tp_groups: list[Any]  # tensor-parallel (set by _bind_groups; a driver may find them)
+    # tensor-parallel (set by _bind_groups; a driver may find them)
+    tp_groups: list[ProcessGroup | None]
     rank, world_size = 0, 1  # in `process_group`
     _prepared: dict[str, Any] | None = None  # prepare_state_dict()'s, until the next step
 
@@ -128,7 +135,10 @@ class DistributedOptimizer(CompositeOptimizer):
         }
 
     def _bind_groups(
-        self, process_group: Any = None, expert_group: Any = None, layout: Any = None
+        self,
+        process_group: ProcessGroup | None = None,
+        expert_group: ProcessGroup | None = None,
+        layout: ParallelMesh | None = None,
     ) -> None:
         """Take the process groups, one by one or from `layout` (a `ParallelMesh`; not both),
         and check every trainable parameter's device against each group's backend."""
@@ -161,8 +171,7 @@ class DistributedOptimizer(CompositeOptimizer):
         self._stats = C.CommStats()
         self._last_stats = C.CommStats()
         self._built = True
-        if callable(getattr(self, "wait_for_params", None)):
-            C.finish_at_exit(self)
+        C.finish_at_exit(self)  # `wait_for_params()` at interpreter exit
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported once built: what each rank steps is computed from the whole model."""
@@ -310,6 +319,46 @@ class DistributedOptimizer(CompositeOptimizer):
         dtype = next(iter(self.named.values())).dtype if self.named else None
         return grads, grads, dtype
 
+    # -- the driver's contract with training loops -------------------------------------
+    def wait_for_params(self) -> None:
+        """Finish every parameter gather still in flight (call it before reading parameters
+        outside a forward pass); nothing by default, where none outlives the step."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which backward passes accumulate gradients without communicating
+        (gradient accumulation: every micro-batch but the last); by default the driver's
+        gradients travel otherwise and this does nothing."""
+        return contextlib.nullcontext()
+
+    def memory_tensors(self) -> dict[str, list[Tensor]]:
+        """The tensors this rank holds for training, by `MEMORY_CATEGORIES` (local shards of
+        DTensors): by default the model's parameters and gradients and the optimizer's state;
+        a driver adds what it holds beyond them (masters, flat buffers)."""
+        params = list(self.model.parameters())
+        return {
+            "params": params,
+            "grads": [p.grad for p in params if p.grad is not None],
+            "masters": [],
+            "state": list(_state_tensors(self.state.values())),
+            "buffers": [],
+        }
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds by category (`MEMORY_CATEGORIES`: params, grads, masters,
+        state, buffers), from `memory_tensors()`: each storage counted once, in the first
+        category holding it (a parameter that views a flat buffer makes the buffer params)."""
+        seen: set[int] = set()
+        out = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        for cat, tensors in self.memory_tensors().items():
+            for t in tensors:
+                storage = C.local_shard(t).untyped_storage()
+                if storage.data_ptr() in seen:
+                    continue
+                if storage.data_ptr():  # (meta tensors have none: each counted)
+                    seen.add(storage.data_ptr())
+                out[cat] += storage.nbytes()
+        return out
+
     # -- accounting --------------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, float]]:
         """Bytes sent / received per collective kind (and calls) in the last step."""
@@ -395,3 +444,15 @@ class DistributedOptimizer(CompositeOptimizer):
     def _loading(self) -> contextlib.AbstractContextManager[None]:
         """What a load runs inside (nothing by default)."""
         return contextlib.nullcontext()
+
+
+def _state_tensors(states: Iterable[Any]) -> Iterator[Tensor]:
+    """The tensors of an optimizer's per-parameter states (dicts), nested lists and dicts
+    included."""
+    for v in states:
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, dict):
+            yield from _state_tensors(v.values())
+        elif isinstance(v, (list, tuple)):
+            yield from _state_tensors(v)

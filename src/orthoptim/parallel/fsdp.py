@@ -36,6 +36,7 @@ figure, `comm_stats()` the measured one).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -457,6 +458,18 @@ class FSDPOptimizer(DistributedOptimizer):
         return out
 
     # -- state -------------------------------------------------------------------------
+    def memory_tensors(self) -> dict[str, list[Tensor]]:
+        """`DistributedOptimizer.memory_tensors`: the model's parameter and gradient shards
+        (FSDP2 holds the sharded parameters in their own dtype; it gathers and frees the full
+        ones around each module's forward and backward) and the optimizer's state; no masters,
+        and no buffer outlives a step."""
+        return super().memory_tensors()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to hold back here: FSDP2's hooks reduce the gradients
+        (`model.set_requires_gradient_sync(False)` accumulates without reducing)."""
+        return contextlib.nullcontext()
+
     def state_view(self) -> StateView:
         """The state by name for checkpoints: elementwise state as DTensors sharded like the
         parameters (every rank), whole-matrix state on the matrix's owner."""

@@ -126,6 +126,14 @@ class ParallelDims:
         return self.dp // self.ep
 
     @property
+    def expert_gradient_divide_factor(self) -> int:
+        """What the summed gradients of expert weights are divided by to be the mean over the
+        stage's batch: dp. The token all-to-all's backward already summed them over the ep
+        group and the reduce over the expert-data-parallel group sums the rest of the dp
+        ranks, so dividing by that group's size (dp / ep) would leave them ep times too large."""
+        return self.dp
+
+    @property
     def dp_shard(self) -> int:
         """The ranks of one FSDP2 replica, over which it shards: dp / dp_replicate."""
         return self.dp // self.dp_replicate
@@ -255,6 +263,11 @@ class ParallelMesh:
         return self.group("edp") if self.dims.ep > 1 else None
 
     @property
+    def expert_gradient_divide_factor(self) -> int:
+        """`ParallelDims.expert_gradient_divide_factor` of this layout."""
+        return self.dims.expert_gradient_divide_factor
+
+    @property
     def ep_group(self) -> Any:
         return self.group("ep")
 
@@ -317,3 +330,16 @@ def _real(group: Any) -> Any:
     import torch.distributed as dist
 
     return group if group is not None else dist.group.WORLD
+
+
+def expert_gradient_divisor(
+    layout: ParallelMesh | None, dispatched: bool, dense_size: int, expert_size: int
+) -> int:
+    """What the summed gradients of expert weights are divided by: the layout's
+    `expert_gradient_divide_factor`; without a layout, for a model whose experts were
+    dispatched by an all-to-all (cut by `expert_parallelize`, groups given one by one), the
+    dense group's size `dense_size` (the same dp), else the expert group's `expert_size`
+    (a plain mean over it)."""
+    if layout is not None:
+        return layout.expert_gradient_divide_factor
+    return dense_size if dispatched else expert_size

@@ -49,6 +49,7 @@ from orthoptim._extras import optional_extra
 from orthoptim.optim.base import NonFiniteGradientError
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.optim.qk_clip import QKClip
+from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layout import ParallelMesh
@@ -162,9 +163,8 @@ def clip_gradients(model: nn.Module, opt: Any, max_norm: float) -> float:
 
 def _params_ready(opt: Any) -> None:
     """Wait for parameter gathers still in flight (before reading parameters outside forward)."""
-    wait = getattr(opt, "wait_for_params", None)
-    if wait is not None:
-        wait()
+    if isinstance(opt, DistributedOptimizer):
+        opt.wait_for_params()
 
 
 def _comm_totals(opt: Any) -> tuple[float, float]:
@@ -375,7 +375,8 @@ def build_run(
             n_microbatches=args.n_microbatches,
             schedule=args.pp_schedule,
             device=device,
-            no_sync=getattr(opt, "no_sync", None),  # gradients reduced once a step
+            # gradients reduced once a step
+            no_sync=opt.no_sync if isinstance(opt, DistributedOptimizer) else None,
         )
     tau = args.qk_clip_tau
     clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
