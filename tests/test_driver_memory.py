@@ -24,7 +24,7 @@ def _state_bytes(opt) -> int:
 
 
 def _layerwise(rank, world_size):
-    from test_layerwise import CONFIGS, batch, loss_fn, make_model
+    from models.layerwise import CONFIGS, batch, loss_fn, make_model
 
     torch.set_num_threads(1)
     model = make_model()
@@ -62,7 +62,7 @@ def test_layerwise_memory_is_the_buffers_masters_and_state():
 
 
 def test_fsdp_memory_is_the_shards_and_state():
-    from test_fsdp import KW, batch, loss_fn, make_model
+    from models.fsdp import KW, batch, loss_fn, make_model
 
     model = make_model()
     opt = FSDPOptimizer(model, **KW)

@@ -116,3 +116,102 @@ def test_a_private_reach_would_be_found(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g(opt):\n    return opt.inner._update()\n")
     assert private_reaches(f) == ["m.py:2: opt.inner._update"]
+
+
+# Private names of the standard library that have no public spelling: the type of
+# `add_subparsers()`'s result, and the caller's frame (the dry run's record of where a
+# collective was issued).
+STDLIB_PRIVATE = {"argparse._SubParsersAction", "sys._getframe"}
+# The one module that reaches into torch's private API, each reach commented there.
+COMPAT = ROOT / "_torch_compat.py"
+# Hooks of torch's protocols that are private by name only: a torch optimizer's
+# `_init_group`, which dynamo recognises by that name and runs eagerly in a traced step.
+TORCH_PROTOCOL = {"_init_group"}
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines itself: attributes it sets or reads on self/cls or
+    assigns on anything, its functions and classes, its assignments and arguments."""
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and (
+            isinstance(node.ctx, ast.Store)
+            or (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.arg):
+            own.add(node.arg)
+    return own
+
+
+def cross_module_private_reads(path: Path) -> list[str]:
+    """`x._name` or `from m import _name` (or from a private module of another package) in
+    `path`, where `_name` is not one this module defines: another module's private attribute,
+    torch's included. Dunders and the standard library's `STDLIB_PRIVATE` are not private."""
+    tree = ast.parse(path.read_text())
+    own = _own_private_names(tree)
+    where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            foreign = not node.module.startswith("orthoptim")
+            private_module = foreign and any(
+                p.startswith("_") and not p.startswith("__") for p in node.module.split(".")
+            )
+            names = [a.name for a in node.names if a.name.startswith("_")]
+            if private_module or [n for n in names if not n.startswith("__")]:
+                found.append(f"{where}:{node.lineno}: from {node.module} import ...")
+            continue
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        base = ast.unparse(node.value)
+        if node.attr.startswith("__") or f"{base}.{node.attr}" in STDLIB_PRIVATE:
+            continue
+        if base in ("self", "cls", "super()") or node.attr in own | TORCH_PROTOCOL:
+            continue
+        found.append(f"{where}:{node.lineno}: {base}.{node.attr}")
+    return found
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    """Outside the torch compatibility module, no source module reads a private attribute
+    of another module (or of torch): what crosses a module boundary is public."""
+    reads = [r for f in sorted(ROOT.rglob("*.py")) if f != COMPAT
+             for r in cross_module_private_reads(f)]  # fmt: skip
+    assert reads == [], "\n".join(reads)
+
+
+def test_a_cross_module_private_read_would_be_found(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        "from orthoptim.checkpoint import _fsync_dir\nimport torch\n"
+        "class A:\n    def __init__(self):\n        self._mine = 1\n"
+        "def g(opt, a):\n    a._mine\n    torch._C\n    return opt._buckets\n"
+    )
+    assert cross_module_private_reads(f) == [
+        "m.py:1: from orthoptim.checkpoint import ...",
+        "m.py:8: torch._C",
+        "m.py:9: opt._buckets",
+    ]
+
+
+def test_no_test_module_imports_another():
+    """Shared test models and helpers live in tests/models/ (and tests/distributed.py,
+    tests/reference_runs.py): importing a test module would run its module-level setup and
+    tie its edits to its importers."""
+    tests = Path(__file__).parent
+    names = {f.stem for f in tests.rglob("test_*.py")}
+    found = []
+    for f in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module.split(".")[-1]]
+            elif isinstance(node, ast.Import):
+                mods = [a.name.split(".")[-1] for a in node.names]
+            found += [f"{f.name}:{node.lineno}: {m}" for m in mods if m in names - {f.stem}]
+    assert found == [], found

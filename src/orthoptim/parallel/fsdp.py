@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from orthoptim import checkpoint
 from orthoptim import collectives as C
+from orthoptim._torch_compat import fsdp_collective_bases
 from orthoptim._validate import check_choice, check_float_dtype
 from orthoptim.optim.base import (
     NonfinitePolicy,
@@ -107,7 +108,8 @@ def count_fsdp_collectives(model: nn.Module, stats: C.CommStats) -> None:
     the optimizer's. Uses FSDP2's `set_custom_all_gather` / `set_custom_reduce_scatter` hooks.
     (HSDP's all-reduce across replicas is not covered by these hooks.)"""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    AllGather, ReduceScatter = fsdp_collective_bases()
 
     class _Gather(AllGather):
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:

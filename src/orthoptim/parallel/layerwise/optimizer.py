@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 
 from orthoptim import checkpoint
 from orthoptim import collectives as C
+from orthoptim._torch_compat import active_ddp_module
 from orthoptim._validate import check_float_dtype
 from orthoptim.optim.base import NonfinitePolicy, step_checked
 from orthoptim.optim.contract import MatrixOptimizer
@@ -324,7 +325,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             self._comms.followed = True
             self._follow()
         if torch.is_grad_enabled():
-            self._comms.notice_ddp(torch.nn.parallel.DistributedDataParallel._active_ddp_module)
+            self._comms.notice_ddp(active_ddp_module())
 
     def _follow(self) -> None:
         """Re-point the buffers at the parameters if their storage was replaced

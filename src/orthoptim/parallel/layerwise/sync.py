@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import collectives as C
+from orthoptim._torch_compat import queue_backward_callback, version
 from orthoptim.optim.base import sparse_gradient_error
 from orthoptim.parallel.assignment import Unit
 from orthoptim.parallel.layerwise.buffers import Bucket, FlatBuffers
@@ -167,7 +168,7 @@ class GradSync:
         self.check_dense(p)
         if not self.backward_queued:  # once per backward: note the gradients at its end
             self.backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.backward_end)
+            queue_backward_callback(self.backward_end)
         slots = self.slots_of[id(p)]
         if self.world_size == 1:  # nothing to reduce: accumulation needs no no_sync()
             return
@@ -233,7 +234,7 @@ class GradSync:
 
     def backward_end(self) -> None:
         self.backward_queued = False
-        self.grad_versions = [g._version for g in self.flat.grad_flats]
+        self.grad_versions = [version(g) for g in self.flat.grad_flats]
 
     def check_untouched(self, stats: C.CommStats) -> None:
         """Raise if the gradient buffers changed in place since the last backward ended:
@@ -244,7 +245,7 @@ class GradSync:
         gradients and such clipping is right."""
         if self.ddp is not None or self.grad_versions is None:
             return
-        if [g._version for g in self.flat.grad_flats] != self.grad_versions:
+        if [version(g) for g in self.flat.grad_flats] != self.grad_versions:
             self.grad_versions = None
             self.reduce_all(stats)  # every collective of this step done: the next one starts clean
             self.reset()

@@ -82,10 +82,10 @@ def _category_bytes(opt: Any, model: nn.Module, parallel: Parallel) -> dict[str,
     add("params", params)
     rest: list[Tensor] = []
     if parallel == "layerwise":
-        for b in opt._buckets:
-            add("buffers", b.buffers())
-            rest += [t for t in (b.params, b.grads) if t is not None]
-        add("masters", list(opt.masters().values()))
+        held = opt.memory_tensors()
+        add("buffers", held["buffers"])
+        rest += held["params"] + held["grads"]
+        add("masters", held["masters"])
     add("state", [dict(s) for s in opt.state.values()])
     add("grads", [p.grad for p in params] + rest)
     return out
