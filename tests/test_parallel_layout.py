@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from orthoptim.parallel.layout import ParallelDims
+from orthoptim.parallel.layout import ParallelDims, as_flags
 
 from distributed import run_ranks
 
@@ -40,27 +40,40 @@ def test_rank_order_and_groups_partition_the_world():
             assert d.group_ranks(dim, r) == want, (dim, r)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(world_size=8, ep=3), "--ep 3 must divide --dp 8"),
-        (dict(world_size=6, pp=4), "--nproc 6 must be a multiple of --pp 4"),
-        (dict(world_size=8, pp=2, dp=2), "--pp 2 × --dp 2 × --tp 1 is 4 ranks"),
-        (dict(world_size=8, tp=0), "--tp must be a positive integer"),
-    ],
-)
-def test_bad_sizes_name_their_flag(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+# (arguments, the library's words, the command line's words)
+BAD_SIZES = [
+    (dict(world_size=8, ep=3), "ep 3 must divide dp 8", "--ep 3 must divide --dp 8"),
+    (dict(world_size=6, pp=4), "world_size 6 must be a multiple of pp 4 × tp 1",
+     "--nproc 6 must be a multiple of --pp 4 × --tp 1"),
+    (dict(world_size=8, pp=2, dp=2), "pp 2 × dp 2 × tp 1 is 4 ranks, but world_size is 8",
+     "--pp 2 × --dp 2 × --tp 1 is 4 ranks, but --nproc is 8"),
+    (dict(world_size=8, tp=0), "tp must be a positive integer", "--tp must be a positive"),
+    (dict(world_size=0), "world_size must be >= 1, got 0", "--nproc must be >= 1, got 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwargs", "words", "flags"), BAD_SIZES)
+def test_bad_sizes_are_refused_in_library_terms_and_mapped_to_flags(kwargs, words, flags):
+    """`ParallelDims` names its own arguments; `as_flags` (the command lines') names them as
+    `orthoptim train`'s and `orthoptim plan`'s flags."""
+    with pytest.raises(ValueError) as e:
         ParallelDims.for_world(**kwargs)
+    assert words in str(e.value) and "--" not in str(e.value), str(e.value)
+    with pytest.raises(ValueError) as e, as_flags():
+        ParallelDims.for_world(**kwargs)
+    assert flags in str(e.value), str(e.value)
 
 
-def test_model_checks_name_their_flag():
-    with pytest.raises(ValueError, match="--pp 5 exceeds the model's 4 layers"):
+def test_model_checks_name_their_size():
+    with pytest.raises(ValueError, match="^pp 5 exceeds the model's 4 layers.*use pp 4 or"):
         ParallelDims(dp=1, pp=5).check(n_layer=4)
-    with pytest.raises(ValueError, match="--ep 2: the model has no routed experts"):
+    with pytest.raises(ValueError, match="^ep 2: the model has no routed experts; use ep 1"):
         ParallelDims(dp=2, ep=2).check(n_expert=0)
-    with pytest.raises(ValueError, match="--ep 4 must divide the model's 6 experts"):
+    with pytest.raises(ValueError, match="^ep 4 must divide the model's 6 experts"):
         ParallelDims(dp=4, ep=4).check(n_expert=6)
+    flags = "^--pp 5 exceeds the model's 4 layers.*use --pp 4"
+    with pytest.raises(ValueError, match=flags), as_flags():
+        ParallelDims(dp=1, pp=5).check(n_layer=4)
     ParallelDims(dp=4, ep=2, pp=2).check(n_layer=2, n_expert=8)
 
 
@@ -70,7 +83,9 @@ def test_hybrid_sharding_groups():
     # dp indices 0,1 are replica 0 and 2,3 replica 1 (ranks: dp index · tp + tp index)
     assert d.group_ranks("dp_shard", 0) == [0, 2] and d.group_ranks("dp_shard", 5) == [5, 7]
     assert d.group_ranks("dp_replicate", 0) == [0, 4] and d.group_ranks("dp_replicate", 3) == [3, 7]
-    with pytest.raises(ValueError, match="--dp-replicate 3 must divide --dp 4"):
+    with pytest.raises(ValueError, match="^dp_replicate 3 must divide dp 4"):
+        ParallelDims(dp=4, dp_replicate=3)
+    with pytest.raises(ValueError, match="^--dp-replicate 3 must divide --dp 4"), as_flags():
         ParallelDims(dp=4, dp_replicate=3)
 
 
@@ -125,6 +140,5 @@ def test_build_makes_the_groups_the_sizes_describe():
 @pytest.mark.parametrize("field", ["dp", "tp", "ep", "pp", "dp_replicate"])
 @pytest.mark.parametrize("bad", [0, -2, True, 2.0, "2"])
 def test_every_size_must_be_a_positive_int(field, bad):
-    flag = field.replace("_", "-")
-    with pytest.raises(ValueError, match=f"^--{flag} must be a positive integer, got {bad!r}$"):
+    with pytest.raises(ValueError, match=f"^{field} must be a positive integer, got {bad!r}$"):
         ParallelDims(**{field: bad})

@@ -133,11 +133,11 @@ def test_stage_layers_are_contiguous_balanced_and_cover_the_model():
 
 
 def test_a_pipeline_deeper_than_the_model_is_refused_naming_pp():
-    with pytest.raises(ValueError, match=r"--pp 5 exceeds the model's 4 layers.*--pp 4 or"):
+    with pytest.raises(ValueError, match=r"^pp 5 exceeds the model's 4 layers.*pp 4 or"):
         stage_layers(4, 5, 0)
-    with pytest.raises(ValueError, match="--pp 4 exceeds the model's 3 layers"):
+    with pytest.raises(ValueError, match="^pp 4 exceeds the model's 3 layers"):
         split_stage(make_model("tiny"), 4, 0)
-    with pytest.raises(ValueError, match="--pp must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="^pp must be a positive integer, got 0"):
         stage_layers(4, 0, 0)
     with pytest.raises(ValueError, match=r"stage must be in \[0, 2\)"):
         stage_layers(4, 2, 2)

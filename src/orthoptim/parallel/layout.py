@@ -29,6 +29,9 @@ so the ranks of a tensor-parallel group are adjacent, then those of an expert-pa
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
@@ -39,6 +42,30 @@ if TYPE_CHECKING:
 
 Dim = Literal["pp", "dp", "edp", "ep", "tp", "stage", "world", "dp_shard", "dp_replicate"]
 DIMS: tuple[Dim, ...] = get_args(Dim)
+
+
+# A size named in a layout's refusal (`ParallelDims` speaks its own argument names), where
+# it stands for a value: followed by one, by "must", "×", "exceeds", "is", "out" or ":".
+_SIZE_NAME = re.compile(
+    r"(?<![\w-])(dp_replicate|world_size|dp|tp|ep|pp)(?= (?:\d|must\b|×|exceeds\b|is\b|out\b)|:)"
+)
+_FLAGS = {"dp_replicate": "--dp-replicate", "world_size": "--nproc"}
+
+
+def flag_words(message: str) -> str:
+    """A layout refusal in the command line's words: each size named as its flag of
+    `orthoptim train` and `orthoptim plan` (dp → --dp, world_size → --nproc, ...)."""
+    return _SIZE_NAME.sub(lambda m: _FLAGS.get(m[1], f"--{m[1]}"), message)
+
+
+@contextlib.contextmanager
+def as_flags() -> Iterator[None]:
+    """Inside, a `ValueError` of the layout is re-raised in flag words (`flag_words`): for the
+    command lines, whose users set the sizes as flags."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(flag_words(str(e))) from e
 
 
 class Coordinate(NamedTuple):
@@ -69,17 +96,17 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         for field in ("dp", "tp", "ep", "pp", "dp_replicate"):
-            check_positive_int(f"--{field.replace('_', '-')}", getattr(self, field))
+            check_positive_int(field, getattr(self, field))
         if self.dp % self.dp_replicate:
             raise ValueError(
-                f"--dp-replicate {self.dp_replicate} must divide --dp {self.dp}: FSDP2 shards "
-                "over dp / dp-replicate ranks in each replica"
+                f"dp_replicate {self.dp_replicate} must divide dp {self.dp}: FSDP2 shards "
+                "over dp / dp_replicate ranks in each replica"
             )
         if self.dp % self.ep:
             raise ValueError(
-                f"--ep {self.ep} must divide --dp {self.dp}: expert parallelism runs inside the "
+                f"ep {self.ep} must divide dp {self.dp}: expert parallelism runs inside the "
                 f"data-parallel ranks of a stage (each expert-parallel group of {self.ep} ranks "
-                "holds every expert once); pick --ep among the divisors of --dp"
+                f"holds every expert once); pick an ep that divides dp {self.dp}"
             )
 
     @classmethod
@@ -96,22 +123,22 @@ class ParallelDims:
         """The layout of `world_size` ranks: `dp` given, it must make pp · dp · tp ranks;
         else it is world_size / (pp · tp)."""
         if world_size < 1:
-            raise ValueError(f"--nproc must be >= 1, got {world_size}")
-        check_positive_int("--tp", tp)
-        check_positive_int("--pp", pp)
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        check_positive_int("tp", tp)
+        check_positive_int("pp", pp)
         if dp is None:
             if world_size % (pp * tp):
                 raise ValueError(
-                    f"--nproc {world_size} must be a multiple of --pp {pp} × --tp {tp} (ranks "
+                    f"world_size {world_size} must be a multiple of pp {pp} × tp {tp} (ranks "
                     "form pp stages of dp data-parallel × tp tensor-parallel ranks)"
                 )
             dp = world_size // (pp * tp)
         dims = cls(dp=dp, tp=tp, ep=ep, pp=pp, dp_replicate=dp_replicate)
         if dims.world != world_size:
             raise ValueError(
-                f"--pp {pp} × --dp {dp} × --tp {tp} is {dims.world} ranks, but --nproc is "
-                f"{world_size}; pass --nproc {dims.world} or leave --dp out (it is then "
-                "nproc / (pp · tp))"
+                f"pp {pp} × dp {dp} × tp {tp} is {dims.world} ranks, but world_size is "
+                f"{world_size}; pass world_size {dims.world} or leave dp out (it is then "
+                "world_size / (pp · tp))"
             )
         return dims
 
@@ -139,21 +166,21 @@ class ParallelDims:
         return self.dp // self.dp_replicate
 
     def check(self, *, n_layer: int | None = None, n_expert: int | None = None) -> None:
-        """Refuse a layout the model cannot take, naming the flag: more stages than layers,
+        """Refuse a layout the model cannot take, naming the size: more stages than layers,
         expert parallelism over a model without experts or an ep not dividing the experts."""
         if n_layer is not None and self.pp > n_layer:
             raise ValueError(
-                f"--pp {self.pp} exceeds the model's {n_layer} layers (each stage holds at "
-                f"least one); use --pp {n_layer} or fewer"
+                f"pp {self.pp} exceeds the model's {n_layer} layers (each stage holds at "
+                f"least one); use pp {n_layer} or fewer"
             )
         if self.ep > 1 and not n_expert:
             raise ValueError(
-                f"--ep {self.ep}: the model has no routed experts; use --ep 1 or a "
+                f"ep {self.ep}: the model has no routed experts; use ep 1 or a "
                 "mixture-of-experts config"
             )
         if n_expert and n_expert % self.ep:
             raise ValueError(
-                f"--ep {self.ep} must divide the model's {n_expert} experts per layer (each "
+                f"ep {self.ep} must divide the model's {n_expert} experts per layer (each "
                 "expert-parallel rank holds the same number)"
             )
 

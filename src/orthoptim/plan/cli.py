@@ -12,6 +12,7 @@ from typing import Any
 
 from orthoptim._extras import require_extra
 from orthoptim.newton_schulz import NS_BATCH_MB
+from orthoptim.parallel.layout import as_flags
 from orthoptim.plan.costs import AUTO_MODES, TP_MODES
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
@@ -307,8 +308,9 @@ def _cmd(args: argparse.Namespace) -> int:
             )
         desc = hf_model(args.hf_config) if args.hf_config else load_model(args.model)
         hw = load_hardware(args.hardware)
-        layout = layout_from_args(args)
-        check_layout(desc, layout)
+        with as_flags():
+            layout = layout_from_args(args)
+            check_layout(desc, layout)
         check_stage(args.stage, layout.pp)
         if args.dry_run:
             return _dry_run_cmd(args, desc, hw, layout)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES
-from orthoptim.parallel.layout import ParallelDims
+from orthoptim.parallel.layout import ParallelDims, as_flags
 from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS, ParamDtype, resolve_param_dtype
 from orthoptim.train.model import check_tensor_parallel, get_config
 from orthoptim.train.pipeline import SCHEDULES, ScheduleName
@@ -276,7 +276,9 @@ class TrainArgs:
                 f"--compile with {flags} is not wired into `orthoptim train`; drop --compile"
             )
         # dp as small as the flags allow: the sizes against --nproc are check_nproc's
-        self._check_model(ParallelDims(dp=self.dp or self.ep, tp=self.tp, ep=self.ep, pp=self.pp))
+        with as_flags():
+            dims = ParallelDims(dp=self.dp or self.ep, tp=self.tp, ep=self.ep, pp=self.pp)
+            self._check_model(dims)
         if self.batch % self.n_microbatches:
             given = "" if self.microbatches is not None else " (by default --pp)"
             raise ValueError(
@@ -300,10 +302,16 @@ class TrainArgs:
     def layout(self, nproc: int) -> ParallelDims:
         """This run's parallel layout over `nproc` ranks (--pp × --dp × --tp, --ep inside
         --dp), checked against the model (`ParallelDims.check`)."""
-        dims = ParallelDims.for_world(
-            nproc, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, dp_replicate=self.dp_replicate
-        )
-        self._check_model(dims)
+        with as_flags():
+            dims = ParallelDims.for_world(
+                nproc,
+                tp=self.tp,
+                ep=self.ep,
+                pp=self.pp,
+                dp=self.dp,
+                dp_replicate=self.dp_replicate,
+            )
+            self._check_model(dims)
         return dims
 
     def _check_model(self, dims: ParallelDims) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from orthoptim.optim.registry import MATRIX_OPTIMIZERS
-from orthoptim.parallel.layout import ParallelDims
+from orthoptim.parallel.layout import ParallelDims, as_flags
 from orthoptim.train import devices
 from orthoptim.train.args import DEFAULT_LR, OPTIMIZERS, TrainArgs
 from orthoptim.train.devices import plan_ranks
@@ -170,7 +170,10 @@ class CompareArgs:
         """The runs' pipeline stages, data-parallel ranks per stage and expert-parallel size,
         as train derives what is not given (`ParallelDims.for_world`; compare runs no tensor
         parallelism)."""
-        dims = ParallelDims.for_world(self.nproc or 1, ep=self.ep or 1, pp=self.pp or 1, dp=self.dp)
+        with as_flags():
+            dims = ParallelDims.for_world(
+                self.nproc or 1, ep=self.ep or 1, pp=self.pp or 1, dp=self.dp
+            )
         return {"pp": dims.pp, "dp": dims.dp, "ep": dims.ep}
 
 
