@@ -93,3 +93,31 @@ def test_a_checkpoint_that_stored_spectral_loads_into_sqrt_max_dim():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         assert lr_scale_factor(loaded.param_groups[0]["lr_scale"], 4, 8) == math.sqrt(8)
+
+
+def test_state_view_layout_is_metadata_with_one_warning(monkeypatch):
+    """`StateView.layout()` (before 0.2) is `metadata()` now: calling it, or a subclass that
+    still defines it, works and warns once per process, naming `metadata`."""
+    from orthoptim.optim import state
+
+    monkeypatch.setattr(state, "_WARNED_LAYOUT", [])
+    opt = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(2, 3))], "param_names": ["w"]}])
+    view = state.StateView(opt)
+    with pytest.warns(FutureWarning, match=r"StateView.layout\(\) is now StateView.metadata"):
+        old = view.layout()
+    assert old == view.metadata() and old["shapes"] == {"w": [2, 3]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        view.layout()  # once per process
+
+        class Own(state.StateView):
+            def layout(self):
+                return {"format": "own"}
+
+    assert Own(opt).metadata() == {"format": "own"}
+    monkeypatch.setattr(state, "_WARNED_LAYOUT", [])
+    with pytest.warns(FutureWarning, match="define metadata"):
+
+        class Again(state.StateView):
+            def layout(self):
+                return {}

@@ -338,7 +338,7 @@ def full_state_dict(opt: torch.optim.Optimizer, to_rank0: bool = False) -> dict[
     check_optimizer(opt)
     view = state_view(opt)
     view.sync()
-    meta = view.layout()
+    meta = view.metadata()
     # DTensor state (FSDP, tensor-parallel parameters) is all-gathered into full tensors, in
     # the same (parameter, key) order on every rank; only what this rank `sends` is kept.
     # Each tensor is copied to the CPU as soon as it is whole, so at most one full tensor is
@@ -437,7 +437,7 @@ def sharded_state_dict(opt: torch.optim.Optimizer) -> dict[str, Any]:
     check_optimizer(opt)
     view = state_view(opt)
     view.sync()
-    meta = view.layout()
+    meta = view.metadata()
     out: dict[str, Any] = {META_KEY: pack(meta)}
 
     def value(name: str, v: Any) -> tuple[str, Any]:

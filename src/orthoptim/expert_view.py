@@ -62,8 +62,8 @@ class ExpertSlicesView(StateView):
     def sync(self) -> None:
         self.inner.sync()
 
-    def layout(self) -> dict[str, Any]:
-        meta = self.inner.layout()
+    def metadata(self) -> dict[str, Any]:
+        meta = self.inner.metadata()
         shapes = dict(meta["shapes"])
         for name, (_, _, n_expert) in self.slices.items():
             if name in shapes:

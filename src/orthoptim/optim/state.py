@@ -17,6 +17,7 @@ checkpoint, as torch does; every other hyper-parameter must be equal.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,20 @@ import torch
 from torch import Tensor
 
 from orthoptim.optim.shapes import stack_shape
+
+_WARNED_LAYOUT: list[bool] = []
+
+
+def _warn_layout() -> None:
+    """`StateView.layout` is now `metadata`: one FutureWarning per process."""
+    if not _WARNED_LAYOUT:
+        _WARNED_LAYOUT.append(True)
+        warnings.warn(
+            "StateView.layout() is now StateView.metadata() (orthoptim 0.2; 'layout' names "
+            "the parallel layout): call or define metadata() instead",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 class StateView:
@@ -51,7 +66,19 @@ class StateView:
     def sync(self) -> None:
         """Finish work in flight that still writes parameters or state (none here)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "layout" in vars(cls) and "metadata" not in vars(cls):  # written before 0.2
+            _warn_layout()
+            cls.metadata = vars(cls)["layout"]  # type: ignore[method-assign]
+
     def layout(self) -> dict[str, Any]:
+        """Deprecated spelling of `metadata` (a FutureWarning until 0.3.0): "layout" is the
+        parallel layout's name (`orthoptim.parallel.layout`)."""
+        _warn_layout()
+        return self.metadata()
+
+    def metadata(self) -> dict[str, Any]:
         """Per group its hyper-parameters and parameter names; every parameter's shape."""
         groups = []
         shapes: dict[str, list[int]] = {}
@@ -199,8 +226,8 @@ def hypers(group: dict[str, Any]) -> dict[str, Any]:
 def describe(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """What a checkpoint of `opt` must agree with: per group its optimizer and hyper-parameters
     and the names of ALL its parameters (on every rank, not only the owned ones), and the
-    shape of every parameter (`StateView.layout`)."""
-    return state_view(opt).layout()
+    shape of every parameter (`StateView.metadata`)."""
+    return state_view(opt).metadata()
 
 
 def compare(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:

@@ -491,8 +491,8 @@ class _FSDPView(StateView):
         self.owner_of = opt.owner_of
         self.rank = opt.rank
 
-    def layout(self) -> dict[str, Any]:
-        return self.whole.layout()
+    def metadata(self) -> dict[str, Any]:
+        return self.whole.metadata()
 
     def sends(self, name: str, key: str, value: Any) -> bool:
         # an unsharded DTensor entry is the same on every rank of the group: rank 0 sends it

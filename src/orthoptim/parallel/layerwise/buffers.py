@@ -65,7 +65,7 @@ class Bucket:
         self.numel = 0
         self.regions: list[tuple[int, int, int]] = []  # (start, stop, owner rank)
         if self.n > 1:
-            self._lay_out(rank_major)
+            self._arrange(rank_major)
         # In a group of one rank: each owned slot's gradient, shaped like its local values.
         self.own: dict[Slot, Tensor | None] = {}
         self.grads: Tensor | None = None  # this bucket's slice of the group's buffers
@@ -81,7 +81,7 @@ class Bucket:
         self.pending = False
         self.works: list[tuple[Any, str]] = []
 
-    def _lay_out(self, rank_major: bool) -> None:
+    def _arrange(self, rank_major: bool) -> None:
         params = by_param(self.slots)
         laid = rank_major_order(params, self.n) if rank_major else None
         order = laid[0] if laid is not None else natural_order(params)

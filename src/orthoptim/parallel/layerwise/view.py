@@ -34,7 +34,7 @@ class LayerwiseView(StateView):
     def sync(self) -> None:
         self.lw.wait_for_params()
 
-    def layout(self) -> dict[str, Any]:
+    def metadata(self) -> dict[str, Any]:
         opt = self.lw
         self._check_experts()
         named = dict(opt.model.named_parameters())
