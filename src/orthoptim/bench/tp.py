@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import ProcessGroup
 from torch.utils.flop_counter import FlopCounterMode
 
 from orthoptim import collectives, kernels
@@ -70,7 +71,7 @@ def _parse_dims(text: str) -> list[int]:
     return dims
 
 
-def _timed(fn: Any, repeats: int, group: Any) -> float:
+def _timed(fn: Any, repeats: int, group: ProcessGroup | None) -> float:
     """Median over `repeats` of the slowest rank's time of fn()."""
     samples = []
     for _ in range(repeats):

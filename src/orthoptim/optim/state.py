@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from orthoptim.optim.shapes import stack_shape
 
@@ -51,11 +52,11 @@ class StateView:
     """
 
     #: the process group the state is spread over: `full_state_dict` gathers over it
-    gather_group: Any = None
+    gather_group: ProcessGroup | None = None
     #: whether the state is spread over ranks at all (False: every rank holds all of it)
     spread = False
     #: the group a DCP save or load runs over (None: the default group)
-    dcp_group: Any = None
+    dcp_group: ProcessGroup | None = None
 
     def __init__(
         self, opt: torch.optim.Optimizer, kinds: Callable[[str], dict[str, str]] | None = None

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from orthoptim import checkpoint
 from orthoptim import collectives as C
@@ -116,7 +117,11 @@ def count_fsdp_collectives(model: nn.Module, stats: C.CommStats) -> None:
             return torch.empty(size, dtype=dtype, device=device)
 
         def __call__(
-            self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
+            self,
+            output_tensor: Tensor,
+            input_tensor: Tensor,
+            group: ProcessGroup | None,
+            async_op: bool = False,
         ) -> Any:
             return C.all_gather(
                 output_tensor, input_tensor, group, stats, async_op, kind="fsdp_all_gather"
@@ -130,7 +135,7 @@ def count_fsdp_collectives(model: nn.Module, stats: C.CommStats) -> None:
             self,
             output_tensor: Tensor,
             input_tensor: Tensor,
-            group: Any,
+            group: ProcessGroup | None,
             op: Any,
             async_op: bool = False,
         ) -> Any:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 from orthoptim._validate import check_positive_int
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 Dim = Literal["pp", "dp", "edp", "ep", "tp", "stage", "world", "dp_shard", "dp_replicate"]
@@ -351,7 +352,7 @@ class ParallelMesh:
         return f"ParallelMesh({self.dims.describe()}, rank {self.rank}, {self.coord})"
 
 
-def _real(group: Any) -> Any:
+def _real(group: ProcessGroup | None) -> ProcessGroup | None:
     """`group` as a process group object: None (a group spanning every rank) is the default
     group, which DeviceMesh needs by name."""
     import torch.distributed as dist

@@ -64,6 +64,7 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from orthoptim import collectives, kernels
 from orthoptim._validate import check_choice, check_dtype_or_auto, check_member, check_positive
@@ -135,7 +136,7 @@ class CostModel:
     @classmethod
     def calibrate(
         cls,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         nbytes: int = 4 << 20,
         matmul_size: int = 512,
         repeats: int = 5,
@@ -344,7 +345,7 @@ def tp_cost(
 class _Layout:
     """Where a stacked batch lives: the TP group, which stack dim is sharded, global sizes."""
 
-    group: Any
+    group: ProcessGroup | None
     world_size: int
     rank: int
     dim: int | None  # -2 (matrix rows), -1 (matrix columns), None: nothing to gather
@@ -367,7 +368,7 @@ class TensorParallelOrthogonalizer:
 
     def __init__(
         self,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         mode: TPMode = "auto",
         shard_dim: int | None = None,
         steps: int = 5,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from orthoptim import collectives as C
 from orthoptim import host
@@ -295,7 +296,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, m.n_expert, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(m.n_expert, 2 * m.hidden, cfg.d_model))
         self.experts_down = nn.Parameter(torch.empty(m.n_expert, cfg.d_model, m.hidden))
-        self.ep_group: Any = None
+        self.ep_group: ProcessGroup | None = None
         self.ep_rank, self.ep_size = 0, 1
         self.stats_groups: list[Any] = []  # the balancing loss sums routing counts over these
         self.comm_stats: CommStats | None = None
@@ -540,7 +541,7 @@ class GPT(nn.Module):
 
 def expert_parallelize(
     model: GPT,
-    ep_group: Any,
+    ep_group: ProcessGroup | None,
     ep_rank: int,
     ep_size: int,
     stats_group: Any = "ep",
