@@ -215,3 +215,27 @@ def test_no_test_module_imports_another():
                 mods = [a.name.split(".")[-1] for a in node.names]
             found += [f"{f.name}:{node.lineno}: {m}" for m in mods if m in names - {f.stem}]
     assert found == [], found
+
+
+MAX_FILE_LINES, MAX_CLASS_LINES, LONG_FUNCTION = 900, 500, 80
+MAX_LONG_FUNCTIONS = 6  # argparse builders (add_parser, add_*_arguments) aside
+
+
+def test_the_rooms_stay_small():
+    """No source file over 900 lines, no class over 500, at most 6 functions over 80 lines
+    besides the argparse builders: a room that outgrows this is doing two jobs."""
+    big_files, big_classes, long = [], [], []
+    for f in sorted(ROOT.rglob("*.py")):
+        text = f.read_text()
+        where = f.relative_to(ROOT).as_posix()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            big_files.append(where)
+        for node in ast.walk(ast.parse(text)):
+            size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and size > MAX_CLASS_LINES:
+                big_classes.append(f"{where}:{node.name}")
+            builder = node.__class__ is ast.FunctionDef and node.name.startswith("add_")
+            if isinstance(node, ast.FunctionDef) and size > LONG_FUNCTION and not builder:
+                long.append(f"{where}:{node.name} ({size} lines)")
+    assert big_files == [] and big_classes == [], (big_files, big_classes)
+    assert len(long) <= MAX_LONG_FUNCTIONS, long
