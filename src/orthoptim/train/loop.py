@@ -120,9 +120,10 @@ def make_optimizer(
     AdamW. `mesh` (the run's layout) gives the layer-wise optimizer its groups: it owns over
     the data-parallel group of the rank's stage (`model` is the stage under --pp), the
     experts over the expert-data-parallel group under --ep, and with --tp it orthogonalizes
-    with a `TensorParallelOrthogonalizer` (auto mode: duplicated or distributed per shape, by
-    its cost model). `param_dtype` "bf16" without --fsdp: the layer-wise optimizer (on one
-    rank too) holds the parameters in bf16 and fp32 masters of what it owns."""
+    with a `TensorParallelOrthogonalizer` (auto mode: duplicated, distributed or, for a
+    float32 iteration, gram per shape, by its cost model). `param_dtype` "bf16" without
+    --fsdp: the layer-wise optimizer (on one rank too) holds the parameters in bf16 and fp32
+    masters of what it owns."""
     kwargs = _optimizer_kwargs(args)
     if args.fsdp:
         return FSDPOptimizer(model, optimizer=args.optimizer, **kwargs)
