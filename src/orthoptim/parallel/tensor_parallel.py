@@ -277,6 +277,11 @@ def _gram_run(
     return R
 
 
+def _norm_dtype(compute: torch.dtype) -> torch.dtype:
+    """The dtype norms are summed in: float64 for a float64 iteration, else float32."""
+    return torch.float64 if compute == torch.float64 else torch.float32
+
+
 def tp_cost(
     mode: TPMode,
     k: int,
@@ -553,13 +558,10 @@ class TensorParallelOrthogonalizer:
         """Sharded iteration: one packed partial-Gram all-reduce per step."""
         compute = self._compute_dtype(X)
         W = X if layout.dim == -1 else X.mT  # the sharded dimension last: W is [k, p, q_i]
-        norm_dtype = torch.float64 if compute == torch.float64 else torch.float32
+        norm_dtype = _norm_dtype(compute)
         sq = W.to(norm_dtype).square().sum(dim=(-2, -1))
         collectives.all_reduce(sq, group=layout.group, stats=self.stats, kind=NORM_KIND)
-        # No host read per batch (the optimizer checked the gradients): a matrix with NaN or
-        # Inf entries, or whose sum of squares overflows, comes out as NaN.
-        norm = torch.where(torch.isfinite(sq), sq.sqrt().clamp_min(self.eps), torch.nan)
-        norm = norm[:, None, None]
+        norm = self._norm(sq)
         W = (W.to(norm_dtype) / norm).to(compute)
         k, p = W.shape[0], W.shape[-2]
         rows, cols = (p, sum(layout.sizes)) if layout.dim == -1 else (sum(layout.sizes), p)
@@ -584,13 +586,20 @@ class TensorParallelOrthogonalizer:
         out = W if layout.dim == -1 else W.mT
         return out.to(X.dtype).contiguous()
 
+    def _norm(self, sq: Tensor) -> Tensor:
+        """The Frobenius norms [k, 1, 1] of a batch from its sums of squares `sq` [k], at least
+        `eps`. No host read per batch (the optimizer checked the gradients): a matrix with
+        NaN or Inf entries, or whose sum of squares overflows, gets a NaN norm."""
+        norm = torch.where(torch.isfinite(sq), sq.sqrt().clamp_min(self.eps), torch.nan)
+        return norm[:, None, None]
+
     def _gram(self, X: Tensor, layout: _Layout) -> Tensor:
         """The Gram form over the ranks: per run of steps one packed all-reduce of the small
         Gram matrix, the run's polynomial R on it on every rank, then X_i ← R·X_i locally."""
         compute = self._compute_dtype(X)
         W = X if layout.dim == -1 else X.mT  # the sharded dimension last: W is [k, p, q_i]
         p, q = W.shape[-2], sum(layout.sizes)
-        norm_dtype = torch.float64 if compute == torch.float64 else torch.float32
+        norm_dtype = _norm_dtype(compute)
         if p > q:  # split along the short side
             self.last_forms.append("rows")
             out = self._rows_iteration(W.mT.to(compute), layout, normalise=True)
@@ -604,13 +613,8 @@ class TensorParallelOrthogonalizer:
             A = collectives.all_reduce_symmetric(
                 syrk(Z, None, 0.0, 1.0), group=layout.group, stats=self.stats, kind=GRAM_KIND
             )
-            if i == 0:
-                # ‖X‖_F² = tr A: normalise X and A. No host read per batch (the optimizer
-                # checked the gradients): NaN or Inf entries, or an overflowing sum of
-                # squares, come out as NaN.
-                sq = A.diagonal(dim1=-2, dim2=-1).to(norm_dtype).sum(dim=-1)
-                norm = torch.where(torch.isfinite(sq), sq.sqrt().clamp_min(self.eps), torch.nan)
-                norm = norm[:, None, None]
+            if i == 0:  # ‖X‖_F² = tr A: normalise X and A
+                norm = self._norm(A.diagonal(dim1=-2, dim2=-1).to(norm_dtype).sum(dim=-1))
                 Z = (W.to(norm_dtype) / norm).to(compute)
                 A = (A.to(norm_dtype) / norm.square()).to(compute)
             Z = _gram_run(A, run, syrk, sym_matmul) @ Z
@@ -636,10 +640,8 @@ class TensorParallelOrthogonalizer:
         for step, (a, b, c) in enumerate(self.schedule):
             full = self._gather_rows(X, layout)
             if normalise and step == 0:
-                norm_dtype = torch.float64 if X.dtype == torch.float64 else torch.float32
-                sq = full.to(norm_dtype).square().sum(dim=(-2, -1))
-                norm = torch.where(torch.isfinite(sq), sq.sqrt().clamp_min(self.eps), torch.nan)
-                norm = norm[:, None, None]
+                norm_dtype = _norm_dtype(X.dtype)
+                norm = self._norm(full.to(norm_dtype).square().sum(dim=(-2, -1)))
                 X = (X.to(norm_dtype) / norm).to(full.dtype)
                 full = (full.to(norm_dtype) / norm).to(full.dtype)
             A_i = X @ full.mT  # [k, q_i, q]: this rank's rows of X·Xᵀ
