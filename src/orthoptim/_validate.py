@@ -72,16 +72,21 @@ def check_betas(name: str, value: T) -> T:
     return value
 
 
+def _is_int_at_least(value: Any, minimum: int) -> bool:
+    """An int (not a bool, not 2.0) >= `minimum`."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
 def check_int(name: str, value: T, minimum: int) -> T:
     """An int (not a bool, not 2.0) >= `minimum` (step counts, frequencies)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not _is_int_at_least(value, minimum):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
 def check_positive_int(name: str, value: T) -> T:
-    """An int (not a bool, not 2.0) >= 1 (the sizes of a parallel layout)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """`check_int(name, value, 1)` worded for a size (a parallel layout's)."""
+    if not _is_int_at_least(value, 1):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
 
