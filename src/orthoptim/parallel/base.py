@@ -37,6 +37,7 @@ from torch.distributed import ProcessGroup
 
 from orthoptim import checkpoint
 from orthoptim import collectives as C
+from orthoptim._torch_compat import storage_key
 from orthoptim._validate import check_choice, check_member, check_positive
 from orthoptim.optim.base import (
     CompositeOptimizer,
@@ -352,11 +353,9 @@ class DistributedOptimizer(CompositeOptimizer):
         for cat, tensors in self.memory_tensors().items():
             for t in tensors:
                 storage = C.local_shard(t).untyped_storage()
-                if storage.data_ptr() in seen:
-                    continue
-                if storage.data_ptr():  # (meta tensors have none: each counted)
-                    seen.add(storage.data_ptr())
-                out[cat] += storage.nbytes()
+                if storage_key(storage) not in seen:
+                    seen.add(storage_key(storage))
+                    out[cat] += storage.nbytes()
         return out
 
     # -- accounting --------------------------------------------------------------------

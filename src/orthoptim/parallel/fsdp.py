@@ -36,7 +36,6 @@ figure, `comm_stats()` the measured one).
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -204,6 +203,11 @@ class FSDPOptimizer(DistributedOptimizer):
     `build_optimizer` (`elementwise="lion"` included).
     `optimizer`: any of `orthoptim.optim.registry.MATRIX_OPTIMIZERS`, or "adamw" (the
     baseline).
+
+    The base's `no_sync()` and `memory()` serve as they are: FSDP2's hooks reduce the
+    gradients (`model.set_requires_gradient_sync(False)` accumulates without reducing), and a
+    rank holds its parameter and gradient shards and the optimizer's state, no masters, and no
+    buffer that outlives a step.
     """
 
     def __init__(
@@ -465,18 +469,6 @@ class FSDPOptimizer(DistributedOptimizer):
         return out
 
     # -- state -------------------------------------------------------------------------
-    def memory_tensors(self) -> dict[str, list[Tensor]]:
-        """`DistributedOptimizer.memory_tensors`: the model's parameter and gradient shards
-        (FSDP2 holds the sharded parameters in their own dtype; it gathers and frees the full
-        ones around each module's forward and backward) and the optimizer's state; no masters,
-        and no buffer outlives a step."""
-        return super().memory_tensors()
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Nothing to hold back here: FSDP2's hooks reduce the gradients
-        (`model.set_requires_gradient_sync(False)` accumulates without reducing)."""
-        return contextlib.nullcontext()
-
     def state_view(self) -> StateView:
         """The state by name for checkpoints: elementwise state as DTensors sharded like the
         parameters (every rank), whole-matrix state on the matrix's owner."""
