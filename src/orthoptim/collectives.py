@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import datetime
 import hashlib
 import io
@@ -206,13 +207,27 @@ class _Work:
         return getattr(self._work, name)
 
 
+# The kind `_issue` files the torch.distributed call it is making under, while it makes it.
+_ISSUING: contextvars.ContextVar[str | None] = contextvars.ContextVar("issuing", default=None)
+
+
+def issuing_kind() -> str | None:
+    """The kind of the collective this library is issuing right now (its `CommStats` kind),
+    or None: what an observer of torch's dispatch (the dry run's recorder) files it under."""
+    return _ISSUING.get()
+
+
 def _issue(
     collective: str, group: ProcessGroup | None, call: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """`call(*args, group=group, **kwargs)` (a torch.distributed collective) under
     `issuing`; the work of an async call comes back as a `_Work`."""
-    with issuing(collective, group):
-        work = call(*args, group=group, **kwargs)
+    token = _ISSUING.set(collective)
+    try:
+        with issuing(collective, group):
+            work = call(*args, group=group, **kwargs)
+    finally:
+        _ISSUING.reset(token)
     return _Work(work, collective, group) if work is not None else None
 
 

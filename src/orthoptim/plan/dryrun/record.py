@@ -240,14 +240,8 @@ class Recorder(TorchDispatchMode):
         )
         names = [a.name for a in op_schema(func).arguments]
         root = args[names.index("root_rank")] if "root_rank" in names else None
-        # the `collective` argument of the library's one issuing function, when it issued it
-        f, issued_as = sys._getframe(1), None
-        while f is not None and issued_as is None:
-            if f.f_code.co_name == "_issue" and f.f_globals.get("__name__") == C.__name__:
-                issued_as = f.f_locals["collective"]
-            f = f.f_back
         self.collectives.append(
-            Collective(func.__name__.split(".")[0], group, tensors, splits, root, issued_as)
+            Collective(func.__name__.split(".")[0], group, tensors, splits, root, C.issuing_kind())
         )
 
     def _propagate(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
