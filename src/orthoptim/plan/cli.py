@@ -13,6 +13,7 @@ from typing import Any
 from orthoptim._extras import require_extra
 from orthoptim.newton_schulz import NS_BATCH_MB
 from orthoptim.parallel.layout import as_flags
+from orthoptim.plan.activations import RECOMPUTES
 from orthoptim.plan.costs import AUTO_MODES, TP_MODES
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
@@ -58,24 +59,52 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
         else f"{lay['param_dtype']} parameters, {lay['grad_dtype']} gradients, "
         f"{mem['gather_dtype']} gather"
     )
-    have = mem["hardware_bytes"]
     lines = [
         f"memory per rank{where}, {which} ({lay['optimizer']}{tp}) as it runs ({dtypes}; "
         "peak = held + the larger of transient and backward):",
         f"{'':<26}" + "".join(f"{c:>11}" for c in cats) + f"{'fits':>6}",
     ]
-    for label, row in rows:
-        fits = "yes" if row["peak"] <= have else "no"
+    row_fits = (mem["fits_per_rank"][0], mem["fits_per_rank"][-1], mem["fits"])
+    for (label, row), fit in zip(rows, row_fits, strict=True):
+        fits = "yes" if fit else "no"
         lines.append(
             f"  {label:<24}" + "".join(f"{_bytes(row[c], 4):>11}" for c in cats) + f"{fits:>6}"
         )
-    lines.append(f"  {mem['verdict']} (the model's activations not counted)")
+    lines += _activation_lines(p)
     if lay["fsdp"]:
         lines.append(
             f"  FSDP2's unsharded buffers during forward/backward (not in the peak): "
             f"{_bytes(mem['max']['fsdp_gather'], 4)} (estimate)"
         )
     return lines
+
+
+def _activation_lines(p: dict[str, Any]) -> list[str]:
+    """The activations per rank (`orthoptim.plan.activations`) and the verdict counting them."""
+    mem, lay = p["memory_per_rank"], p["layout"]
+    a = mem["activations"]
+    if a is None:
+        return [
+            f"  {mem['verdict']} (the model's activations not counted: the description has no "
+            "seq_len; pass --seq-len)"
+        ]
+    first, last = a["per_stage"][0], a["per_stage"][-1]
+    stages = (
+        f"stage 0 {_bytes(first['bytes'], 4)} ({first['in_flight']} micro-batches in flight, "
+        f"1F1B), last stage {_bytes(last['bytes'], 4)}"
+        if lay["pp"] > 1
+        else f"{_bytes(first['bytes'], 4)} per rank"
+    )
+    tp = f", sequence parallel over TP {lay['tp']}" if lay["tp"] > 1 else ""
+    again = max(x["recompute_transient"] for x in a["per_stage"])
+    extra = (
+        f"; one layer recomputed at a time in backward, {_bytes(again, 4)} of it" if again else ""
+    )
+    return [
+        f"  activations, micro-batch {a['micro_batch']} x {a['seq_len']:,} tokens, recompute "
+        f"{a['recompute']}, {lay['param_dtype']}{tp}: {stages}{extra}",
+        f"  {mem['verdict']} (peak + activations)",
+    ]
 
 
 def _header_lines(p: dict[str, Any]) -> list[str]:
@@ -359,7 +388,21 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
         fsdp=args.fsdp,
         tp_mode=args.tp_mode,
         ns_batch_mb=args.ns_batch_mb,
+        **activation_flags(args),
     )
+
+
+def activation_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The `Layout` fields of --micro-batch, --seq-len (0: the model's) and --recompute."""
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ValueError(
+            f"--seq-len must be >= 1, got {args.seq_len}; leave it off for the model's"
+        )
+    return {
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len or 0,
+        "recompute": args.recompute,
+    }
 
 
 def _flag_value(value: Any) -> str:
@@ -382,7 +425,9 @@ def layout_commands(args: argparse.Namespace, layout: Layout) -> dict[str, str |
             plan.append(f"{flag} {value}")
         elif f.name == "fsdp":
             plan += [flag] if value else []
-        elif value != getattr(default, f.name) and not (f.name == "tokens_per_step" and not value):
+        elif value != getattr(default, f.name) and not (
+            f.name in ("tokens_per_step", "seq_len") and not value
+        ):
             plan.append(f"{flag} {_flag_value(value)}")
     plan.append("--dry-run")
     if layout.pp > 1:
@@ -502,6 +547,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="global tokens per optimizer step (default: the model file's)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=1,
+        help="sequences per micro-batch, for the activations (default 1)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, for the activations (default: the model file's seq_len)",
+    )
+    p.add_argument(
+        "--recompute",
+        default="none",
+        choices=RECOMPUTES,
+        help="activation recomputation: none, selective (the core attention) or full (each "
+        "layer's input kept) (default none)",
     )
     p.add_argument(
         "--hardware",

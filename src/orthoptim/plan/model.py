@@ -15,7 +15,10 @@ import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orthoptim.train.model import GPTConfig
 
 # key → (type, required); every key a description may hold.
 _SCHEMA: dict[str, tuple[type | tuple[type, ...], bool]] = {
@@ -49,6 +52,7 @@ _SCHEMA: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "max_position_embeddings": (int, False),
     "tie_word_embeddings": (bool, False),
     "default_tokens_per_step": (int, False),
+    "seq_len": (int, False),
 }
 
 ATTENTIONS = ("gqa", "mla")
@@ -88,6 +92,9 @@ class ModelDescription:
     max_position_embeddings: int = 0
     tie_word_embeddings: bool = False
     default_tokens_per_step: int = 0
+    # the sequence length the model was (pre-)trained at: `orthoptim plan --seq-len`'s
+    # default for the activations (0: not known, activations not counted without the flag)
+    seq_len: int = 0
     source: str = ""
     published_total_params: float = 0.0
     published_active_params: float = 0.0
@@ -160,10 +167,19 @@ def train_model(name: str) -> ModelDescription:
             f"--model {TRAIN_PREFIX}{name}: unknown config {name!r}; built-in: "
             f"{', '.join(builtin_models())}"
         )
-    cfg = CONFIGS[name]
+    return gpt_description(
+        CONFIGS[name],
+        TRAIN_PREFIX + name,
+        f"orthoptim train --config {name} (orthoptim.train.model.CONFIGS[{name!r}])",
+    )
+
+
+def gpt_description(cfg: GPTConfig, name: str, source: str = "") -> ModelDescription:
+    """The description of `orthoptim.train.model.GPT(cfg)`: its shape, and `cfg.seq_len` as
+    the sequence length."""
     raw: dict[str, Any] = dict(
-        name=TRAIN_PREFIX + name,
-        source=f"orthoptim train --config {name} (orthoptim.train.model.CONFIGS[{name!r}])",
+        name=name,
+        source=source or f"orthoptim.train.model.GPT({cfg})",
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
         num_hidden_layers=cfg.n_layer,
@@ -174,6 +190,7 @@ def train_model(name: str) -> ModelDescription:
         mlp="swiglu" if cfg.fused else "gelu",
         intermediate_size=cfg.mlp_ratio * cfg.d_model,
         default_tokens_per_step=_TRAIN_TOKENS_PER_STEP,
+        seq_len=cfg.seq_len,
     )
     if cfg.moe is not None:
         raw.update(
@@ -181,7 +198,7 @@ def train_model(name: str) -> ModelDescription:
             num_experts_per_tok=cfg.moe.top_k,
             moe_intermediate_size=cfg.moe.hidden,
         )
-    return model_from_dict(raw, f"--model {TRAIN_PREFIX}{name}")
+    return model_from_dict(raw, f"--model {name}")
 
 
 def load_model(name_or_path: str | Path) -> ModelDescription:

@@ -40,6 +40,7 @@ from orthoptim.parallel.assignment import (
 )
 from orthoptim.parallel.layout import ParallelDims
 from orthoptim.parallel.tensor_parallel import CostModel, TPCost, auto_modes
+from orthoptim.plan.activations import RECOMPUTES, Recompute, activation_figures
 from orthoptim.plan.costs import (
     TP_MODES,
     layerwise_bytes,
@@ -121,6 +122,11 @@ class Layout:
     # the cap on one stacked Newton-Schulz call in MiB of float32 (`Muon(ns_batch_mb=...)`;
     # None: one call per shape), for the step's transient in `memory_per_rank`
     ns_batch_mb: float | None = NS_BATCH_MB
+    # the activations of one micro-batch of `micro_batch` sequences of `seq_len` tokens (0:
+    # the description's `seq_len`) under `recompute` (`orthoptim.plan.activations`)
+    micro_batch: int = 1
+    seq_len: int = 0
+    recompute: Recompute = "none"
 
     @property
     def gather(self) -> str:
@@ -188,6 +194,12 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         check_positive("--ns-batch-mb", layout.ns_batch_mb)
     if layout.tokens_per_step < 0:
         raise ValueError(f"--tokens-per-step must be >= 0, got {layout.tokens_per_step}")
+    if layout.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1, got {layout.micro_batch}")
+    if layout.seq_len < 0:
+        raise ValueError(f"--seq-len must be >= 1 (0: the model's), got {layout.seq_len}")
+    if layout.recompute not in RECOMPUTES:
+        raise ValueError(f"--recompute must be one of {RECOMPUTES}, got {layout.recompute!r}")
 
 
 def check_stage(stage: int, pp: int) -> None:
@@ -723,6 +735,30 @@ def _layout_figures(
     }
 
 
+def plan_activations(desc: ModelDescription, layout: Layout) -> dict[str, Any] | None:
+    """`activation_figures` of the layout's stages at its micro-batch, sequence length (the
+    description's where `layout.seq_len` is 0; None when neither gives one), recompute
+    option and tensor-parallel size, in the parameter dtype."""
+    seq_len = layout.seq_len or desc.seq_len
+    if not seq_len:
+        return None
+    stages = stage_of_layers(desc.num_hidden_layers, layout.pp)
+    layers = [[i for i, s in enumerate(stages) if s == k] for k in range(layout.pp)]
+    return activation_figures(
+        desc, layers, layout.micro_batch, seq_len, DTYPE_BYTES[layout.param_dtype],
+        layout.recompute, layout.tp,
+    )  # fmt: skip
+
+
+def with_activations(
+    peaks: Sequence[float], activations: dict[str, Any] | None, dp: int
+) -> list[float]:
+    """Each rank's peak (stage-major, `dp` per stage) plus its stage's activations."""
+    if activations is None:
+        return list(peaks)
+    return [p + activations["bytes_per_stage"][i // dp] for i, p in enumerate(peaks)]
+
+
 def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dict[str, Any]:
     """Every figure `orthoptim plan` reports, as a JSON-ready dict.
 
@@ -743,7 +779,9 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     slots, by_stage = per_balance["cost"]
     held = memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES)
     capacity = hardware.memory_gb * 1e9
-    fits = [peak <= capacity for peak in held["peak_per_rank"]]
+    activations = plan_activations(desc, layout)
+    peaks = with_activations(held["peak_per_rank"], activations, dp)
+    fits = [peak <= capacity for peak in peaks]
     bw, _ = hardware.link(dp * tp)
     comm = {
         f"{gather}_gather": _gather_comm(slots, by_stage, layout, gather, bw)
@@ -762,8 +800,10 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
             "hardware_bytes": capacity,
             "fits_per_rank": fits,
             "fits": all(fits),
+            "activations": activations,
+            "peak_with_activations_per_rank": peaks,
             "verdict": memory_verdict(
-                held["max"]["peak"], capacity, hardware.name, fits.count(False), len(fits)
+                max(peaks), capacity, hardware.name, fits.count(False), len(fits)
             ),
         },
         "comm": comm,
