@@ -24,9 +24,10 @@ from orthoptim.plan.activations import (
 from orthoptim.plan.model import gpt_description, shipped_models
 from orthoptim.train.model import GPT, GPTConfig, MoEConfig
 
-# The issue's tolerance; the estimate is exact here up to the loss's 4-byte scalar (see the
-# report of `test_estimate_matches_the_bytes_the_gpt_saves_for_backward`).
-REL = 0.10
+# The estimate is exact here but for the loss's 4-byte scalar; 1 % (inside the 10 % asked of
+# it) still tells "selective" from "none", whose difference, the core attention's output and
+# log-sum-exp, is about 5 % of these models' activations.
+REL = 0.01
 
 CASES = {
     "gelu-mha": (GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=64), 1, 16),
@@ -34,6 +35,20 @@ CASES = {
     "gelu-gqa": (GPTConfig(n_layer=3, n_head=4, n_kv_head=2, d_model=64, seq_len=64), 2, 32),
     "fused-mha": (GPTConfig(n_layer=2, n_head=4, d_model=64, seq_len=64, fused=True), 2, 64),
     "fused-moe": (
+        GPTConfig(
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            d_model=64,
+            seq_len=64,
+            fused=True,
+            moe=MoEConfig(n_expert=4, top_k=2, hidden=32),
+        ),
+        2,
+        32,
+    ),
+    # bf16 parameters (`--param-dtype bf16`): bf16 activations, the norms' and the loss's fp32
+    "fused-moe-bf16": (
         GPTConfig(
             n_layer=2,
             n_head=4,
@@ -88,12 +103,18 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def saved_bytes(cfg: GPTConfig, batch: int, seq: int, mode: Recompute = "none") -> int:
+def saved_bytes(
+    cfg: GPTConfig,
+    batch: int,
+    seq: int,
+    mode: Recompute = "none",
+    dtype: torch.dtype = torch.float32,
+) -> int:
     """Bytes of the unique storages one training forward of `GPT(cfg)` keeps for backward
     (`saved_tensors_hooks`, plus what activation checkpoints hold), parameters and buffers
     left out (they are not activations)."""
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(dtype)
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     held: dict[int, torch.Tensor] = {}
 
@@ -113,21 +134,24 @@ def saved_bytes(cfg: GPTConfig, batch: int, seq: int, mode: Recompute = "none") 
     return sum(t.untyped_storage().nbytes() for t in held.values())
 
 
-def estimate(cfg: GPTConfig, batch: int, seq: int, mode: Recompute = "none") -> float:
+def estimate(cfg: GPTConfig, batch: int, seq: int, mode: Recompute, dtype_bytes: int) -> float:
     """The estimator's bytes held for backward for the whole model on one rank."""
     desc = gpt_description(cfg, "gpt")
-    return stage_activations(desc, range(cfg.n_layer), 0, 1, batch, seq, 4, mode)["held"]
+    return stage_activations(desc, range(cfg.n_layer), 0, 1, batch, seq, dtype_bytes, mode)["held"]
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_estimate_matches_the_bytes_the_gpt_saves_for_backward(case: str, mode: Recompute):
     """Widths 32-96, sequences 16-64, micro-batches 1-3, GELU / SwiGLU, MHA / GQA, dense /
-    routed experts, fp32 CPU: the estimate within 10 % of the measured bytes, for each
-    recompute mode (torch.utils.checkpoint of the core attention or of whole blocks)."""
+    routed experts, fp32 CPU (and one bf16 case): the estimate within 1 % of the measured
+    bytes, for each recompute mode (torch.utils.checkpoint of the core attention or of whole
+    blocks)."""
     cfg, batch, seq = CASES[case]
-    got, want = estimate(cfg, batch, seq, mode), saved_bytes(cfg, batch, seq, mode)
-    print(f"{case:10} {mode:9} b={batch} s={seq}: measured {want} estimated {got:.0f}")
+    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+    got = estimate(cfg, batch, seq, mode, dtype.itemsize)
+    want = saved_bytes(cfg, batch, seq, mode, dtype)
+    print(f"{case:14} {mode:9} b={batch} s={seq}: measured {want} estimated {got:.0f}")
     assert got == pytest.approx(want, rel=REL)
 
 

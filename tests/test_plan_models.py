@@ -190,7 +190,9 @@ def test_hf_config_without_transformers_names_the_extra(tmp_path, monkeypatch) -
 def test_cli_hf_config_and_train_model(tmp_path, capsys) -> None:
     pytest.importorskip("transformers")
     folder = _write(tmp_path, QWEN3_30B_A3B, "qwen3-30b-a3b")
-    assert main(["plan", "--hf-config", folder, "--dp", "8", "--ep", "8", "--json"]) == 0
+    # a config.json has no training sequence length: the shipped description's, given
+    hf_flags = ["--dp", "8", "--ep", "8", "--seq-len", "4096", "--json"]
+    assert main(["plan", "--hf-config", folder, *hf_flags]) == 0
     via_hf = json.loads(capsys.readouterr().out)
     assert main(["plan", "--model", "qwen3-30b-a3b", "--dp", "8", "--ep", "8", "--json"]) == 0
     shipped = json.loads(capsys.readouterr().out)
