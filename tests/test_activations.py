@@ -81,9 +81,11 @@ def recomputing(model: GPT, mode: Recompute, keep: Callable[[torch.Tensor], None
                 return checkpoint(forward, x, cos, sin, use_reentrant=False)
 
             block.forward = checkpointed
-        yield
-        for block in model.blocks:
-            del block.forward
+        try:
+            yield
+        finally:
+            for block in model.blocks:
+                del block.forward
         return
     sdpa = F.scaled_dot_product_attention
 

@@ -64,9 +64,8 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
         "peak = held + the larger of transient and backward):",
         f"{'':<26}" + "".join(f"{c:>11}" for c in cats) + f"{'fits':>6}",
     ]
-    row_fits = (mem["fits_per_rank"][0], mem["fits_per_rank"][-1], mem["fits"])
-    for (label, row), fit in zip(rows, row_fits, strict=True):
-        fits = "yes" if fit else "no"
+    for label, row in rows:
+        fits = "yes" if _row_fits(mem, row) else "no"
         lines.append(
             f"  {label:<24}" + "".join(f"{_bytes(row[c], 4):>11}" for c in cats) + f"{fits:>6}"
         )
@@ -77,6 +76,13 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
             f"{_bytes(mem['max']['fsdp_gather'], 4)} (estimate)"
         )
     return lines
+
+
+def _row_fits(mem: dict[str, Any], row: dict[str, Any]) -> bool:
+    """Whether a memory row's peak with its rank's activations fits (the max row: every rank)."""
+    if "rank" in row:
+        return mem["peak_with_activations_per_rank"][row["rank"]] <= mem["hardware_bytes"]
+    return mem["fits"] if row is mem["max"] else row["peak"] <= mem["hardware_bytes"]
 
 
 def _activation_lines(p: dict[str, Any]) -> list[str]:
