@@ -339,6 +339,27 @@ def test_bench_dist_fsdp_json(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["bench", "dist", "--fsdp", "--methods", "ddp_adamw"])
 
 
+def test_bench_build_reports_construction_against_the_parameters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`bench build` at 2 gloo ranks over 4 x Linear(512, 512) (4 MiB of parameters): each
+    rank's peak RSS added by building and by the first step, and the ratio to the parameters'
+    bytes (the figures themselves depend on the allocator: `docs/distributed.md` quotes
+    them at 12 x 2048)."""
+    argv = ["bench", "build", "--nproc", "2", "--layers", "4", "--width", "512", "--json"]
+    report = _run_json(capsys, argv)
+    params = 4 * 512 * 512 * 4
+    assert report["model"]["param_bytes"] == params and len(report["ranks"]) == 2
+    for row in report["ranks"]:
+        assert row["construction_bytes"] >= 0 and row["first_step_bytes"] >= 0
+        assert row["construction_over_params"] == row["construction_bytes"] / params
+    assert report["construction_over_params_max"] == max(
+        r["construction_over_params"] for r in report["ranks"]
+    )
+    with pytest.raises(SystemExit, match="--nproc must be >= 1"):
+        cli.main(["bench", "build", "--nproc", "0"])
+
+
 def test_bench_syrk_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     from orthoptim.kernels import tuning
 

@@ -17,6 +17,7 @@ BENCH_MODULES = (
     "orthoptim.bench.syrk",
     "orthoptim.bench.dist",
     "orthoptim.bench.tp",
+    "orthoptim.bench.build",
 )
 
 

@@ -24,7 +24,10 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
                blocks are stacked, its output, the iteration-dtype copy X and one step's
                X·Xᵀ, b·A + c·A·A and B·X); or AdamW's temporaries
                (foreach on CUDA: a square root of every owned second moment); whichever
-               is larger, or the non-finite check of the widest gradient shard
+               is larger, or the non-finite check of the widest gradient shard. Where the
+               gradients of a group of one rank are autograd's in bf16 and its masters
+               fp32, each bucket of them is converted and stepped on its own: that
+               bucket's fp32 gradients and its step's peak, the largest bucket's counting
     backward   autograd's gradient of the rank's largest parameter in backward (a whole
                expert stack; in the parameter dtype), made afresh (`zero_grad` set it to
                None) while every other gradient is held, until its hook copies it into
@@ -347,27 +350,33 @@ def _layerwise_row(
         for g, gr in slot
     )
     owned_elements, state = 0, 0
-    owned: list[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]] = []
-    adamw: list[int] = []
-    buf, check, converted = 0, 0, 0
+    # what each inner step of the rank steps: the gradients ready in the stepped dtype
+    # (key None), then one step per bucket whose gradients are converted
+    owned: dict[Any, list[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]]] = {}
+    adamw: dict[Any, list[int]] = {None: []}
+    converted: dict[Any, int] = {None: 0}
+    buf, check = 0, 0
     for g, gr in slot:
         d = dealt[id(g)]
         buf += flats[id(g)][2][gr]
         check = max(check, flats[id(g)][3][gr])
+        bucket_of = {i: b for b, ids in enumerate(d.assignment.buckets) for i in ids}
         for i in d.owned(gr):
             m, u = d.matrices[i], d.units[i]
             numel = math.prod(u.shape)
             owned_elements += numel
+            key = None
             if g.world == 1 and param_bytes != state_bytes:
                 # a group of one rank's gradients are autograd's: the step hands the
-                # masters their copies in the state dtype, alive through the step
-                converted += numel * state_bytes
+                # masters their copies in the state dtype one bucket at a time
+                key = (id(g), bucket_of[i])
+                converted[key] = converted.get(key, 0) + numel * state_bytes
             if m.kind != "muon":
                 state += 2 * numel * state_bytes
-                adamw.append(numel)
+                adamw.setdefault(key, []).append(numel)
                 continue
             full = u.shape[:-2] + m.shape[-2:]
-            owned.append((position[m], u.shape, m.tp_dim, full))
+            owned.setdefault(key, []).append((position[m], u.shape, m.tp_dim, full))
             if layout.optimizer == "soap":
                 state += _soap_state(u.shape, state_bytes)
             else:
@@ -375,7 +384,9 @@ def _layerwise_row(
         runs = [split[gr] for split in d.assignment.adamw_split if split and split[gr]]
         owned_elements += sum(runs)
         state += 2 * sum(runs) * state_bytes
-        adamw += runs
+        adamw[None] += runs
+    masters = owned_elements * state_bytes if layout.masters else 0
+    construction = _construction(slot, held, masters, params, grads, param_bytes)
     # each parameter whole (an expert stack is one), where its gradient goes into flats
     fresh: dict[str, int] = {}
     for g, _ in slot:
@@ -385,18 +396,59 @@ def _layerwise_row(
     return {
         "params": params,
         "grads": grads,
-        "masters": owned_elements * state_bytes if layout.masters else 0,
+        "masters": masters,
         "state": state,
         "buffers": buf,
-        "transient": converted
-        + max(
-            _matrix_transient(owned, layout, state_bytes, ns_bytes),
-            _adamw_transient(adamw, layout, state_bytes),
+        "transient": max(
             check,
+            *(
+                converted[key]
+                + max(
+                    _matrix_transient(owned.get(key, []), layout, state_bytes, ns_bytes),
+                    _adamw_transient(adamw.get(key, []), layout, state_bytes),
+                )
+                for key in converted
+            ),
         ),
         "backward": max(fresh.values(), default=0) * param_bytes,
         "fsdp_gather": 0,
+        "construction": construction,
     }
+
+
+BUILT_BYTES = 4  # the model is built in fp32, the optimizer moves it to `param_dtype`
+
+
+def _construction(
+    slot: Sequence[tuple[Group, int]],
+    held: dict[int, int],
+    masters: int,
+    params: int,
+    grads: int,
+    param_bytes: int,
+) -> int:
+    """The peak while the layer-wise optimizer is built over a model built in fp32 (as
+    `orthoptim train` and the dry run build it): the masters first, then the parameters
+    moving into the flat buffers one segment at a time (the model as built and the largest
+    segment, or a group of one rank's largest parameter, in the parameter dtype), then the
+    flat gradients (the parameters in their dtype and every gradient buffer)."""
+    built = sum(held[id(g)] for g, _ in slot) * BUILT_BYTES
+    largest = 0
+    for g, _ in slot:
+        numel = {m.param: 0 for m in g.matrices}
+        for m, u in zip(g.matrices, g.units, strict=True):
+            numel[m.param] += math.prod(u.shape)
+        if g.world == 1:
+            largest = max(largest, *numel.values(), 0)
+            continue
+        names = [{g.matrices[i].param for i in ids} for ids in g.assignment.buckets]
+        sizes = [sum(math.prod(g.units[i].shape) for i in ids) for ids in g.assignment.buckets]
+        run = 0
+        for k, size in enumerate(sizes):
+            run = size + (run if k and names[k] & names[k - 1] else 0)
+            largest = max(largest, run)
+    flat_grads = grads - sum(held[id(g)] * param_bytes for g, _ in slot if g.world == 1)
+    return masters + max(built + largest * param_bytes, params + flat_grads)
 
 
 def _fsdp_params(

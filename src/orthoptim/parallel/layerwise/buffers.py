@@ -342,6 +342,24 @@ def agreement_items(
     return present, checks, per_unit
 
 
+def segments(buckets: list[Bucket]) -> list[list[Bucket]]:
+    """`buckets` (in their buffer order, `adjacent`) cut into the shortest runs no parameter
+    crosses: a parameter cut across buckets (an expert stack owned per expert) keeps its
+    buckets in one segment, so it stays one piece of one buffer."""
+    last: dict[int, int] = {}  # id(param) → the last bucket holding a slot of it
+    for i, b in enumerate(buckets):
+        for s in b.slots:
+            last[id(s.param)] = i
+    out: list[list[Bucket]] = []
+    reach = -1
+    for i, b in enumerate(buckets):
+        if i > reach:
+            out.append([])
+        out[-1].append(b)
+        reach = max([reach, *(last[id(s.param)] for s in b.slots)])
+    return out
+
+
 class FlatBuffers:
     """Each group's flat parameter and gradient buffers, laid out bucket after bucket, and
     which parameters view them: `viewed` (id(param) → its view of the gradient buffer),
@@ -364,7 +382,12 @@ class FlatBuffers:
         of them, in the parameter dtype; the others keep their storage and are copied in and
         out. A group of one rank has no buffers: its parameters only change dtype. `again`:
         the parameters' storage was replaced since (`moved`); the slots' tensors are
-        re-pointed in place (the inner optimizer knows them)."""
+        re-pointed in place (the inner optimizer knows them).
+
+        The buffers are laid out one segment at a time (`segments`: the fewest buckets no
+        parameter crosses), each parameter re-pointed as soon as its segment holds it, so
+        its old storage is freed before the next segment is allocated: building adds the
+        gradient buffers and one segment above the model, not a second model."""
         self.viewed, self.homes, self.copied, self.grad_flats = {}, [], set(), []
         for b in self.buckets:
             b.copied = self.copied
@@ -372,63 +395,110 @@ class FlatBuffers:
         for b in self.buckets:
             if b.n > 1:
                 flats.setdefault((id(b.group), b.dtype, b.grad_dtype), []).append(b)
-        where: dict[int, list[tuple[Slot, int, Tensor, Tensor]]] = {}
+        laid: dict[int, list[tuple[Slot, int, Tensor]]] = {}
+        placed: list[tuple[list[Bucket], torch.dtype, Tensor]] = []
         for (_, dtype, grad_dtype), buckets in flats.items():
-            buckets = adjacent(buckets)
-            device = buckets[0].slots[0].param.device
-            total = sum(b.numel for b in buckets)
-            params = torch.zeros(total, dtype=dtype, device=device)
-            grads = torch.zeros(total, dtype=grad_dtype, device=device)
-            self.grad_flats.append(grads)
-            base = 0
-            for b in buckets:
-                b.attach(grads[base : base + b.numel], params[base : base + b.numel])
-                for s in b.slots:
-                    where.setdefault(id(s.param), []).append((s, base + s.offset, params, grads))
-                    values = s.param if s.data is s.param else s.view()
-                    b.param_slice(s).copy_(C.local_shard(values).reshape(-1))
-                base += b.numel
+            for segment in segments(adjacent(buckets)):
+                params, where = self._lay_out(segment, dtype)
+                placed.append((segment, grad_dtype, params))
+                for spots in where.values():
+                    self._view(spots)
+                laid.update(where)
+                self._rebind([s for s in self.slots if id(s.param) in where], again)
+        rest: dict[int, list[Slot]] = {}  # a group of one rank's: no buffer
         for s in self.slots:
-            p = s.param
-            if id(p) in where or self.param_dtype in (None, p.dtype):
-                continue
-            p.data = p.data.to(self.param_dtype)  # a group of one rank: no buffer
-        for pid, spots in where.items():
-            spots.sort(key=lambda x: start_of(x[0]))
-            p = spots[0][0].param
-            first = spots[0][1]
-            contiguous = all(
-                x[1] + x[0].numel == y[1] and x[2] is y[2] for x, y in itertools.pairwise(spots)
-            )
-            local = C.local_shard(p)
-            numel = local.numel()
-            covers = sum(x[0].numel for x in spots) == numel and start_of(spots[0][0]) == 0
-            if not (contiguous and covers and local.is_contiguous()):
-                self.copied.add(pid)
-                if self.param_dtype not in (None, p.dtype):
-                    raise NotImplementedError(
-                        f"{spots[0][0].name}: param_dtype needs the parameter in one piece of "
-                        "its bucket; build the optimizer without param_dtype"
-                    )
-                continue
-            params, grads = spots[0][2], spots[0][3]
-            values = params[first : first + numel].view(local.shape)
-            if C.is_dtensor(p):
-                if values.dtype != local.dtype:
-                    raise NotImplementedError(
-                        f"{spots[0][0].name}: param_dtype with tensor-parallel (DTensor) "
-                        "parameters is not supported; build the optimizer without param_dtype"
-                    )
-                # the same Parameter object, its local shard now the view
-                viewed = nn.Parameter(C.wrap_local(values, p), requires_grad=p.requires_grad)
-                torch.utils.swap_tensors(p, viewed)
-            else:
-                p.data = values
-            self.homes.append((p, params))
-            if grads.dtype == values.dtype:
-                view = grads[first : first + numel].view(local.shape)
-                self.viewed[pid] = C.wrap_local(view, p) if C.is_dtensor(p) else view
-        for s in self.slots:  # the slices and runs view the parameters' new storage
+            if id(s.param) not in laid:
+                rest.setdefault(id(s.param), []).append(s)
+        for slots in rest.values():  # one parameter at a time, its old storage freed
+            p = slots[0].param
+            if self.param_dtype not in (None, p.dtype):
+                p.data = p.data.to(self.param_dtype)
+            self._rebind(slots, again)
+        # the gradient buffers once every parameter has moved (its old storage freed)
+        for segment, grad_dtype, params in placed:
+            self._attach_grads(segment, grad_dtype, params, laid)
+
+    def _lay_out(
+        self, segment: list[Bucket], dtype: torch.dtype
+    ) -> tuple[Tensor, dict[int, list[tuple[Slot, int, Tensor]]]]:
+        """Allocate one segment's parameter buffer and copy the parameters' values in: the
+        buffer, and id(param) → its (slot, offset, buffer) spots."""
+        device = segment[0].slots[0].param.device
+        params = torch.zeros(sum(b.numel for b in segment), dtype=dtype, device=device)
+        where: dict[int, list[tuple[Slot, int, Tensor]]] = {}
+        base = 0
+        for b in segment:
+            b.params = params[base : base + b.numel]
+            for s in b.slots:
+                where.setdefault(id(s.param), []).append((s, base + s.offset, params))
+                values = s.param if s.data is s.param else s.view()
+                b.param_slice(s).copy_(C.local_shard(values).reshape(-1))
+            base += b.numel
+        return params, where
+
+    def _attach_grads(
+        self,
+        segment: list[Bucket],
+        grad_dtype: torch.dtype,
+        params: Tensor,
+        laid: dict[int, list[tuple[Slot, int, Tensor]]],
+    ) -> None:
+        """Allocate one segment's gradient buffer, attach its buckets to both buffers, and
+        make it the `.grad` view of every parameter there that views the parameter buffer
+        in the same dtype."""
+        grads = torch.zeros(params.numel(), dtype=grad_dtype, device=params.device)
+        self.grad_flats.append(grads)
+        base = 0
+        for b in segment:
+            b.attach(grads[base : base + b.numel], params[base : base + b.numel])
+            base += b.numel
+        homes = {id(p) for p, flat in self.homes if flat is params}
+        for pid in homes:
+            s, first, _ = laid[pid][0]
+            local = C.local_shard(s.param)
+            if grad_dtype == local.dtype:
+                view = grads[first : first + local.numel()].view(local.shape)
+                self.viewed[pid] = C.wrap_local(view, s.param) if C.is_dtensor(s.param) else view
+
+    def _view(self, spots: list[tuple[Slot, int, Tensor]]) -> None:
+        """Make the parameter of `spots` a view of its segment where it lies there in one
+        piece (contiguous, covering it); else it is copied in and out (`copied`)."""
+        spots.sort(key=lambda x: start_of(x[0]))
+        p = spots[0][0].param
+        first = spots[0][1]
+        contiguous = all(
+            x[1] + x[0].numel == y[1] and x[2] is y[2] for x, y in itertools.pairwise(spots)
+        )
+        local = C.local_shard(p)
+        numel = local.numel()
+        covers = sum(x[0].numel for x in spots) == numel and start_of(spots[0][0]) == 0
+        if not (contiguous and covers and local.is_contiguous()):
+            self.copied.add(id(p))
+            if self.param_dtype not in (None, p.dtype):
+                raise NotImplementedError(
+                    f"{spots[0][0].name}: param_dtype needs the parameter in one piece of "
+                    "its bucket; build the optimizer without param_dtype"
+                )
+            return
+        params = spots[0][2]
+        values = params[first : first + numel].view(local.shape)
+        if C.is_dtensor(p):
+            if values.dtype != local.dtype:
+                raise NotImplementedError(
+                    f"{spots[0][0].name}: param_dtype with tensor-parallel (DTensor) "
+                    "parameters is not supported; build the optimizer without param_dtype"
+                )
+            # the same Parameter object, its local shard now the view
+            viewed = nn.Parameter(C.wrap_local(values, p), requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, viewed)
+        else:
+            p.data = values
+        self.homes.append((p, params))
+
+    @staticmethod
+    def _rebind(slots: list[Slot], again: bool) -> None:
+        """The slices and runs among `slots` view their parameters' new storage."""
+        for s in slots:
             if s.data is not s.param:
                 if again:
                     s.rebind()

@@ -389,14 +389,38 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self._comms.launch_gathers(self._stats, async_op=self.overlap_param_gather)
 
     def _step_owned(self, present: list[bool]) -> None:
+        """Step what this rank owns on its reduced gradients. Gradients in another dtype than
+        the tensor stepped (autograd's bf16 gradients of a group of one rank, stepped on fp32
+        masters) are converted one bucket at a time, each bucket stepped on its own, so the
+        step holds one bucket's converted gradients, not the model's."""
+        ready: list[tuple[Tensor, Tensor]] = []
+        converted: list[list[tuple[Tensor, Bucket, Slot]]] = []
         for b in self._buckets:
+            chunk = []
             for s in b.mine:
                 t = self._target(s)
                 g = b.reduced_grad(s) if present[s.unit] else None
-                t.grad = g if g is None or g.dtype == t.dtype else g.to(t.dtype)
+                if g is not None and g.dtype != t.dtype:
+                    chunk.append((t, b, s))
+                    g = None
+                t.grad = g
+                if g is not None:
+                    ready.append((t, g))
+            if chunk:
+                converted.append(chunk)
         if self.inner is None:
             return
         step_checked(self.inner)  # the gradients were checked by _agree
+        for t, _ in ready:  # stepped: hidden from the buckets' steps
+            t.grad = None
+        for chunk in converted:
+            for t, b, s in chunk:
+                t.grad = b.reduced_grad(s).to(t.dtype)
+            step_checked(self.inner)
+            for t, _, _ in chunk:
+                t.grad = None
+        for t, g in ready:
+            t.grad = g
         for name, master in self._master.items():
             s = self._slot_by_name(name)
             s.local().copy_(C.local_shard(master))

@@ -52,6 +52,9 @@ class RankResult:
     plan_index: int
     optimizer: str = "muon"
     notes: list[str] = field(default_factory=list)
+    # the peak while the optimizer was built (the model as built, its parameters moving
+    # into the buffers), beside the steps' `peak`
+    construction: int = 0
 
     @property
     def steady(self) -> int:
@@ -232,7 +235,9 @@ def run_rank(
         # every group of the layout, made as `orthoptim train` makes them
         mesh = dims.build("meta")
         model = build_model(desc, layout, stage, tp_mesh=mesh.tp_mesh if tp > 1 else None)
+        rec.reset_peak()
         opt, apart = _optimizer(model, layout, mesh)
+        construction = rec.peak
         rec.reads.clear()
         run = _run_steps(rec, model, opt, apart, parallel, steps, plant)
         peak = rec.peak
@@ -256,6 +261,7 @@ def run_rank(
         plan_index=stage * dp + mesh.coord.dp,
         optimizer=layout.optimizer,
         notes=[] if orth is not None or parallel == "fsdp" else ["owns nothing"],
+        construction=construction,
     )
 
 

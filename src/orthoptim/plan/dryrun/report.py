@@ -42,7 +42,7 @@ def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
     categories: its per-category memory (`memory_per_rank`) where the plan has it, else only
     the optimizer state; bytes per step of the bucket collectives (in the layout's gather
     dtype)."""
-    out: dict[str, float | None] = dict.fromkeys((*CATEGORIES, "transient", "peak"))
+    out: dict[str, float | None] = dict.fromkeys((*CATEGORIES, "transient", "peak", "construction"))
     per = plan.get("memory_per_rank")
     if per:
         row = per["per_rank"][index]
@@ -88,7 +88,7 @@ def dry_run(
     capacity = hardware.memory_gb * 1e9
     rows = []
     for r in results:
-        fits = r.peak <= capacity
+        fits = max(r.peak, r.construction) <= capacity
         rows.append(
             {
                 "rank": r.rank,
@@ -96,6 +96,7 @@ def dry_run(
                 "steady": r.steady,
                 "peak": r.peak,
                 "transient": r.peak - r.steady,
+                "construction": r.construction,
                 "bytes_per_step": r.bytes_per_step,
                 "comm_stats": r.comm,
                 "expected_comm_bytes": r.expected,
@@ -109,7 +110,7 @@ def dry_run(
                 "notes": r.notes,
             }
         )
-    worst = max(rows, key=lambda x: x["peak"])
+    worst = max(rows, key=lambda x: max(x["peak"], x["construction"]))
     over = sum(not x["fits"] for x in rows)
     return {
         "model": desc.name,
@@ -122,7 +123,9 @@ def dry_run(
         "ranks": rows,
         "group_mismatches": mismatches,
         "fits": all(x["fits"] for x in rows),
-        "verdict": memory_verdict(worst["peak"], capacity, hardware.name, over, len(rows)),
+        "verdict": memory_verdict(
+            max(worst["peak"], worst["construction"]), capacity, hardware.name, over, len(rows)
+        ),
         "to_fit": [] if worst["fits"] else _to_fit(worst, layout, parallel, desc),
         "coverage": COVERAGE,
     }
@@ -193,6 +196,7 @@ def format_dry_run(d: dict[str, Any]) -> str:
         row(k, lambda r, k=k: r["memory"][k], lambda r, k=k: r["plan"][k])
     row("transient", lambda r: r["transient"], lambda r: r["plan"]["transient"])
     row("peak", lambda r: r["peak"], lambda r: r["plan"]["peak"])
+    row("construction", lambda r: r["construction"], lambda r: r["plan"]["construction"])
     cap = d["memory_bytes"]
     row(
         "fits", lambda r: r["peak"], lambda r: r["plan"]["peak"],
