@@ -69,6 +69,13 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {label:<24}" + "".join(f"{_bytes(row[c], 4):>11}" for c in cats) + f"{fits:>6}"
         )
+    if not lay["fsdp"]:
+        built = max(range(len(mem["per_rank"])), key=lambda r: mem["per_rank"][r]["construction"])
+        lines.append(
+            f"  building the optimizer: peak {_bytes(mem['per_rank'][built]['construction'], 4)} "
+            f"(rank {built}: the model as built in fp32 moving into the flat buffers a segment "
+            "at a time, the masters, then the flat gradients)"
+        )
     lines += _activation_lines(p)
     if lay["fsdp"]:
         lines.append(

@@ -49,7 +49,8 @@ against the dry run of the real code).
 
 What is not modelled: SOAP's first step (a full `eigh` per factor) and its refresh steps
 (every `precondition_frequency`), Muon's `split` blocks of fused matrices, FSDP2's forward
-and backward beyond the `fsdp_gather` estimate, and the model's activations.
+and backward beyond the `fsdp_gather` estimate (the activations are
+`orthoptim.plan.activations`').
 """
 
 from __future__ import annotations

@@ -780,7 +780,13 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     held = memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES)
     capacity = hardware.memory_gb * 1e9
     activations = plan_activations(desc, layout)
-    peaks = with_activations(held["peak_per_rank"], activations, dp)
+    # building the optimizer comes before any activation: where it is larger, it is the peak
+    peaks = [
+        max(peak, row.get("construction", 0))
+        for peak, row in zip(
+            with_activations(held["peak_per_rank"], activations, dp), held["per_rank"], strict=True
+        )
+    ]
     fits = [peak <= capacity for peak in peaks]
     bw, _ = hardware.link(dp * tp)
     comm = {

@@ -32,7 +32,8 @@ COVERAGE = {
         "the Triton kernels themselves (on meta Newton-Schulz takes the matmul path)",
         "CUDA streams and events (FSDP2's copy streams run as on CPU), the caching "
         "allocator's fragmentation, NCCL's own buffers and timeouts",
-        "activations at a real batch size (the forward touches each parameter once)",
+        "activations at a real batch size (the forward touches each parameter once: the "
+        "verdict adds the plan's estimate, `orthoptim.plan.activations`)",
     ],
 }
 
@@ -42,12 +43,14 @@ def plan_figures(plan: dict[str, Any], index: int) -> dict[str, float | None]:
     categories: its per-category memory (`memory_per_rank`) where the plan has it, else only
     the optimizer state; bytes per step of the bucket collectives (in the layout's gather
     dtype)."""
-    out: dict[str, float | None] = dict.fromkeys((*CATEGORIES, "transient", "peak", "construction"))
+    keys = (*CATEGORIES, "transient", "peak", "construction", "needs")
+    out: dict[str, float | None] = dict.fromkeys(keys)
     per = plan.get("memory_per_rank")
     if per:
         row = per["per_rank"][index]
         for k in out:
             out[k] = row.get(k)
+        out["needs"] = per["peak_with_activations_per_rank"][index]
         out["transient"] = row["peak"] - row["steady"]  # as the dry run's: step or backward
     else:
         out["state"] = plan["memory"]["layerwise_state_bytes_per_rank"][index]
@@ -86,9 +89,14 @@ def dry_run(
         m for a in results for b in results if a.rank < b.rank for m in group_mismatches(a, b)
     ]
     capacity = hardware.memory_gb * 1e9
+    # the dry run's forward touches each parameter once: the activations of a real
+    # micro-batch are the plan's estimate (`orthoptim.plan.activations`) for the stage
+    acts = plan["memory_per_rank"]["activations"] if "memory_per_rank" in plan else None
+    activations = acts["bytes_per_stage"][stage] if acts else 0
     rows = []
     for r in results:
-        fits = max(r.peak, r.construction) <= capacity
+        needs = max(r.peak + activations, r.construction)
+        fits = needs <= capacity
         rows.append(
             {
                 "rank": r.rank,
@@ -97,6 +105,8 @@ def dry_run(
                 "peak": r.peak,
                 "transient": r.peak - r.steady,
                 "construction": r.construction,
+                "activations": activations,
+                "needs": needs,
                 "bytes_per_step": r.bytes_per_step,
                 "comm_stats": r.comm,
                 "expected_comm_bytes": r.expected,
@@ -110,7 +120,7 @@ def dry_run(
                 "notes": r.notes,
             }
         )
-    worst = max(rows, key=lambda x: max(x["peak"], x["construction"]))
+    worst = max(rows, key=lambda x: x["needs"])
     over = sum(not x["fits"] for x in rows)
     return {
         "model": desc.name,
@@ -123,9 +133,7 @@ def dry_run(
         "ranks": rows,
         "group_mismatches": mismatches,
         "fits": all(x["fits"] for x in rows),
-        "verdict": memory_verdict(
-            max(worst["peak"], worst["construction"]), capacity, hardware.name, over, len(rows)
-        ),
+        "verdict": memory_verdict(worst["needs"], capacity, hardware.name, over, len(rows)),
         "to_fit": [] if worst["fits"] else _to_fit(worst, layout, parallel, desc),
         "coverage": COVERAGE,
     }
@@ -159,6 +167,11 @@ def _to_fit(
     ):
         out.append(f"--ep {layout.ep * 2} (half the experts per rank)")
     out.append(f"--tp {layout.tp * 2} (attention and dense MLP matrices split in two)")
+    if row["activations"] and layout.recompute != "full":
+        out.append(
+            f"--recompute full (of the {row['activations'] / 2**30:.1f} GiB of activations "
+            "each layer keeps its input only)"
+        )
     return out
 
 
@@ -197,9 +210,10 @@ def format_dry_run(d: dict[str, Any]) -> str:
     row("transient", lambda r: r["transient"], lambda r: r["plan"]["transient"])
     row("peak", lambda r: r["peak"], lambda r: r["plan"]["peak"])
     row("construction", lambda r: r["construction"], lambda r: r["plan"]["construction"])
+    row("activations (plan's)", lambda r: r["activations"], lambda r: r["activations"])
     cap = d["memory_bytes"]
     row(
-        "fits", lambda r: r["peak"], lambda r: r["plan"]["peak"],
+        "fits", lambda r: r["needs"], lambda r: r["plan"]["needs"],
         lambda x: "-" if x is None else ("yes" if x <= cap else "no"),
     )  # fmt: skip
     row("bytes/step (buckets)", lambda r: r["bytes_per_step"], lambda r: r["plan"]["bytes"])
