@@ -46,17 +46,22 @@ def position_name(group: int, index: int) -> str:
     return f"param_groups[{group}]['params'][{index}]"
 
 
+def param_name(group: dict[str, Any], gi: int, pi: int) -> str:
+    """A readable name of parameter `pi` of group `gi`: the name given at construction, else
+    its place and shape."""
+    given = group.get("param_names")
+    if given is not None:
+        return given[pi]
+    return f"{position_name(gi, pi)} (shape {tuple(group['params'][pi].shape)})"
+
+
 def param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """id(param) → a readable name: the name given at construction, else its group and index."""
-    names: dict[int, str] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        given = group.get("param_names")
-        for pi, p in enumerate(group["params"]):
-            if given is not None:
-                names[id(p)] = given[pi]
-            else:
-                names[id(p)] = f"{position_name(gi, pi)} (shape {tuple(p.shape)})"
-    return names
+    """id(param) → a readable name (`param_name`) of every parameter of `optimizer`."""
+    return {
+        id(p): param_name(group, gi, pi)
+        for gi, group in enumerate(optimizer.param_groups)
+        for pi, p in enumerate(group["params"])
+    }
 
 
 def sparse_gradient_error(owner: str, name: str, grad: Tensor) -> ValueError:

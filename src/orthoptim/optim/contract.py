@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from orthoptim.optim.base import GuardedOptimizer, param_names, state_dtype
+from orthoptim.optim.base import GuardedOptimizer, param_name, state_dtype
 
 StateKind = Literal["elementwise", "matrix", "scalar"]
 Group = dict[str, Any]  # a param group: its hyper-parameters and "params"
@@ -129,10 +129,10 @@ class MatrixOptimizer(GuardedOptimizer):
                     self.state_of(p, group)
 
     def _update(self) -> None:
-        names = param_names(self)
-        for group in self.param_groups:
-            live = [p for p in group["params"] if p.grad is not None]
-            self.step_params(live, group, [names[id(p)] for p in live])
+        for gi, group in enumerate(self.param_groups):
+            live = [i for i, p in enumerate(group["params"]) if p.grad is not None]
+            params = [group["params"][i] for i in live]
+            self.step_params(params, group, [param_name(group, gi, i) for i in live])
 
     @torch.no_grad()
     def step_params(self, params: list[Tensor], group: dict[str, Any], names: list[str]) -> None:

@@ -15,7 +15,7 @@ from orthoptim import checkpoint
 from orthoptim import collectives as C
 from orthoptim._torch_compat import active_ddp_module
 from orthoptim._validate import check_float_dtype
-from orthoptim.optim.base import NonfinitePolicy, step_checked
+from orthoptim.optim.base import NonfinitePolicy, param_name, step_checked
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer
 from orthoptim.optim.registry import OptimizerName
@@ -413,17 +413,48 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         step_checked(self.inner)  # the gradients were checked by _agree
         for t, _ in ready:  # stepped: hidden from the buckets' steps
             t.grad = None
-        for chunk in converted:
-            for t, b, s in chunk:
-                t.grad = b.reduced_grad(s).to(t.dtype)
-            step_checked(self.inner)
-            for t, _, _ in chunk:
-                t.grad = None
+        if converted:
+            self._step_converted(converted)
         for t, g in ready:
             t.grad = g
         for name, master in self._master.items():
             s = self._slot_by_name(name)
             s.local().copy_(C.local_shard(master))
+
+    def _step_converted(self, converted: list[list[tuple[Tensor, Bucket, Slot]]]) -> None:
+        """Step each bucket of converted gradients on its own: a matrix optimizer steps just
+        that bucket's parameters (`step_params`, found through one index of its groups, so
+        a step of many buckets does not scan every parameter per bucket); any other part
+        (torch's AdamW) steps what has a gradient, the bucket's."""
+        where: dict[int, tuple[MatrixOptimizer, int, int]] = {}
+        others = []
+        for part in inner_parts(self.inner):
+            if not isinstance(part, MatrixOptimizer):
+                others.append(part)
+                continue
+            for gi, group in enumerate(part.param_groups):
+                where.update((id(p), (part, gi, pi)) for pi, p in enumerate(group["params"]))
+        for chunk in converted:
+            groups: dict[tuple[int, int], tuple[MatrixOptimizer, int, list[int]]] = {}
+            rest = False
+            for t, b, s in chunk:
+                t.grad = b.reduced_grad(s).to(t.dtype)
+                spot = where.get(id(t))
+                if spot is None:
+                    rest = True
+                    continue
+                part, gi, pi = spot
+                groups.setdefault((id(part), gi), (part, gi, []))[2].append(pi)
+            for part, gi, index in groups.values():
+                group = part.param_groups[gi]
+                index.sort()
+                params = [group["params"][i] for i in index]
+                with torch.no_grad():
+                    part.step_params(params, group, [param_name(group, gi, i) for i in index])
+            for part in others if rest else []:
+                step_checked(part)
+            for t, _, _ in chunk:
+                t.grad = None
 
     def _slot_by_name(self, name: str) -> Slot:
         if not hasattr(self, "_slots_by_name"):
