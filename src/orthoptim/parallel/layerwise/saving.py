@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from orthoptim.shards import local_shard, wrap_local
+from orthoptim.shards import is_dtensor, wrap_local
 
 ALIASED_DEVICES = ("cpu", "cuda")
 
@@ -49,18 +49,22 @@ def alias_views(
     they are."""
     made: dict[tuple[Any, ...], Tensor] = {}
     for key, value in list(state_dict.items()):
-        if not key.startswith(prefix) or isinstance(value, nn.Parameter):
+        if not key.startswith(prefix):
             continue
-        if not isinstance(value, Tensor):
+        if type(value) is Tensor:
+            local = value
+        elif is_dtensor(value) and not isinstance(value, nn.Parameter):
+            local = value.to_local()
+        else:  # a Parameter (keep_vars=True), another subclass, not a tensor
             continue
-        local = local_shard(value)
         if type(local) is not Tensor or not local.is_contiguous() or covers(local):
             continue
         where = (local.device, local.data_ptr(), local.dtype, local.shape, local.stride())
         if where not in made:
             made[where] = own_storage(local)
         # a tied name: another tensor over the same storage, as state_dict() gives it
-        state_dict[key] = wrap_local(made[where].detach(), value)
+        alias = made[where].detach()
+        state_dict[key] = alias if local is value else wrap_local(alias, value)
 
 
 def covers(t: Tensor) -> bool:
