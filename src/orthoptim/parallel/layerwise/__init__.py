@@ -43,11 +43,14 @@ bytes move, one module per job:
 
 - `slots`: where each unit (or each rank's run of a sharded AdamW unit) lives in its bucket;
 - `ordering`: the order of a bucket's slots and of a group's buckets (pure functions);
-- `buffers`: a bucket's layout and collectives, the flat buffers the parameters view;
+- `buffers`: a bucket's layout and collectives, the flat buffers the parameters view, laid
+  out a segment at a time;
 - `sync`: the hooks, the reduce launches, `no_sync`, DDP detection and their flags;
 - `ownership`: the unit groups and their assignments;
 - `optimizer`: ownership, masters, the inner optimizer and the step;
-- `view`: the checkpoint state view.
+- `view`: the checkpoint state view;
+- `saving`: the model's state-dict hook that gives every entry a storage of its own, so
+  savers that keep one tensor per storage (safetensors) write the whole model.
 """
 
 from orthoptim.parallel.assignment import MAX_PADDING

@@ -29,6 +29,7 @@ from orthoptim.parallel.assignment import (
     units_from_model,
 )
 from orthoptim.parallel.base import DistributedOptimizer
+from orthoptim.parallel.layerwise import saving
 from orthoptim.parallel.layerwise.buffers import Bucket, FlatBuffers, agreement_items
 from orthoptim.parallel.layerwise.ownership import (
     UnitGroup,
@@ -151,6 +152,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self.inner = self._build_inner(optimizer, lr, nonfinite, inner_kwargs)
         self._expose()
         self._comms.register(self._grad_hook, self._forward_hook, self._wait_hook)
+        self._saving = saving.register(model)  # state dicts without views (`saving`)
 
     # -- construction ------------------------------------------------------------------
     def _group_units(
@@ -345,6 +347,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     def remove_hooks(self) -> None:
         """Detach every hook this optimizer put on the model (after waiting for parameters)."""
         self._comms.remove_hooks()
+        self._saving.remove()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside;
