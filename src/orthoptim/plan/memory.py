@@ -374,6 +374,8 @@ def _layerwise_row(
                 state += numel * state_bytes
         runs = [split[gr] for split in d.assignment.adamw_split if split and split[gr]]
         owned_elements += sum(runs)
+        if g.world == 1 and param_bytes != state_bytes:
+            converted += sum(runs) * state_bytes  # as the owned units' above
         state += 2 * sum(runs) * state_bytes
         adamw += runs
     # each parameter whole (an expert stack is one), where its gradient goes into flats
@@ -411,8 +413,9 @@ def _fsdp_params(
                 shape = m.shape if m.expert is None else (0, *m.shape)
                 out[m.param] = [m.param, shape, m.kind, position[m], m.layer]
             entry = out[m.param]
-            if m.expert is not None:
-                entry[1] = (entry[1][0] + 1, *entry[1][1:])
+            if m.expert is not None:  # one expert, or a stack of them (`plan_matrices`)
+                width = m.part[1] - m.part[0] if m.part is not None else 1
+                entry[1] = (entry[1][0] + width, *entry[1][1:])
             entry[3] = min(entry[3], position[m])
     return [tuple(v) for v in out.values()]  # type: ignore[misc]
 
