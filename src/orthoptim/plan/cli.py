@@ -496,7 +496,10 @@ def _dry_run_cmd(args: argparse.Namespace, desc: Any, hw: Any, layout: Layout) -
     else:
         print(format_dry_run(result))
         print("\n" + format_commands(commands))
-    ok = not result["group_mismatches"] and all(r["comm_matches_expected"] for r in result["ranks"])
+    ok = not result["group_mismatches"] and all(
+        r["comm_matches_expected"] and (r["adamw"] or {}).get("comm_matches_expected", True)
+        for r in result["ranks"]
+    )
     return 0 if ok else 1
 
 

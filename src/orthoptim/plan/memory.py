@@ -38,8 +38,10 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
 `Layout.device` picks the paths: same-shape matrices stacked except on "cpu"
 (`stacking_pays`), the Gram form where `ns_path` takes it, foreach AdamW on "cuda" only.
 
-`Layout.optimizer` "soap": SOAP's state (two moments, a Kronecker factor and an eigenbasis
-of each side per matrix) and its step's temporaries (`_soap_transient`). `Layout.fsdp`:
+`Layout.optimizer` "adamw": every unit AdamW, sharded element-wise (`planner.plan_matrices`:
+a parameter's experts on one EP rank one unit), no matrix step. "soap": SOAP's state (two
+moments, a Kronecker factor and an eigenbasis of each side per matrix) and its step's
+temporaries (`_soap_transient`). `Layout.fsdp`:
 `FSDPOptimizer` over FSDP2 (`fsdp_rows`). `Layout.tp` > 1: the tensor-parallel
 orthogonalizer's gathers and Gram buffers per `Layout.tp_mode` (`_tp_transient`, checked
 against the dry run of the real code).
