@@ -5,6 +5,7 @@ the layer-wise distributed optimizer runs.
     plan = make_plan(load_model("kimi-k2"), load_hardware("gb300"), Layout(dp=64, ep=64))
 """
 
+from orthoptim.plan.baseline import adamw_baseline
 from orthoptim.plan.cli import add_parser, format_report, plot_plan
 from orthoptim.plan.hardware import Hardware, load_hardware, shipped_hardware
 from orthoptim.plan.model import (
@@ -23,6 +24,7 @@ __all__ = [
     "Layout",
     "Matrix",
     "ModelDescription",
+    "adamw_baseline",
     "add_parser",
     "expand",
     "format_report",

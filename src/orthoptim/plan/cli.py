@@ -14,6 +14,7 @@ from orthoptim._extras import require_extra
 from orthoptim.newton_schulz import NS_BATCH_MB
 from orthoptim.parallel.layout import as_flags
 from orthoptim.plan.activations import RECOMPUTES
+from orthoptim.plan.baseline import adamw_baseline, versus
 from orthoptim.plan.costs import AUTO_MODES, TP_MODES
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
@@ -120,6 +121,33 @@ def _activation_lines(p: dict[str, Any]) -> list[str]:
     ]
 
 
+def _baseline_lines(p: dict[str, Any]) -> list[str]:
+    """The whole peak per rank against AdamW's at the same layout (`adamw_baseline`)."""
+    b = p.get("adamw_baseline")
+    if b is None or b["optimizer"] == "adamw":
+        return []
+    if not b["planned"]:
+        return ["", f"against AdamW: {b['why']}"]
+    opt, last = b["optimizer"], len(b["peak_per_rank"]) - 1
+    lines = [
+        "",
+        "whole peak per rank against AdamW at this layout (AdamW for every parameter, sharded "
+        "element-wise, the same dtypes; plan):",
+        f"{'':<26}{opt:>11}{'adamw':>11}{opt + '/adamw':>13}",
+    ]
+    for label, i, j in (
+        ("rank 0", 0, 0),
+        (f"rank {last}", last, last),
+        ("busiest rank of each", b["max_peak_rank"], b["adamw_max_peak_rank"]),
+    ):
+        mine, theirs = b["peak_per_rank"][i], b["adamw_peak_per_rank"][j]
+        lines.append(
+            f"  {label:<24}{_bytes(mine, 4):>11}{_bytes(theirs, 4):>11}{mine / theirs:>13.3f}"
+        )
+    lines.append(f"  {opt}'s busiest peak is {versus(b['ratio'])}")
+    return lines
+
+
 def _header_lines(p: dict[str, Any]) -> list[str]:
     """The layout, the model's counts and, with experts, where they are assigned."""
     m, lay = p["model"], p["layout"]
@@ -144,6 +172,8 @@ def _header_lines(p: dict[str, Any]) -> list[str]:
 def _balancing_lines(p: dict[str, Any]) -> list[str]:
     """Newton-Schulz flops per rank under each balancing, and how lumpy the layout is."""
     lay = p["layout"]
+    if lay["optimizer"] == "adamw":
+        return ["", "Newton-Schulz: none (AdamW for every parameter, sharded element-wise)"]
     tp_note = ", TP-split matrices as auto mode" if lay["tp"] > 1 else ""
     lines = [
         "",
@@ -276,6 +306,7 @@ def format_report(p: dict[str, Any]) -> str:
             *_state_lines(p),
             "",
             *_memory_lines(p),
+            *_baseline_lines(p),
             *_comm_lines(p),
             *_tp_lines(p),
             *_overhead_lines(p),
@@ -357,6 +388,7 @@ def _cmd(args: argparse.Namespace) -> int:
         if args.dry_run:
             return _dry_run_cmd(args, desc, hw, layout)
         plan = make_plan(desc, hw, layout)
+        plan["adamw_baseline"] = adamw_baseline(desc, hw, layout, plan)
     except (ValueError, FileNotFoundError) as exc:
         print(f"orthoptim plan: error: {exc}", file=sys.stderr)
         return 2
@@ -522,7 +554,10 @@ def _dry_run_cmd(args: argparse.Namespace, desc: Any, hw: Any, layout: Layout) -
     else:
         print(format_dry_run(result))
         print("\n" + format_commands(commands))
-    ok = not result["group_mismatches"] and all(r["comm_matches_expected"] for r in result["ranks"])
+    ok = not result["group_mismatches"] and all(
+        r["comm_matches_expected"] and (r["adamw"] or {}).get("comm_matches_expected", True)
+        for r in result["ranks"]
+    )
     return 0 if ok else 1
 
 
@@ -639,7 +674,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--optimizer",
         default="muon",
         choices=PLAN_OPTIMIZERS,
-        help="the matrix optimizer, for its state and step memory (default muon)",
+        help="the optimizer, for its state and step memory: muon or soap for the matrices "
+        "(AdamW for the rest), or adamw for every parameter, sharded element-wise, the "
+        "baseline every plan sets its peak against (default muon)",
     )
     p.add_argument(
         "--fsdp",

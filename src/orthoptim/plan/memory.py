@@ -41,8 +41,10 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
 `Layout.device` picks the paths: same-shape matrices stacked except on "cpu"
 (`stacking_pays`), the Gram form where `ns_path` takes it, foreach AdamW on "cuda" only.
 
-`Layout.optimizer` "soap": SOAP's state (two moments, a Kronecker factor and an eigenbasis
-of each side per matrix) and its step's temporaries (`_soap_transient`). `Layout.fsdp`:
+`Layout.optimizer` "adamw": every unit AdamW, sharded element-wise (`planner.plan_matrices`:
+a parameter's experts on one EP rank one unit), no matrix step. "soap": SOAP's state (two
+moments, a Kronecker factor and an eigenbasis of each side per matrix) and its step's
+temporaries (`_soap_transient`). `Layout.fsdp`:
 `FSDPOptimizer` over FSDP2 (`fsdp_rows`). `Layout.tp` > 1: the tensor-parallel
 orthogonalizer's gathers and Gram buffers per `Layout.tp_mode` (`_tp_transient`, checked
 against the dry run of the real code).
@@ -382,10 +384,17 @@ def _layerwise_row(
                 state += _soap_state(u.shape, state_bytes)
             else:
                 state += numel * state_bytes
-        runs = [split[gr] for split in d.assignment.adamw_split if split and split[gr]]
-        owned_elements += sum(runs)
-        state += 2 * sum(runs) * state_bytes
-        adamw[None] += runs
+        for b, split in enumerate(d.assignment.adamw_split):
+            run = split[gr] if split else 0
+            if not run:
+                continue
+            owned_elements += run
+            state += 2 * run * state_bytes
+            key = None
+            if g.world == 1 and param_bytes != state_bytes:  # as the owned units' above
+                key = (id(g), b)
+                converted[key] = converted.get(key, 0) + run * state_bytes
+            adamw.setdefault(key, []).append(run)
     masters = owned_elements * state_bytes if layout.masters else 0
     construction = _construction(slot, held, masters, params, grads, param_bytes)
     # each parameter whole (an expert stack is one), where its gradient goes into flats
@@ -464,8 +473,9 @@ def _fsdp_params(
                 shape = m.shape if m.expert is None else (0, *m.shape)
                 out[m.param] = [m.param, shape, m.kind, position[m], m.layer]
             entry = out[m.param]
-            if m.expert is not None:
-                entry[1] = (entry[1][0] + 1, *entry[1][1:])
+            if m.expert is not None:  # one expert, or a stack of them (`plan_matrices`)
+                width = m.part[1] - m.part[0] if m.part is not None else 1
+                entry[1] = (entry[1][0] + width, *entry[1][1:])
             entry[3] = min(entry[3], position[m])
     return [tuple(v) for v in out.values()]  # type: ignore[misc]
 

@@ -23,6 +23,7 @@ cost the balancing balances and the per-rank Newton-Schulz figures add up.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,8 +55,9 @@ from orthoptim.plan.model import Matrix, ModelDescription, expand, param_counts
 
 BALANCES = ("cost", "round_robin", "capped")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-# the matrix optimizers the planner models (`memory_per_rank`): the layout's `optimizer`
-PlanOptimizer = Literal["muon", "soap"]
+# the optimizers the planner models (`memory_per_rank`): the layout's `optimizer`; "adamw" is
+# AdamW for every parameter, sharded element-wise (`plan_matrices`)
+PlanOptimizer = Literal["muon", "soap", "adamw"]
 PLAN_OPTIMIZERS: tuple[PlanOptimizer, ...] = get_args(PlanOptimizer)
 PlanTPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
 PLAN_TP_MODES: tuple[PlanTPMode, ...] = get_args(PlanTPMode)
@@ -250,6 +252,31 @@ def to_units(
     return units
 
 
+def plan_matrices(
+    desc: ModelDescription, layout: Layout, matrices: Sequence[Matrix] | None = None
+) -> list[Matrix]:
+    """The units the layout's optimizer steps (`matrices`, default `expand(desc)`): as they
+    are, or under `optimizer` "adamw" every one AdamW, the routed experts of one parameter
+    held by one EP rank a single unit, their stack (the optimizer splits only a matrix
+    optimizer's expert stacks, `units_from_model`)."""
+    matrices = list(expand(desc) if matrices is None else matrices)
+    if layout.optimizer != "adamw":
+        return matrices
+    per_rank = desc.n_routed_experts // layout.ep if desc.is_moe else 1
+    out: list[Matrix] = []
+    for m in matrices:
+        prev = out[-1] if out else None
+        if (
+            prev is not None and m.part is not None and prev.part is not None
+            and (prev.param, prev.part[1]) == (m.param, m.part[0])
+            and prev.part[0] // per_rank == m.part[0] // per_rank
+        ):  # fmt: skip
+            out[-1] = dataclasses.replace(prev, part=(prev.part[0], m.part[1]))
+        else:
+            out.append(dataclasses.replace(m, kind="adamw"))
+    return out
+
+
 def split_matrices(
     matrices: Sequence[Matrix], desc: ModelDescription, ep: int
 ) -> tuple[list[Matrix], list[Matrix]]:
@@ -410,10 +437,10 @@ def plan_groups(
     check_layout(desc, layout)
     masters = layout.masters if masters is None else masters
     if dense is None or experts is None:
-        matrices = expand(desc) if matrices is None else matrices
+        matrices = plan_matrices(desc, layout) if matrices is None else matrices
         dense, experts = split_matrices(matrices, desc, layout.ep)
     if layout.ep == 1 and experts:
-        everything = expand(desc) if matrices is None else matrices
+        everything = plan_matrices(desc, layout) if matrices is None else matrices
         parts = [everything]
     else:
         parts = [dense, experts]
@@ -511,7 +538,7 @@ def plan_slots(
 ) -> tuple[list[Slot], list[list[_Group]]]:
     """`plan_groups` and, per (stage, DP rank), the (group, rank in it) pairs it owns units
     of: the dense group's rank r, and EP rank r mod ep's experts at rank r // ep."""
-    matrices = expand(desc) if matrices is None else matrices
+    matrices = plan_matrices(desc, layout) if matrices is None else matrices
     dense, experts = split_matrices(matrices, desc, layout.ep)
     by_stage = plan_groups(
         desc, layout, balance, dense, experts, matrices=matrices, hardware=hardware
@@ -563,9 +590,6 @@ def _memory_figures(
     state_b = DTYPE_BYTES["fp32"]
     master = DTYPE_BYTES["fp32"] if layout.masters else 0
 
-    def numel(m: Matrix) -> int:
-        return math.prod(local_shape(m, tp))
-
     def whole_state(m: Matrix) -> int:
         unit = to_units([m], tp, grad_b, layout.optimizer)[0]
         return state_numel(unit) * state_b + unit.numel * master
@@ -573,10 +597,7 @@ def _memory_figures(
     # the layer-wise optimizer's own figure (`memory_per_rank`): state and master copies
     state = [s + m for s, m in zip(held["state_per_rank"], held["masters_per_rank"], strict=True)]
     zero1_state = max(
-        sum(
-            math.ceil(sum(numel(m) for m in g.matrices) / g.world) * (2 * state_b + master)
-            for g in sg
-        )
+        sum(math.ceil(sum(u.numel for u in g.units) / g.world) * (2 * state_b + master) for g in sg)
         for sg in by_stage
     )
     replicated_state = max(sum(whole_state(m) for g in sg for m in g.matrices) for sg in by_stage)
@@ -714,7 +735,7 @@ def _layout_figures(
         "layers_per_stage": [stages.count(k) for k in range(pp)],
         "gpus": layout.gpus,
         "expert_dp": layout.expert_dp,
-        "experts_per_ep_rank": len({m.expert for m in experts}),
+        "experts_per_ep_rank": desc.n_routed_experts // ep if experts else 0,
         "muon_units_per_rank": (
             sum(m.kind == "muon" for m in dense) + sum(m.kind == "muon" for m in experts) * ep
         )
@@ -766,9 +787,9 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     """
     check_layout(desc, layout)
     tp, dp, ep = layout.tp, layout.dp, layout.ep
-    matrices = expand(desc)
+    counts = param_counts(expand(desc))
+    matrices = plan_matrices(desc, layout)
     dense, experts = split_matrices(matrices, desc, ep)
-    counts = param_counts(matrices)
 
     balancing: dict[str, Any] = {}
     per_balance: dict[str, tuple[list[Slot], list[list[_Group]]]] = {}

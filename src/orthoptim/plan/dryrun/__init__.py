@@ -6,9 +6,10 @@ its EP rank's experts) as a real `nn.Module` on the **meta** device (tensors wit
 a dtype and a device but no memory), joins a fake process group of the layout's size in
 which it has that rank, makes the layout's groups as `orthoptim train` makes them
 (`ParallelDims.build`: the same rank order, every group on every rank; 0.8 s at 4096 ranks),
-and runs the real code: forward, backward, `clip_grad_norm_` and
-two `step()`s of `LayerwiseDistributedOptimizer` (Muon, SOAP; tensor-parallel Muon through
-`TensorParallelOrthogonalizer` in each mode) or `FSDPOptimizer` over FSDP2's `fully_shard`.
+and runs the real code: forward, backward, `clip_grad_norm_` and two `step()`s of
+`LayerwiseDistributedOptimizer` (Muon, SOAP, or AdamW for every parameter; tensor-parallel
+Muon through `TensorParallelOrthogonalizer` in each mode) or `FSDPOptimizer` over FSDP2's
+`fully_shard`.
 
 What makes that work:
 

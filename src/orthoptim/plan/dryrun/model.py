@@ -44,9 +44,14 @@ def _terms(module: nn.Module, idx: Tensor, lookup: bool) -> Tensor:
             total = total + local.sum()
         elif lookup:
             total = total + F.embedding(idx % local.shape[0], local).sum()
-        else:
-            x = torch.ones(*local.shape[:-2], 1, local.shape[-1], device=DEVICE, dtype=local.dtype)
+        elif local.ndim == 2:
+            x = torch.ones(1, local.shape[-1], device=DEVICE, dtype=local.dtype)
             total = total + (x @ local.mT).sum()
+        else:
+            # a stack's gradient made in its own layout, as a grouped GEMM's weight gradient
+            # (bmm's of `x @ local.mT` comes transposed, and autograd copies it)
+            x = torch.ones(*local.shape[:-2], local.shape[-1], 1, device=DEVICE, dtype=local.dtype)
+            total = total + (local @ x).sum()
     return total
 
 

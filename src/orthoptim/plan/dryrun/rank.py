@@ -140,7 +140,9 @@ def _optimizer(
         fsdp_stats = C.CommStats()
         count_fsdp_collectives(model, fsdp_stats)
         apart["fsdp"] = fsdp_stats
-        return FSDPOptimizer(model, optimizer=optimizer, layout=mesh, **kwargs), apart
+        opt = FSDPOptimizer(model, optimizer=optimizer, layout=mesh, **kwargs)
+        _foreach_adamw(opt)
+        return opt, apart
     if layout.dims.tp > 1:
         kwargs["orthogonalizer"] = TensorParallelOrthogonalizer(
             mode=layout.tp_mode, ns_dtype=torch.bfloat16
@@ -154,7 +156,19 @@ def _optimizer(
     opt = LayerwiseDistributedOptimizer(
         model, optimizer=optimizer, layout=mesh, split_experts=True, cost=cost, **kwargs, **mixed,
     )  # fmt: skip
+    if layout.dims.tp == 1:
+        _foreach_adamw(opt)
     return opt, apart
+
+
+def _foreach_adamw(opt: Any) -> None:
+    """AdamW's foreach path, which torch picks for CUDA parameters (on the meta device it steps
+    one tensor at a time): the step's square roots of every second moment at once. Not under
+    tensor parallelism, where one AdamW holds DTensor and plain parameters, a mix torch's
+    foreach ops refuse."""
+    for group in opt.param_groups:
+        if group.get("optimizer") == "adamw":
+            group["foreach"] = True
 
 
 @dataclass

@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from orthoptim.plan.baseline import adamw_baseline, adamw_layout, versus
 from orthoptim.plan.dryrun.rank import (
     CATEGORIES,
     Parallel,
+    RankResult,
     group_mismatches,
     host_syncs_per_step,
     run_isolated,
@@ -24,6 +26,7 @@ COVERAGE = {
         "every tensor on a non-CPU device: a CPU tensor handed to a collective is refused as "
         "NCCL refuses it; a CPU tensor mixed into a device op raises",
         "bf16 Newton-Schulz (ns_dtype bfloat16, what 'auto' picks on CUDA)",
+        "AdamW's foreach step (torch's choice for CUDA parameters; not under TP)",
         "the ownership assignment priced as on CUDA with Triton SYRK (the GPU's owners)",
         "host reads (.item(), .tolist(), bool(), .cpu()) counted where the library makes them",
         "FSDP2 fully_shard and DTensor tensor parallelism on a device mesh",
@@ -70,10 +73,13 @@ def dry_run(
     ranks: list[int] | None = None,
     stage: int = 0,
     progress: Callable[[Any], Any] | None = None,
+    adamw: bool = True,
 ) -> dict[str, Any]:
     """`run_rank` for each of `ranks` (default 0 and the last of the stage), the plan's
     figures beside each, the cross-rank collective check, and whether the peak fits
-    `hardware.memory_gb`; as a JSON-ready dict (`format_dry_run` prints it)."""
+    `hardware.memory_gb`; with `adamw` (and another optimizer, at --tp 1) the same ranks
+    under AdamW at the same layout too, measured beside the plan's (`_adamw_rows`); as a
+    JSON-ready dict (`format_dry_run` prints it)."""
     from orthoptim.plan.planner import make_plan
 
     optimizer, tp_mode = layout.optimizer, layout.tp_mode
@@ -88,6 +94,8 @@ def dry_run(
     mismatches = [
         m for a in results for b in results if a.rank < b.rank for m in group_mismatches(a, b)
     ]
+    versus = _adamw_rows(desc, layout, hardware, plan, (ranks, results), stage, progress, adamw)
+    mismatches += versus.pop("mismatches", [])
     capacity = hardware.memory_gb * 1e9
     # the dry run's forward touches each parameter once: the activations of a real
     # micro-batch are the plan's estimate (`orthoptim.plan.activations`) for the stage
@@ -118,6 +126,7 @@ def dry_run(
                 "plan": plan_figures(plan, r.plan_index),
                 "fits": fits,
                 "notes": r.notes,
+                "adamw": versus["ranks"][len(rows)] if versus.get("ranks") else None,
             }
         )
     worst = max(rows, key=lambda x: x["needs"])
@@ -135,8 +144,62 @@ def dry_run(
         "fits": all(x["fits"] for x in rows),
         "verdict": memory_verdict(worst["needs"], capacity, hardware.name, over, len(rows)),
         "to_fit": [] if worst["fits"] else _to_fit(worst, layout, parallel, desc),
+        "adamw": versus,
         "coverage": COVERAGE,
     }
+
+
+def _adamw_rows(
+    desc: ModelDescription,
+    layout: Layout,
+    hardware: Any,
+    plan: dict[str, Any],
+    ran: tuple[list[int], list[RankResult]],
+    stage: int,
+    progress: Callable[[Any], Any] | None,
+    measure: bool,
+) -> dict[str, Any]:
+    """AdamW at the layout beside the dry run's ranks (`ran`: the ranks of the stage and what
+    each did): its planned peak per rank (`adamw_baseline`) and, when `measure`, its peak
+    measured on the same ranks (`run_rank` under --optimizer adamw: a few seconds a rank
+    where Muon's dry run of a large model takes a minute), with the ratios of the peaks
+    (the busiest ranks' at the top); the AdamW runs' collective mismatches under
+    "mismatches". Nothing to compare under --optimizer adamw."""
+    if layout.optimizer == "adamw":
+        return {"measured": False, "why": "this run is AdamW's"}
+    ranks, results = ran
+    base = adamw_baseline(desc, hardware, layout, plan)
+    if not base["planned"]:
+        return {"measured": False, "why": base["why"]}
+    out: dict[str, Any] = {
+        "measured": measure,
+        "plan_ratio": base["ratio"],  # over every rank of the layout
+        "ratio": None,
+        "ranks": [
+            {
+                "plan_peak": base["adamw_peak_per_rank"][r.plan_index],
+                "plan_ratio": base["ratio_per_rank"][r.plan_index],
+                "peak": None,
+                "ratio": None,
+            }
+            for r in results
+        ],
+    }
+    if not measure:
+        return out
+    lay = adamw_layout(layout)  # --tp 1 here: no spawned process needed
+    measured = [run_rank(desc, lay, r, stage) for r in (progress(ranks) if progress else ranks)]
+    for row, r, m in zip(out["ranks"], results, measured, strict=True):
+        row.update(
+            peak=m.peak, memory=m.memory, ratio=r.peak / m.peak,
+            comm_matches_expected=m.comm_matches,
+        )  # fmt: skip
+    out["ratio"] = max(r.peak for r in results) / max(m.peak for m in measured)
+    out["mismatches"] = [
+        f"adamw: {x}" for a in measured for b in measured if a.rank < b.rank
+        for x in group_mismatches(a, b)
+    ]  # fmt: skip
+    return out
 
 
 def _to_fit(
@@ -179,6 +242,10 @@ def _gib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**30:.3f}"
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def format_dry_run(d: dict[str, Any]) -> str:
     """The human-readable report of `dry_run`'s dict: per rank, the dry run's figures with
     `plan`'s beside them."""
@@ -216,6 +283,10 @@ def format_dry_run(d: dict[str, Any]) -> str:
         "fits", lambda r: r["needs"], lambda r: r["plan"]["needs"],
         lambda x: "-" if x is None else ("yes" if x <= cap else "no"),
     )  # fmt: skip
+    if d["adamw"].get("ranks"):
+        row("adamw peak", lambda r: r["adamw"]["peak"], lambda r: r["adamw"]["plan_peak"])
+        row(f"{d['optimizer']}/adamw", lambda r: r["adamw"]["ratio"],
+            lambda r: r["adamw"]["plan_ratio"], _ratio)  # fmt: skip
     row("bytes/step (buckets)", lambda r: r["bytes_per_step"], lambda r: r["plan"]["bytes"])
     row(
         "collectives/step", lambda r: r["collectives_per_step"], lambda r: None,
@@ -245,6 +316,24 @@ def format_dry_run(d: dict[str, Any]) -> str:
     else:
         lines.append(f"{d['verdict']} (measured); flags that shrink it:")
         lines += [f"  {x}" for x in d["to_fit"]]
+    lines.append(_adamw_line(d))
     lines.append("covers: " + "; ".join(d["coverage"]["covered"]))
     lines.append("does not cover: " + "; ".join(d["coverage"]["not covered"]))
     return "\n".join(lines)
+
+
+def _adamw_line(d: dict[str, Any]) -> str:
+    """The busiest ranks' peaks against AdamW's at the layout: measured, or planned only."""
+    a, opt = d["adamw"], d["optimizer"]
+    if not a.get("ranks"):
+        return f"against AdamW: {a['why']}"
+    head = "against AdamW at this layout (every parameter AdamW, sharded element-wise): "
+    plan = f"{opt}/adamw {a['plan_ratio']:.3f} over every rank (plan)"
+    if not a["measured"]:
+        return head + plan + "; AdamW not measured"
+    peak = max(r["peak"] for r in d["ranks"])
+    theirs = max(r["adamw"]["peak"] for r in d["ranks"])
+    return (
+        head + f"busiest peak {opt} {_gib(peak)} GiB, AdamW {_gib(theirs)} GiB, {opt}/adamw "
+        f"{a['ratio']:.3f} ({versus(a['ratio'])}; both measured on these ranks); {plan}"
+    )
