@@ -359,6 +359,7 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
         fsdp=args.fsdp,
         tp_mode=args.tp_mode,
         ns_batch_mb=args.ns_batch_mb,
+        state_dtype=args.state_dtype,
     )
 
 
@@ -396,6 +397,7 @@ def layout_commands(args: argparse.Namespace, layout: Layout) -> dict[str, str |
         f"--optimizer {layout.optimizer}",
         f"--param-dtype {layout.param_dtype}",
     ] + (["--fsdp"] if layout.fsdp else [])
+    flags += [f"--state-dtype {layout.state_dtype}"] if layout.state_dtype != "fp32" else []
     if args.hf_config:
         train_model: str | None = f"--hf-config {spec}"
     elif args.model.startswith(TRAIN_PREFIX):
@@ -544,6 +546,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="dtype every rank holds the parameters in (default fp32); bf16 keeps an fp32 "
         "master copy of what each rank owns, gradients stay --grad-dtype (fp32); with --fsdp "
         "FSDP2's compute dtype, the sharded parameters staying fp32",
+    )
+    p.add_argument(
+        "--state-dtype",
+        default="fp32",
+        choices=sorted(DTYPE_BYTES),
+        help="storage of Muon's momentum and AdamW's moments (default fp32); bf16 halves "
+        "them (stochastic rounding, the step in fp32)",
     )
     p.add_argument(
         "--bucket-mb",

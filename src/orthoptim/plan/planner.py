@@ -121,6 +121,9 @@ class Layout:
     # the cap on one stacked Newton-Schulz call in MiB of float32 (`Muon(ns_batch_mb=...)`;
     # None: one call per shape), for the step's transient in `memory_per_rank`
     ns_batch_mb: float | None = NS_BATCH_MB
+    # the storage of Muon's momentum and AdamW's moments (`state_dtype=torch.bfloat16`:
+    # "bf16", stochastic rounding, `orthoptim.optim.lean`), for the state in `memory_per_rank`
+    state_dtype: str = "fp32"
 
     @property
     def gather(self) -> str:
@@ -159,9 +162,16 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         ("--grad-dtype", layout.grad_dtype),
         ("--param-dtype", layout.param_dtype),
         ("--gather-dtype", layout.gather),
+        ("--state-dtype", layout.state_dtype),
     ):
         if v not in DTYPE_BYTES:
             raise ValueError(f"{flag} must be one of {sorted(DTYPE_BYTES)}, got {v!r}")
+    lean = layout.state_dtype != "fp32"
+    if lean and (layout.optimizer != "muon" or layout.fsdp or layout.tp > 1):
+        raise ValueError(
+            f"--state-dtype {layout.state_dtype} stores Muon's momentum and AdamW's moments of "
+            "plain tensors: it takes --optimizer muon, no --fsdp and --tp 1"
+        )
     if layout.optimizer not in PLAN_OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {PLAN_OPTIMIZERS}, got {layout.optimizer!r}")
     if layout.tp_mode not in PLAN_TP_MODES:
@@ -720,6 +730,7 @@ def _layout_figures(
         "param_dtype": layout.param_dtype,
         "gather_dtype": layout.gather,
         "ns_batch_mb": layout.ns_batch_mb,
+        "state_dtype": layout.state_dtype,
     }
 
 
