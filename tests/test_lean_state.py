@@ -301,9 +301,8 @@ def _save_and_resume_bf16(rank: int, world_size: int, path: str) -> dict:
 
 def test_bf16_state_checkpoints_reshard_in_its_dtype(tmp_path) -> None:
     """A bfloat16-state layer-wise run at 2 ranks saved with DCP resumes at 2 ranks bitwise
-    (each parameter's stream in its state) and at 1 rank in bfloat16, within the same
-    float64 run's distance from the resharded fp32 path (1e-6: the sharded AdamW runs are
-    joined, their streams the first piece's)."""
+    (each parameter's stream in its state) and at 1 rank in bfloat16, close to the 2-rank
+    run (the sharded AdamW runs, joined, round with the bits of one stream)."""
     path = str(tmp_path / "ckpt")
     r = run_ranks(_save_and_resume_bf16, 2, args=(path,))
     for rank in range(2):
@@ -319,7 +318,10 @@ def test_bf16_state_checkpoints_reshard_in_its_dtype(tmp_path) -> None:
     got = train(model, opt, range(BEFORE, BEFORE + AFTER))
     want = r[0]["uninterrupted"]
     worst = max(((got[n] - w).norm() / w.norm()).item() for n, w in want.items())
-    assert worst <= 1e-2, worst
+    # after resharding the AdamW runs round with other bits: each moment one bfloat16 ulp
+    # (2^-7) apart at most, an update of size ~lr moving by ≲ 2 ulps, over AFTER steps, of
+    # parameters of size ~1 (measured: 1.0e-5)
+    assert worst <= AFTER * KW["adamw_lr"] * 2 * ULP16, worst
 
 
 def test_train_flag_builds_bf16_state_and_refuses_what_keeps_fp32() -> None:
