@@ -58,6 +58,7 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
         else f"{lay['param_dtype']} parameters, {lay['grad_dtype']} gradients, "
         f"{mem['gather_dtype']} gather"
     )
+    dtypes += f", {lay['state_dtype']} state" if lay.get("state_dtype", "fp32") != "fp32" else ""
     have = mem["hardware_bytes"]
     lines = [
         f"memory per rank{where}, {which} ({lay['optimizer']}{tp}) as it runs ({dtypes}; "
