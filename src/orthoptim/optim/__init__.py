@@ -1,6 +1,7 @@
 """Per-matrix optimizers and the hybrid builder that routes parameters to them."""
 
 from orthoptim.optim.adamuon import AdaMuon
+from orthoptim.optim.adamw import LeanAdamW
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import HybridOptimizer, build_optimizer, default_route, routing_table
 from orthoptim.optim.lion import Lion
@@ -14,6 +15,7 @@ __all__ = [
     "SOAP",
     "AdaMuon",
     "HybridOptimizer",
+    "LeanAdamW",
     "Lion",
     "MatrixOptimizer",
     "Muon",

@@ -42,10 +42,7 @@ class AdaMuon(Muon):
     Muon's.
     """
 
-    state_kinds: ClassVar[dict[str, StateKind]] = {
-        "momentum_buffer": "elementwise",
-        "update_moment": "matrix",
-    }
+    state_kinds: ClassVar[dict[str, StateKind]] = {**Muon.state_kinds, "update_moment": "matrix"}
 
     def __init__(
         self,

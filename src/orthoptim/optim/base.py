@@ -180,9 +180,15 @@ def check_params(owner: str, groups: list[dict[str, Any]]) -> None:
             seen[id(p)] = name
 
 
-def state_dtype(p: Tensor) -> torch.dtype:
-    """The dtype of a parameter's optimizer state: float32 for bf16/fp16 (fp32 master state)."""
+def compute_dtype(p: Tensor) -> torch.dtype:
+    """The dtype a parameter's optimizer step computes in, and its state's unless the
+    optimizer stores state lower (`state_dtype=torch.bfloat16`, `orthoptim.optim.lean`):
+    float32 for bf16/fp16 parameters (fp32 master state), else the parameter's."""
     return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+#: the name `compute_dtype` had before the optimizers took a `state_dtype` option
+state_dtype = compute_dtype
 
 
 def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from orthoptim.optim.base import GuardedOptimizer, param_name, state_dtype
+from orthoptim.optim.base import GuardedOptimizer, compute_dtype, param_name
 
 StateKind = Literal["elementwise", "matrix", "scalar"]
 Group = dict[str, Any]  # a param group: its hyper-parameters and "params"
@@ -83,10 +83,12 @@ class MatrixOptimizer(GuardedOptimizer):
                 group.setdefault(key, value)
 
     def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """Fresh elementwise and scalar state of `param`: zeros like it, in the state dtype
-        (float32 for bf16/fp16 parameters, `state_dtype`)."""
+        """Fresh elementwise and scalar state of `param`: zeros like it, in the group's
+        `state_dtype` where it sets one (bfloat16 storage, `orthoptim.optim.lean`), else in
+        the compute dtype (float32 for bf16/fp16 parameters, `compute_dtype`)."""
+        dtype = group.get("state_dtype") or compute_dtype(param)
         return {
-            key: torch.zeros_like(param, dtype=state_dtype(param))
+            key: torch.zeros_like(param, dtype=dtype)
             for key, kind in self.state_kinds.items()
             if kind == "elementwise"
         }

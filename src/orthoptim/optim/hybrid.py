@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from orthoptim._validate import check_betas, check_choice, check_nonnegative
+from orthoptim.optim.adamw import LeanAdamW
 from orthoptim.optim.base import (
     CompositeOptimizer,
     GuardedOptimizer,
@@ -26,6 +27,7 @@ from orthoptim.optim.base import (
     position_name,
     step_checked,
 )
+from orthoptim.optim.lean import check_rounding_seed, check_state_dtype
 from orthoptim.optim.lion import Lion
 from orthoptim.optim.muon import Muon
 from orthoptim.optim.registry import (
@@ -185,6 +187,8 @@ def build_optimizer(
     nonfinite: NonfinitePolicy = "raise",
     params: Iterable[tuple[str, nn.Parameter]] | None = None,
     elementwise: ElementwiseOptimizerName = "adamw",
+    state_dtype: torch.dtype | None = None,
+    rounding_seed: int = 0,
     **kw: Any,
 ) -> HybridOptimizer:
     """Build the optimizer for `model`: hidden matrices → `optimizer`, the rest → AdamW.
@@ -207,6 +211,12 @@ def build_optimizer(
     Weights stored [in, out] (Hugging Face's `Conv1D`, GPT-2) are found in the model and
     passed as Muon's `transposed` (their LR scales are those of the [out, in] map; a `split`
     of one counts output features); `transposed=()` steps them as stored.
+
+    `state_dtype=torch.bfloat16` stores Muon's momentum (its variants' too) and AdamW's
+    moments in bfloat16, computed in float32 and stored by stochastic rounding seeded by
+    `rounding_seed` (`orthoptim.optim.lean`; AdamW is then `LeanAdamW`); None or
+    torch.float32 (the default) keeps float32 state and torch's AdamW. SOAP and Lion keep
+    float32 state and refuse it.
     """
     check_choice("optimizer", optimizer, sorted(OPTIMIZER_NAMES))
     check_choice("elementwise", elementwise, tuple(ELEMENTWISE_OPTIMIZERS))
@@ -216,6 +226,15 @@ def build_optimizer(
             "chooses the optimizer of the non-matrix part next to a matrix optimizer"
         )
     check_nonfinite_policy(nonfinite)
+    lean = check_state_dtype(state_dtype)
+    check_rounding_seed(rounding_seed)
+    muon_like = issubclass(MATRIX_OPTIMIZERS.get(optimizer, object), Muon)
+    if lean is not None and (elementwise == "lion" or not (muon_like or optimizer == "adamw")):
+        what = f"elementwise={elementwise!r}" if elementwise == "lion" else repr(optimizer)
+        raise ValueError(
+            "state_dtype=torch.bfloat16 stores Muon's (and its variants') momentum and AdamW's "
+            f"moments; {what} keeps float32 state: leave state_dtype unset for it"
+        )
     if lr is not None:
         check_nonnegative("lr", lr)
     check_nonnegative("adamw_lr", adamw_lr)
@@ -228,19 +247,23 @@ def build_optimizer(
     named = list(params) if params is not None else list(model.named_parameters())
     named = [(n, p) for n, p in named if p.requires_grad]
 
-    if issubclass(MATRIX_OPTIMIZERS.get(optimizer, object), Muon):  # Muon and its variants
+    if muon_like:  # Muon and its variants
         kw["split"] = _split_for(model, rule, kw.get("split"))
         kw["transposed"] = _transposed_for(model, rule, kw.get("transposed"))
+        if lean is not None:
+            kw.update(state_dtype=lean, rounding_seed=rounding_seed)
 
     adamw_kw = dict(betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+    adamw: Any = torch.optim.AdamW
+    if lean is not None:
+        adamw = LeanAdamW
+        adamw_kw.update(state_dtype=lean, rounding_seed=rounding_seed)
     inner: dict[str, torch.optim.Optimizer] = {}
     if optimizer == "adamw":
         if kw:
             raise ValueError(f"optimizer='adamw' takes no extra arguments, got {sorted(kw)}")
         if named:
-            inner["adamw"] = torch.optim.AdamW(
-                named, lr=lr if lr is not None else adamw_lr, **adamw_kw
-            )
+            inner["adamw"] = adamw(named, lr=lr if lr is not None else adamw_lr, **adamw_kw)
     else:
         matrix = [(n, p) for n, p in named if rule(n, p)]
         rest = [(n, p) for n, p in named if not rule(n, p)]
@@ -251,7 +274,7 @@ def build_optimizer(
         if rest and elementwise == "lion":
             inner["lion"] = Lion(rest, lr=adamw_lr, weight_decay=adamw_weight_decay)
         elif rest:
-            inner["adamw"] = torch.optim.AdamW(rest, lr=adamw_lr, **adamw_kw)
+            inner["adamw"] = adamw(rest, lr=adamw_lr, **adamw_kw)
     if not inner:
         raise ValueError("build_optimizer found no trainable parameters")
     return HybridOptimizer(inner, nonfinite=nonfinite)

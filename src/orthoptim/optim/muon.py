@@ -50,10 +50,19 @@ from orthoptim.optim.base import (
     NonfinitePolicy,
     check_nonfinite_policy,
     check_params,
+    compute_dtype,
     param_names,
-    state_dtype,
 )
 from orthoptim.optim.contract import Directions, Group, MatrixOptimizer, Prepared, StateKind
+from orthoptim.optim.lean import (
+    STREAM_KEY,
+    check_plain,
+    check_rounding_seed,
+    check_state_dtype,
+    store_,
+    stream_start,
+    take_generator,
+)
 from orthoptim.optim.shapes import matrix_view
 from orthoptim.optim.state import base_name
 
@@ -271,11 +280,15 @@ class Muon(MatrixOptimizer):
     Emerging-Optimizers cycles; "polar_express" normalises by ‖X‖_F without the paper's 1.01
     (`orthoptim.newton_schulz.COEFFICIENT_SETS`).
     The momentum buffer is kept in float32 for low-precision parameters (fp32 master state),
-    whatever `ns_dtype` is. `ns_dtype` is the Newton-Schulz dtype, resolved per batch from the
-    device of the matrices (`resolve_ns_dtype`): "auto" (default) is bfloat16 on CUDA and
-    float32 elsewhere, float64 parameters stay float64; a torch dtype (e.g. torch.float32)
-    forces it; None is float32 on every device (the default before "auto"). A custom
-    `orthogonalizer` uses its own (`TensorParallelOrthogonalizer(ns_dtype=...)`).
+    whatever `ns_dtype` is; `state_dtype=torch.bfloat16` stores it in bfloat16 (2 bytes per
+    element instead of 4), computed in float32 and stored by stochastic rounding from a
+    stream seeded by `rounding_seed` and the parameter's name (`orthoptim.optim.lean`); None
+    or torch.float32 (the default) keeps float32. The variants' whole-matrix state (NorMuon's,
+    AdaMuon's moments) stays in the compute dtype. `ns_dtype` is the Newton-Schulz dtype,
+    resolved per batch from the device of the matrices (`resolve_ns_dtype`): "auto" (default)
+    is bfloat16 on CUDA and float32 elsewhere, float64 parameters stay float64; a torch dtype
+    (e.g. torch.float32) forces it; None is float32 on every device (the default before
+    "auto"). A custom `orthogonalizer` uses its own (`TensorParallelOrthogonalizer(ns_dtype=...)`).
     `ns_batch_mb` caps the same-shape stacks Newton-Schulz gets where stacking pays (GPUs,
     `stacking_pays`): at most `ns_batch_mb` MiB of float32 matrices per call (at least one
     matrix, `batch_limit`), so that the step's stack and its iteration copies stay that size,
@@ -305,8 +318,12 @@ class Muon(MatrixOptimizer):
         split: dict[str, Split] | None = None,
         transposed: Iterable[str] = (),
         ns_batch_mb: float | None = NS_BATCH_MB,
+        state_dtype: torch.dtype | None = None,
+        rounding_seed: int = 0,
     ) -> None:
         check_nonnegative("lr", lr)
+        lean = check_state_dtype(state_dtype)
+        check_rounding_seed(rounding_seed)
         check_unit_interval("momentum", momentum)
         check_nonnegative("weight_decay", weight_decay)
         check_positive("eps", eps)
@@ -336,6 +353,8 @@ class Muon(MatrixOptimizer):
             raise TypeError(f"transposed must be a collection of names, got {transposed!r}")
         if transposed:  # absent otherwise: the groups of checkpoints from before it match
             defaults["transposed"] = tuple(sorted(transposed))
+        if lean is not None:  # absent otherwise, as `transposed`
+            defaults.update(state_dtype=lean, rounding_seed=rounding_seed)
         super().__init__(params, defaults)
 
     #: whether every parameter must be a matrix (Scion also takes vectors)
@@ -381,13 +400,48 @@ class Muon(MatrixOptimizer):
             if sizes is not None:
                 check_split(name, sizes, p.shape[-1] if flipped else matrix_view(p).shape[-2])
 
-    state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}
+    state_kinds: ClassVar[dict[str, StateKind]] = {
+        "momentum_buffer": "elementwise",
+        STREAM_KEY: "scalar",  # under state_dtype=torch.bfloat16 only
+    }
+
+    def init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """As `MatrixOptimizer.init_state`; a bfloat16 `state_dtype` takes plain tensors."""
+        if group.get("state_dtype") is not None:
+            check_plain(type(self).__name__, param)
+        return super().init_state(param, group)
+
+    def step_params(self, params: list[Tensor], group: dict[str, Any], names: list[str]) -> None:
+        """As `MatrixOptimizer.step_params`, with every parameter's rounding stream started
+        from its name under a bfloat16 `state_dtype`."""
+        self.start_streams(params, group, names)
+        super().step_params(params, group, names)
+
+    def start_streams(
+        self, params: Sequence[Tensor], group: dict[str, Any], names: Sequence[str]
+    ) -> None:
+        """Make the state of `params` (named `names`) with the seed of each one's first
+        stochastic rounding (`orthoptim.optim.lean.stream_start`), where `group` stores its
+        state in bfloat16 and a parameter has none yet."""
+        if group.get("state_dtype") is None:
+            return
+        for p, name in zip(params, names, strict=True):
+            state = self.state_of(p, group)
+            if STREAM_KEY not in state:
+                state[STREAM_KEY] = stream_start(group["rounding_seed"], name)
 
     def prepare(self, grad: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
-        """Momentum (EMA form) on any shard; returns the Nesterov update, or the buffer."""
+        """Momentum (EMA form) on any shard; returns the Nesterov update, or the buffer (under
+        a bfloat16 `state_dtype`, the unrounded momentum in the compute dtype)."""
         buf = state["momentum_buffer"]
-        grad = grad.to(buf.dtype)
-        buf.lerp_(grad, 1.0 - group["momentum"])
+        if group.get("state_dtype") is not None:
+            grad = grad.to(compute_dtype(grad))
+            momentum = buf.to(grad.dtype).lerp_(grad, 1.0 - group["momentum"])
+            store_(buf, momentum, take_generator(state, buf.device))
+            buf = momentum
+        else:
+            grad = grad.to(buf.dtype)
+            buf.lerp_(grad, 1.0 - group["momentum"])
         if not group["nesterov"]:
             return buf
         if self.consumes_grads:  # the gradient's storage takes the update
@@ -435,10 +489,13 @@ class Muon(MatrixOptimizer):
         """The elementwise state and `matrix_state` of every parameter with a gradient that
         lacks them, so that a compiled step is traced with all of its state in place."""
         super().init_compiled_state()
+        names = param_names(self)
+        for group in self.param_groups:
+            live = [p for p in group["params"] if p.grad is not None]
+            self.start_streams(live, group, [names[id(p)] for p in live])
         matrix_keys = [k for k, kind in self.state_kinds.items() if kind == "matrix"]
         if not matrix_keys:
             return
-        names = param_names(self)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -448,7 +505,7 @@ class Muon(MatrixOptimizer):
                     continue
                 flipped = is_transposed(group, names[id(p)])
                 shape = matrix_view(p.mT if flipped else p).shape
-                state.update(self.matrix_state(p.new_empty(shape, dtype=state_dtype(p))))
+                state.update(self.matrix_state(p.new_empty(shape, dtype=compute_dtype(p))))
 
     def orthogonalized(
         self,

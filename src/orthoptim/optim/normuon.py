@@ -41,10 +41,7 @@ class NorMuon(Muon):
     own `eps` stays Muon's.
     """
 
-    state_kinds: ClassVar[dict[str, StateKind]] = {
-        "momentum_buffer": "elementwise",
-        "neuron_moment": "matrix",
-    }
+    state_kinds: ClassVar[dict[str, StateKind]] = {**Muon.state_kinds, "neuron_moment": "matrix"}
 
     def __init__(
         self,

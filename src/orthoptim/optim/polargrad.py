@@ -34,7 +34,7 @@ class PolarGrad(Muon):
     `ns_batch_mb`), with Muon's defaults.
     """
 
-    state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}
+    state_kinds: ClassVar[dict[str, StateKind]] = Muon.state_kinds
 
     def __init__(
         self,

@@ -67,7 +67,7 @@ class Scion(Muon):
     `ns_batch_mb`), with Muon's defaults; Newton-Schulz's own `eps` stays Muon's.
     """
 
-    state_kinds: ClassVar[dict[str, StateKind]] = {"momentum_buffer": "elementwise"}
+    state_kinds: ClassVar[dict[str, StateKind]] = Muon.state_kinds
     matrices_only = False
 
     def __init__(

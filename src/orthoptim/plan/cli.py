@@ -60,6 +60,7 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
         else f"{lay['param_dtype']} parameters, {lay['grad_dtype']} gradients, "
         f"{mem['gather_dtype']} gather"
     )
+    dtypes += f", {lay['state_dtype']} state" if lay.get("state_dtype", "fp32") != "fp32" else ""
     lines = [
         f"memory per rank{where}, {which} ({lay['optimizer']}{tp}) as it runs ({dtypes}; "
         "peak = held + the larger of transient and backward):",
@@ -434,6 +435,7 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
         tp_mode=args.tp_mode,
         ns_batch_mb=args.ns_batch_mb,
         **activation_flags(args),
+        state_dtype=args.state_dtype,
     )
 
 
@@ -486,6 +488,7 @@ def layout_commands(args: argparse.Namespace, layout: Layout) -> dict[str, str |
         f"--optimizer {layout.optimizer}",
         f"--param-dtype {layout.param_dtype}",
     ] + (["--fsdp"] if layout.fsdp else [])
+    flags += [f"--state-dtype {layout.state_dtype}"] if layout.state_dtype != "fp32" else []
     if args.hf_config:
         train_model: str | None = f"--hf-config {spec}"
     elif args.model.startswith(TRAIN_PREFIX):
@@ -656,6 +659,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="dtype every rank holds the parameters in (default fp32); bf16 keeps an fp32 "
         "master copy of what each rank owns, gradients stay --grad-dtype (fp32); with --fsdp "
         "FSDP2's compute dtype, the sharded parameters staying fp32",
+    )
+    p.add_argument(
+        "--state-dtype",
+        default="fp32",
+        choices=sorted(DTYPE_BYTES),
+        help="storage of Muon's momentum and AdamW's moments (default fp32); bf16 halves "
+        "them (stochastic rounding, the step in fp32)",
     )
     p.add_argument(
         "--bucket-mb",

@@ -12,7 +12,8 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
     masters    an fp32 copy of every owned element where the owners keep one
                (`Layout.masters`: parameters below fp32, or a gather that rounds them)
     state      the inner optimizers' state of what the rank owns: Muon's momentum (one per
-               element), AdamW's two moments on its runs, fp32
+               element), AdamW's two moments on its runs, fp32 (`Layout.state_dtype` "bf16":
+               2 bytes each; the step's temporaries then `_lean_transient`'s)
     buffers    what the buckets hold beyond the parameters and gradients: a gather buffer
                (the bucket's elements in the gather dtype, padding included) on every rank
                of a group of several where the gather dtype differs from the parameters';
@@ -255,6 +256,19 @@ def _adamw_transient(runs: Sequence[int], layout: Layout, state_bytes: int) -> i
     return 2 * max(runs) * state_bytes
 
 
+def _lean_transient(
+    owned: Sequence[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]],
+    runs: Sequence[int],
+    state_bytes: int,
+) -> int:
+    """Peak bytes of the elementwise work of a step whose state is stored lower than it
+    computes (`state_dtype=torch.bfloat16`), one parameter at a time: Muon's momentum in the
+    compute dtype and the int32 random bits of its stochastic rounding; `LeanAdamW`'s two
+    moments and the random bits (its denominator is made in the second moment's copy)."""
+    muon = max((math.prod(shape) for _, shape, _, _ in owned), default=0)
+    return max(2 * muon, 3 * max(runs, default=0)) * state_bytes
+
+
 def _matrix_transient(
     owned: Sequence[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]],
     layout: Layout,
@@ -327,7 +341,8 @@ def memory_per_rank(
                 dealt[id(s)] = d
                 flats[id(s)] = _flats(d, param_bytes, grad_bytes, gather_bytes)
     widths = (param_bytes, grad_bytes, state_bytes, ns_bytes)
-    rows = [_layerwise_row(slot, dealt, flats, position, layout, widths) for slot in slots]
+    store = dtype_bytes[layout.state_dtype]
+    rows = [_layerwise_row(slot, dealt, flats, position, layout, widths, store) for slot in slots]
     return _finish(rows, gather)
 
 
@@ -338,11 +353,12 @@ def _layerwise_row(
     position: dict[Matrix, int],
     layout: Layout,
     widths: tuple[int, int, int, int],
+    store_bytes: int = 4,
 ) -> dict[str, int]:
     """The categories of one (stage, DP rank) under the layer-wise optimizer: `slot` its
     (group, rank in it) pairs, `dealt` and `flats` every group's AdamW deal and flat
-    buffers (`_flats`), `widths` the bytes of a parameter, gradient, state and Newton-Schulz
-    iteration element."""
+    buffers (`_flats`), `widths` the bytes of a parameter, gradient, state (the step's) and
+    Newton-Schulz iteration element, `store_bytes` of a stored Muon or AdamW state element."""
     param_bytes, grad_bytes, state_bytes, ns_bytes = widths
     # every unit of the rank's groups, in its local (TP-shard) shape
     held = {id(g): sum(math.prod(u.shape) for u in g.units) for g, _ in slot}
@@ -375,7 +391,7 @@ def _layerwise_row(
                 key = (id(g), bucket_of[i])
                 converted[key] = converted.get(key, 0) + numel * state_bytes
             if m.kind != "muon":
-                state += 2 * numel * state_bytes
+                state += 2 * numel * store_bytes
                 adamw.setdefault(key, []).append(numel)
                 continue
             full = u.shape[:-2] + m.shape[-2:]
@@ -383,13 +399,13 @@ def _layerwise_row(
             if layout.optimizer == "soap":
                 state += _soap_state(u.shape, state_bytes)
             else:
-                state += numel * state_bytes
+                state += numel * store_bytes
         for b, split in enumerate(d.assignment.adamw_split):
             run = split[gr] if split else 0
             if not run:
                 continue
             owned_elements += run
-            state += 2 * run * state_bytes
+            state += 2 * run * store_bytes
             key = None
             if g.world == 1 and param_bytes != state_bytes:  # as the owned units' above
                 key = (id(g), b)
@@ -415,7 +431,9 @@ def _layerwise_row(
                 converted[key]
                 + max(
                     _matrix_transient(owned.get(key, []), layout, state_bytes, ns_bytes),
-                    _adamw_transient(adamw.get(key, []), layout, state_bytes),
+                    _adamw_transient(adamw.get(key, []), layout, state_bytes)
+                    if store_bytes == state_bytes
+                    else _lean_transient(owned.get(key, []), adamw.get(key, []), state_bytes),
                 )
                 for key in converted
             ),

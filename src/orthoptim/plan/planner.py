@@ -129,6 +129,9 @@ class Layout:
     micro_batch: int = 1
     seq_len: int = 0
     recompute: Recompute = "none"
+    # the storage of Muon's momentum and AdamW's moments (`state_dtype=torch.bfloat16`:
+    # "bf16", stochastic rounding, `orthoptim.optim.lean`), for the state in `memory_per_rank`
+    state_dtype: str = "fp32"
 
     @property
     def gather(self) -> str:
@@ -167,9 +170,16 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         ("--grad-dtype", layout.grad_dtype),
         ("--param-dtype", layout.param_dtype),
         ("--gather-dtype", layout.gather),
+        ("--state-dtype", layout.state_dtype),
     ):
         if v not in DTYPE_BYTES:
             raise ValueError(f"{flag} must be one of {sorted(DTYPE_BYTES)}, got {v!r}")
+    lean = layout.state_dtype != "fp32"
+    if lean and (layout.optimizer != "muon" or layout.fsdp or layout.tp > 1):
+        raise ValueError(
+            f"--state-dtype {layout.state_dtype} stores Muon's momentum and AdamW's moments of "
+            "plain tensors: it takes --optimizer muon, no --fsdp and --tp 1"
+        )
     if layout.optimizer not in PLAN_OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {PLAN_OPTIMIZERS}, got {layout.optimizer!r}")
     if layout.tp_mode not in PLAN_TP_MODES:
@@ -753,6 +763,7 @@ def _layout_figures(
         "param_dtype": layout.param_dtype,
         "gather_dtype": layout.gather,
         "ns_batch_mb": layout.ns_batch_mb,
+        "state_dtype": layout.state_dtype,
     }
 
 

@@ -15,6 +15,9 @@ from orthoptim.train.model import check_tensor_parallel, get_config
 from orthoptim.train.pipeline import SCHEDULES, ScheduleName
 
 OPTIMIZERS = OPTIMIZER_NAMES
+# what --state-dtype takes: the optimizer state's storage (bf16: Muon's momentum and AdamW's
+# moments in bfloat16 by stochastic rounding, `orthoptim.optim.lean`)
+STATE_DTYPES = ("fp32", "bf16")
 # the pipeline's schedules (`--pp-schedule`): the runner's own names
 PP_SCHEDULES = SCHEDULES
 
@@ -86,6 +89,7 @@ class TrainArgs:
     keep_checkpoints: int = 2  # the newest step folders kept
     precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on CUDA, fp32 on CPU
     param_dtype: ParamDtype = "auto"  # parameters in bf16 (fp32 masters) or fp32; auto as above
+    state_dtype: str = "fp32"  # Muon's momentum and AdamW's moments stored in fp32 or bf16
     compile: bool = False  # torch.compile every transformer block
     shared_gpu: bool = False  # every rank on cuda:0 over "cuda:gloo" (multi-rank tests, 1 GPU)
     pg_timeout: float = 600.0  # s a rank waits in a collective; the watchdog's stall limit
@@ -121,6 +125,17 @@ class TrainArgs:
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(
                 f"--param-dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}"
+            )
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"--state-dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}"
+            )
+        lean = self.state_dtype == "bf16"
+        if lean and (self.optimizer == "soap" or self.elementwise == "lion"):
+            which = "--optimizer soap" if self.optimizer == "soap" else "--elementwise lion"
+            raise ValueError(
+                f"--state-dtype bf16 stores Muon's (and its variants') momentum and AdamW's "
+                f"moments; {which} keeps fp32 state: pass --state-dtype fp32 with it"
             )
         if self.param_dtype == "fp64" and self.precision == "bf16":
             raise ValueError(
@@ -198,6 +213,12 @@ class TrainArgs:
                 f"--compile with {flag}: compiling blocks whose modules carry FSDP2's or tensor "
                 "parallelism's hooks is not wired into `orthoptim train`; drop --compile (it "
                 "runs with the layer-wise optimizer)"
+            )
+        if self.state_dtype == "bf16" and (self.fsdp or self.tp > 1):
+            flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
+            raise ValueError(
+                f"--state-dtype bf16 with {flag}: bf16 state takes plain tensors, and {flag} "
+                "steps DTensor parameters; pass --state-dtype fp32 with it"
             )
         if self.fsdp and self.qk_clip_tau is not None:
             raise ValueError(

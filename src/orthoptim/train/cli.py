@@ -14,6 +14,7 @@ from orthoptim.train.args import (
     OPTIMIZERS,
     PP_SCHEDULES,
     SAVE_SIGNALS,
+    STATE_DTYPES,
     TrainArgs,
 )
 from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS
@@ -46,6 +47,18 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run every rank on cuda:0 over the cuda:gloo backend (testing multi-rank code on "
         "one GPU; NCCL refuses two ranks on one GPU)",
+    )
+
+
+def add_state_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """--state-dtype (shared by `train` and `compare`)."""
+    p.add_argument(
+        "--state-dtype",
+        choices=STATE_DTYPES,
+        default="fp32",
+        help="the storage of Muon's (and its variants') momentum and AdamW's moments: bf16 "
+        "halves it (2 bytes per element), the step computed in fp32 and stored by stochastic "
+        "rounding seeded by --seed; fp32 (default)",
     )
 
 
@@ -138,6 +151,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "float64, the reference dtype of equivalence checks between layouts (CPU); auto "
         "(default): bf16 on CUDA, fp32 on CPU. Optimizer state is fp32 but under fp64",
     )
+    add_state_dtype_argument(p)
     p.add_argument(
         "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
     )
@@ -321,6 +335,7 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         adamw_lr=ns.adamw_lr,
         muon_lr=ns.muon_lr,
         precision=ns.precision,
+        state_dtype=ns.state_dtype,
         compile=ns.compile,
         shared_gpu=ns.shared_gpu,
         progress=ns.progress,
@@ -437,5 +452,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the runs take turns in this many segments (resuming), so load drifts hit all",
     )
     add_device_arguments(c)
+    add_state_dtype_argument(c)
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     c.set_defaults(func=_compare_cmd)

@@ -88,6 +88,7 @@ class CompareArgs:
     muon_lr: float | None = None
     lrs: dict[str, float] | None = None  # --lr NAME=LR: any compared optimizer's LR
     precision: str = "auto"
+    state_dtype: str = "fp32"  # every run's --state-dtype
     compile: bool = False
     shared_gpu: bool = False
     progress: bool = True
@@ -160,6 +161,7 @@ class CompareArgs:
             seed=self.seed,
             data=self.data,
             precision=self.precision,
+            state_dtype=self.state_dtype,
             compile=self.compile,
             shared_gpu=self.shared_gpu,
             progress=self.progress,
@@ -342,6 +344,7 @@ def summarize(
         last_segment_steps=[ends[-2] + 1 if len(ends) > 1 else 1, ends[-1]],
         device=base["device"],
         precision=base.get("precision"),
+        state_dtype=opts.state_dtype,
         compiled=base.get("compiled", False),
         threads_per_rank=base["threads_per_rank"],
         data=opts.data or "python stdlib",
@@ -738,6 +741,7 @@ def report(summary: dict[str, Any]) -> str:
     machine load shows in the wall-clock gap), how each did, and what each figure means."""
     precision = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(summary["precision"], "fp32")
     precision += ", blocks compiled" if summary["compiled"] else ""
+    precision += ", bf16 optimizer state" if summary.get("state_dtype") == "bf16" else ""
     names = [_name(n) for n in summary["optimizers"]]
     base = _name(summary["baseline"])
     notes = load_notes(summary)

@@ -87,11 +87,16 @@ def lr_multiplier(step: int, args: TrainArgs) -> float:
 
 def _optimizer_kwargs(args: TrainArgs) -> dict[str, Any]:
     """`build_optimizer`'s arguments for this run; the matrix optimizer keeps its own weight
-    decay (its paper's: AdaMuon 0.01, Scion's constraint) unless --weight-decay is given."""
+    decay (its paper's: AdaMuon 0.01, Scion's constraint) unless --weight-decay is given.
+    --state-dtype bf16: bf16 state, its stochastic rounding seeded by --seed."""
+    lean = {}
+    if args.state_dtype == "bf16":
+        lean = dict(state_dtype=torch.bfloat16, rounding_seed=args.seed)
     if args.optimizer == "adamw":
-        return dict(lr=args.matrix_lr, adamw_weight_decay=args.decay)
+        return dict(lr=args.matrix_lr, adamw_weight_decay=args.decay, **lean)
     given = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
     return dict(
+        **lean,
         lr=args.matrix_lr,
         adamw_lr=args.embed_lr,
         adamw_weight_decay=args.decay,

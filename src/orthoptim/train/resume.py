@@ -11,7 +11,7 @@ from orthoptim.train.args import TrainArgs
 
 RESUME_MUST_MATCH = (
     "optimizer", "elementwise", "config", "hf_config", "batch", "seed", "data", "steps",
-    "warmup", "min_lr_ratio",
+    "warmup", "min_lr_ratio", "state_dtype",
 )  # fmt: skip
 # --nproc, --tp and --fsdp (the layout) may change: the checkpoint is resharded on loading
 # (`Checkpointer._read`), the change named (`layout_change`); so may --ep, whose checkpoints

@@ -152,6 +152,8 @@ def _optimizer(
         mixed["grad_dtype"] = DTYPES[layout.grad_dtype]
     if layout.gather_dtype is not None:
         kwargs["gather_dtype"] = DTYPES[layout.gather_dtype]
+    if layout.state_dtype != "fp32":  # check_layout: Muon, layer-wise, no TP
+        kwargs["state_dtype"] = DTYPES[layout.state_dtype]
     cost = cuda_cost(kwargs.get("ns_dtype", "auto"))
     opt = LayerwiseDistributedOptimizer(
         model, optimizer=optimizer, layout=mesh, split_experts=True, cost=cost, **kwargs, **mixed,
