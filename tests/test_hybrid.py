@@ -7,6 +7,8 @@ from torch import nn
 
 from orthoptim import HybridOptimizer, Muon, NonFiniteGradientError, build_optimizer, routing_table
 
+from distributed import run_ranks
+
 
 class TinyGPT(nn.Module):
     def __init__(self, vocab=50, d=16, tied=True):
@@ -211,3 +213,35 @@ def test_bf16_resume_keeps_fp32_state():
         o.step()
     for p, q in zip(model.parameters(), clone.parameters()):
         assert torch.equal(p, q)
+
+
+def _mixed_adamw(rank, world_size):
+    """A tensor-parallel model's non-matrix part: a DTensor embedding beside a plain norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = nn.Module()
+    model.wte = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+    model.norm = nn.Parameter(torch.ones(4))
+    opt = build_optimizer(model)
+    group = opt.inner["adamw"].param_groups[0]
+    model.wte.grad = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    model.norm.grad = torch.randn(4)
+    opt.step()
+    refused = None
+    try:  # what torch's CUDA default (foreach) does with that list
+        torch.optim.AdamW([model.wte, model.norm], foreach=True).step()
+    except RuntimeError as e:
+        refused = str(e)
+    plain = build_optimizer(nn.Linear(4, 4))
+    return group["foreach"], refused, plain.inner["adamw"].param_groups[0]["foreach"]
+
+
+def test_adamw_over_dtensors_and_plain_tensors_steps_them_one_by_one():
+    """torch's foreach AdamW (its default on CUDA) refuses a list mixing DTensors and plain
+    tensors, which a tensor-parallel model's AdamW part is: build_optimizer gives such a
+    group foreach=False, and leaves torch's default (None) elsewhere."""
+    ((mixed, refused, plain),) = run_ranks(_mixed_adamw, 1)
+    assert mixed is False and plain is None
+    assert refused is not None and "mixed torch.Tensor and DTensor" in refused

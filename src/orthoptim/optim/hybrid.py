@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from orthoptim._validate import check_betas, check_choice, check_nonnegative
+from orthoptim.collectives import is_dtensor
 from orthoptim.optim.adamw import LeanAdamW
 from orthoptim.optim.base import (
     CompositeOptimizer,
@@ -220,21 +221,11 @@ def build_optimizer(
     """
     check_choice("optimizer", optimizer, sorted(OPTIMIZER_NAMES))
     check_choice("elementwise", elementwise, tuple(ELEMENTWISE_OPTIMIZERS))
-    if optimizer == "adamw" and elementwise != "adamw":
-        raise ValueError(
-            f"optimizer='adamw' is AdamW for every parameter; elementwise={elementwise!r} "
-            "chooses the optimizer of the non-matrix part next to a matrix optimizer"
-        )
     check_nonfinite_policy(nonfinite)
     lean = check_state_dtype(state_dtype)
     check_rounding_seed(rounding_seed)
     muon_like = issubclass(MATRIX_OPTIMIZERS.get(optimizer, object), Muon)
-    if lean is not None and (elementwise == "lion" or not (muon_like or optimizer == "adamw")):
-        what = f"elementwise={elementwise!r}" if elementwise == "lion" else repr(optimizer)
-        raise ValueError(
-            "state_dtype=torch.bfloat16 stores Muon's (and its variants') momentum and AdamW's "
-            f"moments; {what} keeps float32 state: leave state_dtype unset for it"
-        )
+    _check_combination(optimizer, elementwise, lean, muon_like)
     if lr is not None:
         check_nonnegative("lr", lr)
     check_nonnegative("adamw_lr", adamw_lr)
@@ -263,7 +254,9 @@ def build_optimizer(
         if kw:
             raise ValueError(f"optimizer='adamw' takes no extra arguments, got {sorted(kw)}")
         if named:
-            inner["adamw"] = adamw(named, lr=lr if lr is not None else adamw_lr, **adamw_kw)
+            inner["adamw"] = adamw(
+                named, lr=lr if lr is not None else adamw_lr, **adamw_kw, **_foreach(adamw, named)
+            )
     else:
         matrix = [(n, p) for n, p in named if rule(n, p)]
         rest = [(n, p) for n, p in named if not rule(n, p)]
@@ -274,10 +267,36 @@ def build_optimizer(
         if rest and elementwise == "lion":
             inner["lion"] = Lion(rest, lr=adamw_lr, weight_decay=adamw_weight_decay)
         elif rest:
-            inner["adamw"] = adamw(rest, lr=adamw_lr, **adamw_kw)
+            inner["adamw"] = adamw(rest, lr=adamw_lr, **adamw_kw, **_foreach(adamw, rest))
     if not inner:
         raise ValueError("build_optimizer found no trainable parameters")
     return HybridOptimizer(inner, nonfinite=nonfinite)
+
+
+def _check_combination(
+    optimizer: str, elementwise: str, lean: torch.dtype | None, muon_like: bool
+) -> None:
+    """Refuse an elementwise optimizer beside optimizer='adamw', and bf16 state for an
+    optimizer that keeps float32 state (SOAP, Lion)."""
+    if optimizer == "adamw" and elementwise != "adamw":
+        raise ValueError(
+            f"optimizer='adamw' is AdamW for every parameter; elementwise={elementwise!r} "
+            "chooses the optimizer of the non-matrix part next to a matrix optimizer"
+        )
+    if lean is not None and (elementwise == "lion" or not (muon_like or optimizer == "adamw")):
+        what = f"elementwise={elementwise!r}" if elementwise == "lion" else repr(optimizer)
+        raise ValueError(
+            "state_dtype=torch.bfloat16 stores Muon's (and its variants') momentum and AdamW's "
+            f"moments; {what} keeps float32 state: leave state_dtype unset for it"
+        )
+
+
+def _foreach(adamw: Any, named: list[tuple[str, nn.Parameter]]) -> dict[str, bool]:
+    """torch's AdamW over parameters that mix DTensors and plain tensors (a tensor-parallel
+    model's split embedding beside its replicated norms) steps them one by one: its foreach
+    ops, torch's default on CUDA, refuse such a list ("got mixed torch.Tensor and DTensor")."""
+    mixed = adamw is torch.optim.AdamW and len({is_dtensor(p) for _, p in named}) > 1
+    return {"foreach": False} if mixed else {}
 
 
 def _split_for(

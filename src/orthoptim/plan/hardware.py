@@ -12,6 +12,26 @@ from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 
+# Published Muon vs AdamW throughput on GB300 NVL72 (NVIDIA technical blog "Advancing
+# Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron", Megatron Bridge
+# 26.02, MXFP8). Muon's TFLOP/s count the Newton-Schulz matmuls: model + Muon.
+PUBLISHED_GB300 = {
+    "kimi-k2": {
+        "layout": "PP4 DP64 EP64, 256 GB300",
+        "adamw_tflops": 1051,
+        "muon_tflops": 1080,
+        "muon_model_tflops": 1029,
+        "muon_ns_tflops": 51,
+    },
+    "qwen3-30b-a3b": {
+        "layout": "DP8 EP8, 8 GB300",
+        "adamw_tflops": 713,
+        "muon_tflops": 721,
+        "muon_model_tflops": 686,
+        "muon_ns_tflops": 35,
+    },
+}
+
 
 @dataclass(frozen=True)
 class Hardware:

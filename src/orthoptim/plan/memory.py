@@ -359,7 +359,7 @@ def _layerwise_row(
     (group, rank in it) pairs, `dealt` and `flats` every group's AdamW deal and flat
     buffers (`_flats`), `widths` the bytes of a parameter, gradient, state (the step's) and
     Newton-Schulz iteration element, `store_bytes` of a stored Muon or AdamW state element."""
-    param_bytes, grad_bytes, state_bytes, ns_bytes = widths
+    param_bytes, grad_bytes, state_bytes, _ = widths
     # every unit of the rank's groups, in its local (TP-shard) shape
     held = {id(g): sum(math.prod(u.shape) for u in g.units) for g, _ in slot}
     params = sum(held[id(g)] * param_bytes + flats[id(g)][0][gr] for g, gr in slot)
@@ -413,35 +413,52 @@ def _layerwise_row(
             adamw.setdefault(key, []).append(run)
     masters = owned_elements * state_bytes if layout.masters else 0
     construction = _construction(slot, held, masters, params, grads, param_bytes)
-    # each parameter whole (an expert stack is one), where its gradient goes into flats
-    fresh: dict[str, int] = {}
-    for g, _ in slot:
-        if g.world > 1:
-            for m, u in zip(g.matrices, g.units, strict=True):
-                fresh[m.param] = fresh.get(m.param, 0) + math.prod(u.shape)
+    steps = (
+        converted[k]
+        + _step_transient(owned.get(k, []), adamw.get(k, []), layout, widths, store_bytes)
+        for k in converted
+    )
     return {
         "params": params,
         "grads": grads,
         "masters": masters,
         "state": state,
         "buffers": buf,
-        "transient": max(
-            check,
-            *(
-                converted[key]
-                + max(
-                    _matrix_transient(owned.get(key, []), layout, state_bytes, ns_bytes),
-                    _adamw_transient(adamw.get(key, []), layout, state_bytes)
-                    if store_bytes == state_bytes
-                    else _lean_transient(owned.get(key, []), adamw.get(key, []), state_bytes),
-                )
-                for key in converted
-            ),
-        ),
-        "backward": max(fresh.values(), default=0) * param_bytes,
+        "transient": max(check, *steps),
+        "backward": _largest_fresh_gradient(slot) * param_bytes,
         "fsdp_gather": 0,
         "construction": construction,
     }
+
+
+def _largest_fresh_gradient(slot: Sequence[tuple[Group, int]]) -> int:
+    """Elements of the largest gradient autograd makes afresh in backward where it goes into
+    flats: each parameter whole (an expert stack is one) of a group of several ranks."""
+    fresh: dict[str, int] = {}
+    for g, _ in slot:
+        if g.world > 1:
+            for m, u in zip(g.matrices, g.units, strict=True):
+                fresh[m.param] = fresh.get(m.param, 0) + math.prod(u.shape)
+    return max(fresh.values(), default=0)
+
+
+def _step_transient(
+    owned: Sequence[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]],
+    adamw: Sequence[int],
+    layout: Layout,
+    widths: tuple[int, int, int, int],
+    store_bytes: int,
+) -> int:
+    """The peak of one inner step over `owned` matrices and `adamw` runs: the matrix
+    optimizer's or the elementwise part's (torch's AdamW, or with state stored lower than
+    it computes the lean step's), whichever is larger."""
+    _, _, state_bytes, ns_bytes = widths
+    elementwise = (
+        _adamw_transient(adamw, layout, state_bytes)
+        if store_bytes == state_bytes
+        else _lean_transient(owned, adamw, state_bytes)
+    )
+    return max(_matrix_transient(owned, layout, state_bytes, ns_bytes), elementwise)
 
 
 BUILT_BYTES = 4  # the model is built in fp32, the optimizer moves it to `param_dtype`

@@ -49,7 +49,7 @@ from orthoptim.plan.costs import (
     tp_ns_cost,
     zero1_bytes,
 )
-from orthoptim.plan.hardware import Hardware, memory_verdict
+from orthoptim.plan.hardware import PUBLISHED_GB300, Hardware, memory_verdict
 from orthoptim.plan.memory import memory_per_rank
 from orthoptim.plan.model import Matrix, ModelDescription, expand, param_counts
 
@@ -61,26 +61,6 @@ PlanOptimizer = Literal["muon", "soap", "adamw"]
 PLAN_OPTIMIZERS: tuple[PlanOptimizer, ...] = get_args(PlanOptimizer)
 PlanTPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
 PLAN_TP_MODES: tuple[PlanTPMode, ...] = get_args(PlanTPMode)
-
-# Published Muon vs AdamW throughput on GB300 NVL72 (NVIDIA technical blog "Advancing
-# Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron", Megatron Bridge
-# 26.02, MXFP8). Muon's TFLOP/s count the Newton-Schulz matmuls: model + Muon.
-PUBLISHED_GB300 = {
-    "kimi-k2": {
-        "layout": "PP4 DP64 EP64, 256 GB300",
-        "adamw_tflops": 1051,
-        "muon_tflops": 1080,
-        "muon_model_tflops": 1029,
-        "muon_ns_tflops": 51,
-    },
-    "qwen3-30b-a3b": {
-        "layout": "DP8 EP8, 8 GB300",
-        "adamw_tflops": 713,
-        "muon_tflops": 721,
-        "muon_model_tflops": 686,
-        "muon_ns_tflops": 35,
-    },
-}
 
 
 def keeps_masters(param_dtype: str, gather: str) -> bool:

@@ -167,7 +167,7 @@ def _foreach_adamw(opt: Any) -> None:
     """AdamW's foreach path, which torch picks for CUDA parameters (on the meta device it steps
     one tensor at a time): the step's square roots of every second moment at once. Not under
     tensor parallelism, where one AdamW holds DTensor and plain parameters, a mix torch's
-    foreach ops refuse."""
+    foreach ops refuse (`build_optimizer` steps such a group tensor by tensor)."""
     for group in opt.param_groups:
         if group.get("optimizer") == "adamw":
             group["foreach"] = True

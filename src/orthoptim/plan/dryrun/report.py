@@ -101,34 +101,12 @@ def dry_run(
     # micro-batch are the plan's estimate (`orthoptim.plan.activations`) for the stage
     acts = plan["memory_per_rank"]["activations"] if "memory_per_rank" in plan else None
     activations = acts["bytes_per_stage"][stage] if acts else 0
-    rows = []
-    for r in results:
-        needs = max(r.peak + activations, r.construction)
-        fits = needs <= capacity
-        rows.append(
-            {
-                "rank": r.rank,
-                "memory": r.memory,
-                "steady": r.steady,
-                "peak": r.peak,
-                "transient": r.peak - r.steady,
-                "construction": r.construction,
-                "activations": activations,
-                "needs": needs,
-                "bytes_per_step": r.bytes_per_step,
-                "comm_stats": r.comm,
-                "expected_comm_bytes": r.expected,
-                "comm_matches_expected": r.comm_matches,
-                "collectives_per_step": len(r.collectives[-1]),
-                "host_syncs_per_step": host_syncs_per_step(r),
-                "host_sync_sites": r.host_syncs[-1],
-                "seconds": r.seconds,
-                "plan": plan_figures(plan, r.plan_index),
-                "fits": fits,
-                "notes": r.notes,
-                "adamw": versus["ranks"][len(rows)] if versus.get("ranks") else None,
-            }
+    rows = [
+        _rank_row(
+            r, plan, activations, capacity, versus["ranks"][i] if versus.get("ranks") else None
         )
+        for i, r in enumerate(results)
+    ]
     worst = max(rows, key=lambda x: x["needs"])
     over = sum(not x["fits"] for x in rows)
     return {
@@ -146,6 +124,41 @@ def dry_run(
         "to_fit": [] if worst["fits"] else _to_fit(worst, layout, parallel, desc),
         "adamw": versus,
         "coverage": COVERAGE,
+    }
+
+
+def _rank_row(
+    r: RankResult,
+    plan: dict[str, Any],
+    activations: int,
+    capacity: float,
+    adamw: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One simulated rank's row of `dry_run`: what it held, sent and read, the plan's figures
+    beside them, and whether it fits `capacity` bytes: the larger of its measured step peak
+    with the plan's `activations` and the peak of building the optimizer."""
+    needs = max(r.peak + activations, r.construction)
+    return {
+        "rank": r.rank,
+        "memory": r.memory,
+        "steady": r.steady,
+        "peak": r.peak,
+        "transient": r.peak - r.steady,
+        "construction": r.construction,
+        "activations": activations,
+        "needs": needs,
+        "bytes_per_step": r.bytes_per_step,
+        "comm_stats": r.comm,
+        "expected_comm_bytes": r.expected,
+        "comm_matches_expected": r.comm_matches,
+        "collectives_per_step": len(r.collectives[-1]),
+        "host_syncs_per_step": host_syncs_per_step(r),
+        "host_sync_sites": r.host_syncs[-1],
+        "seconds": r.seconds,
+        "plan": plan_figures(plan, r.plan_index),
+        "fits": needs <= capacity,
+        "notes": r.notes,
+        "adamw": adamw,
     }
 
 
