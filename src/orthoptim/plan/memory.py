@@ -410,7 +410,9 @@ def _layerwise_row(
             if g.world == 1 and param_bytes != state_bytes:  # as the owned units' above
                 key = (id(g), b)
                 converted[key] = converted.get(key, 0) + run * state_bytes
-            adamw.setdefault(key, []).append(run)
+            # the rank's piece of each AdamW unit of the bucket, one tensor each to the step
+            pieces = d.assignment.adamw_runs(b).values()
+            adamw.setdefault(key, []).extend(hi - lo for x in pieces for r, lo, hi in x if r == gr)
     masters = owned_elements * state_bytes if layout.masters else 0
     construction = _construction(slot, held, masters, params, grads, param_bytes)
     steps = (

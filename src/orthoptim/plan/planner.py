@@ -155,10 +155,10 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         if v not in DTYPE_BYTES:
             raise ValueError(f"{flag} must be one of {sorted(DTYPE_BYTES)}, got {v!r}")
     lean = layout.state_dtype != "fp32"
-    if lean and (layout.optimizer != "muon" or layout.fsdp or layout.tp > 1):
+    if lean and (layout.optimizer not in ("muon", "adamw") or layout.fsdp or layout.tp > 1):
         raise ValueError(
             f"--state-dtype {layout.state_dtype} stores Muon's momentum and AdamW's moments of "
-            "plain tensors: it takes --optimizer muon, no --fsdp and --tp 1"
+            "plain tensors: it takes --optimizer muon or adamw, no --fsdp and --tp 1"
         )
     if layout.optimizer not in PLAN_OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {PLAN_OPTIMIZERS}, got {layout.optimizer!r}")
