@@ -14,12 +14,17 @@ and the fp32 masters agree bitwise; a master stepped twice or on another rank's 
 moment or a missed rounding differs at 1e-3 or more.
 """
 
-import copy
-import re
-
 import torch
 
-from models.layerwise import BATCH, CONFIGS, batch, loss_fn, make_model
+from models.layerwise import (
+    BATCH,
+    CONFIGS,
+    batch,
+    bf16_reference,
+    loss_fn,
+    make_model,
+    reference_piece,
+)
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 
 from distributed import run_ranks
@@ -51,43 +56,11 @@ def _two_ranks(rank, world_size):
     }
 
 
-def _reference(world_size):
-    """Single-process torch AdamW on fp32 masters of a bf16 model (the module docstring)."""
-    torch.set_num_threads(1)
-    model = make_model()
-    masters = copy.deepcopy(model)
-    model.to(torch.bfloat16)
-    # build_optimizer(optimizer="adamw")'s defaults: betas (0.9, 0.95), no weight decay
-    opt = torch.optim.AdamW(
+def _adamw(masters):
+    """build_optimizer(optimizer="adamw")'s AdamW: betas (0.9, 0.95), no weight decay."""
+    return torch.optim.AdamW(
         masters.parameters(), lr=CONFIGS["adamw"]["lr"], betas=(0.9, 0.95), weight_decay=0.0
     )
-    per = BATCH // world_size
-    for step in range(STEPS):
-        x, y = batch(step)
-        grads = [torch.zeros_like(m) for m in masters.parameters()]
-        for r in range(world_size):
-            loss_fn(model, x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]).backward()
-            for g, p in zip(grads, model.parameters()):
-                if p.grad is not None:
-                    g += p.grad.float()
-            model.zero_grad()
-        for m, g in zip(masters.parameters(), grads):
-            m.grad = g / world_size
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), masters.parameters()):
-                p.copy_(m)
-    return dict(model.named_parameters()), dict(masters.named_parameters())
-
-
-def _piece(masters: dict[str, torch.Tensor], label: str) -> torch.Tensor:
-    """The reference master of a run label: `name{a:b}` (elements a:b of `name`), or `name`
-    where one rank's run is the whole parameter."""
-    m = re.fullmatch(r"(.+)\{(\d+):(\d+)\}", label)
-    if m is None:
-        return masters[label].detach()
-    return masters[m[1]].detach().reshape(-1)[int(m[2]) : int(m[3])]
 
 
 def test_bf16_adamw_runs_and_masters_equal_single_process_adamw():
@@ -96,7 +69,7 @@ def test_bf16_adamw_runs_and_masters_equal_single_process_adamw():
     and a rank holds fp32 moments of its own runs only (two per master element of every
     parameter that has a gradient: the model's unused module has none)."""
     results = run_ranks(_two_ranks, 2)
-    ref_params, ref_masters = _reference(2)
+    ref_params, ref_masters = bf16_reference(2, STEPS, _adamw)
     moved = ref_params["blocks.0.fc.weight"].float() - make_model().blocks[0].fc.weight
     assert moved.abs().max() > 1e-4  # the optimizer moved the weights
     owned: dict[str, torch.Tensor] = {}
@@ -109,7 +82,7 @@ def test_bf16_adamw_runs_and_masters_equal_single_process_adamw():
             assert label not in owned, f"{label} has two owners"
             owned[label] = m
             assert m.dtype == torch.float32
-            assert torch.equal(m, _piece(ref_masters, label).view_as(m)), label
+            assert torch.equal(m, reference_piece(ref_masters, label).view_as(m)), label
         stepped = [m for label, m in res["masters"].items() if not label.startswith("unused.")]
         assert res["state_numel"] == 2 * sum(m.numel() for m in stepped)  # no gradient, no state
     assert sum(m.numel() for m in owned.values()) == sum(p.numel() for p in ref_masters.values())

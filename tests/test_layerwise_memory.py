@@ -3,14 +3,20 @@ group's flat buffers (nothing model-sized held twice), padding at most `MAX_PADD
 world size, and bf16 parameters with fp32 masters on their owners, against a single-process
 bf16 reference with fp32 masters that rounds the same way."""
 
-import copy
-import re
-
 import pytest
 import torch
 from torch import nn
 
-from models.layerwise import BATCH, CONFIGS, TinyGPT, batch, loss_fn, make_model
+from models.layerwise import (
+    BATCH,
+    CONFIGS,
+    TinyGPT,
+    batch,
+    bf16_reference,
+    loss_fn,
+    make_model,
+    reference_piece,
+)
 from orthoptim import build_optimizer
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layerwise import MAX_PADDING
@@ -107,43 +113,6 @@ def _views_and_bf16(rank, world_size):
     return out
 
 
-def _bf16_reference(world_size, steps=STEPS):
-    """Single process, the same rounding: a bf16 model computes each rank's gradient of its
-    part of the batch, their fp32 sum over ranks divided by the world size (as the reduction)
-    steps fp32 masters, and the masters rounded to bf16 are the next parameters."""
-    torch.set_num_threads(1)
-    model = make_model()
-    masters = copy.deepcopy(model)
-    model.to(torch.bfloat16)
-    opt = build_optimizer(masters, **CONFIGS["hybrid"])
-    per = BATCH // world_size
-    for step in range(steps):
-        x, y = batch(step)
-        grads = None
-        for r in range(world_size):
-            loss_fn(model, x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]).backward()
-            g = [None if p.grad is None else p.grad.float() for p in model.parameters()]
-            grads = g if grads is None else [b if a is None else a + b for a, b in zip(grads, g)]
-            model.zero_grad()
-        for m, g in zip(masters.parameters(), grads):
-            m.grad = None if g is None else g / world_size
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), masters.parameters()):
-                p.copy_(m)
-    return dict(model.named_parameters()), dict(masters.named_parameters())
-
-
-def _reference_piece(masters: dict[str, torch.Tensor], label: str) -> torch.Tensor:
-    """The reference master of a unit label: `name`, an expert slice `name[a:b]` or a run
-    of a sharded AdamW parameter `name{a:b}`."""
-    m = re.fullmatch(r"(.+)\{(\d+):(\d+)\}", label)
-    if m:
-        return masters[m[1]].detach().reshape(-1)[int(m[2]) : int(m[3])]
-    return masters[label].detach()
-
-
 @pytest.fixture(scope="module")
 def two_ranks():
     return run_ranks(_views_and_bf16, 2)
@@ -170,7 +139,9 @@ def test_bf16_parameters_with_fp32_masters_match_a_single_process_reference(two_
     the bf16 parameters and the fp32 masters equal the single-process reference's bitwise:
     the reduction of 2 ranks' fp32 gradients (g0 + g1, then / 2) is exact and order-free,
     and the inner optimizer steps the same fp32 masters on the same gradients."""
-    ref_params, ref_masters = _bf16_reference(2)
+    ref_params, ref_masters = bf16_reference(
+        2, STEPS, lambda masters: build_optimizer(masters, **CONFIGS["hybrid"])
+    )
     for res in two_ranks:
         assert res["dtypes"] == {torch.bfloat16}
         assert res["master_dtypes"] == {torch.float32}
@@ -182,7 +153,7 @@ def test_bf16_parameters_with_fp32_masters_match_a_single_process_reference(two_
         for label, m in res["masters"].items():
             assert label not in owned, f"{label} has two owners"
             owned[label] = m
-            assert torch.equal(m, _reference_piece(ref_masters, label).view_as(m)), label
+            assert torch.equal(m, reference_piece(ref_masters, label).view_as(m)), label
     # every element of every parameter has exactly one master
     total = sum(m.numel() for m in owned.values())
     assert total == sum(p.numel() for p in ref_masters.values())

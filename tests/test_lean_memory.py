@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from models.ep import Experts
 from models.layerwise import BATCH, CONFIGS, batch, loss_fn, make_model
 from models.plan import MOE
 from orthoptim import build_optimizer
@@ -96,19 +97,6 @@ def test_groups_of_one_rank_step_bucket_by_bucket_as_the_reference() -> None:
         assert torch.equal(m, ref_masters[n].view_as(m)), n
 
 
-class _Experts(nn.Module):
-    """Dense weights shared over the ranks and a 3-D expert stack each rank holds alone."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 6, bias=False)
-        self.experts = nn.Parameter(torch.randn(4, 10, 6) * 0.3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        return sum(torch.tanh(h @ self.experts[e].T).pow(2).mean() for e in range(4))
-
-
 def _bf16_experts_ranks(rank, world_size):
     """bf16 parameters, one rank per expert group: the dense gradients reduced in fp32
     flats (stepped as they are) and the experts' autograd bf16 gradients (converted bucket
@@ -122,7 +110,7 @@ def _bf16_experts_ranks(rank, world_size):
     inits = []
     for r in range(world_size):
         torch.manual_seed(0)
-        m = _Experts()
+        m = Experts()
         with torch.no_grad():
             m.experts.copy_(
                 torch.randn(m.experts.shape, generator=torch.Generator().manual_seed(r))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from models.ep import Experts
 from orthoptim import LayerwiseDistributedOptimizer, Muon, QKClip, build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.cli import main
@@ -200,17 +201,6 @@ def test_clip_factors_split_and_gqa():
 # ---------------------------------------------------------------- distributed
 
 
-class _Experts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 6, bias=False)
-        self.experts = nn.Parameter(torch.randn(4, 10, 6) * 0.3)  # gate/up: 5 + 5 rows
-
-    def forward(self, x):
-        h = self.inp(x)
-        return sum(torch.tanh(h @ self.experts[e].T).pow(2).mean() for e in range(4))
-
-
 def _ref_step(loss_fn, opt, batches):
     """Single-process oracle of one data-parallel step: the mean of every rank's loss."""
     loss = sum(loss_fn(b) for b in batches) / len(batches)
@@ -229,8 +219,8 @@ def _moe_ranks(rank, world_size):
     # 1. Expert slices of one 3-D parameter owned by different ranks.
     kw = dict(lr=0.05, split={"experts": (5, 5)}, weight_decay=0.01)
     torch.manual_seed(0)
-    ref = _Experts()
-    model = _Experts()
+    ref = Experts()
+    model = Experts()
     model.load_state_dict(ref.state_dict())
     ref_opt = build_optimizer(ref, **kw)
     opt = LayerwiseDistributedOptimizer(model, split_experts=True, bucket_mb=1e-4, **kw)
@@ -310,7 +300,7 @@ def test_expert_slices_and_qk_clip_across_two_ranks():
             full["state"][i]["momentum_buffer"], st["momentum_buffer"], atol=1e-6, rtol=1e-5
         )
     torch.manual_seed(0)
-    model = _Experts()
+    model = Experts()
     lw = LayerwiseDistributedOptimizer(
         model, split_experts=True, lr=0.05, split={"experts": (5, 5)}, weight_decay=0.01
     )
@@ -357,7 +347,7 @@ def test_split_expert_checkpoints_reshard_across_splits(tmp_path):
 
     def trained(split_experts):
         torch.manual_seed(0)
-        model = _Experts()
+        model = Experts()
         opt = LayerwiseDistributedOptimizer(model, split_experts=split_experts, **kw)
         for step in range(2):
             model(torch.randn(8, 6, generator=torch.Generator().manual_seed(step))).backward()
@@ -376,7 +366,7 @@ def test_split_expert_checkpoints_reshard_across_splits(tmp_path):
         want = trained(saved_split)
         for split in (*load_splits, None):
             torch.manual_seed(1)
-            model = _Experts()
+            model = Experts()
             if split is None:
                 opt = build_optimizer(model, **kw)
             else:
@@ -395,13 +385,13 @@ def _expert_group_ranks(rank, world_size):
     refs = []
     for r in range(world_size):
         torch.manual_seed(0)
-        m = _Experts()
+        m = Experts()
         with torch.no_grad():
             m.experts.copy_(
                 torch.randn(m.experts.shape, generator=torch.Generator().manual_seed(r))
             )
         refs.append(m)
-    model = _Experts()
+    model = Experts()
     model.load_state_dict(refs[rank].state_dict())
     ref_opts = [build_optimizer(m, **kw) for m in refs]
     opt = LayerwiseDistributedOptimizer(
@@ -478,7 +468,7 @@ def test_zero_grad_to_zeros_steps_like_set_to_none_with_expert_slices():
 
     def trained(set_to_none: bool) -> dict:
         torch.manual_seed(0)
-        model = _Experts()
+        model = Experts()
         opt = LayerwiseDistributedOptimizer(model, split_experts=True, lr=0.05)
         for step in range(3):
             model(torch.randn(8, 6, generator=torch.Generator().manual_seed(step))).backward()

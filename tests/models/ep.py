@@ -4,6 +4,7 @@ and the helpers the expert-parallel checkpoint tests share with them."""
 import dataclasses
 
 import torch
+from torch import nn
 
 from orthoptim.train.model import CONFIGS, GPT
 
@@ -39,3 +40,16 @@ def state_by_name(sd):
     """A full optimizer dict's state by parameter name."""
     names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
     return {names[i]: st for i, st in sd["state"].items()}
+
+
+class Experts(nn.Module):
+    """Dense weights beside one 3-D expert stack [4, 10, 6] (its gate/up rows 5 + 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 10, 6) * 0.3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return sum(torch.tanh(h @ self.experts[e].T).pow(2).mean() for e in range(4))

@@ -69,3 +69,45 @@ CONFIGS = {
     "adamw": dict(optimizer="adamw", lr=3e-3),
     "soap": dict(optimizer="soap", lr=3e-3, adamw_lr=3e-3),
 }
+
+
+def bf16_reference(world_size, steps, make_optimizer):
+    """Single process, the same rounding as bf16 parameters over fp32 masters: a bf16 model
+    computes each rank's gradient of its part of the batch, their fp32 sum over ranks divided
+    by the world size (as the reduction: exact for two bf16 addends) steps fp32 masters with
+    `make_optimizer(masters)`, and the masters rounded to bf16 are the next parameters."""
+    import copy
+
+    torch.set_num_threads(1)
+    model = make_model()
+    masters = copy.deepcopy(model)
+    model.to(torch.bfloat16)
+    opt = make_optimizer(masters)
+    per = BATCH // world_size
+    for step in range(steps):
+        x, y = batch(step)
+        grads = None
+        for r in range(world_size):
+            loss_fn(model, x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]).backward()
+            g = [None if p.grad is None else p.grad.float() for p in model.parameters()]
+            grads = g if grads is None else [b if a is None else a + b for a, b in zip(grads, g)]
+            model.zero_grad()
+        for m, g in zip(masters.parameters(), grads):
+            m.grad = None if g is None else g / world_size
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters.parameters()):
+                p.copy_(m)
+    return dict(model.named_parameters()), dict(masters.named_parameters())
+
+
+def reference_piece(masters, label):
+    """The reference master of a unit label: `name`, or a run of a sharded AdamW parameter
+    `name{a:b}` (elements a:b of `name`)."""
+    import re
+
+    m = re.fullmatch(r"(.+)\{(\d+):(\d+)\}", label)
+    if m:
+        return masters[m[1]].detach().reshape(-1)[int(m[2]) : int(m[3])]
+    return masters[label].detach()
