@@ -29,38 +29,23 @@ from orthoptim.train.model import GPT, GPTConfig, MoEConfig
 # log-sum-exp, is about 5 % of these models' activations.
 REL = 0.01
 
+FUSED_MOE = GPTConfig(
+    n_layer=2,
+    n_head=4,
+    n_kv_head=2,
+    d_model=64,
+    seq_len=64,
+    fused=True,
+    moe=MoEConfig(n_expert=4, top_k=2, hidden=32),
+)
 CASES = {
     "gelu-mha": (GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=64), 1, 16),
     "gelu-wide": (GPTConfig(n_layer=2, n_head=8, d_model=96, seq_len=64), 3, 48),
     "gelu-gqa": (GPTConfig(n_layer=3, n_head=4, n_kv_head=2, d_model=64, seq_len=64), 2, 32),
     "fused-mha": (GPTConfig(n_layer=2, n_head=4, d_model=64, seq_len=64, fused=True), 2, 64),
-    "fused-moe": (
-        GPTConfig(
-            n_layer=2,
-            n_head=4,
-            n_kv_head=2,
-            d_model=64,
-            seq_len=64,
-            fused=True,
-            moe=MoEConfig(n_expert=4, top_k=2, hidden=32),
-        ),
-        2,
-        32,
-    ),
+    "fused-moe": (FUSED_MOE, 2, 32),
     # bf16 parameters (`--param-dtype bf16`): bf16 activations, the norms' and the loss's fp32
-    "fused-moe-bf16": (
-        GPTConfig(
-            n_layer=2,
-            n_head=4,
-            n_kv_head=2,
-            d_model=64,
-            seq_len=64,
-            fused=True,
-            moe=MoEConfig(n_expert=4, top_k=2, hidden=32),
-        ),
-        2,
-        32,
-    ),
+    "fused-moe-bf16": (FUSED_MOE, 2, 32),
 }
 
 

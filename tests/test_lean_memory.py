@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.ep import Experts
+from models.ep import rank_experts
 from models.layerwise import BATCH, CONFIGS, batch, loss_fn, make_model
 from models.plan import MOE
 from orthoptim import build_optimizer
@@ -107,15 +107,7 @@ def _bf16_experts_ranks(rank, world_size):
     torch.set_num_threads(1)
     groups = [dist.new_group([r]) for r in range(world_size)]
     kw = dict(lr=0.05, weight_decay=0.01)
-    inits = []
-    for r in range(world_size):
-        torch.manual_seed(0)
-        m = Experts()
-        with torch.no_grad():
-            m.experts.copy_(
-                torch.randn(m.experts.shape, generator=torch.Generator().manual_seed(r))
-            )
-        inits.append(m)
+    inits = rank_experts(world_size)
     masters = [copy.deepcopy(m) for m in inits]
     refs = [copy.deepcopy(m).to(torch.bfloat16) for m in inits]
     ref_opts = [build_optimizer(m, **kw) for m in masters]

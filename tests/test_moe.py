@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.ep import Experts
+from models.ep import Experts, rank_experts
 from orthoptim import LayerwiseDistributedOptimizer, Muon, QKClip, build_optimizer
 from orthoptim import checkpoint as ckpt
 from orthoptim.cli import main
@@ -382,15 +382,7 @@ def _expert_group_ranks(rank, world_size):
 
     groups = [dist.new_group([r]) for r in range(world_size)]
     kw = dict(lr=0.05, weight_decay=0.01)
-    refs = []
-    for r in range(world_size):
-        torch.manual_seed(0)
-        m = Experts()
-        with torch.no_grad():
-            m.experts.copy_(
-                torch.randn(m.experts.shape, generator=torch.Generator().manual_seed(r))
-            )
-        refs.append(m)
+    refs = rank_experts(world_size)
     model = Experts()
     model.load_state_dict(refs[rank].state_dict())
     ref_opts = [build_optimizer(m, **kw) for m in refs]

@@ -53,3 +53,18 @@ class Experts(nn.Module):
     def forward(self, x):
         h = self.inp(x)
         return sum(torch.tanh(h @ self.experts[e].T).pow(2).mean() for e in range(4))
+
+
+def rank_experts(world_size):
+    """One `Experts` per rank: the same dense weights (seed 0), each rank's own experts
+    (seeded by its rank), as expert parallelism holds them."""
+    out = []
+    for r in range(world_size):
+        torch.manual_seed(0)
+        m = Experts()
+        with torch.no_grad():
+            m.experts.copy_(
+                torch.randn(m.experts.shape, generator=torch.Generator().manual_seed(r))
+            )
+        out.append(m)
+    return out
