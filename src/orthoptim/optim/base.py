@@ -18,6 +18,7 @@ from orthoptim import host
 from orthoptim._torch_compat import foreach_norm
 from orthoptim._validate import check_choice
 from orthoptim.collectives import is_dtensor
+from orthoptim.optim.guards import ParamSet, mark_stepped, one_step
 from orthoptim.optim.state import StateView, check_state_dict
 
 logger = logging.getLogger("orthoptim")
@@ -303,6 +304,11 @@ class GuardedOptimizer(CopyableOptimizer):
     """
 
     nonfinite: NonfinitePolicy = "raise"
+    #: the model's trainable parameters this optimizer was built over, checked at each eager
+    #: step (`build_optimizer(model)` sets it; None: not guarded)
+    param_set: ParamSet | None = None
+    #: this optimizer counts what it steps itself (`mark_stepped` in `step_params`)
+    marks_stepped: bool = False
     #: bool per parameter (in `param_groups` order): its gradient was non-finite in a
     #: compiled step since the last `check_nonfinite()`; None until a compiled step
     nonfinite_latch: Tensor | None = None
@@ -425,10 +431,13 @@ class GuardedOptimizer(CopyableOptimizer):
         if torch.compiler.is_compiling():
             self._compiled_step()
             return loss
+        if self.param_set is not None:
+            self.param_set.check(self._params())
         self.check_nonfinite()
         if apply_nonfinite_policy(self, self.nonfinite, nonfinite_params(self._params())):
             return loss
-        self._update()
+        with one_step():
+            self._update()
         return loss
 
 
@@ -483,6 +492,9 @@ def step_checked(optimizer: torch.optim.Optimizer) -> None:
     of the caller's step: an orthoptim optimizer skips its own check, any other optimizer
     steps without torch's step hooks (global and its own), which fired for the caller's
     step (`Optimizer.profile_hook_step` wraps `step` and keeps it as `__wrapped__`)."""
+    if not getattr(optimizer, "marks_stepped", False):
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        mark_stepped(params, type(optimizer).__name__)
     if isinstance(optimizer, GuardedOptimizer):
         optimizer._update()
         return

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from orthoptim.optim.base import GuardedOptimizer, compute_dtype, param_name
+from orthoptim.optim.guards import mark_stepped
 
 StateKind = Literal["elementwise", "matrix", "scalar"]
 Group = dict[str, Any]  # a param group: its hyper-parameters and "params"
@@ -67,6 +68,7 @@ class MatrixOptimizer(GuardedOptimizer):
     #: the gradients are the caller's scratch (the layer-wise optimizer's reduced buffers):
     #: `prepare` may compute the update in their storage instead of a tensor of its own
     consumes_grads: bool = False
+    marks_stepped = True
 
     @classmethod
     def state_numel(cls, shape: Sequence[int]) -> int:
@@ -139,6 +141,7 @@ class MatrixOptimizer(GuardedOptimizer):
     @torch.no_grad()
     def step_params(self, params: list[Tensor], group: dict[str, Any], names: list[str]) -> None:
         """One step of `params` (of `group`, each with a gradient, each held whole here)."""
+        mark_stepped(params, type(self).__name__, names)
         items = []
         moving = []
         for p in params:

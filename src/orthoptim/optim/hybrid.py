@@ -25,9 +25,11 @@ from orthoptim.optim.base import (
     check_params,
     init_torch_state,
     merged_defaults,
+    param_names,
     position_name,
     step_checked,
 )
+from orthoptim.optim.guards import ParamSet
 from orthoptim.optim.lean import check_rounding_seed, check_state_dtype
 from orthoptim.optim.lion import Lion
 from orthoptim.optim.muon import Muon
@@ -57,6 +59,8 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
     key naming its owner. The non-finite policy is applied once for the whole step, so "skip"
     skips both inner optimizers together.
     """
+
+    marks_stepped = True  # its inner optimizers count what they step
 
     def __init__(
         self,
@@ -110,6 +114,13 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
         group = {k: v for k, v in param_group.items() if k != "optimizer"}
         params = group["params"]
         group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
+        held = param_names(self)
+        for p in params:
+            if id(p) in held:
+                raise ValueError(
+                    f"parameter {held[id(p)]} is already stepped by this optimizer: a parameter in "
+                    "two groups would be stepped twice a step; leave it out of the new group"
+                )
         named = any(g.get("param_names") is not None for g in opt.param_groups)  # all or none
         if named and "param_names" not in group:
             gi = len(self.param_groups)
@@ -270,7 +281,9 @@ def build_optimizer(
             inner["adamw"] = adamw(rest, lr=adamw_lr, **adamw_kw, **_foreach(adamw, rest))
     if not inner:
         raise ValueError("build_optimizer found no trainable parameters")
-    return HybridOptimizer(inner, nonfinite=nonfinite)
+    opt = HybridOptimizer(inner, nonfinite=nonfinite)
+    opt.param_set = ParamSet("build_optimizer", dict(named), whole=params is None, model=model)
+    return opt
 
 
 def _check_combination(

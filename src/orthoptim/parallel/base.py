@@ -45,6 +45,7 @@ from orthoptim.optim.base import (
     check_nonfinite_policy,
     enforce_nonfinite_policy,
 )
+from orthoptim.optim.guards import ParamSet, one_step
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer, default_route
 from orthoptim.optim.registry import OptimizerName
 from orthoptim.optim.state import StateView
@@ -57,6 +58,22 @@ MEMORY_CATEGORIES = ("params", "grads", "masters", "state", "buffers")
 
 #: the name a clean stage's non-finite verdict gives for the parameters of the stage that had one
 ANOTHER_STAGE = "parameters of another pipeline stage"
+
+#: the refusal a rank that found nothing wrong gives when another rank of its stage refused
+ELSEWHERE = (
+    "another rank of this stage refused the step (its model's trainable parameters are not "
+    "those the optimizer was built over, or it called step() inside no_sync()); its error "
+    "names the parameter and the fix"
+)
+
+
+class StepRefusedError(RuntimeError):
+    """A distributed step refused on every rank of the stage before any weight moved: one line
+    per cause (`DistributedOptimizer.refusal`), or `ELSEWHERE` on a rank that found none."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
 
 
 class AgreementGroups(NamedTuple):
@@ -134,6 +151,8 @@ class DistributedOptimizer(CompositeOptimizer):
         self.named: dict[str, nn.Parameter] = {
             n: p for n, p in model.named_parameters() if p.requires_grad
         }
+        self.param_set = ParamSet(type(self).__name__, self.named)
+        self.accumulating = 0  # how many no_sync() blocks are open
 
     def _bind_groups(
         self,
@@ -212,12 +231,16 @@ class DistributedOptimizer(CompositeOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._prepared = None
+        refusal = self.refusal()
         self._before_agree()
-        present, bad = self._agree()
+        present, bad, refused = self._agree(bool(refusal))
         try:
+            if refused:
+                raise StepRefusedError(refusal or [ELSEWHERE])
             skip = enforce_nonfinite_policy(self.nonfinite, bad, self.agreement_groups().ranks())
             if not skip:
-                self._step_owned(present)
+                with one_step():
+                    self._step_owned(present)
         finally:
             self._end_owned()
         if not skip:
@@ -225,6 +248,22 @@ class DistributedOptimizer(CompositeOptimizer):
         self._last_stats = self._stats
         self._stats = C.CommStats()
         return loss
+
+    def refusal(self) -> list[str]:
+        """Why this rank must not step now, one line per cause ([] when it may): a trainable
+        parameter added, replaced or frozen since construction (`ParamSet`), or `step()`
+        called inside `no_sync()` (Newton-Schulz would run per micro-batch on gradients
+        never reduced). Host-side only; the verdict rides in the agreement, so every rank of
+        the stage refuses together, each naming what it found."""
+        lines, _ = self.param_set.problems(self.model, self.named.values())
+        if self.accumulating:
+            lines.append(
+                f"{type(self).__name__}: step() was called inside no_sync(), so the optimizer "
+                "(and Newton-Schulz) would run per micro-batch on gradients never reduced "
+                "across ranks; call step() once, after the last micro-batch's backward, "
+                "outside no_sync()"
+            )
+        return lines
 
     def _before_agree(self) -> None:
         """What must happen before the gradients can be checked (nothing by default)."""
@@ -262,18 +301,21 @@ class DistributedOptimizer(CompositeOptimizer):
 
         return [p.grad is not None for p in params], checks, per_param, list(self.named)
 
-    def _agree(self) -> tuple[list[bool], list[str]]:
-        """Which items had a gradient on some rank, and the names of those whose gradient is
+    def _agree(self, refused: bool = False) -> tuple[list[bool], list[str], bool]:
+        """Which items had a gradient on some rank, the names of those whose gradient is
         non-finite (`ANOTHER_STAGE` on a stage whose own are finite while another stage's are
-        not): `collectives.agree_nonfinite` over `agreement_groups()`."""
+        not), and whether some rank of the stage `refused` the step (`refusal`):
+        `collectives.agree_nonfinite` over `agreement_groups()`. The refusal rides as one more
+        item, "present" where a rank refuses."""
         present, checks, per_item, names = self._agreement_items()
         groups = self.agreement_groups()
         verdict = C.agree_nonfinite(
-            present, checks, per_item, list(groups.stage), self._stats, self._device(),
-            across=groups.across,
+            [*present, refused], checks, per_item, list(groups.stage), self._stats,
+            self._device(), across=groups.across,
         )  # fmt: skip
         bad = [n for n, v in zip(names, verdict.which) if v]
-        return verdict.present, bad or ([ANOTHER_STAGE] if verdict.elsewhere else [])
+        bad = bad or ([ANOTHER_STAGE] if verdict.elsewhere else [])
+        return verdict.present[:-1], bad, verdict.present[-1]
 
     def _device(self) -> torch.device:
         """The device of the parameters (CPU for a model without trainable ones)."""
@@ -325,10 +367,21 @@ class DistributedOptimizer(CompositeOptimizer):
         """Finish every parameter gather still in flight (call it before reading parameters
         outside a forward pass); nothing by default, where none outlives the step."""
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """A context in which backward passes accumulate gradients without communicating
-        (gradient accumulation: every micro-batch but the last); by default the driver's
-        gradients travel otherwise and this does nothing."""
+        (gradient accumulation: every micro-batch but the last; `step()` inside it is
+        refused): the driver's `_accumulate()`, which does nothing where its gradients
+        travel otherwise."""
+        self.accumulating += 1
+        try:
+            with self._accumulate():
+                yield
+        finally:
+            self.accumulating -= 1
+
+    def _accumulate(self) -> contextlib.AbstractContextManager[None]:
+        """The driver's part of `no_sync()` (nothing by default)."""
         return contextlib.nullcontext()
 
     def memory_tensors(self) -> dict[str, list[Tensor]]:
@@ -365,9 +418,11 @@ class DistributedOptimizer(CompositeOptimizer):
 
     def _expected_agreement(self, out: dict[str, dict[str, float]], items: int) -> None:
         """Add the agreement's bytes to `out` (an `expected_comm_bytes()` dict): an int32
-        flag per item and one count over each stage group, the count alone across stages."""
+        flag per item, the refusal flag and one count over each stage group, the count alone
+        across stages."""
         groups = self.agreement_groups()
-        for nbytes, gs in (((items + 1) * 4, groups.stage), (4, groups.across)):
+        # the items, the refusal (`refusal`) and the non-finite count
+        for nbytes, gs in (((items + 2) * 4, groups.stage), (4, groups.across)):
             for g in gs:
                 size = C.world(g)[1]
                 if size > 1:

@@ -54,6 +54,7 @@ from orthoptim.optim.base import (
     step_checked,
 )
 from orthoptim.optim.contract import MatrixOptimizer
+from orthoptim.optim.guards import mark_stepped
 from orthoptim.optim.hybrid import RoutePredicate
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES, OptimizerName
 from orthoptim.optim.state import StateView
@@ -323,6 +324,8 @@ class FSDPOptimizer(DistributedOptimizer):
         opt = self.matrix_opt
         assert opt is not None
         live = [m for m in self._matrices if present[m.unit]]
+        stepped = [m for m in live if m.param.grad is not None]
+        mark_stepped([m.param for m in stepped], type(opt).__name__, [m.name for m in stepped])
         moving: dict[int, bool] = {}
         updates: dict[int, Tensor] = {}
         for m in live:

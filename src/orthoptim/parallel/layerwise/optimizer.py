@@ -349,7 +349,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self._comms.remove_hooks()
         self._saving.remove()
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+    def _accumulate(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside;
         the backward after the block reduces the accumulated gradients."""
         return self._comms.no_sync()
