@@ -187,6 +187,16 @@ def _distributed_guards(rank, world_size):
     opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"])
     with opt.no_sync():
         out["no_sync"] = attempt(model, opt)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    opt = build_optimizer(model, **CONFIGS["hybrid"])
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    err = refused_step(model, opt)
+    out["rewrapped"] = err.names if isinstance(err, ParameterSetError) else err
+    out["trainable"] = [n for n, p in model.named_parameters() if p.requires_grad]
     return out
 
 
@@ -223,3 +233,10 @@ def test_a_step_inside_no_sync_is_refused_on_every_rank(distributed):
         assert kind == "StepRefusedError"
         assert len(lines) == 1 and "inside no_sync()" in lines[0]
         assert "after the last micro-batch" in lines[0]
+
+
+def test_a_model_sharded_after_the_optimizer_was_built_is_refused(distributed):
+    """fully_shard(model) after build_optimizer(model) replaces every parameter by a
+    DTensor the optimizer does not hold: the step names each one and moves nothing."""
+    for res in distributed:
+        assert sorted(res["rewrapped"]) == sorted(res["trainable"]), res["rewrapped"]

@@ -16,9 +16,11 @@ from orthoptim.optim import (
     routing_table,
 )
 from orthoptim.optim.base import NonFiniteGradientError
+from orthoptim.optim.guards import ParameterSetError, SteppedTwiceError
 from orthoptim.optim.qk_clip import QKClip
 from orthoptim.optim.routing import explain_routing
 from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer, ParallelDims
+from orthoptim.parallel.base import StepRefusedError
 
 __version__ = "0.1.0"
 
@@ -35,9 +37,12 @@ __all__ = [
     "NonFiniteGradientError",
     "NorMuon",
     "ParallelDims",
+    "ParameterSetError",
     "PolarGrad",
     "QKClip",
     "Scion",
+    "StepRefusedError",
+    "SteppedTwiceError",
     "build_optimizer",
     "explain_routing",
     "newton_schulz",
