@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+import models.fsdp as fsdp_model
 from models.layerwise import CONFIGS, TinyGPT, batch, loss_fn, make_model
-from orthoptim import build_optimizer
+from orthoptim import FSDPOptimizer, build_optimizer
 from orthoptim.optim.guards import REBUILD, ParameterSetError, SteppedTwiceError
 from orthoptim.optim.hybrid import HybridOptimizer
 from orthoptim.parallel import LayerwiseDistributedOptimizer
@@ -197,7 +198,29 @@ def _distributed_guards(rank, world_size):
     err = refused_step(model, opt)
     out["rewrapped"] = err.names if isinstance(err, ParameterSetError) else err
     out["trainable"] = [n for n, p in model.named_parameters() if p.requires_grad]
+    out["fsdp_accumulated"] = fsdp_accumulated(rank, world_size)
     return out
+
+
+ACCUMULATED_STEPS, MICRO = 3, 2
+
+
+def fsdp_accumulated(rank, world_size):
+    """FSDP2 in float64, each rank's share of the batch as MICRO accumulated micro-batches:
+    this rank's shard of every parameter after ACCUMULATED_STEPS steps."""
+    model = fsdp_model.sharded_model(world_size, torch.float64)
+    opt = FSDPOptimizer(model, bucket_mb=0.01, **fsdp_model.KW)
+    per = fsdp_model.BATCH // world_size
+    chunk = per // MICRO
+    for step in range(ACCUMULATED_STEPS):
+        x, y = fsdp_model.batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        for m in range(MICRO):
+            xs, ys = x[m * chunk : (m + 1) * chunk], y[m * chunk : (m + 1) * chunk]
+            (fsdp_model.loss_fn(model, xs, ys) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +263,21 @@ def test_a_model_sharded_after_the_optimizer_was_built_is_refused(distributed):
     DTensor the optimizer does not hold: the step names each one and moves nothing."""
     for res in distributed:
         assert sorted(res["rewrapped"]) == sorted(res["trainable"]), res["rewrapped"]
+
+
+def test_fsdp_accumulation_equals_the_single_process_full_batch(distributed):
+    """ZeRO-3-style accumulation (DeepSpeed ran Newton-Schulz per micro-batch there): two
+    accumulated micro-batches per rank under FSDP2 equal one full-batch step of the
+    single-process optimizer, in float64 to the rounding of the gradients' summation order
+    (~1e-16, grown by 3 steps of Newton-Schulz and AdamW)."""
+    model = fsdp_model.make_model(torch.float64)
+    opt = build_optimizer(model, **fsdp_model.KW)
+    start = weights(model)
+    for step in range(ACCUMULATED_STEPS):
+        fsdp_model.loss_fn(model, *fsdp_model.batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    for n, ref in model.named_parameters():
+        got = torch.cat([r["fsdp_accumulated"][n] for r in distributed])
+        assert (got - ref).norm() <= 1e-11 * ref.norm(), n
+        assert not torch.equal(ref, start[n]) or n.endswith("bias"), n
