@@ -97,8 +97,8 @@ def layout_bytes(assignment, world_size, rank, gather_ratio=1.0):
             add("reduce_scatter", (n - 1) * max(shard), (n - 1) * max(shard))
             g = (n - 1) * max(shard) * gather_ratio
             add("all_gather", g, g)
-    # an int32 flag per unit and one count of non-finite buckets
-    flags = 2 * (n - 1) / n * 4 * (len(assignment.owners) + 1)
+    # an int32 flag per unit, one count of non-finite buckets, one of ranks refusing the step
+    flags = 2 * (n - 1) / n * 4 * (len(assignment.owners) + 2)
     add("all_reduce", flags, flags)
     return out
 

@@ -720,11 +720,13 @@ def agree(
 class Verdict(NamedTuple):
     """What `agree_nonfinite` found: `present[i]` (item i has a gradient on some rank of the
     stage), `which[j]` (item j's gradient is non-finite on some rank of the stage; [] when
-    none is) and `elsewhere` (the stage's are finite, but some rank across it counted one)."""
+    none is), `elsewhere` (the stage's are finite, but some rank across it counted one) and
+    `refused` (some rank, of the stage or across it, refused the step)."""
 
     present: list[bool]
     which: list[bool]
     elsewhere: bool
+    refused: bool = False
 
 
 def agree_nonfinite(
@@ -735,25 +737,29 @@ def agree_nonfinite(
     stats: CommStats | None = None,
     device: torch.device | str | None = None,
     across: Sequence[ProcessGroup | None] = (),
+    refused: bool = False,
 ) -> Verdict:
     """`agree` for a distributed step's non-finite check, in two rounds: the `checks` (0-d
     flags, true for a local gradient that holds NaN or Inf) are summed on the device into one
-    count that rides with `present` in one all-reduce per group of `group` (the stage: its
-    ranks hold the same items) and goes on alone over each group of `across` (the pipeline
-    stages, which hold other items), read in one host read. Only when some rank of the stage
-    counts one is `per_item()` (a flag per item, on the device) agreed over the stage too, to
-    name them."""
-    count = (
-        torch.stack([c if device is None else c.to(device) for c in checks]).sum()
-        if checks
-        else [False]
-    )
-    present, anywhere = agree(present, count, group, stats, device, across=across)
-    here, everywhere = anywhere[0], anywhere[-1]
+    count that rides with `present` and this rank's `refused` flag in one all-reduce per group
+    of `group` (the stage: its ranks hold the same items) and goes on, with the refusals,
+    over each group of `across` (the pipeline stages, which hold other items), read in one
+    host read. Only when some rank of the stage counts one is `per_item()` (a flag per item,
+    on the device) agreed over the stage too, to name them."""
+    refusal = [int(refused)]
+    if checks:
+        count = torch.stack([c if device is None else c.to(device) for c in checks]).sum()
+        counts = torch.cat(
+            [count.reshape(1).to(torch.int32), count.new_tensor(refusal, dtype=torch.int32)]
+        )
+    else:
+        counts = torch.tensor([0, *refusal], dtype=torch.int32)
+    present, anywhere = agree(present, counts, group, stats, device, across=across)
+    here, everywhere = anywhere[0], anywhere[-2]
     which: list[bool] = []
     if here:
         _, which = agree([], per_item(), group=group, stats=stats, device=device)
-    return Verdict(present, which, everywhere and not here)
+    return Verdict(present, which, everywhere and not here, anywhere[-1])
 
 
 # How long a rendezvous waits for the other ranks: a collective entered by some ranks only

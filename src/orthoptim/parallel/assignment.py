@@ -382,8 +382,8 @@ class Assignment:
         (pipelined chains, so every rank but the owner sends it, every rank but the owner's
         successor receives it, and the reverse for the broadcast). `gather_ratio` is gather bytes /
         parameter bytes (0.5 for a bf16 gather of fp32).
-        The optimizer adds one all-reduce of an int32 flag per unit and one count of
-        non-finite buckets (`all_reduce`).
+        The optimizer adds one all-reduce of an int32 flag per unit, one count of
+        non-finite buckets and one of ranks refusing the step (`all_reduce`).
         """
         n = self.world_size
         out: dict[str, tuple[float, float]] = {}
@@ -407,7 +407,7 @@ class Assignment:
                 add("reduce_scatter", *C.ring_reduce_scatter_bytes([max(shard)] * n)[rank])
                 g = max(shard) * gather_ratio
                 add("all_gather", *C.ring_all_gather_bytes([g] * n)[rank])
-        flags = C.ring_all_reduce_bytes((len(self.owners) + 1) * 4, n)
+        flags = C.ring_all_reduce_bytes((len(self.owners) + 2) * 4, n)  # + count, refusal
         add("all_reduce", flags, flags)
         return out
 

@@ -59,16 +59,16 @@ MEMORY_CATEGORIES = ("params", "grads", "masters", "state", "buffers")
 #: the name a clean stage's non-finite verdict gives for the parameters of the stage that had one
 ANOTHER_STAGE = "parameters of another pipeline stage"
 
-#: the refusal a rank that found nothing wrong gives when another rank of its stage refused
+#: the refusal a rank that found nothing wrong gives when another rank refused
 ELSEWHERE = (
-    "another rank of this stage refused the step (its model's trainable parameters are not "
+    "another rank refused the step (its model's trainable parameters are not "
     "those the optimizer was built over, or it called step() inside no_sync()); its error "
     "names the parameter and the fix"
 )
 
 
 class StepRefusedError(RuntimeError):
-    """A distributed step refused on every rank of the stage before any weight moved: one line
+    """A distributed step refused on every rank before any weight moved: one line
     per cause (`DistributedOptimizer.refusal`), or `ELSEWHERE` on a rank that found none."""
 
     def __init__(self, lines: list[str]) -> None:
@@ -304,18 +304,17 @@ class DistributedOptimizer(CompositeOptimizer):
     def _agree(self, refused: bool = False) -> tuple[list[bool], list[str], bool]:
         """Which items had a gradient on some rank, the names of those whose gradient is
         non-finite (`ANOTHER_STAGE` on a stage whose own are finite while another stage's are
-        not), and whether some rank of the stage `refused` the step (`refusal`):
-        `collectives.agree_nonfinite` over `agreement_groups()`. The refusal rides as one more
-        item, "present" where a rank refuses."""
+        not), and whether some rank, of the stage or another, `refused` the step (`refusal`):
+        `collectives.agree_nonfinite` over `agreement_groups()`."""
         present, checks, per_item, names = self._agreement_items()
         groups = self.agreement_groups()
         verdict = C.agree_nonfinite(
-            [*present, refused], checks, per_item, list(groups.stage), self._stats,
-            self._device(), across=groups.across,
+            present, checks, per_item, list(groups.stage), self._stats, self._device(),
+            across=groups.across, refused=refused,
         )  # fmt: skip
         bad = [n for n, v in zip(names, verdict.which) if v]
         bad = bad or ([ANOTHER_STAGE] if verdict.elsewhere else [])
-        return verdict.present[:-1], bad, verdict.present[-1]
+        return verdict.present, bad, verdict.refused
 
     def _device(self) -> torch.device:
         """The device of the parameters (CPU for a model without trainable ones)."""
@@ -418,11 +417,10 @@ class DistributedOptimizer(CompositeOptimizer):
 
     def _expected_agreement(self, out: dict[str, dict[str, float]], items: int) -> None:
         """Add the agreement's bytes to `out` (an `expected_comm_bytes()` dict): an int32
-        flag per item, the refusal flag and one count over each stage group, the count alone
-        across stages."""
+        flag per item, the non-finite count and the refusal flag over each stage group, the
+        count and the refusal alone across stages."""
         groups = self.agreement_groups()
-        # the items, the refusal (`refusal`) and the non-finite count
-        for nbytes, gs in (((items + 2) * 4, groups.stage), (4, groups.across)):
+        for nbytes, gs in (((items + 2) * 4, groups.stage), (2 * 4, groups.across)):
             for g in gs:
                 size = C.world(g)[1]
                 if size > 1:

@@ -8,9 +8,10 @@ One training step::
                  owns, then its run of the bucket's AdamW elements, padded to the bucket's
                  largest shard), so each owner receives the summed gradient of exactly what
                  it owns; a bucket owned by one rank is reduced to it instead
-    step()   ──► wait, average by world size, agree on non-finite gradients and on which
-                 parameters had a gradient anywhere (one small all-reduce, one host read;
-                 under pipeline parallelism one more, of one count, across the stages),
+    step()   ──► wait, average by world size, agree on non-finite gradients, on which
+                 parameters had a gradient anywhere and on whether a rank refuses the step
+                 (one small all-reduce, one host read; under pipeline parallelism one more,
+                 of two counts, across the stages),
                  owners run the inner optimizer (Muon, SOAP, AdamW, the hybrid) on what they own
              ──► all-gather of the updated parameters per bucket (optionally in bf16),
                  asynchronous: the forward pre-hook of each module waits for its buckets
