@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from orthoptim import build_optimizer, collectives
 from orthoptim.optim.hybrid import default_route
 from orthoptim.parallel import LayerwiseDistributedOptimizer
+from orthoptim.parallel.base import ELSEWHERE, StepRefusedError
 from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train import model as model_module
 from orthoptim.train.model import GPT, GPTConfig, MoEConfig, get_config, parallelize
@@ -334,7 +335,30 @@ def _pipelined_4(rank, world_size):
             collectives.all_reduce(g, group=mesh.dp_group)
             grads[k] = g / 2, slice(None)
     out["ep"] = collectives.sum_floats([loss], mesh.dp_group)[0] / 2, grads
+    out["refused"] = _refused_on_one_stage(rank)
     return out
+
+
+def _refused_on_one_stage(rank):
+    """pp 2 × dp 2, a parameter frozen after the optimizer was built on rank 3 (stage 1)
+    only: each rank's refusal lines, and whether its stage's weights stayed as they were."""
+    mesh = ParallelDims(pp=2, dp=2).build()
+    stage = split_stage(make_model("tiny"), 2, mesh.coord.pp)
+    opt = LayerwiseDistributedOptimizer(stage, layout=mesh, **OPT)
+    frozen = next(n for n, p in stage.named_parameters() if p.ndim == 2)
+    if rank == 3:
+        stage.get_parameter(frozen).requires_grad_(False)
+    before = {k: p.detach().clone() for k, p in stage.named_parameters()}
+    d, per = mesh.coord.dp, BATCH // 2
+    runner = PipelineRunner(stage, mesh, n_microbatches=2, no_sync=opt.no_sync)
+    runner.step(*(t[d * per : (d + 1) * per] for t in batch(0)))
+    try:
+        opt.step()
+        lines = None
+    except StepRefusedError as e:
+        lines = e.lines
+    unmoved = all(torch.equal(p.detach(), before[k]) for k, p in stage.named_parameters())
+    return frozen, lines, unmoved
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -401,3 +425,16 @@ def test_pipeline_of_an_expert_parallel_model_equals_the_single_process():
         assert abs(got - loss.item()) <= TOL * loss.item()
         for name, (g, rows) in grads.items():
             assert rel(g, want[name].grad[rows]) <= TOL, name
+
+
+def test_a_refusal_on_one_stage_stops_every_stage():
+    """A parameter frozen after the optimizer was built on one rank of stage 1: that rank
+    names it, every other rank of both stages refuses too (pipeline stages step together or
+    not at all), and no weight moved anywhere."""
+    for rank, res in enumerate(pipelined_4()):
+        frozen, lines, unmoved = res["refused"]
+        assert unmoved, rank
+        if rank == 3:
+            assert len(lines) == 1 and f"{frozen!r} was frozen" in lines[0], lines
+        else:
+            assert lines == [ELSEWHERE], (rank, lines)
