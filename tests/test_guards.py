@@ -174,6 +174,7 @@ def _distributed_guards(rank, world_size):
     model.blocks[0].fc.weight.requires_grad_(True)  # fixed: the next step runs
     before = weights(model)
     out["fixed"] = attempt(model, opt)
+    opt.wait_for_params()  # the updated parameters arrive by an asynchronous gather
     out["fixed_moved"] = not torch.equal(
         model.blocks[0].fc.weight.detach(), before["blocks.0.fc.weight"]
     )

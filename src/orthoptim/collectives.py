@@ -720,8 +720,7 @@ def agree(
 class Verdict(NamedTuple):
     """What `agree_nonfinite` found: `present[i]` (item i has a gradient on some rank of the
     stage), `which[j]` (item j's gradient is non-finite on some rank of the stage; [] when
-    none is), `elsewhere` (the stage's are finite, but some rank across it counted one) and
-    `refused` (some rank, of the stage or across it, refused the step)."""
+    none is), `elsewhere` (only ranks across it counted one), `refused` (some rank did)."""
 
     present: list[bool]
     which: list[bool]
@@ -741,19 +740,14 @@ def agree_nonfinite(
 ) -> Verdict:
     """`agree` for a distributed step's non-finite check, in two rounds: the `checks` (0-d
     flags, true for a local gradient that holds NaN or Inf) are summed on the device into one
-    count that rides with `present` and this rank's `refused` flag in one all-reduce per group
-    of `group` (the stage: its ranks hold the same items) and goes on, with the refusals,
-    over each group of `across` (the pipeline stages, which hold other items), read in one
-    host read. Only when some rank of the stage counts one is `per_item()` (a flag per item,
-    on the device) agreed over the stage too, to name them."""
-    refusal = [int(refused)]
-    if checks:
-        count = torch.stack([c if device is None else c.to(device) for c in checks]).sum()
-        counts = torch.cat(
-            [count.reshape(1).to(torch.int32), count.new_tensor(refusal, dtype=torch.int32)]
-        )
-    else:
-        counts = torch.tensor([0, *refusal], dtype=torch.int32)
+    count that rides with `present` and this rank's `refused` in one all-reduce per group of
+    `group` (the stage: its ranks hold the same items) and goes on, with `refused`, over each
+    group of `across` (the pipeline stages, other items), read in one host read. Only when
+    some rank of the stage counts one is `per_item()` (a flag per item) agreed too, to name
+    them."""
+    flags = [c if device is None else c.to(device) for c in checks]
+    count = torch.stack(flags).sum() if flags else torch.tensor(0)
+    counts = torch.stack([count, count.new_tensor(int(refused))])
     present, anywhere = agree(present, counts, group, stats, device, across=across)
     here, everywhere = anywhere[0], anywhere[-2]
     which: list[bool] = []
