@@ -18,6 +18,7 @@ from orthoptim import host
 from orthoptim._torch_compat import foreach_norm
 from orthoptim._validate import check_choice
 from orthoptim.collectives import is_dtensor
+from orthoptim.optim import telemetry
 from orthoptim.optim.guards import ParamSet, mark_stepped, one_step
 from orthoptim.optim.state import StateView, check_state_dict
 
@@ -495,6 +496,16 @@ def step_checked(optimizer: torch.optim.Optimizer) -> None:
     if not getattr(optimizer, "marks_stepped", False):
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         mark_stepped(params, type(optimizer).__name__)
+    record = telemetry.active()
+    if record is not None and not getattr(optimizer, "records_updates", False):
+        with telemetry.updates_recorded(record, optimizer):
+            _step_unchecked(optimizer)
+        return
+    _step_unchecked(optimizer)
+
+
+def _step_unchecked(optimizer: torch.optim.Optimizer) -> None:
+    """`step_checked`'s step itself (no guard, no telemetry)."""
     if isinstance(optimizer, GuardedOptimizer):
         optimizer._update()
         return

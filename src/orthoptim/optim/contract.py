@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from orthoptim.optim import telemetry
 from orthoptim.optim.base import GuardedOptimizer, compute_dtype, param_name
 from orthoptim.optim.guards import mark_stepped
 
@@ -69,6 +70,8 @@ class MatrixOptimizer(GuardedOptimizer):
     #: `prepare` may compute the update in their storage instead of a tensor of its own
     consumes_grads: bool = False
     marks_stepped = True
+    #: its steps record their updates in telemetry themselves (`step_params`)
+    records_updates = True
 
     @classmethod
     def state_numel(cls, shape: Sequence[int]) -> int:
@@ -118,6 +121,11 @@ class MatrixOptimizer(GuardedOptimizer):
         if direction is not None:
             descend(param, direction, group["lr"], group["weight_decay"])
 
+    def lr_factor(self, param: Tensor, group: dict[str, Any], name: str) -> float:
+        """The factor on the group's LR this optimizer's step gives `param` (its LR scale;
+        1 by default), for the effective LR telemetry reports."""
+        return 1.0
+
     def state_of(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """The state of `param`, its `init_state` made on first sight."""
         state = self.state[param]
@@ -148,9 +156,13 @@ class MatrixOptimizer(GuardedOptimizer):
             state = self.state_of(p, group)
             moving.append(self.moves(state, p.shape, group))
             items.append((self.prepare(p.grad, state, group), state))
+        record = telemetry.active()
         found = self.directions(items, group, names)
-        for p, (_, state), d, moves in zip(params, items, found, moving):
-            self.apply(p, d if moves else None, state, group)
+        for p, (_, state), d, moves, name in zip(params, items, found, moving, names):
+            if record is not None:
+                telemetry.apply_recorded(record, self, p, d if moves else None, state, group, name)
+            else:
+                self.apply(p, d if moves else None, state, group)
 
 
 Scalar = float | Tensor  # a hyper-parameter the step reads: a float or a 1-element tensor

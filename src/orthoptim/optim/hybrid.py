@@ -61,6 +61,7 @@ class HybridOptimizer(GuardedOptimizer, CompositeOptimizer):
     """
 
     marks_stepped = True  # its inner optimizers count what they step
+    records_updates = True  # and record their updates (`step_checked`)
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ from orthoptim.newton_schulz import (
     newton_schulz,
     stacking_pays,
 )
+from orthoptim.optim import telemetry
 from orthoptim.optim.base import (
     NonfinitePolicy,
     check_nonfinite_policy,
@@ -467,6 +468,17 @@ class Muon(MatrixOptimizer):
         ortho = self.orthogonalized([u for u, _ in items], group, names, self.block_scale(group))
         return [self.finish(o, u, st, group) for o, (u, st) in zip(ortho, items)]
 
+    def lr_factor(self, param: Tensor, group: dict[str, Any], name: str) -> float:
+        """The group's LR scale (`lr_scale`) for the matrix `param` stands for, seen as
+        [out, in]: the mean over its row blocks (`split`), weighted by their rows."""
+        shape = param.shape
+        if is_transposed(group, name):
+            shape = torch.Size((shape[1], shape[0]))
+        rows, cols = matrix_view(torch.empty(shape, device="meta")).shape[-2:]
+        blocks = (split_of(group, name) if group.get("split") else None) or (rows,)
+        scale = group.get("lr_scale", "none")
+        return sum(b * lr_scale_factor(scale, b, cols) for b in blocks) / sum(blocks)
+
     def block_scale(self, group: dict[str, Any]) -> LRScale:
         """The LR-scale convention applied to each orthogonalized block (Muon: `lr_scale`)."""
         return group["lr_scale"]
@@ -539,7 +551,10 @@ class Muon(MatrixOptimizer):
             self.batch_mb(group),
             in_place=in_place,
         )
+        record = telemetry.active()
         for i, row, o, factor in blocks:
+            if record is not None:
+                record.add_residual(names[i], updates[i].ndim, o)
             if factor != 1.0:
                 o = o.mul_(factor) if self.owns_results() else o * factor
             if in_place[i]:

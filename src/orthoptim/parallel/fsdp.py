@@ -48,6 +48,7 @@ from orthoptim import checkpoint
 from orthoptim import collectives as C
 from orthoptim._torch_compat import fsdp_collective_bases
 from orthoptim._validate import check_choice, check_float_dtype
+from orthoptim.optim import telemetry
 from orthoptim.optim.base import (
     NonfinitePolicy,
     state_dtype,
@@ -358,7 +359,12 @@ class FSDPOptimizer(DistributedOptimizer):
             p = C.local_shard(m.param)
             d = rows.get(m.unit, p.new_zeros(0)).view(p.shape).to(state_dtype(m.param))
             local = self._local(m)
-            opt.apply(p, d if moving[m.unit] else None, local, m.group)
+            d = d if moving[m.unit] else None
+            record = telemetry.active()
+            if record is not None:
+                telemetry.apply_recorded(record, opt, p, d, local, m.group, m.name, m.param)
+            else:
+                opt.apply(p, d, local, m.group)
             self._keep(m, local)
 
     def _send(self, x: _Exchange, updates: dict[int, Tensor]) -> None:

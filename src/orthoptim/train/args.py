@@ -68,6 +68,8 @@ class TrainArgs:
     min_lr_ratio: float = 0.1  # the cosine schedule's last LR over its peak
     eval_every: int = 10
     eval_batches: int = 8
+    log_every: int = 10  # steps between optimizer telemetry rows (0: off)
+    tensorboard: str | None = None  # also write the metrics as TensorBoard events here
     ckpt_every: int = 50
     out: str = "runs/train"
     resume: bool = False
@@ -161,6 +163,8 @@ class TrainArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.log_every < 0:
+            raise ValueError(f"--log-every must be >= 0 (0: no telemetry), got {self.log_every}")
         if self.qk_clip is not None and not (math.isfinite(self.qk_clip) and self.qk_clip >= 0):
             raise ValueError(f"--qk-clip must be a finite number >= 0 (0: off), got {self.qk_clip}")
         if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):

@@ -203,6 +203,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="steps between validation-loss evaluations (default %(default)s)",
     )
     p.add_argument(
+        "--log-every",
+        type=int,
+        default=d.log_every,
+        help="steps between optimizer telemetry rows in metrics.jsonl: per parameter class the "
+        "update and weight RMS, effective LR, momentum RMS, Newton-Schulz residual; the busiest "
+        "rank's optimizer time and bytes (default %(default)s; 0: off)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="also write every metrics row (telemetry included) as TensorBoard scalars under "
+        "DIR (needs tensorboard: pip install 'orthoptim[tensorboard]')",
+    )
+    p.add_argument(
         "--eval-batches",
         type=int,
         default=d.eval_batches,

@@ -30,6 +30,7 @@ Every collective the loop itself issues (metric sums and gathers, barriers) goes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -54,7 +55,9 @@ from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layout import ParallelMesh
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
+from orthoptim.telemetry import Telemetry, comm_totals
 from orthoptim.train.args import TrainArgs
+from orthoptim.train.board import Board
 from orthoptim.train.data import get_batch, load_corpus, val_batches
 from orthoptim.train.devices import autocast, resolve_precision
 from orthoptim.train.hf import build_hf_model
@@ -171,22 +174,6 @@ def _params_ready(opt: Any) -> None:
     """Wait for parameter gathers still in flight (before reading parameters outside forward)."""
     if isinstance(opt, DistributedOptimizer):
         opt.wait_for_params()
-
-
-def _comm_totals(opt: Any) -> tuple[float, float]:
-    """(bytes sent, bytes received) by this rank in the optimizer's last step."""
-    if not hasattr(opt, "comm_stats"):
-        return 0.0, 0.0
-    stats = opt.comm_stats()
-    if isinstance(stats, collectives.CommStats):
-        stats = stats.as_dict()
-    total = stats.get("total")
-    if total is None:
-        total = {
-            "sent": sum(v.get("sent", 0.0) for v in stats.values()),
-            "received": sum(v.get("received", 0.0) for v in stats.values()),
-        }
-    return float(total["sent"]), float(total["received"])
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -316,6 +303,7 @@ class Run:
     mesh: ParallelMesh
     parameters: int  # the whole model's (every stage's, every expert)
     pipeline: PipelineRunner | None = None  # this rank's stage of the pipeline under --pp
+    telemetry: Telemetry | None = None  # the optimizer's, recorded every --log-every steps
     saved_step: int | None = None  # the newest checkpoint's step, once resumed or saved
 
     @property
@@ -552,8 +540,10 @@ def train_step(
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
     norm = clip_gradients(run.model, opt, args.clip_norm) if args.clip_norm > 0 else None
+    recorded = run.telemetry is not None and step % args.log_every == 0
     try:
-        opt.step()
+        with run.telemetry.recording(recorded) if run.telemetry else contextlib.nullcontext():
+            opt.step()
     except NonFiniteGradientError as exc:
         raise FloatingPointError(
             f"non-finite gradient at step {step}; {_advice(run)} (in {', '.join(exc.names)})"
@@ -563,7 +553,7 @@ def train_step(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t2 = time.perf_counter()
-    sent, received = _comm_totals(opt)
+    sent, received = comm_totals(opt)
     asked = float(stop is not None and stop.signal is not None)
     with collectives.phase(f"training loss of step {step} (all-reduce)"):
         # the mean over the data-parallel ranks: every rank of one dp index holds its loss
@@ -584,6 +574,8 @@ def train_step(
     )
     if norm is not None:
         row["grad_norm"] = norm
+    if recorded:
+        row["telemetry"] = run.telemetry.report()  # type: ignore[union-attr]
     return row, stops > 0
 
 
@@ -609,6 +601,8 @@ def train(
     last = args.stop_after or args.steps
     bar = _progress_bar(args, rank, start)
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
+    board = Board(args.tensorboard) if args.tensorboard and rank == 0 else None
+    run.telemetry = Telemetry(run.opt, run.model) if args.log_every else None
 
     def validate() -> float:
         _params_ready(opt)
@@ -629,6 +623,8 @@ def train(
             row0 = dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)
             row0.update(precision=run.precision, param_dtype=run.param_dtype)
             _write_row(metrics_file, row0)
+        if board is not None:
+            board.write(row0)
     row: dict[str, Any] = {}
     try:
         for step in range(start + 1, last + 1):
@@ -645,6 +641,8 @@ def train(
                 log.info("step %d train %.4f val %.4f", step, row["train_loss"], val_loss)
             if metrics_file:
                 _write_row(metrics_file, row)
+            if board is not None:
+                board.write(row)
             if bar is not None:
                 _advance_bar(bar, row, val_loss, tokens_per_step)
             if step % args.ckpt_every == 0 or step == last or stopping:
@@ -657,6 +655,8 @@ def train(
             bar.close()
         if metrics_file:
             metrics_file.close()
+        if board is not None:
+            board.close()
     return _finish_run(run, args, rank, world_size, device, out, last, val_loss, row, resumed, log)
 
 
