@@ -54,6 +54,7 @@ from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.fsdp import FSDPOptimizer, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layout import ParallelMesh
+from orthoptim.parallel.routing_report import publish_routing
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 from orthoptim.telemetry import Telemetry, comm_totals
 from orthoptim.train.args import TrainArgs
@@ -689,6 +690,8 @@ def _start_run(
         run.saved_step = resumed.step
     elif rank == 0:
         metrics_path.write_text("")
+    # routing.json and its summary (rank 0; every stage's records under --pp), as run now
+    publish_routing(run.opt, run.model, out, run.mesh)
     start = resumed.step
     where = f"after resuming at step {start}" if start else "before step 1"
     with collectives.phase(f"the ranks' barrier {where}"):
