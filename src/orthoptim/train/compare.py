@@ -173,6 +173,7 @@ class CompareArgs:
             batch=self.batch,
             lr=lr,
             eval_every=self.eval_every,
+            log_every=self.eval_every,  # telemetry.png's points at the loss plot's steps
             ckpt_every=self.steps,
             out=str(out),
             seed=self.seed,
