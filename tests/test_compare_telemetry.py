@@ -1,7 +1,7 @@
 """`orthoptim compare`'s second figure (issue 43): the update/weight RMS ratio per parameter
 class that `orthoptim train` logs in metrics.jsonl's `telemetry` rows, kept in summary.json,
 drawn in telemetry.png (one panel per class, one line per optimizer in loss.png's colours)
-and tabled in report.md. Built from planted runs (test_compare_report's) whose metrics.jsonl
+and tabled in report.md. Built from planted runs (tests/models/compare.py) whose metrics.jsonl
 files a stand-in for `launch` writes, so compare reads them as it reads real runs."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from models.compare import opts, pair, planted
 from orthoptim.cli import main
-from orthoptim.train import compare
+from orthoptim.train import compare, compare_telemetry
 from orthoptim.train.compare import report, summarize
-from test_compare_report import opts, pair, planted
 
 PNG = b"\x89PNG\r\n\x1a\n"
 EVERY = 2  # the planted runs log telemetry at every second step (the loop's step % log_every)
@@ -185,7 +185,7 @@ def test_a_run_without_telemetry_beside_one_with(tmp_path):
     assert f"| mlp | {late_mean(muon_ratio, 'mlp'):.3g} |" in text
     assert "| router | n/a |" in text
     assert "AdamW logged no telemetry, so it has no line and no column." in text
-    assert compare.plot_telemetry(summary, tmp_path / "t.png")
+    assert compare_telemetry.plot_telemetry(summary, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == PNG
 
 
@@ -195,7 +195,7 @@ def test_each_optimizer_keeps_its_colour_when_only_the_later_ones_logged(tmp_pat
     results = dict(pair(), normuon=planted("normuon", 0.05, 0.1, 0.01, {5: 3.4, 10: 3.3}))
     with_telemetry(results["normuon"], muon_ratio)
     summary = summarize(opts(optimizers=("adamw", "muon", "normuon")), results, {})
-    assert compare._colours(summary) == {"adamw": "C0", "muon": "C1", "normuon": "C2"}
+    assert compare_telemetry.colours(summary) == {"adamw": "C0", "muon": "C1", "normuon": "C2"}
 
 
 def test_end_to_end_compare_draws_the_telemetry_of_real_runs(tmp_path):
@@ -214,7 +214,7 @@ def test_end_to_end_compare_draws_the_telemetry_of_real_runs(tmp_path):
     for name in ("adamw", "muon"):
         rows = read_metrics(out / name / "metrics.jsonl")
         assert [r["step"] for r in rows if "telemetry" in r] == [2]  # --log-every = --eval-every
-        assert summary["runs"][name]["telemetry"] == compare.telemetry_series(rows)
+        assert summary["runs"][name]["telemetry"] == compare_telemetry.telemetry_series(rows)
     assert (out / "telemetry.png").read_bytes()[:8] == PNG
     assert "![update/weight RMS per class](telemetry.png)" in text
     assert "| class | AdamW | Muon |" in text

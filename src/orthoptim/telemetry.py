@@ -35,7 +35,7 @@ from torch import nn
 
 from orthoptim import collectives as C
 from orthoptim.optim import telemetry as recorder
-from orthoptim.optim.base import GuardedOptimizer
+from orthoptim.optim.base import GuardedOptimizer, param_names
 from orthoptim.optim.telemetry import CLASSES, FIELDS
 from orthoptim.parallel.base import DistributedOptimizer
 
@@ -114,7 +114,7 @@ class Telemetry:
             if isinstance(self.optimizer, (GuardedOptimizer, DistributedOptimizer)):
                 yield
             else:
-                with recorder.updates_recorded(record, self.optimizer):
+                with recorder.updates_recorded(record, self.optimizer, param_names(self.optimizer)):
                     yield
         self._sync()
         elapsed = self.clock() - start

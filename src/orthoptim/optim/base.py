@@ -498,7 +498,7 @@ def step_checked(optimizer: torch.optim.Optimizer) -> None:
         mark_stepped(params, type(optimizer).__name__)
     record = telemetry.active()
     if record is not None and not getattr(optimizer, "records_updates", False):
-        with telemetry.updates_recorded(record, optimizer):
+        with telemetry.updates_recorded(record, optimizer, param_names(optimizer)):
             _step_unchecked(optimizer)
         return
     _step_unchecked(optimizer)

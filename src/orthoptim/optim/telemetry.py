@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orthoptim import host
 from orthoptim.collectives import local_shard
 
 #: the parameter classes, in report order
@@ -168,8 +169,6 @@ class StepRecord:
     def values(self) -> list[float]:
         """The sums, class by class (`CLASSES` × `FIELDS`, row-major; zeros when nothing was
         recorded): one host read."""
-        from orthoptim import host
-
         if self.sums is None:
             return [0.0] * (len(CLASSES) * len(FIELDS))
         return host.read(self.sums, "telemetry").flatten().tolist()
@@ -243,14 +242,13 @@ def apply_recorded(
 
 
 @contextlib.contextmanager
-def updates_recorded(record: StepRecord, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def updates_recorded(
+    record: StepRecord, optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> Iterator[None]:
     """Record the update of every parameter `optimizer` steps inside (an optimizer that does
-    not record itself: torch's AdamW, Lion, a bf16-state AdamW): the local tensors of the
-    parameters that have a gradient are copied on entry (recorded steps only) and compared
-    on exit."""
-    from orthoptim.optim.base import param_names
-
-    names = param_names(optimizer)
+    not record itself: torch's AdamW, Lion, a bf16-state AdamW), named by `names` (id →
+    name) where the model does not name it: the local tensors of the parameters that have a
+    gradient are copied on entry (recorded steps only) and compared on exit."""
     live = [(p, g) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     with torch.no_grad():
         before = [local_shard(p).detach().clone() for p, _ in live]
