@@ -18,6 +18,7 @@ BENCH_MODULES = (
     "orthoptim.bench.dist",
     "orthoptim.bench.tp",
     "orthoptim.bench.build",
+    "orthoptim.bench.telemetry",
 )
 
 
