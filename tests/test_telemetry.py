@@ -263,3 +263,48 @@ def test_a_tiny_run_logs_telemetry_rows_and_tensorboard_reads_them_back(tmp_path
 def test_log_every_zero_turns_telemetry_off(tmp_path):
     rows = _telemetry_run(tmp_path, log_every=0)
     assert len(rows) == 5 and not any("telemetry" in r for r in rows)
+
+
+def _fsdp_report(rank: int, world_size: int) -> dict:
+    """FSDP2 in float64 over the world, each rank on its share of the batch: the report of
+    one recorded step (the second)."""
+    from models import fsdp as FS
+    from orthoptim import FSDPOptimizer
+
+    model = FS.sharded_model(world_size, torch.float64)
+    opt = FSDPOptimizer(model, bucket_mb=0.01, **FS.KW)
+    telemetry = Telemetry(opt, model)
+    per = FS.BATCH // world_size
+    for step in range(2):
+        x, y = FS.batch(step)
+        FS.loss_fn(
+            model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        ).backward()
+        with telemetry.recording(step == 1):
+            opt.step()
+        opt.zero_grad()
+    return telemetry.report()
+
+
+def test_fsdp_reports_the_single_process_figures():
+    """FSDPOptimizer at 2 gloo ranks (each rank steps its rows of every matrix; the owner
+    orthogonalizes the whole): per class the single-process optimizer's update and weight
+    RMS, effective LR (from the whole matrix's shape, not the shard's) and momentum RMS."""
+    from models import fsdp as FS
+
+    ranks = run_ranks(_fsdp_report, 2, timeout=120)
+    model = FS.make_model(torch.float64)
+    opt = build_optimizer(model, **FS.KW)
+    telemetry = Telemetry(opt, model)
+    for step in range(2):
+        FS.loss_fn(model, *FS.batch(step)).backward()
+        with telemetry.recording(step == 1):
+            opt.step()
+        opt.zero_grad()
+    want = telemetry.report()["classes"]
+    for got in ranks:
+        assert set(got["classes"]) == set(want)
+        for cls, figures in want.items():
+            for key in ("update_rms", "weight_rms", "lr", "momentum_rms"):
+                assert close(got["classes"][cls][key], figures[key], rel=1e-5), (cls, key)
+            assert (got["classes"][cls]["ns_residual"] is None) == (figures["ns_residual"] is None)

@@ -100,9 +100,14 @@ def param_class(name: str, ndim: int) -> str:
     return "matrix_other"
 
 
+def _wide(t: Tensor) -> torch.dtype:
+    """The dtype `t` is measured in: float32, or its own where wider (float64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _sq(t: Tensor) -> Tensor:
-    """Σ t² in float64, as a 0-d tensor on t's device."""
-    return torch.linalg.vector_norm(t, dtype=torch.float32).double().square()
+    """Σ t² as a 0-d float64 tensor on t's device (the norm taken in `_wide`)."""
+    return torch.linalg.vector_norm(t, dtype=_wide(t)).double().square()
 
 
 class StepRecord:
@@ -134,7 +139,7 @@ class StepRecord:
         local tensors) at effective LR `lr`, with optimizer `state` after the step."""
         row = self._row(self.class_of(name, after.ndim), after.device)
         n = after.numel()
-        moved = after.to(torch.float32) - before.to(torch.float32)
+        moved = after.to(_wide(after)) - before.to(_wide(after))
         values = [_sq(moved), _sq(after)]
         momentum = next((state[k] for k in MOMENTUM_KEYS if torch.is_tensor(state.get(k))), None)
         momentum = local_shard(momentum) if momentum is not None else None
@@ -194,7 +199,10 @@ _active = _Active()
 
 
 def active() -> StepRecord | None:
-    """The record of the step being recorded on this thread, or None (the usual case)."""
+    """The record of the step being recorded on this thread, or None (the usual case, and
+    always inside a compiled step: telemetry records eager steps)."""
+    if torch.compiler.is_compiling():
+        return None
     return _active.record
 
 
