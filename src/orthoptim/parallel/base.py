@@ -62,8 +62,8 @@ ANOTHER_STAGE = "parameters of another pipeline stage"
 #: the refusal a rank that found nothing wrong gives when another rank refused
 ELSEWHERE = (
     "another rank refused the step (its model's trainable parameters are not "
-    "those the optimizer was built over, or it called step() inside no_sync()); its error "
-    "names the parameter and the fix"
+    "those the optimizer was built over, it called step() inside no_sync(), or its "
+    "gradients were changed in place before the step); its error names the cause and the fix"
 )
 
 

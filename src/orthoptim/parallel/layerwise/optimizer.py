@@ -58,33 +58,30 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
 
     Arguments: `balance` ("cost", "round_robin", "capped"), `bucket_mb` (bucket size),
     `overlap_grad_reduce` (reduce during backward from gradient hooks, else in `step()`),
-    `overlap_param_gather` (gather asynchronously, waited for in module forward pre-hooks,
-    else in `step()`), `gather_dtype` (e.g. torch.bfloat16: parameters travel in it and every
-    replica holds the rounded value, the owner keeps a master copy in the parameter dtype),
-    `route` (as `build_optimizer`), `nonfinite` ("raise" or "skip", agreed by all ranks),
-    `split_experts` (True, or k experts per unit: the experts of a 3-D [E, out, in] matrix
-    parameter become separate units, so different ranks may own different experts of one
-    tensor; gradients are reduced and parameters gathered per slice), `expert_group` (expert
-    data parallelism: the process group over which expert weights, every 3-D matrix
-    parameter, are replicated; they are owned, reduced (averaged over it; over a model cut by
-    `expert_parallelize`, whose dispatch summed them over ep already, summed over it and
-    divided by the size of `process_group`) and gathered within it, while dense weights use
-    `process_group`; `owner_of` gives a rank within the unit's own
-    group), `state_dict_to` ("all": `state_dict()` gathers the full dict to every rank;
-    "rank0": to rank 0 only, the others get {}), `shard_adamw` (True: the AdamW parameters,
-    embeddings, head and vectors, have no owner but are sharded element-wise over
-    `process_group`, ZeRO-1 style, inside the same buckets and collectives: each rank steps
-    AdamW on its run of every bucket's AdamW elements, sized to level the optimizer state
-    per rank (`assignment.deal_adamw`); `owner_of` gives -1 for them. False: owned whole like
-    the matrices. Tensor-parallel (DTensor) models keep them whole), `param_dtype` (e.g.
-    torch.bfloat16: the model's parameters and the gathers in it, fp32 masters and state on
-    the owners), `grad_dtype` (the reduction's; fp32 under `param_dtype` by default),
-    `layout` (a `ParallelMesh`, instead of `process_group` and `expert_group`: its dp group,
-    its expert group when ep > 1, with expert gradients summed over it and divided by dp, its
+    `overlap_param_gather` (gather asynchronously, waited for in module forward pre-hooks, else in
+    `step()`), `gather_dtype` (e.g. torch.bfloat16: parameters travel in it and every replica holds
+    the rounded value, the owner keeps a master copy in the parameter dtype), `route` (as
+    `build_optimizer`), `nonfinite` ("raise" or "skip", agreed by all ranks), `split_experts` (True,
+    or k experts per unit: the experts of a 3-D [E, out, in] matrix parameter become separate units,
+    so different ranks may own different experts of one tensor; gradients are reduced and parameters
+    gathered per slice), `expert_group` (expert data parallelism: the process group over which
+    expert weights, every 3-D matrix parameter, are replicated; they are owned, reduced (averaged
+    over it; over a model cut by `expert_parallelize`, whose dispatch summed them over ep already,
+    summed over it and divided by the size of `process_group`) and gathered within it, while dense
+    weights use `process_group`; `owner_of` gives a rank within the unit's own group),
+    `state_dict_to` ("all": `state_dict()` gathers the full dict to every rank; "rank0": to rank 0
+    only, the others get {}), `shard_adamw` (True: the AdamW parameters, embeddings, head and
+    vectors, have no owner but are sharded element-wise over `process_group`, ZeRO-1 style, inside
+    the same buckets and collectives: each rank steps AdamW on its run of every bucket's AdamW
+    elements, sized to level the optimizer state per rank (`assignment.deal_adamw`); `owner_of`
+    gives -1 for them. False: owned whole like the matrices. Tensor-parallel (DTensor) models keep
+    them whole), `param_dtype` (e.g. torch.bfloat16: the model's parameters and the gathers in it,
+    fp32 masters and state on the owners), `grad_dtype` (the reduction's; fp32 under `param_dtype`
+    by default), `layout` (a `ParallelMesh`, instead of `process_group` and `expert_group`: its dp
+    group, its expert group when ep > 1, with expert gradients summed over it and divided by dp, its
     tp group when tp > 1 and its pp group when pp > 1; see the module docstring), `cost` (the
-    `MatrixCost` the assignment balances; None: the path Newton-Schulz takes on the
-    parameters' device, `MatrixCost.for_device`); other keyword arguments go to
-    `build_optimizer`.
+    `MatrixCost` the assignment balances; None: the path Newton-Schulz takes on the parameters'
+    device, `MatrixCost.for_device`); other keyword arguments go to `build_optimizer`.
 
     Parameters and gradients are views of flat buffers (nothing model-sized is held twice).
     `step()` uses the reduced gradients as its scratch space (Muon's Nesterov updates are
@@ -376,12 +373,15 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         return counted, scaled, self._buckets[0].dtype if self._buckets else None
 
     # -- the step (`DistributedOptimizer.step`) -----------------------------------------
+    def refusal(self) -> list[str]:  # the base's, and torch's clipping of unreduced gradients
+        return super().refusal() + self._comms.refusal(type(self).__name__)
+
     def _before_agree(self) -> None:
         """Land the parameter gathers, then the gradients of this step, averaged, where the
         owners read them (unless `clip_grad_norm_` reduced them already)."""
         self.wait_for_params()
         if not self._comms.reduced:
-            self._comms.reduce_grads(self._stats)
+            self._comms.reduce_grads(self._stats, check=False)  # `refusal` checked them
 
     def _end_owned(self) -> None:
         self._comms.reset()

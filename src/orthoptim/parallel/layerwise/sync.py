@@ -18,6 +18,16 @@ from orthoptim.parallel.assignment import Unit
 from orthoptim.parallel.layerwise.buffers import Bucket, FlatBuffers
 from orthoptim.parallel.layerwise.slots import Slot, unit_label
 
+#: why a step (or `clip_grad_norm_`) is refused when the gradients changed in place since backward
+TOUCHED = (
+    "the gradients were changed in place between backward() and step(), e.g. by "
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), ...): with "
+    "LayerwiseDistributedOptimizer each rank holds only its share of the reduced "
+    "gradients, so that clips by a wrong norm while they are being reduced; clip "
+    "with opt.clip_grad_norm_(max_norm) instead (it returns the model's norm), or "
+    "wrap the model in DistributedDataParallel"
+)
+
 
 class GradSync:
     """Where a step's gradients and parameters are in their travel, and the hooks that move
@@ -236,33 +246,40 @@ class GradSync:
         self.backward_queued = False
         self.grad_versions = [version(g) for g in self.flat.grad_flats]
 
-    def check_untouched(self, stats: C.CommStats) -> None:
-        """Raise if the gradient buffers changed in place since the last backward ended:
+    def touched(self) -> bool:
+        """Whether the gradient buffers changed in place since the last backward ended:
         `torch.nn.utils.clip_grad_norm_(model.parameters())` (HF `max_grad_norm`,
         `accelerator.clip_grad_norm_`, Lightning `gradient_clip_val` without its strategy)
         scaled this rank's unreduced gradients, racing the reductions in flight, by a norm
-        that is not the model's. Under DistributedDataParallel every rank holds the averaged
-        gradients and such clipping is right."""
+        that is not the model's (`TOUCHED`). Host-side (version counters). Under
+        DistributedDataParallel every rank holds the averaged gradients and such clipping is
+        right: never touched then."""
         if self.ddp is not None or self.grad_versions is None:
-            return
-        if [version(g) for g in self.flat.grad_flats] != self.grad_versions:
+            return False
+        return [version(g) for g in self.flat.grad_flats] != self.grad_versions
+
+    def refusal(self, owner: str) -> list[str]:
+        """`owner`'s step refusal when the gradients were changed in place (`touched`): it
+        rides in the agreement, so one rank clipping stops every rank."""
+        return [f"{owner}: {TOUCHED}"] if self.touched() else []
+
+    def check_untouched(self, stats: C.CommStats) -> None:
+        """Raise `TOUCHED` if the gradients were changed in place since backward (`touched`),
+        after finishing this step's reductions (the next step starts clean). `step()` does not
+        raise here: its refusal rides in the agreement, so every rank refuses together."""
+        if self.touched():
             self.grad_versions = None
             self.reduce_all(stats)  # every collective of this step done: the next one starts clean
             self.reset()
-            raise RuntimeError(
-                "the gradients were changed in place between backward() and step(), e.g. by "
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...): with "
-                "LayerwiseDistributedOptimizer each rank holds only its share of the reduced "
-                "gradients, so that clips by a wrong norm while they are being reduced; clip "
-                "with opt.clip_grad_norm_(max_norm) instead (it returns the model's norm), or "
-                "wrap the model in DistributedDataParallel"
-            )
+            raise RuntimeError(TOUCHED)
 
-    def reduce_grads(self, stats: C.CommStats) -> None:
+    def reduce_grads(self, stats: C.CommStats, check: bool = True) -> None:
         """The gradients of this step, averaged, where the owners read them: reduced here,
         or, under DistributedDataParallel (which averaged them on every rank), taken into
-        the buffers as they are."""
-        self.check_untouched(stats)
+        the buffers as they are. `check`: raise first if they were changed in place since
+        backward (`check_untouched`; `step()` checked them in its refusal instead)."""
+        if check:
+            self.check_untouched(stats)
         self.grad_versions = None
         self.backward_queued = False  # (a backward that raised never ran its callback)
         if self.ddp is None:
