@@ -21,6 +21,7 @@ from orthoptim.optim.qk_clip import QKClip
 from orthoptim.optim.routing import explain_routing
 from orthoptim.parallel import FSDPOptimizer, LayerwiseDistributedOptimizer, ParallelDims
 from orthoptim.parallel.base import StepRefusedError
+from orthoptim.telemetry import Telemetry
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "Scion",
     "StepRefusedError",
     "SteppedTwiceError",
+    "Telemetry",
     "build_optimizer",
     "explain_routing",
     "newton_schulz",
