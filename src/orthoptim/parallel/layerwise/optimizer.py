@@ -381,7 +381,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         owners read them (unless `clip_grad_norm_` reduced them already)."""
         self.wait_for_params()
         if not self._comms.reduced:
-            self._comms.reduce_grads(self._stats, check=False)  # `refusal` checked them
+            self._comms.reduce_grads(self._stats)
 
     def _end_owned(self) -> None:
         self._comms.reset()

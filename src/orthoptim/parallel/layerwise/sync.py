@@ -58,6 +58,7 @@ class GradSync:
         self.gathering = False
         self.followed = False
         self.backward_queued = False
+        self.touched_before_reduce = False  # found by `reduce_grads`, refused by the step
         self.grad_versions: list[int] | None = None
         self.reduced = False
         self.syncing = True
@@ -254,6 +255,8 @@ class GradSync:
         that is not the model's (`TOUCHED`). Host-side (version counters). Under
         DistributedDataParallel every rank holds the averaged gradients and such clipping is
         right: never touched then."""
+        if self.touched_before_reduce:
+            return True
         if self.ddp is not None or self.grad_versions is None:
             return False
         return [version(g) for g in self.flat.grad_flats] != self.grad_versions
@@ -263,23 +266,14 @@ class GradSync:
         rides in the agreement, so one rank clipping stops every rank."""
         return [f"{owner}: {TOUCHED}"] if self.touched() else []
 
-    def check_untouched(self, stats: C.CommStats) -> None:
-        """Raise `TOUCHED` if the gradients were changed in place since backward (`touched`),
-        after finishing this step's reductions (the next step starts clean). `step()` does not
-        raise here: its refusal rides in the agreement, so every rank refuses together."""
-        if self.touched():
-            self.grad_versions = None
-            self.reduce_all(stats)  # every collective of this step done: the next one starts clean
-            self.reset()
-            raise RuntimeError(TOUCHED)
-
-    def reduce_grads(self, stats: C.CommStats, check: bool = True) -> None:
+    def reduce_grads(self, stats: C.CommStats) -> None:
         """The gradients of this step, averaged, where the owners read them: reduced here,
         or, under DistributedDataParallel (which averaged them on every rank), taken into
-        the buffers as they are. `check`: raise first if they were changed in place since
-        backward (`check_untouched`; `step()` checked them in its refusal instead)."""
-        if check:
-            self.check_untouched(stats)
+        the buffers as they are. Gradients changed in place since backward (`touched`) are
+        reduced all the same, so every rank's collectives match (`opt.clip_grad_norm_` on
+        every rank after torch's clipping on one), and remembered: the step refuses them on
+        every rank through its agreement (`refusal`)."""
+        self.touched_before_reduce = self.touched()
         self.grad_versions = None
         self.backward_queued = False  # (a backward that raised never ran its callback)
         if self.ddp is None:
@@ -342,6 +336,7 @@ class GradSync:
             b.reset()
         self.next_launch = 0
         self.reduced = False
+        self.touched_before_reduce = False
 
     def launch_gathers(self, stats: C.CommStats, async_op: bool) -> None:
         """Launch the parameter gathers (asynchronous: each is waited for by the first forward
