@@ -495,7 +495,7 @@ def step_checked(optimizer: torch.optim.Optimizer) -> None:
     step (`Optimizer.profile_hook_step` wraps `step` and keeps it as `__wrapped__`)."""
     if not getattr(optimizer, "marks_stepped", False):
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        mark_stepped(params, type(optimizer).__name__)
+        mark_stepped(params, type(optimizer).__name__, lambda: param_names(optimizer))
     record = telemetry.active()
     if record is not None and not getattr(optimizer, "records_updates", False):
         with telemetry.updates_recorded(record, optimizer, param_names(optimizer)):

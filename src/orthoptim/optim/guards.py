@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -149,18 +149,26 @@ def one_step() -> Iterator[None]:
         _ledger.stepped = None
 
 
-def mark_stepped(params: Iterable[Tensor], by: str, names: Iterable[str] | None = None) -> None:
+def mark_stepped(
+    params: Iterable[Tensor],
+    by: str,
+    names: Iterable[str] | Callable[[], Mapping[int, str]] | None = None,
+) -> None:
     """Count `params` as stepped by optimizer `by` in the current `one_step`, raising
-    `SteppedTwiceError` for one already stepped in it (before its second step). Nothing
-    outside a step scope or under `torch.compile`."""
+    `SteppedTwiceError` for one already stepped in it (before its second step). `names`: the
+    parameters' names in order, or a function giving id(param) → name, called only to name
+    one in the error. Nothing outside a step scope or under `torch.compile`."""
     stepped = _ledger.stepped
     if stepped is None:
         return
     params = list(params)
-    labels = list(names) if names is not None else [None] * len(params)
+    lazy = callable(names)
+    labels = list(names) if names is not None and not lazy else [None] * len(params)
     for p, name in zip(params, labels):
         first = stepped.get(id(p))
         if first is not None:
+            if lazy:
+                name = names().get(id(p))  # type: ignore[operator]
             label = repr(name) if name is not None else f"of shape {tuple(p.shape)}"
             raise SteppedTwiceError(
                 f"parameter {label} was about to be stepped a second time in one optimizer "
