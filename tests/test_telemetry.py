@@ -40,6 +40,15 @@ def backward(model: GPT, x: torch.Tensor) -> None:
     model(x, x).backward()
 
 
+def recorded_step(model: GPT, x: torch.Tensor, telemetry: Telemetry) -> dict[str, torch.Tensor]:
+    """A backward and a recorded step of the telemetry's optimizer: the parameters before it."""
+    backward(model, x)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with telemetry.recording():
+        telemetry.optimizer.step()
+    return before
+
+
 def rms(tensors: list[torch.Tensor]) -> float:
     total = sum(float(t.double().square().sum()) for t in tensors)
     return math.sqrt(total / sum(t.numel() for t in tensors))
@@ -72,10 +81,7 @@ def test_a_recorded_step_reports_what_a_copy_of_every_parameter_sees():
     backward(model, x)
     opt.step()
     opt.zero_grad()
-    backward(model, x)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with telemetry.recording():
-        opt.step()
+    before = recorded_step(model, x, telemetry)
     got = telemetry.report()["classes"]
     params = dict(model.named_parameters())
     assert set(got) == {role(n) for n in params}
@@ -147,10 +153,7 @@ def test_a_torch_optimizer_is_measured_from_outside():
     model, x = model_and_batch()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     telemetry = Telemetry(opt, model)
-    backward(model, x)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with telemetry.recording():
-        opt.step()
+    before = recorded_step(model, x, telemetry)
     got = telemetry.report()["classes"]
     params = dict(model.named_parameters())
     names = [n for n in params if role(n) == "mlp"]
