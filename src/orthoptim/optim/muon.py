@@ -551,7 +551,8 @@ class Muon(MatrixOptimizer):
             self.batch_mb(group),
             in_place=in_place,
         )
-        record = telemetry.active()
+        # a custom (tensor-parallel) orthogonalizer's output may be a shard: not sampled
+        record = telemetry.active() if self.orthogonalizer is None else None
         for i, row, o, factor in blocks:
             if record is not None:
                 record.add_residual(names[i], updates[i].ndim, o)
