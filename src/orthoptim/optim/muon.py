@@ -64,7 +64,7 @@ from orthoptim.optim.lean import (
     stream_start,
     take_generator,
 )
-from orthoptim.optim.shapes import matrix_view
+from orthoptim.optim.shapes import matrix_view, stack_shape
 from orthoptim.optim.state import base_name
 
 # LR-scale conventions by their published names; LR_SCALE_ALIASES maps other libraries' spellings
@@ -468,16 +468,28 @@ class Muon(MatrixOptimizer):
         ortho = self.orthogonalized([u for u, _ in items], group, names, self.block_scale(group))
         return [self.finish(o, u, st, group) for o, (u, st) in zip(ortho, items)]
 
+    def lr_scale_factors(
+        self, shape: Sequence[int], group: dict[str, Any], name: str
+    ) -> tuple[float, ...]:
+        """The LR-scale factors (`lr_scale`) of parameter `name` of stored `shape`, seen as
+        [out, in]: one per row block of a `split` matrix whose blocks are scaled on their own,
+        else one for the whole."""
+        flip = is_transposed(group, name)
+        _, rows, cols = stack_shape(tuple(shape)[::-1] if flip else shape)
+        convention = group.get("lr_scale", "none")
+        blocks = split_of(group, name) if group.get("split") else None
+        if blocks is None or self.block_scale(group) == "none":  # scaled as a whole
+            return (lr_scale_factor(convention, rows, cols),)
+        return tuple(lr_scale_factor(convention, b, cols) for b in blocks)
+
     def lr_factor(self, param: Tensor, group: dict[str, Any], name: str) -> float:
-        """The group's LR scale (`lr_scale`) for the matrix `param` stands for, seen as
-        [out, in]: the mean over its row blocks (`split`), weighted by their rows."""
-        shape = param.shape
-        if is_transposed(group, name):
-            shape = torch.Size((shape[1], shape[0]))
-        rows, cols = matrix_view(torch.empty(shape, device="meta")).shape[-2:]
-        blocks = (split_of(group, name) if group.get("split") else None) or (rows,)
-        scale = group.get("lr_scale", "none")
-        return sum(b * lr_scale_factor(scale, b, cols) for b in blocks) / sum(blocks)
+        """`lr_scale_factors` of `param`, a split matrix's averaged over its row blocks,
+        weighted by their rows."""
+        factors = self.lr_scale_factors(param.shape, group, name)
+        if len(factors) == 1:
+            return factors[0]
+        blocks = split_of(group, name)
+        return sum(b * f for b, f in zip(blocks, factors)) / sum(blocks)
 
     def block_scale(self, group: dict[str, Any]) -> LRScale:
         """The LR-scale convention applied to each orthogonalized block (Muon: `lr_scale`)."""

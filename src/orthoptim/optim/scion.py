@@ -99,6 +99,14 @@ class Scion(Muon):
         """The norm of parameter `name`: as `norms` says, else by its number of dims."""
         return group["norms"].get(base_name(name), "spectral" if ndim >= 2 else "bias_rms")
 
+    def lr_scale_factors(
+        self, shape: Sequence[int], group: dict[str, Any], name: str
+    ) -> tuple[float, ...]:
+        """Muon's for a parameter under the spectral norm; 1 for the others (not scaled)."""
+        if self.norm_of(group, name, len(shape)) != "spectral":
+            return (1.0,)
+        return super().lr_scale_factors(shape, group, name)
+
     def oriented_directions(
         self, items: Prepared, group: Group, names: Sequence[str]
     ) -> Directions:

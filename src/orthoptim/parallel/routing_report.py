@@ -33,11 +33,10 @@ from orthoptim import collectives as C
 from orthoptim.fileio import atomic_write_json
 from orthoptim.optim.adamw import LeanAdamW
 from orthoptim.optim.hybrid import HybridOptimizer
-from orthoptim.optim.muon import Muon, is_transposed, lr_scale_factor, split_of
+from orthoptim.optim.muon import Muon, is_transposed
 from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, MATRIX_OPTIMIZERS
 from orthoptim.optim.routing import stored_in_out
 from orthoptim.optim.scion import Scion
-from orthoptim.optim.shapes import stack_shape
 from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.fsdp import FSDPOptimizer
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer, unit_label
@@ -113,18 +112,13 @@ def _groups(opt: torch.optim.Optimizer) -> list[tuple[dict[str, Any], dict[str, 
     return [(g, g, opt) for g in opt.param_groups]
 
 
-def _scale(inner: Any, group: dict[str, Any], name: str, shape: tuple[int, ...], flip: bool):
+def _scale(inner: Any, group: dict[str, Any], name: str, shape: tuple[int, ...]):
     """(convention, factors) of parameter `name` stepped by `inner` under `group`."""
     if not isinstance(inner, Muon) or len(shape) < 2:
         return "none", (1.0,)
     if isinstance(inner, Scion) and inner.norm_of(group, name, len(shape)) != "spectral":
         return "none", (1.0,)
-    convention = group.get("lr_scale", "none")
-    _, rows, cols = stack_shape(shape[::-1] if flip else shape)
-    blocks = split_of(group, name) if group.get("split") else None
-    if blocks is None or inner.block_scale(group) == "none":  # scaled as a whole
-        return convention, (lr_scale_factor(convention, rows, cols),)
-    return convention, tuple(lr_scale_factor(convention, b, cols) for b in blocks)
+    return group.get("lr_scale", "none"), inner.lr_scale_factors(shape, group, name)
 
 
 def _ranges(items: list[tuple[int, int, int]]) -> str:
@@ -198,8 +192,7 @@ def routing_report(opt: torch.optim.Optimizer, model: nn.Module) -> list[ParamRo
             orientation = TRANSPOSED
         else:
             orientation = AS_STORED if name in in_out else ORIENTED
-        flip = orientation == TRANSPOSED
-        scale, factors = _scale(inner, named, name, shape, flip)
+        scale, factors = _scale(inner, named, name, shape)
         owner = owners.get(name, "all")
         records.append(ParamRoute(name, shape, kind, lr, scale, factors, orientation, owner))
     return records
