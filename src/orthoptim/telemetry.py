@@ -80,7 +80,9 @@ class Telemetry:
     ) -> None:
         self.optimizer = optimizer
         self.clock = clock
-        self.model = model
+        named = list(model.named_parameters()) if model is not None else []
+        self.ndims = {n: p.ndim for n, p in named}
+        self.names = {id(p): n for n, p in named}
         if distributed is None:
             distributed = (
                 isinstance(optimizer, DistributedOptimizer)
@@ -107,7 +109,7 @@ class Telemetry:
         if not active:
             yield
             return
-        record = recorder.StepRecord(self.model)
+        record = recorder.StepRecord(self.ndims, self.names)
         self._sync()
         start = self.clock()
         with recorder.recording(record):

@@ -114,14 +114,15 @@ class StepRecord:
     """The sums of one recorded step, per class (`FIELDS`), kept on the device; `sample`
     says which classes still want a Newton-Schulz residual on this rank."""
 
-    def __init__(self, model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self, ndims: dict[str, int] | None = None, names: dict[int, str] | None = None
+    ) -> None:
         self.sums: Tensor | None = None
         self.sampled: set[str] = set()
-        named = list(model.named_parameters()) if model is not None else []
         #: the model's parameters' dimensions by name: a flat shard is classed as its whole
-        self.ndims = {n: p.ndim for n, p in named}
-        #: the model's names of its parameters, for optimizers that do not name them
-        self.names = {id(p): n for n, p in named}
+        self.ndims = ndims or {}
+        #: the model's names of its parameters (id → name), for optimizers that do not name them
+        self.names = names or {}
 
     def class_of(self, name: str, ndim: int) -> str:
         """`param_class` of `name`, by the whole parameter's dimensions where known."""
