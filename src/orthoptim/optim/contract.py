@@ -159,10 +159,7 @@ class MatrixOptimizer(GuardedOptimizer):
         record = telemetry.active()
         found = self.directions(items, group, names)
         for p, (_, state), d, moves, name in zip(params, items, found, moving, names):
-            if record is not None:
-                telemetry.apply_recorded(record, self, p, d if moves else None, state, group, name)
-            else:
-                self.apply(p, d if moves else None, state, group)
+            telemetry.apply_recorded(record, self, p, d if moves else None, state, group, name)
 
 
 Scalar = float | Tensor  # a hyper-parameter the step reads: a float or a 1-element tensor

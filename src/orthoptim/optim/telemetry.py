@@ -228,7 +228,7 @@ def lr_of(group: dict[str, Any]) -> float:
 
 @torch.no_grad()
 def apply_recorded(
-    record: StepRecord,
+    record: StepRecord | None,
     optimizer: Any,
     param: Tensor,
     direction: Tensor | None,
@@ -237,10 +237,11 @@ def apply_recorded(
     name: str,
     whole: Tensor | None = None,
 ) -> None:
-    """`optimizer.apply(param, direction, state, group)` with its update recorded: the
-    parameter's local tensor is copied first (one parameter at a time, recorded steps only).
-    `whole`: the parameter `param` is a shard of (its shape gives the LR scale)."""
-    if direction is None:
+    """`optimizer.apply(param, direction, state, group)`, with its update recorded into
+    `record` when there is one: the parameter's local tensor is copied first (one parameter
+    at a time, recorded steps only). `whole`: the parameter `param` is a shard of (its shape
+    gives the LR scale)."""
+    if record is None or direction is None:
         optimizer.apply(param, direction, state, group)
         return
     local = local_shard(param)

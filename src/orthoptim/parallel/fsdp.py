@@ -353,6 +353,7 @@ class FSDPOptimizer(DistributedOptimizer):
         rows: dict[int, Tensor] = {}
         for x in buckets:
             rows.update(self._receive_back(x))
+        record = telemetry.active()
         for m in live:
             if m.param.grad is None:
                 continue
@@ -360,11 +361,7 @@ class FSDPOptimizer(DistributedOptimizer):
             d = rows.get(m.unit, p.new_zeros(0)).view(p.shape).to(state_dtype(m.param))
             local = self._local(m)
             d = d if moving[m.unit] else None
-            record = telemetry.active()
-            if record is not None:
-                telemetry.apply_recorded(record, opt, p, d, local, m.group, m.name, m.param)
-            else:
-                opt.apply(p, d, local, m.group)
+            telemetry.apply_recorded(record, opt, p, d, local, m.group, m.name, m.param)
             self._keep(m, local)
 
     def _send(self, x: _Exchange, updates: dict[int, Tensor]) -> None:
