@@ -48,6 +48,20 @@ DEFAULT_GRAD_CLIP = 1.0
 # What `--save-on-signal` takes besides SIGTERM (always handled): the signals schedulers send
 # ahead of a stop (Slurm's --signal: SIGUSR1 by default; SIGXCPU at a CPU limit). SIGINT keeps
 # Ctrl-C's meaning; SIGKILL and SIGSTOP cannot be caught.
+# What `--reproducible` guarantees (the one line each refusal ends with).
+REPRODUCIBLE_SCOPE = (
+    "the bitwise guarantee covers data parallelism only: the layer-wise optimizer at a "
+    "power-of-two number of data-parallel ranks dividing a power-of-two number of "
+    "micro-batches (--global-batch / --batch), the built-in GPT, no --tp, --ep, --pp, --fsdp "
+    "or --compile"
+)
+
+
+def is_power_of_two(n: int) -> bool:
+    """Whether `n` is 1, 2, 4, 8, ..."""
+    return n >= 1 and n & (n - 1) == 0
+
+
 SAVE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
 
 
@@ -60,7 +74,11 @@ class TrainArgs:
     config: str = "tiny"
     hf_config: str | None = None  # a transformers model (preset or config.json) to train
     steps: int = 200
-    batch: int = 16  # sequences per rank per step
+    batch: int = 16  # sequences per rank per micro-batch (per step without --global-batch)
+    # sequences per optimizer step over every data-parallel rank; None → batch · dp (no
+    # accumulation). Given, each rank accumulates global_batch / (batch · dp) micro-batches.
+    global_batch: int | None = None
+    reproducible: bool = False  # bitwise the same run at every data-parallel size
     lr: float | None = None  # None → DEFAULT_LR[optimizer]
     adamw_lr: float | None = None  # None → DEFAULT_ADAMW_LR (embeddings, head, gains)
     weight_decay: float | None = None  # None → 0, or with --resume the checkpoint's
@@ -106,6 +124,7 @@ class TrainArgs:
         self._validate_numbers()
         self._validate_parallel()
         self._validate_combinations()
+        self._validate_reproducible()
 
     def _validate_choices(self) -> None:
         """The flags that name one of a set: --optimizer, --elementwise, --precision and
@@ -163,6 +182,13 @@ class TrainArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.global_batch is not None and (
+            self.global_batch < 1 or self.global_batch % self.batch
+        ):
+            raise ValueError(
+                f"--global-batch must be a positive multiple of --batch {self.batch} (it is "
+                f"split into micro-batches of --batch sequences), got {self.global_batch}"
+            )
         if self.log_every < 0:
             raise ValueError(f"--log-every must be >= 0 (0: no telemetry), got {self.log_every}")
         if self.qk_clip is not None and not (math.isfinite(self.qk_clip) and self.qk_clip >= 0):
@@ -319,6 +345,71 @@ class TrainArgs:
                 "--pp-schedule gpipe"
             )
 
+    def _validate_reproducible(self) -> None:
+        """--reproducible against the flags whose layouts its guarantee does not cover (the
+        data-parallel size against --global-batch is `accumulation`'s)."""
+        if not self.reproducible:
+            return
+        if self.global_batch is None:
+            raise ValueError(
+                "--reproducible needs --global-batch G (the sequences of one step, the same "
+                f"at every --nproc); {REPRODUCIBLE_SCOPE}"
+            )
+        outside = [
+            f"--{name} {getattr(self, name)}"
+            for name in ("tp", "ep", "pp")
+            if getattr(self, name) > 1
+        ]
+        outside += [f"--{name}" for name in ("fsdp", "compile") if getattr(self, name)]
+        if self.hf_config is not None:
+            outside.append("--hf-config")
+        if outside:
+            raise ValueError(
+                f"--reproducible with {' '.join(outside)}: {REPRODUCIBLE_SCOPE}; drop "
+                f"{' and '.join(outside)} or --reproducible"
+            )
+        micro = self.global_batch // self.batch
+        if not is_power_of_two(micro):
+            raise ValueError(
+                f"--reproducible with --global-batch {self.global_batch} / --batch {self.batch} "
+                f"= {micro} micro-batches, not a power of two: {REPRODUCIBLE_SCOPE}; pass a "
+                "--global-batch of --batch × 1, 2, 4, 8, ..."
+            )
+
+    def accumulation(self, nproc: int) -> int:
+        """The micro-batches each data-parallel rank runs per step at `nproc` ranks:
+        --global-batch / (--batch · dp), 1 without --global-batch; a --global-batch the
+        data-parallel size does not divide, or (under --reproducible) a data-parallel size
+        that is not a power of two, is refused naming the flags."""
+        dims = self.layout(nproc)
+        if self.global_batch is None:
+            return 1
+        micro = self.global_batch // self.batch
+        if micro % dims.dp:
+            raise ValueError(
+                f"--global-batch {self.global_batch} is {micro} micro-batches of --batch "
+                f"{self.batch}, which {dims.dp} data-parallel ranks (--nproc {nproc}) cannot "
+                f"share evenly; pass a --global-batch that --batch × {dims.dp} divides, or "
+                f"another --nproc"
+            )
+        if self.reproducible and not is_power_of_two(dims.dp):
+            raise ValueError(
+                f"--reproducible at {dims.dp} data-parallel ranks (--nproc {nproc}), not a "
+                f"power of two: {REPRODUCIBLE_SCOPE}; pass --nproc 1, 2, 4, 8, ..."
+            )
+        if self.pp > 1 and micro != dims.dp:
+            raise ValueError(
+                f"--global-batch {self.global_batch} with --pp {self.pp} asks for "
+                f"{micro // dims.dp} micro-batches per rank; the pipeline splits --batch into "
+                f"its own --microbatches instead: pass --global-batch "
+                f"{self.batch * dims.dp} (--batch × dp) or leave it off"
+            )
+        return micro // dims.dp
+
+    def global_batch_at(self, nproc: int) -> int:
+        """Sequences per optimizer step at `nproc` ranks: --global-batch, or --batch · dp."""
+        return self.global_batch or self.batch * self.layout(nproc).dp
+
     @property
     def n_microbatches(self) -> int:
         """The pipeline's micro-batches per step (--microbatches; default --pp)."""
@@ -353,7 +444,7 @@ class TrainArgs:
         unsharded model)."""
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
-        self.layout(nproc)
+        self.accumulation(nproc)  # the layout, and --global-batch against it
         if self.fsdp and nproc == 1 and self.param_dtype_on(device_type) == "bf16":
             auto = " (the default on CUDA)" if self.param_dtype == "auto" else ""
             raise ValueError(

@@ -155,7 +155,33 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
     )
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=d.batch,
+        help="sequences per micro-batch: per rank per step without --global-batch "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="G",
+        help="sequences per optimizer step whatever the layout: G / --batch micro-batches, "
+        "micro-batch j of a step the same sequences at every --nproc, each data-parallel rank "
+        "accumulating G / (--batch × dp) of them (a G that does not divide is refused); a run "
+        "resumes at another --nproc on the same data (default: --batch × dp, no accumulation)",
+    )
+    p.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="bitwise the same weights and logged losses and gradient norms at every --nproc "
+        "(and resumed at another): needs --global-batch (not derived: the default follows "
+        "--nproc); the layer-wise optimizer with reproducible=True, each rank on 1 intra-op "
+        "thread, losses summed in a fixed order. Covers a power-of-two number of micro-batches "
+        "split over a power-of-two --nproc; refuses --tp, --ep, --pp, --fsdp, --compile and "
+        "--hf-config. Times, tokens/s and telemetry stay outside the guarantee",
+    )
     p.add_argument(
         "--lr",
         type=float,

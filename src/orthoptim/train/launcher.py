@@ -31,6 +31,7 @@ from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import load_corpus
 from orthoptim.train.devices import plan_ranks
 from orthoptim.train.loop import Preempted, StopRequest, setup_logging, train
+from orthoptim.train.microbatch import REPRODUCIBLE_THREADS, fixed_threads
 from orthoptim.train.model import get_config
 from orthoptim.train.runfolder import (
     RunLogHandler,
@@ -166,7 +167,9 @@ def _stop_on_signals(args: TrainArgs) -> Iterator[StopRequest]:
 
 
 def _run_rank(args: TrainArgs, stop: StopRequest) -> dict[str, Any]:
-    """One rank's training, --out already checked."""
+    """One rank's training, --out already checked; under --reproducible with
+    REPRODUCIBLE_THREADS intra-op threads whatever --nproc and OMP_NUM_THREADS (the thread
+    count before restored after)."""
     args.validate()
     rank, world_size, device = _init_distributed(args.shared_gpu, args.pg_timeout)
     out = Path(args.out)
@@ -174,7 +177,8 @@ def _run_rank(args: TrainArgs, stop: StopRequest) -> dict[str, Any]:
     collectives.barrier()
     log = setup_logging(out, rank)
     try:
-        return train(args, rank, world_size, device, out, log, stop)
+        with fixed_threads(REPRODUCIBLE_THREADS if args.reproducible else None):
+            return train(args, rank, world_size, device, out, log, stop)
     finally:
         _close(log)
 
@@ -268,9 +272,11 @@ def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
         signals_to_handle=",".join(n for n in handled if n),
         logs_specs=_Attempts(args, nproc, watchdog),
     )
-    # Ranks share this machine's cores; one thread each unless the user set OMP_NUM_THREADS.
+    # Ranks share this machine's cores: cores / nproc threads each unless the user set
+    # OMP_NUM_THREADS; under --reproducible REPRODUCIBLE_THREADS at every --nproc.
     saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = saved or str(max(1, (os.cpu_count() or 1) // nproc))
+    threads = saved or str(max(1, (os.cpu_count() or 1) // nproc))
+    os.environ["OMP_NUM_THREADS"] = str(REPRODUCIBLE_THREADS) if args.reproducible else threads
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, *args.stop_signals)}
     _start_resource_tracker(args.stop_signals)
     started = time.time()

@@ -59,9 +59,16 @@ from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 from orthoptim.telemetry import Telemetry, comm_totals
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.board import Board
-from orthoptim.train.data import get_batch, load_corpus, val_batches
+from orthoptim.train.data import load_corpus, val_batches
 from orthoptim.train.devices import autocast, resolve_precision
 from orthoptim.train.hf import build_hf_model
+from orthoptim.train.microbatch import (
+    forward_backward,
+    micro_batches,
+    ordered_evaluate,
+    rank_block,
+    step_loss,
+)
 from orthoptim.train.model import (
     GPT,
     compile_blocks,
@@ -132,16 +139,17 @@ def make_optimizer(
     with a `TensorParallelOrthogonalizer` (auto mode: duplicated, distributed or, for a
     float32 iteration, gram per shape, by its cost model). `param_dtype` "bf16" without
     --fsdp: the layer-wise optimizer (on one rank too) holds the parameters in bf16 and fp32
-    masters of what it owns."""
+    masters of what it owns. --reproducible: the layer-wise optimizer with
+    reproducible=True, on one rank too."""
     kwargs = _optimizer_kwargs(args)
     if args.fsdp:
         return FSDPOptimizer(model, optimizer=args.optimizer, **kwargs)
     low = low_precision(param_dtype)
     # The keyword only for low precision: fp32 runs build the optimizer they always built.
     masters = {} if low is None else dict(param_dtype=low)
-    if world_size == 1 and low is None:
+    if world_size == 1 and low is None and not args.reproducible:
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
-    groups: dict[str, Any] = {}
+    groups: dict[str, Any] = dict(reproducible=True) if args.reproducible else {}
     if mesh is not None:
         groups = dict(layout=mesh)
         if mesh.dims.tp > 1:
@@ -194,6 +202,7 @@ def evaluate(
     lockstep: bool = False,
     precision: str = "fp32",
     pipeline: PipelineRunner | None = None,
+    ordered: bool = False,
 ) -> float:
     """Mean validation loss over the fixed batches, split across the `world_size`
     data-parallel ranks (`rank`: this one's index), in the run's `precision` ("bf16": under
@@ -203,7 +212,9 @@ def evaluate(
 
     `lockstep`: every rank runs the same number of forwards (a rank short of batches repeats
     one and ignores it), as a sharded model's or an expert-parallel one's forward is
-    collective."""
+    collective. `ordered` (--reproducible): `ordered_evaluate`, the same bits at every size."""
+    if ordered:
+        return ordered_evaluate(model, batches, rank, world_size, precision)
     model.eval()
     total, count = 0.0, 0.0
     rounds = -(-len(batches) // world_size)
@@ -296,7 +307,7 @@ class Run:
     clip: QKClip | None
     corpus: Any
     seq_len: int
-    batch: int  # sequences per data-parallel rank per step
+    batch: int  # sequences per micro-batch
     model_info: dict[str, Any]
     val: list[tuple[Tensor, Tensor]]
     precision: str
@@ -306,11 +317,13 @@ class Run:
     pipeline: PipelineRunner | None = None  # this rank's stage of the pipeline under --pp
     telemetry: Telemetry | None = None  # the optimizer's, recorded every --log-every steps
     saved_step: int | None = None  # the newest checkpoint's step, once resumed or saved
+    accumulation: int = 1  # micro-batches per data-parallel rank per step
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index: its batches are (seed, step, dp_rank)'s; the tp
-        ranks and pipeline stages of one index share them."""
+        """This rank's data-parallel index: it runs the global micro-batches
+        `rank_block(dp_rank, accumulation)` of each step; the tp ranks and pipeline stages of
+        one index share them."""
         return self.mesh.coord.dp
 
     @property
@@ -327,7 +340,7 @@ class Run:
     def tokens_per_step(self) -> int:
         """Tokens one step trains on over every rank (the tp ranks and the stages of a
         data-parallel index share its batch)."""
-        return self.batch * self.seq_len * self.dp_size
+        return self.batch * self.seq_len * self.dp_size * self.accumulation
 
 
 def build_run(
@@ -345,6 +358,7 @@ def build_run(
         build_hf_model(args.hf_config, cfg.seq_len) if args.hf_config else GPT(cfg)
     ).to(device)
     args.check_nproc(world_size, device.type)
+    accumulation = args.accumulation(world_size)
     param_dtype = args.param_dtype_on(device.type)
     if param_dtype == "fp64":
         model.to(torch.float64)
@@ -416,6 +430,7 @@ def build_run(
         mesh,
         parameters,
         pipeline,
+        accumulation=accumulation,
     )
 
 
@@ -445,9 +460,10 @@ def resume(
     row restored from the checkpoint when the file lost it).
 
     At another world size, tp or sharding the checkpoint is resharded on loading and the run
-    says what changed: each data-parallel rank keeps `--batch` sequences of its own
-    (seed, step, dp rank) batches, so the global batch follows the data-parallel size
-    (`layout_change`)."""
+    says what changed (`layout_change`): with --global-batch the step's micro-batches stay
+    what they were (keyed by their global index; each rank's share, the accumulation,
+    follows the data-parallel size); without it each data-parallel rank keeps `--batch`
+    sequences, so the global batch follows the data-parallel size."""
     wanted = [(g["initial_lr"], g.get("weight_decay")) for g in run.opt.param_groups]
     info = ckpt.load(run.model, run.opt, args, run.param_dtype)
     start = info["step"]
@@ -510,7 +526,8 @@ def train_step(
     world_size: int,
     stop: StopRequest | None = None,
 ) -> tuple[dict[str, Any], bool]:
-    """One step (LR schedule, forward, backward, clipping, optimizer step, QK-clip): its
+    """One step (LR schedule, forward and backward over the rank's micro-batches, clipping,
+    optimizer step, QK-clip): its
     metrics row, with the seconds it took (`step_time_s`, `opt_time_s`), and whether a `stop`
     was requested on any rank by the end of it (agreed in the loss sum, so every rank stops
     after the same step, though a signal may reach one a step later than another)."""
@@ -518,8 +535,10 @@ def train_step(
     mult = lr_multiplier(step, args)
     for g in opt.param_groups:
         g["lr"] = g["initial_lr"] * mult
-    x, y = get_batch(run.corpus.train, args.batch, run.seq_len, args.seed, step, run.dp_rank)
-    x, y = x.to(device), y.to(device)
+    block = rank_block(run.dp_rank, run.accumulation)
+    batches = micro_batches(
+        run.corpus.train, args.batch, run.seq_len, args.seed, step, block, device
+    )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -529,14 +548,7 @@ def train_step(
         # NCCL the last step's loss all-reduce, queued behind the gathers, has waited
         # for them already: only their copy into the parameters moves out of forward.)
         _params_ready(opt)
-    if run.pipeline is not None:
-        with autocast(device, run.precision):
-            loss = run.pipeline.step(x, y)  # the batch's mean loss, on every stage
-    else:
-        with autocast(device, run.precision):
-            out = run.model(x, y)
-        out.backward()
-        loss = out.item()
+    losses = forward_backward(run.model, opt, batches, device, run.precision, run.pipeline)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
@@ -556,9 +568,8 @@ def train_step(
     t2 = time.perf_counter()
     sent, received = comm_totals(opt)
     asked = float(stop is not None and stop.signal is not None)
-    with collectives.phase(f"training loss of step {step} (all-reduce)"):
-        # the mean over the data-parallel ranks: every rank of one dp index holds its loss
-        train_loss, stops = collectives.sum_floats([loss / world_size, asked])
+    with collectives.phase(f"training loss of step {step} (gathered)"):
+        train_loss, stops = step_loss(losses, asked, run.dp_rank, world_size, args.reproducible)
     if not math.isfinite(train_loss):
         raise FloatingPointError(f"training loss is {train_loss} at step {step}; {_advice(run)}")
     row: dict[str, Any] = dict(
@@ -615,6 +626,7 @@ def train(
             args.fsdp or run.lockstep,
             run.precision,
             run.pipeline,
+            ordered=args.reproducible,
         )
 
     val_loss = None

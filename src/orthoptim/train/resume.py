@@ -11,7 +11,7 @@ from orthoptim.train.args import TrainArgs
 
 RESUME_MUST_MATCH = (
     "optimizer", "elementwise", "config", "hf_config", "batch", "seed", "data", "steps",
-    "warmup", "min_lr_ratio", "state_dtype",
+    "warmup", "min_lr_ratio", "state_dtype", "global_batch", "reproducible",
 )  # fmt: skip
 # --nproc, --tp and --fsdp (the layout) may change: the checkpoint is resharded on loading
 # (`Checkpointer._read`), the change named (`layout_change`); so may --ep, whose checkpoints
@@ -84,9 +84,12 @@ def checkpoint_format(info: dict[str, Any]) -> CheckpointFormat:
 
 def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str | None:
     """How a resumed run's layout differs from its checkpoint's, in words, or None when it
-    does not: the changed flags, and the global batch (`--batch` sequences on each
-    data-parallel rank, so it follows the data-parallel size nproc / (pp · tp)), e.g.
-    "--nproc 2 → 3: global batch 32 → 48 sequences (3 data-parallel ranks × --batch 16)"."""
+    does not: the changed flags, and the global batch: with --global-batch the same
+    micro-batches, each rank's share of them following the data-parallel size, e.g.
+    "--nproc 2 → 4: global batch unchanged (8 sequences; micro-batches per rank 2 → 1)";
+    without it `--batch` sequences on each data-parallel rank, so it follows the
+    data-parallel size nproc / (pp · tp), e.g. "--nproc 2 → 3: global batch 32 → 48
+    sequences (3 data-parallel ranks × --batch 16)"."""
     saved = TrainArgs.from_dict(info["args"])
     before, after = int(info["world_size"]), world_size
     flags = [f"--nproc {before} → {after}"] if before != after else []
@@ -99,6 +102,15 @@ def layout_change(info: dict[str, Any], args: TrainArgs, world_size: int) -> str
     if not flags:
         return None
     dp_before, dp_after = before // (saved.tp * saved.pp), after // (args.tp * args.pp)
+    if args.global_batch is not None:  # the checkpoint's too (`RESUME_MUST_MATCH`)
+        micro = args.global_batch // args.batch
+        share = f"micro-batches per rank {micro // dp_before} → {micro // dp_after}"
+        same = dp_before == dp_after
+        return ", ".join(flags) + (
+            f": global batch unchanged ({args.global_batch} sequences"
+            + ("" if same else f"; {share}")
+            + ")"
+        )
     if dp_before == dp_after:
         batch = f"global batch unchanged ({dp_after * args.batch} sequences)"
     else:
