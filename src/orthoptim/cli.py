@@ -18,6 +18,7 @@ from orthoptim import __version__
 SUBCOMMAND_MODULES = (
     "orthoptim.demo",
     "orthoptim.train.cli",
+    "orthoptim.train.verify",
     "orthoptim.bench.cli",
     "orthoptim.plan",
     "orthoptim.train.routing_cli",
