@@ -379,8 +379,8 @@ class TrainArgs:
     def accumulation(self, nproc: int) -> int:
         """The micro-batches each data-parallel rank runs per step at `nproc` ranks:
         --global-batch / (--batch · dp), 1 without --global-batch; a --global-batch the
-        data-parallel size does not divide, or (under --reproducible) a data-parallel size
-        that is not a power of two, is refused naming the flags."""
+        data-parallel size does not divide is refused naming the flags (under --reproducible
+        the micro-batches are a power of two, so a size that divides them is one too)."""
         dims = self.layout(nproc)
         if self.global_batch is None:
             return 1
@@ -391,11 +391,6 @@ class TrainArgs:
                 f"{self.batch}, which {dims.dp} data-parallel ranks (--nproc {nproc}) cannot "
                 f"share evenly; pass a --global-batch that --batch × {dims.dp} divides, or "
                 f"another --nproc"
-            )
-        if self.reproducible and not is_power_of_two(dims.dp):
-            raise ValueError(
-                f"--reproducible at {dims.dp} data-parallel ranks (--nproc {nproc}), not a "
-                f"power of two: {REPRODUCIBLE_SCOPE}; pass --nproc 1, 2, 4, 8, ..."
             )
         if self.pp > 1 and micro != dims.dp:
             raise ValueError(
