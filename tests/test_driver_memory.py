@@ -35,7 +35,7 @@ def _layerwise(rank, world_size):
     loss_fn(model, x, y).backward()
     opt.step()
     opt.wait_for_params()
-    flats = [b for b in opt._buckets if b.n > 1]
+    flats = [b for b in opt.grad_sync.buckets if b.n > 1]
     viewed = all(
         any(p.untyped_storage().data_ptr() == b.params.untyped_storage().data_ptr() for b in flats)
         for p in model.parameters()

@@ -117,7 +117,7 @@ def _contribution(j: int, shape: tuple[int, ...], salt: int) -> torch.Tensor:
 
 def _owned_grads(opt: LayerwiseDistributedOptimizer) -> dict[str, torch.Tensor]:
     """The reduced gradient of every unit this rank owns (after clip_grad_norm_ reduced them)."""
-    return {s.name: b.shard_view(s).clone() for b in opt._buckets for s in b.mine}
+    return {s.name: b.shard_view(s).clone() for b in opt.grad_sync.buckets for s in b.mine}
 
 
 def _expert_scaling(rank: int, world: int) -> dict:

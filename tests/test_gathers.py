@@ -59,7 +59,7 @@ def _train(rank, world_size):
     model = make_model()
     # One unit per bucket: child's bucket is waited for by no module that runs.
     opt = LayerwiseDistributedOptimizer(model, bucket_mb=1e-5, overlap_param_gather=True, **KW)
-    assert len(opt._buckets) > 3
+    assert len(opt.grad_sync.buckets) > 3
     per = BATCH // world_size
     for step in range(STEPS):
         x, y = batch(step)

@@ -205,7 +205,7 @@ def _checks(rank: int, world: int) -> dict[str, list]:
         torch.manual_seed(0)
         model = MLP()
         opt = LayerwiseDistributedOptimizer(model, bucket_mb=0.0005, **kw)
-        out[name + " owned buckets"] = sum(bool(b.mine) for b in opt._buckets)
+        out[name + " owned buckets"] = sum(bool(b.mine) for b in opt.grad_sync.buckets)
         out[name] = _steps(model, opt, clip=True, rank=rank, world=world)
         out[name + " error_if_nonfinite"] = [
             counted(lambda o=opt: o.clip_grad_norm_(1.0, error_if_nonfinite=True))

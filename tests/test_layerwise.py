@@ -300,8 +300,8 @@ def test_world_size_one_holds_no_buffer_and_rounds_at_the_step():
     opt = LayerwiseDistributedOptimizer(
         model, **CONFIGS["hybrid"], bucket_mb=0.01, gather_dtype=torch.bfloat16
     )
-    assert len(opt._buckets) > 1
-    for b in opt._buckets:
+    assert len(opt.grad_sync.buckets) > 1
+    for b in opt.grad_sync.buckets:
         assert (b.grads, b.params, b.gathered) == (None,) * 3
     for step in range(2):
         loss_fn(model, *batch(step)).backward()

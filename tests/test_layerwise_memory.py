@@ -34,7 +34,7 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _padding(opt: LayerwiseDistributedOptimizer) -> list[float]:
     """Each communicating bucket's padding as a fraction of the elements it holds."""
     out = []
-    for b in opt._buckets:
+    for b in opt.grad_sync.buckets:
         if b.n > 1:
             held = sum(s.numel for s in b.slots)
             out.append((b.numel - held) / held)
@@ -60,14 +60,14 @@ def _views_and_bf16(rank, world_size):
     opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.03)
     x, y = batch(0)
     loss_fn(model, x, y).backward()
-    flats = [b for b in opt._buckets if b.n > 1]
+    flats = [b for b in opt.grad_sync.buckets if b.n > 1]
     params = {n: p for n, p in model.named_parameters()}
     out["param_views"] = {n: any(_shares(p, b.params) for b in flats) for n, p in params.items()}
     out["grad_views"] = {
         n: p.grad is not None and any(_shares(p.grad, b.grads) for b in flats)
         for n, p in params.items()
     }
-    out["buffers"] = [t.numel() for b in opt._buckets for t in b.buffers()]
+    out["buffers"] = [t.numel() for b in opt.grad_sync.buckets for t in b.buffers()]
     out["padding"] = _padding(opt)
     out["modes"] = {b.width is not None for b in flats}
     # a second backward without set_to_none accumulates into the same views
@@ -106,7 +106,7 @@ def _views_and_bf16(rank, world_size):
             model.to("cpu:0")
         _train(rank, world_size, model, opt)
         out[f"moved={move}"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        flats = [b.params for b in opt._buckets if b.n > 1]
+        flats = [b.params for b in opt.grad_sync.buckets if b.n > 1]
         out[f"moved={move} views"] = all(
             any(_shares(p, f) for f in flats) for p in model.parameters()
         )
@@ -168,9 +168,9 @@ def test_padding_and_buffers_at_any_world_size(world):
         model = TinyGPT(d=64, layers=4)
         opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.05)
         assert max(_padding(opt)) <= MAX_PADDING
-        assert [t for b in opt._buckets for t in b.buffers()] == []
+        assert [t for b in opt.grad_sync.buckets for t in b.buffers()] == []
         held = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        flat = sum(b.numel for b in opt._buckets if b.n > 1)
+        flat = sum(b.numel for b in opt.grad_sync.buckets if b.n > 1)
         assert held <= flat <= (1 + MAX_PADDING) * held
         assert all(isinstance(p, nn.Parameter) for p in model.parameters())
 
@@ -194,10 +194,12 @@ def test_split_experts_across_buckets_stay_views(world, bucket_mb):
         buckets: dict[int, set[int]] = {}
         for s in opt._slots:
             if s.param.ndim == 3:
-                buckets.setdefault(id(s.param), set()).add(id(opt._bucket_of[s.unit]))
+                buckets.setdefault(id(s.param), set()).add(id(opt.grad_sync.bucket_of[s.unit]))
         assert max(len(b) for b in buckets.values()) > 1  # a stack across buckets
-        assert opt._copied == set()
-        assert len(opt._viewed) == sum(1 for p in model.parameters() if p.requires_grad)
+        assert opt.grad_sync.flat.copied == set()
+        assert len(opt.grad_sync.flat.viewed) == sum(
+            1 for p in model.parameters() if p.requires_grad
+        )
 
 
 def test_buckets_inside_another_range_go_last_in_the_buffers():

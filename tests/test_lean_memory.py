@@ -68,7 +68,7 @@ def test_groups_of_one_rank_step_bucket_by_bucket_as_the_reference() -> None:
     opt = LayerwiseDistributedOptimizer(
         model, **CONFIGS["hybrid"], bucket_mb=0.03, param_dtype=torch.bfloat16
     )
-    assert sum(1 for b in opt._buckets if b.mine) > 2  # several converted buckets
+    assert sum(1 for b in opt.grad_sync.buckets if b.mine) > 2  # several converted buckets
     ref = make_model()
     masters = copy.deepcopy(ref)
     ref.to(torch.bfloat16)
@@ -116,7 +116,7 @@ def _bf16_experts_ranks(rank, world_size):
         model, expert_group=groups[rank], split_experts=True, bucket_mb=1e-4,
         param_dtype=torch.bfloat16, **kw,
     )  # fmt: skip
-    converted = sum(1 for b in opt._buckets if b.n == 1 and b.mine)
+    converted = sum(1 for b in opt.grad_sync.buckets if b.n == 1 and b.mine)
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         batches = [torch.randn(8, 6, generator=g).bfloat16() for _ in range(world_size)]

@@ -148,12 +148,12 @@ def _state(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
 
 def _buffers(opt: LayerwiseDistributedOptimizer) -> list[torch.Tensor]:
     """What every bucket of a layer-wise optimizer holds beyond parameters and gradients."""
-    return [t for b in opt._buckets for t in b.buffers()]
+    return [t for b in opt.grad_sync.buckets for t in b.buffers()]
 
 
 def _bucket_rest(opt: LayerwiseDistributedOptimizer) -> list[torch.Tensor]:
     """Every bucket's other tensors: its flat parameters and gradients."""
-    return [t for b in opt._buckets for t in (b.params, b.grads) if t is not None]
+    return [t for b in opt.grad_sync.buckets for t in (b.params, b.grads) if t is not None]
 
 
 def measure(
@@ -362,7 +362,7 @@ def test_a_group_of_one_rank_holds_no_buffer(rank):
                 m, "muon", lr=0.01, route=lambda n, p: kinds[base_name(n)] == "muon",
                 split_experts=True, expert_group=expert_group,
             )  # fmt: skip
-            assert any(b.n == 1 for b in opt._buckets) == (expert_group is not None)
+            assert any(b.n == 1 for b in opt.grad_sync.buckets) == (expert_group is not None)
             # past the parameters' own storages (a world-1 group's, which no flat holds)
             held = {"params": list(m.parameters()), "buckets": _buffers(opt) + _bucket_rest(opt)}
             return _count(held, 0)["buckets"]

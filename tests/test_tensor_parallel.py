@@ -474,7 +474,7 @@ def _gpt_2d(mesh, mode, ckpt_dir=None, optimizer="muon"):
         "modes": set(orth.last_modes),
         "owners": opt.assignment.owners,
         "units": [(u.name, u.shape, u.nbytes) for u in opt.units],
-        "buckets": [len(b.owners) == 1 for b in opt._buckets],
+        "buckets": [len(b.owners) == 1 for b in opt.grad_sync.buckets],
         "comm": opt.comm_stats(),
         "expected_comm": opt.expected_comm_bytes(),
     }

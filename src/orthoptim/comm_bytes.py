@@ -57,6 +57,14 @@ class CommStats:
         self.received.clear()
         self.calls.clear()
 
+    def copy(self) -> CommStats:
+        """A copy of what was recorded so far (the driver keeps its last step's)."""
+        out = CommStats()
+        out.sent.update(self.sent)
+        out.received.update(self.received)
+        out.calls.update(self.calls)
+        return out
+
     def as_dict(self) -> dict[str, dict[str, float]]:
         """{kind: {"sent": bytes, "received": bytes, "calls": n}} plus a "total" entry."""
         out: dict[str, dict[str, float]] = {

@@ -69,6 +69,9 @@ class MatrixOptimizer(GuardedOptimizer):
     #: the gradients are the caller's scratch (the layer-wise optimizer's reduced buffers):
     #: `prepare` may compute the update in their storage instead of a tensor of its own
     consumes_grads: bool = False
+    #: same-shape matrices may be batched into one call (how many a rank holds may follow the
+    #: layout); False: each matrix on its own, its path and batch the same on any layout
+    batch_matrices: bool = True
     marks_stepped = True
     #: its steps record their updates in telemetry themselves (`step_params`)
     records_updates = True

@@ -597,9 +597,12 @@ class Muon(MatrixOptimizer):
 
     def stacks(self, device: torch.device) -> bool:
         """Whether same-shape blocks on `device` go to the orthogonalizer as one stack: always
-        for a custom one (one call, e.g. one collective, per shape), else where batched
-        Newton-Schulz pays (`stacking_pays`)."""
-        return self.orthogonalizer is not None or stacking_pays(device)
+        for a custom one (one call, e.g. one collective, per shape), never when matrices must
+        not be batched (`batch_matrices`), else where batched Newton-Schulz pays
+        (`stacking_pays`)."""
+        if self.orthogonalizer is not None:
+            return True
+        return self.batch_matrices and stacking_pays(device)
 
     def batch_mb(self, group: dict[str, Any]) -> float | None:
         """The cap on one stacked call (`ns_batch_mb`): Newton-Schulz's; a custom

@@ -153,6 +153,10 @@ class DistributedOptimizer(CompositeOptimizer):
         }
         self.param_set = ParamSet(type(self).__name__, self.named)
         self.accumulating = 0  # how many no_sync() blocks are open
+        # this step's bytes, one counter for the driver's life (its gradient sync records in
+        # it), and the last step's, a copy
+        self._stats = C.CommStats()
+        self._last_stats = C.CommStats()
 
     def _bind_groups(
         self,
@@ -188,8 +192,6 @@ class DistributedOptimizer(CompositeOptimizer):
         own (`adopt`)."""
         CompositeOptimizer.__init__(self, self.named.values())
         self.adopt(groups, self.state if state is None else state, defaults)
-        self._stats = C.CommStats()
-        self._last_stats = C.CommStats()
         self._built = True
         C.finish_at_exit(self)  # `wait_for_params()` at interpreter exit
 
@@ -245,8 +247,8 @@ class DistributedOptimizer(CompositeOptimizer):
             self._end_owned()
         if not skip:
             self._after_step()
-        self._last_stats = self._stats
-        self._stats = C.CommStats()
+        self._last_stats = self._stats.copy()
+        self._stats.reset()
         return loss
 
     def refusal(self) -> list[str]:

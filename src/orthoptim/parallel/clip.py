@@ -4,7 +4,8 @@ Each rank sums the `norm_type`-th powers of the gradient elements it is responsi
 (`power_sum`; the max of their magnitudes for the inf-norm), ONE small all-reduce per group
 (sum; max for the inf-norm) gives the model's total on every rank (`total_norm`), and each
 rank scales its gradients by torch's coefficient (`clip_coefficient`), as
-`torch.nn.utils.clip_grad_norm_` does on a single process.
+`torch.nn.utils.clip_grad_norm_` does on a single process. `ordered_clip_` is the same clip
+with a norm summed in a fixed tree (`reproducible=True`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from orthoptim import collectives as C
 from orthoptim import host
+from orthoptim.parallel.ordered import tree_power_sum, tree_total
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -107,6 +109,43 @@ def clip_(
     the accumulator's), the same on every rank, as a tensor on the device."""
     p = check_norm_type(norm_type)
     total = total_norm(power_sum(counted, p, device), p, groups, stats=stats)
+    if error_if_nonfinite:
+        check_finite(total, p)
+    scale_(scaled, clip_coefficient(total, max_norm))
+    return total if dtype is None else total.to(dtype)
+
+
+def ordered_clip_(
+    items: Iterable[tuple[int, Tensor]],
+    n_items: int,
+    scaled: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    device: torch.device,
+    groups: Iterable[Any],
+    dtype: torch.dtype | None,
+    stats: C.CommStats | None = None,
+) -> Tensor:
+    """`clip_` with a norm whose bits do not depend on which rank holds what
+    (`reproducible=True`): each of the `n_items` fixed blocks (the model's units, each held
+    whole by one rank: `items` gives this rank's as (index, averaged gradient)) is summed in
+    the binary tree over its elements (`ordered.tree_power_sum`) into its place in a vector,
+    one all-reduce per group adds the vectors (one rank's term and zeros: exact), and the
+    vector is summed in the binary tree over the block index."""
+    p = check_norm_type(norm_type)
+    acc = accumulator_dtype(device)
+    parts = torch.zeros(n_items, dtype=acc, device=device)
+    for i, t in items:
+        parts[i] = tree_power_sum(t, p, acc).to(device)
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    for group in groups:
+        with C.phase("gradient norm (all-reduce)", group):
+            C.all_reduce(parts, op=op, group=group, stats=stats, kind="grad_norm")
+    if math.isinf(p):
+        total = parts.max() if n_items else parts.new_zeros(())
+    else:
+        total = tree_total(parts).pow(1.0 / p)
     if error_if_nonfinite:
         check_finite(total, p)
     scale_(scaled, clip_coefficient(total, max_norm))

@@ -202,7 +202,9 @@ class FSDPOptimizer(DistributedOptimizer):
     `state_dict_to` ("all" or "rank0": where `state_dict()` delivers the full, unsharded
     dict), `layout` (a `ParallelMesh` with ep = tp = 1, the model sharded over its dp group:
     the agreement and clipping also across its pp group); other keyword arguments go to
-    `build_optimizer` (`elementwise="lion"` included).
+    `build_optimizer` (`elementwise="lion"` included). `reproducible=True` is refused (FSDP2's
+    own accumulation and reduce-scatter decide the order of the sums): the layer-wise driver
+    has it.
     `optimizer`: any of `orthoptim.optim.registry.MATRIX_OPTIMIZERS`, or "adamw" (the
     baseline).
 
@@ -224,8 +226,16 @@ class FSDPOptimizer(DistributedOptimizer):
         nonfinite: NonfinitePolicy = "raise",
         state_dict_to: checkpoint.StateDictTo = "all",
         layout: Any = None,
+        reproducible: bool = False,
         **inner_kwargs: Any,
     ) -> None:
+        if reproducible:
+            raise ValueError(
+                "FSDPOptimizer(reproducible=True): FSDP2 sums the micro-batches in autograd's "
+                "order and reduce-scatters shards whose bounds follow the data-parallel size, "
+                "so its bits follow the layout; use LayerwiseDistributedOptimizer(model, "
+                "reproducible=True) for the same bits at every data-parallel size"
+            )
         check_choice("optimizer", optimizer, OPTIMIZER_NAMES)
         check_float_dtype("comm_dtype", comm_dtype)
         for name, module in model.named_modules() if isinstance(model, nn.Module) else []:

@@ -34,8 +34,12 @@ class Bucket:
     (a bucket of one owner is one region).
 
     A group of one rank (an expert group when ep = dp, or no process group) sends nothing and
-    holds no buffer: its gradients are used where autograd left them (`own`, read by
-    `finish_reduce`) and its parameters are stepped in place.
+    holds no buffer: its gradients are used where they are (`own`, set by `take_own`) and its
+    parameters are stepped in place.
+
+    How the gradients are reduced is the gradient sync's `Reduction`'s
+    (`orthoptim.parallel.layerwise.reduction`); the bucket keeps the layout, the slices and
+    its parameter gather.
     """
 
     def __init__(
@@ -78,8 +82,8 @@ class Bucket:
         # ids of the parameters not viewing the group's buffers, copied to and from them
         self.copied: set[int] = set()
         self.launched = False
-        self.pending = False
-        self.works: list[tuple[Any, str]] = []
+        self.pending = False  # a parameter gather in flight
+        self.works: list[tuple[Any, str]] = []  # the gather's
 
     def _arrange(self, rank_major: bool) -> None:
         params = by_param(self.slots)
@@ -132,11 +136,12 @@ class Bucket:
         return self.params[s.offset : s.offset + s.numel]
 
     @staticmethod
-    def local_grad(s: Slot) -> Tensor | None:
+    def local_grad(s: Slot, whole: Tensor | None = None) -> Tensor | None:
         """This rank's (unreduced) gradient of slot `s` shaped like its local values: a view
-        of the `.grad` autograd made (a copy only where that gradient's strides forbid a
-        view), or None when it has none."""
-        g = s.local_grad()
+        of the `.grad` autograd made, or of `whole` (a gradient of the whole parameter) when
+        given (a copy only where that gradient's strides forbid a view), or None when there
+        is none."""
+        g = s.local_grad() if whole is None else s.piece(whole)
         if g is None:
             return None
         if getattr(g, "placements", None) != getattr(s.param, "placements", None):
@@ -151,11 +156,12 @@ class Bucket:
         shape = s.local().shape
         return src if src.shape == shape else src.reshape(shape)
 
-    def put_grad(self, s: Slot, add: bool = False) -> None:
-        """Copy (or with `add`, add) the parameter's local gradient into the slot's place in
-        the gradient buffer; zeros when it has none and nothing was added before."""
+    def put_grad(self, s: Slot, add: bool = False, whole: Tensor | None = None) -> None:
+        """Copy (or with `add`, add) the parameter's local gradient (`whole`'s piece when
+        given) into the slot's place in the gradient buffer; zeros when it has none and
+        nothing was added before."""
         dst = self.grad_slice(s)
-        g = self.local_grad(s)
+        g = self.local_grad(s, whole)
         if g is None:
             if not add:
                 dst.zero_()
@@ -163,36 +169,8 @@ class Bucket:
         dst = dst.view(g.shape)
         dst.add_(g) if add else dst.copy_(g)
 
-    def reduce_phase(self) -> str:
-        return f"gradient {'reduce-scatter' if self.width else 'reduce'} of {self.label}"
-
     def gather_phase(self) -> str:
         return f"parameter {'all-gather' if self.width else 'broadcast'} of {self.label}"
-
-    def launch_reduce(self, stats: C.CommStats, async_op: bool) -> None:
-        with C.phase(self.reduce_phase(), self.group):
-            self._launch_reduce(self.group, stats, async_op)
-
-    def _launch_reduce(
-        self, group: ProcessGroup | None, stats: C.CommStats, async_op: bool
-    ) -> None:
-        if self.n > 1:
-            assert self.grads is not None
-            if self.width:
-                w = self.width
-                out = self.grads[self.rank * w : (self.rank + 1) * w]
-                work = C.reduce_scatter(
-                    out, self.grads, group=group, stats=stats, async_op=async_op
-                )
-                self.works.append((work, self.reduce_phase()))
-            else:
-                for start, stop, owner in self.regions:
-                    dst = C.global_rank(group, owner)
-                    work = C.reduce(
-                        self.grads[start:stop], dst, group=group, stats=stats, async_op=async_op
-                    )
-                    self.works.append((work, self.reduce_phase()))
-        self.launched = True
 
     def _wait(self) -> None:
         for work, name in self.works:
@@ -200,21 +178,14 @@ class Bucket:
                 C.wait(work, name)
         self.works = []
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduction and turn the owner's regions into averaged gradients, the
-        sums divided by `divisor` (in a group of one rank: take each owned slot's gradient
-        where it is, divided in place when `divisor` is not 1)."""
-        if self.n == 1:
-            self.own = {s: self.local_grad(s) for s in self.mine}
-            if self.divisor != 1:
-                for g in self.own.values():
-                    if g is not None:
-                        g.div_(self.divisor)
-            return
-        self._wait()
-        assert self.grads is not None
-        for start, stop, _ in self.mine_regions():
-            self.grads[start:stop].div_(self.divisor)
+    def take_own(self, source: Callable[[Slot], Tensor | None]) -> None:
+        """In a group of one rank: each owned slot's gradient is `source(s)` (autograd's, or
+        the micro-batch tree's sum), divided in place when `divisor` is not 1."""
+        self.own = {s: source(s) for s in self.mine}
+        if self.divisor != 1:
+            for g in self.own.values():
+                if g is not None:
+                    g.div_(self.divisor)
 
     def shard_view(self, s: Slot) -> Tensor:
         """The reduced gradient of a parameter this rank owns, shaped like its local values
@@ -243,21 +214,17 @@ class Bucket:
         self.launched = False
         self.own = {}
 
-    def expected_bytes(self, out: dict[str, dict[str, float]]) -> None:
-        """Add what one step moves for this bucket to `out` (an `expected_comm_bytes()` dict),
-        from its layout alone."""
+    def expected_gather_bytes(self, out: dict[str, dict[str, float]]) -> None:
+        """Add what one step's parameter gather of this bucket moves to `out` (an
+        `expected_comm_bytes()` dict), from its layout alone (the reduction counts its own)."""
         if self.n == 1:  # a group of one rank: nothing moves
             return
         gsize = torch.empty(0, dtype=self.gather_dtype).element_size()
-        psize = torch.empty(0, dtype=self.grad_dtype).element_size()
         n, rank = self.n, self.rank
         if self.width:
-            sent = C.ring_reduce_scatter_bytes([self.width * psize] * n)[rank]
-            add_bytes(out, "reduce_scatter", *sent)
             add_bytes(out, "all_gather", *C.ring_all_gather_bytes([self.width * gsize] * n)[rank])
             return
         for start, stop, owner in self.regions:
-            add_bytes(out, "reduce", *C.reduce_bytes((stop - start) * psize, n, owner)[rank])
             add_bytes(out, "broadcast", *C.broadcast_bytes((stop - start) * gsize, n, owner)[rank])
 
     # -- parameters --------------------------------------------------------------------

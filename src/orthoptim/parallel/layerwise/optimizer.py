@@ -13,7 +13,6 @@ from torch.distributed import ProcessGroup
 
 from orthoptim import checkpoint
 from orthoptim import collectives as C
-from orthoptim._torch_compat import active_ddp_module
 from orthoptim._validate import check_float_dtype
 from orthoptim.optim.base import NonfinitePolicy, param_name, step_checked
 from orthoptim.optim.contract import MatrixOptimizer
@@ -21,6 +20,7 @@ from orthoptim.optim.hybrid import RoutePredicate, build_optimizer
 from orthoptim.optim.registry import OptimizerName
 from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import StateView
+from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import (
     NS_STEPS,
     Balance,
@@ -30,7 +30,7 @@ from orthoptim.parallel.assignment import (
 )
 from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.layerwise import saving
-from orthoptim.parallel.layerwise.buffers import Bucket, FlatBuffers, agreement_items
+from orthoptim.parallel.layerwise.buffers import Bucket, agreement_items
 from orthoptim.parallel.layerwise.ownership import (
     UnitGroup,
     carried_load,
@@ -81,7 +81,12 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     group, its expert group when ep > 1, with expert gradients summed over it and divided by dp, its
     tp group when tp > 1 and its pp group when pp > 1; see the module docstring), `cost` (the
     `MatrixCost` the assignment balances; None: the path Newton-Schulz takes on the parameters'
-    device, `MatrixCost.for_device`); other keyword arguments go to `build_optimizer`.
+    device, `MatrixCost.for_device`), `reproducible` (True: the same bits at every power-of-two
+    data-parallel size for the accumulation loop `docs/reproducible.md` writes out: each rank's
+    micro-batches summed in a binary tree, an ordered cross-rank reduction, a clip norm from
+    fixed blocks, each matrix orthogonalized on its own, the AdamW parameters owned whole
+    (`shard_adamw` is ignored); data parallelism only: no tensor, expert or pipeline groups);
+    other keyword arguments go to `build_optimizer`.
 
     Parameters and gradients are views of flat buffers (nothing model-sized is held twice).
     `step()` uses the reduced gradients as its scratch space (Muon's Nesterov updates are
@@ -109,6 +114,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         grad_dtype: torch.dtype | None = None,
         layout: ParallelMesh | None = None,
         cost: MatrixCost | None = None,
+        reproducible: bool = False,
         **inner_kwargs: Any,
     ) -> None:
         for name, dtype in (("gather_dtype", gather_dtype), ("param_dtype", param_dtype)):
@@ -117,6 +123,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self.param_dtype, self.grad_dtype, self.gather_dtype = param_dtype, grad_dtype, gather_dtype
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
+        self.reproducible = bool(reproducible)
         self._preamble(
             model, optimizer, lr, route, nonfinite, balance, bucket_mb, state_dict_to,
             dict(inner_kwargs),
@@ -128,8 +135,11 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             check_tensor_parallel_layout(found, layout.dims.group_ranks("tp", layout.rank))
         else:
             self.tp_groups = found
-        # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
-        self.shard_adamw = bool(shard_adamw) and not found
+        if self.reproducible:
+            self._check_reproducible()
+        # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters;
+        # not under `reproducible`: a run's bounds, and so its clip-norm blocks, follow dp)
+        self.shard_adamw = bool(shard_adamw) and not found and not self.reproducible
         self.units = units_from_model(
             model,
             optimizer=optimizer,
@@ -145,11 +155,36 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             self.units, self.named, self.unit_groups
         )
         self._master = make_masters(self._slots, param_dtype, gather_dtype)
-        self._build_buckets()
+        self.grad_sync = GradSync(
+            model, self.units, self.unit_groups, self._slots, self._slots_by_unit, self._stats,
+            world_size=self.world_size, param_dtype=param_dtype, grad_dtype=grad_dtype,
+            gather_dtype=gather_dtype, overlap_grad_reduce=overlap_grad_reduce,
+            refuse_ddp=self.expert_group is not None or bool(self.tp_groups),
+            reproducible=self.reproducible,
+        )  # fmt: skip
         self.inner = self._build_inner(optimizer, lr, nonfinite, inner_kwargs)
+        self._consumed = False  # whether the last step used the reduced gradients
         self._expose()
-        self._comms.register(self._grad_hook, self._forward_hook, self._wait_hook)
+        self.grad_sync.register()
         self._saving = saving.register(model)  # state dicts without views (`saving`)
+
+    def _check_reproducible(self) -> None:
+        """`reproducible` covers data parallelism over a power-of-two group: refuse the rest
+        in one line that says what the guarantee covers."""
+        covers = (
+            "reproducible=True covers data parallelism alone over 1, 2, 4, 8, ... ranks "
+            "(the layer-wise driver, no tensor, expert or pipeline parallelism)"
+        )
+        n = self.world_size
+        if n & (n - 1):
+            raise ValueError(f"{covers}; this process group has {n} ranks")
+        for what, there in (
+            ("tensor-parallel (DTensor) parameters", bool(self.tp_groups)),
+            ("an expert group", self.expert_group is not None),
+            ("pipeline stages", self.stages > 1),
+        ):
+            if there:
+                raise ValueError(f"{covers}; this model/layout has {what}")
 
     # -- construction ------------------------------------------------------------------
     def _group_units(
@@ -238,10 +273,12 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             self.model, optimizer=optimizer, lr=lr, route=inner_route, nonfinite=nonfinite,
             params=owned, **dict(inner_kwargs),
         )  # fmt: skip
-        if not self.tp_groups:  # the reduced gradients are the buckets': the step's scratch
-            for part in inner_parts(inner):
-                if isinstance(part, MatrixOptimizer):
-                    part.consumes_grads = True
+        for part in inner_parts(inner):
+            if isinstance(part, MatrixOptimizer):
+                # the reduced gradients are the buckets': the step's scratch
+                part.consumes_grads = not self.tp_groups
+                # how many same-shape matrices a rank owns follows dp: never batch them
+                part.batch_matrices = not self.reproducible
         return inner
 
     def _expose(self) -> None:
@@ -264,97 +301,32 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         """The tensor the inner optimizer steps for owned slot `s`: its master, else its values."""
         return self._master.get(s.name, s.data)
 
-    def _build_buckets(self) -> None:
-        """Every group's buckets, merged in backward order and split by dtype, their flat
-        buffers (`FlatBuffers`) and the gradient sync over them."""
-        self._buckets: list[Bucket] = []
-        self._bucket_of: dict[int, Bucket] = {}  # unit index → its bucket
-        merged = sorted(
-            ([g.units[j] for j in bucket], k, b)
-            for k, g in enumerate(self.unit_groups)
-            for b, bucket in enumerate(g.assignment.buckets)
-        )
-        units = [[self.units[i] for i in g.units] for g in self.unit_groups]
-        for unit_ids, k, index in merged:
-            g = self.unit_groups[k]
-            # rank-major where the assignment (and so plan) says so and the layout agrees
-            rank_major = g.assignment.rank_major(index, units[k])
-            by_dtype: dict[torch.dtype, list[Slot]] = {}
-            for i in unit_ids:
-                for slot in self._slots_by_unit[i]:
-                    if slot.numel:
-                        by_dtype.setdefault(slot.data.dtype, []).append(slot)
-            for dtype, slots in by_dtype.items():
-                dtype = self.param_dtype or dtype
-                grad_dtype = self.grad_dtype or (torch.float32 if self.param_dtype else dtype)
-                bucket = Bucket(slots, g.group, dtype, grad_dtype, self.gather_dtype, rank_major)
-                bucket.label = f"bucket {len(self._buckets)}"
-                bucket.divisor = g.divisor
-                self._buckets.append(bucket)
-                self._bucket_of.update((s.unit, bucket) for s in slots)
-        self._flat = FlatBuffers(self._buckets, self._slots, self.param_dtype)
-        self._comms = GradSync(
-            self._buckets, self._bucket_of, self._flat, self.units, self._slots_by_unit,
-            model=self.model, world_size=self.world_size,
-            overlap_grad_reduce=self.overlap_grad_reduce,
-            refuse_ddp=self.expert_group is not None or bool(self.tp_groups),
-        )  # fmt: skip
-
     @property
-    def _viewed(self) -> dict[int, Tensor]:
-        """id(param) → its view of the gradient buffer (`FlatBuffers.viewed`)."""
-        return self._flat.viewed
-
-    @property
-    def _copied(self) -> set[int]:
-        """ids of the parameters copied to and from the buffers (`FlatBuffers.copied`)."""
-        return self._flat.copied
-
-    # -- hooks and copies --------------------------------------------------------------
-    def _grad_hook(self, p: Tensor) -> None:
-        self._comms.on_grad(p, self._stats)
-
-    def _wait_hook(self, module: nn.Module, *args: Any) -> None:
-        self._comms.wait_if_gathering()
-
-    def _forward_hook(self, module: nn.Module, args: Any) -> None:
-        """Land pending gathers, follow a model that moved, notice a DDP wrap."""
-        self._comms.wait_if_gathering()
-        if not self._comms.followed:
-            self._comms.followed = True
-            self._follow()
-        if torch.is_grad_enabled():
-            self._comms.notice_ddp(active_ddp_module())
-
-    def _follow(self) -> None:
-        """Re-point the buffers at the parameters if their storage was replaced
-        (`FlatBuffers.moved`)."""
-        if self._flat.moved():
-            self.wait_for_params()
-            self._flat.point(again=True)
+    def _buckets(self) -> list[Bucket]:
+        return self.grad_sync.buckets
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for s in self._slots:  # pickle copies views apart: make slices views again
             if s.data is not s.param:
                 s.rebind()
-        self._comms.index(self._slots_by_unit)  # keyed by id(param): the copy's parameters
-        self._comms.register(self._grad_hook, self._forward_hook, self._wait_hook)
+        self.grad_sync.index(self._slots_by_unit)  # keyed by id(param): the copy's parameters
+        self.grad_sync.register()
 
     def remove_hooks(self) -> None:
         """Detach every hook this optimizer put on the model (after waiting for parameters)."""
-        self._comms.remove_hooks()
+        self.grad_sync.remove_hooks()
         self._saving.remove()
 
     def _accumulate(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) for the backward passes inside;
         the backward after the block reduces the accumulated gradients."""
-        return self._comms.no_sync()
+        return self.grad_sync.no_sync()
 
     def _agreement_items(self) -> tuple[list[bool], list[Tensor], Callable[[], Tensor], list[str]]:
         """The units, checked on the buckets' reduced gradients (`buffers.agreement_items`)."""
         device = self._slots[0].param.device
-        present, checks, per_unit = agreement_items(self._buckets, len(self.units), device)
+        present, checks, per_unit = agreement_items(self.grad_sync.buckets, len(self.units), device)
         return present, checks, per_unit, [u.name for u in self.units]
 
     # -- gradient clipping -------------------------------------------------------------
@@ -363,33 +335,46 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         the averaged gradient elements this rank owns (its whole units and its runs of the
         sharded AdamW units; under tensor parallelism local shards, a replicated tensor
         counted once, `counted_here`); scaled: every owned reduced gradient."""
-        self.wait_for_params()  # a gather may still own a bucket's buffer
-        if not self._comms.reduced:
-            self._comms.reduce_grads(self._stats)
-            self._comms.reduced = True
-        tp = self.tp_groups
-        counted = (b.shard_view(s) for b in self._buckets for s in b.mine if counted_here(s, tp))
-        scaled = [t for b in self._buckets if b.mine for t in b.shards()]
-        return counted, scaled, self._buckets[0].dtype if self._buckets else None
+        self.grad_sync.ensure_reduced()
+        tp, buckets = self.tp_groups, self.grad_sync.buckets
+        counted = (b.shard_view(s) for b in buckets for s in b.mine if counted_here(s, tp))
+        scaled = [t for b in buckets if b.mine for t in b.shards()]
+        return counted, scaled, buckets[0].dtype if buckets else None
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """`DistributedOptimizer.clip_grad_norm_`; under `reproducible` with the norm from
+        the units, each summed in a fixed tree by its owner, summed in a fixed tree
+        (`clip.ordered_clip_`), so it has the same bits at every data-parallel size."""
+        if not self.reproducible:
+            return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        _, scaled, dtype = self._clip_tensors()
+        items = [(s.unit, b.shard_view(s)) for b in self.grad_sync.buckets for s in b.mine]
+        return clip.ordered_clip_(
+            items, len(self.units), scaled, max_norm, norm_type, error_if_nonfinite,
+            device=C.device_for(self.process_group, self._device()),
+            groups=self.agreement_groups().all, dtype=dtype, stats=self._stats,
+        )  # fmt: skip
 
     # -- the step (`DistributedOptimizer.step`) -----------------------------------------
-    def refusal(self) -> list[str]:  # the base's, and torch's clipping of unreduced gradients
-        return super().refusal() + self._comms.refusal(type(self).__name__)
+    def refusal(self) -> list[str]:  # the base's, and the gradient sync's
+        return super().refusal() + self.grad_sync.refusal(type(self).__name__)
 
     def _before_agree(self) -> None:
         """Land the parameter gathers, then the gradients of this step, averaged, where the
         owners read them (unless `clip_grad_norm_` reduced them already)."""
-        self.wait_for_params()
-        if not self._comms.reduced:
-            self._comms.reduce_grads(self._stats)
+        self._consumed = False
+        self.grad_sync.ensure_reduced()
 
     def _end_owned(self) -> None:
-        self._comms.reset()
+        self.grad_sync.finish_step(self._consumed)
 
     def _after_step(self) -> None:
         """Launch the parameter gathers (asynchronous under `overlap_param_gather`: each is
         waited for by the first forward pre-hook of the next step)."""
-        self._comms.launch_gathers(self._stats, async_op=self.overlap_param_gather)
+        self.grad_sync.launch_gathers(async_op=self.overlap_param_gather)
 
     def _step_owned(self, present: list[bool]) -> None:
         """Step what this rank owns on its reduced gradients. Gradients in another dtype than
@@ -398,7 +383,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         step holds one bucket's converted gradients, not the model's."""
         ready: list[tuple[Tensor, Tensor]] = []
         converted: list[list[tuple[Tensor, Bucket, Slot]]] = []
-        for b in self._buckets:
+        for b in self.grad_sync.buckets:
             chunk = []
             for s in b.mine:
                 t = self._target(s)
@@ -413,6 +398,8 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
                 converted.append(chunk)
         if self.inner is None:
             return
+        # the matrix optimizers compute in the reduced gradients (`consumes_grads`)
+        self._consumed = not self.tp_groups
         step_checked(self.inner)  # the gradients were checked by _agree
         for t, _ in ready:  # stepped: hidden from the buckets' steps
             t.grad = None
@@ -479,16 +466,16 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         parameters and their `.grad` view them where they lie in one piece), the owner's
         masters and the gather buffers of a rounding gather dtype (`buffers`)."""
         out = super().memory_tensors()
-        out["params"] += [b.params for b in self._buckets if b.params is not None]
-        out["grads"] += [b.grads for b in self._buckets if b.grads is not None]
+        out["params"] += [b.params for b in self.grad_sync.buckets if b.params is not None]
+        out["grads"] += [b.grads for b in self.grad_sync.buckets if b.grads is not None]
         out["masters"] = list(self._master.values())
-        out["buffers"] = [t for b in self._buckets for t in b.buffers()]
+        out["buffers"] = [t for b in self.grad_sync.buckets for t in b.buffers()]
         return out
 
     def wait_for_params(self) -> None:
         """Finish every parameter gather in flight (the model's first forward pre-hook does
         this; call it before reading parameters outside a forward pass)."""
-        self._comms.wait_for_params()
+        self.grad_sync.wait_for_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every trainable parameter of the model (owned or not)."""
@@ -511,8 +498,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         """What `comm_stats()` should report for one step of this layout (sent, received per
         collective kind), computed from the bucket layout alone."""
         out: dict[str, dict[str, float]] = {}
-        for b in self._buckets:
-            b.expected_bytes(out)
+        self.grad_sync.expected_bytes(out)
         self._expected_agreement(out, len(self.units))
         return out
 

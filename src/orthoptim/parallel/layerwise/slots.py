@@ -85,9 +85,12 @@ class Slot:
     def local_grad(self) -> Tensor | None:
         """This rank's (unreduced) gradient of the unit (of a run: the whole parameter's)."""
         g = self.param.grad
-        if g is None or self.part is None:
-            return g
-        return g[self.part[0] : self.part[1]]
+        return None if g is None else self.piece(g)
+
+    def piece(self, whole: Tensor) -> Tensor:
+        """The unit's part of `whole`, a tensor shaped like the parameter (of a run: all of
+        it; of an expert slice: its experts)."""
+        return whole if self.part is None else whole[self.part[0] : self.part[1]]
 
 
 def start_of(s: Slot) -> int:
