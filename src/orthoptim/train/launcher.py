@@ -31,7 +31,7 @@ from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import load_corpus
 from orthoptim.train.devices import plan_ranks
 from orthoptim.train.loop import Preempted, StopRequest, setup_logging, train
-from orthoptim.train.microbatch import REPRODUCIBLE_THREADS, fixed_threads
+from orthoptim.train.microbatch import REPRODUCIBLE_THREADS, reproducible_rank
 from orthoptim.train.model import get_config
 from orthoptim.train.runfolder import (
     RunLogHandler,
@@ -168,8 +168,8 @@ def _stop_on_signals(args: TrainArgs) -> Iterator[StopRequest]:
 
 def _run_rank(args: TrainArgs, stop: StopRequest) -> dict[str, Any]:
     """One rank's training, --out already checked; under --reproducible with
-    REPRODUCIBLE_THREADS intra-op threads whatever --nproc and OMP_NUM_THREADS (the thread
-    count before restored after)."""
+    REPRODUCIBLE_THREADS intra-op threads whatever --nproc and OMP_NUM_THREADS, and
+    Newton-Schulz's plain-product path (`reproducible_rank`)."""
     args.validate()
     rank, world_size, device = _init_distributed(args.shared_gpu, args.pg_timeout)
     out = Path(args.out)
@@ -177,7 +177,7 @@ def _run_rank(args: TrainArgs, stop: StopRequest) -> dict[str, Any]:
     collectives.barrier()
     log = setup_logging(out, rank)
     try:
-        with fixed_threads(REPRODUCIBLE_THREADS if args.reproducible else None):
+        with reproducible_rank(args.reproducible):
             return train(args, rank, world_size, device, out, log, stop)
     finally:
         _close(log)

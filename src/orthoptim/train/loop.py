@@ -151,7 +151,7 @@ def make_optimizer(
         return build_optimizer(model, optimizer=args.optimizer, **kwargs)
     groups: dict[str, Any] = dict(reproducible=True) if args.reproducible else {}
     if mesh is not None:
-        groups = dict(layout=mesh)
+        groups["layout"] = mesh
         if mesh.dims.tp > 1:
             groups["orthogonalizer"] = TensorParallelOrthogonalizer(mode="auto")
     # only the parameters the model declares expert stacks are split (`optim.routing`);

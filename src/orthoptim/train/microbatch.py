@@ -18,18 +18,20 @@ and summed likewise (`ordered_evaluate`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from orthoptim import collectives
+from orthoptim.kernels import force_matmul
 from orthoptim.train.data import get_batch
 from orthoptim.train.devices import autocast
 
 # Intra-op threads of every rank under --reproducible, at every --nproc: a CPU reduction's
-# (and a matmul's) blocking follows torch's thread count, and so may its rounding.
+# (and a matmul's) blocking follows torch's thread count, and so may its rounding; one thread
+# is the count every --nproc can give each rank on any machine.
 REPRODUCIBLE_THREADS = 1
 
 
@@ -137,12 +139,20 @@ def ordered_evaluate(
 
 
 @contextlib.contextmanager
-def fixed_threads(threads: int | None) -> Any:
-    """Run the block with `threads` intra-op threads (None: as they are), then restore."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+def reproducible_rank(reproducible: bool) -> Iterator[None]:
+    """The block (a rank's training) under --reproducible's process settings, restored
+    after: REPRODUCIBLE_THREADS intra-op threads, and Newton-Schulz on the plain-product
+    path (`kernels.force_matmul`): on CPU the path is otherwise raced by timing in one
+    process and read from a per-machine cache file in the ranks of a job
+    (`kernels.calibration`), so two layouts could take two paths. Nothing without
+    `reproducible`."""
+    if not reproducible:
         yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(REPRODUCIBLE_THREADS)
+    try:
+        with force_matmul():
+            yield
     finally:
         torch.set_num_threads(before)
