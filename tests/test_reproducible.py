@@ -112,10 +112,7 @@ def _norms(rank, world_size):
     terms = _norm_terms()
     mine = [(i, t) for i, t in enumerate(terms) if i % world_size == rank]
     device = torch.device("cpu")
-    ordered = clip.ordered_clip_(
-        [(i, t.clone()) for i, t in mine], len(terms), [], 1e30, 2.0, False, device, [None],
-        None,
-    )  # fmt: skip
+    ordered = clip.ordered_norm([(i, t) for i, t in mine], len(terms), 2.0, device, [None])
     default = clip.clip_([t for _, t in mine], [], 1e30, 2.0, False, device, [None], None)
     return ordered.view(torch.int64).item(), default.view(torch.int64).item()
 

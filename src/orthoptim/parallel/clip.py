@@ -4,8 +4,8 @@ Each rank sums the `norm_type`-th powers of the gradient elements it is responsi
 (`power_sum`; the max of their magnitudes for the inf-norm), ONE small all-reduce per group
 (sum; max for the inf-norm) gives the model's total on every rank (`total_norm`), and each
 rank scales its gradients by torch's coefficient (`clip_coefficient`), as
-`torch.nn.utils.clip_grad_norm_` does on a single process. `ordered_clip_` is the same clip
-with a norm summed in a fixed tree (`reproducible=True`).
+`torch.nn.utils.clip_grad_norm_` does on a single process. `ordered_norm` is a norm summed
+in fixed trees instead, whose bits do not follow the layout (`reproducible=True`).
 """
 
 from __future__ import annotations
@@ -91,6 +91,23 @@ def scale_(tensors: Iterable[Tensor], coef: Tensor) -> None:
         t.mul_(coef.to(device=t.device, dtype=t.dtype))
 
 
+def apply_clip(
+    total: Tensor,
+    scaled: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    dtype: torch.dtype | None,
+) -> Tensor:
+    """Multiply `scaled` (the gradients this rank applies) by `clip_coefficient` of the global
+    norm `total`, with no host read unless `error_if_nonfinite` asks for one
+    (`check_finite`). Returns the norm in `dtype` (None: the accumulator's)."""
+    if error_if_nonfinite:
+        check_finite(total, norm_type)
+    scale_(scaled, clip_coefficient(total, max_norm))
+    return total if dtype is None else total.to(dtype)
+
+
 def clip_(
     counted: Iterable[Tensor],
     scaled: Iterable[Tensor],
@@ -103,36 +120,27 @@ def clip_(
     stats: C.CommStats | None = None,
 ) -> Tensor:
     """The whole clip of a distributed optimizer: the global norm of the `counted` tensors
-    (each element of the model counted on exactly one rank of `groups`), then `scaled` (the
-    gradients this rank applies) multiplied by `clip_coefficient`, with no host read unless
-    `error_if_nonfinite` asks for one (`check_finite`). Returns the norm in `dtype` (None:
-    the accumulator's), the same on every rank, as a tensor on the device."""
+    (each element of the model counted on exactly one rank of `groups`), then `apply_clip`.
+    Returns the norm, the same on every rank, as a tensor on the device."""
     p = check_norm_type(norm_type)
     total = total_norm(power_sum(counted, p, device), p, groups, stats=stats)
-    if error_if_nonfinite:
-        check_finite(total, p)
-    scale_(scaled, clip_coefficient(total, max_norm))
-    return total if dtype is None else total.to(dtype)
+    return apply_clip(total, scaled, max_norm, p, error_if_nonfinite, dtype)
 
 
-def ordered_clip_(
+def ordered_norm(
     items: Iterable[tuple[int, Tensor]],
     n_items: int,
-    scaled: Iterable[Tensor],
-    max_norm: float,
     norm_type: float,
-    error_if_nonfinite: bool,
     device: torch.device,
     groups: Iterable[Any],
-    dtype: torch.dtype | None,
     stats: C.CommStats | None = None,
 ) -> Tensor:
-    """`clip_` with a norm whose bits do not depend on which rank holds what
+    """The global norm with bits that do not depend on which rank holds what
     (`reproducible=True`): each of the `n_items` fixed blocks (the model's units, each held
     whole by one rank: `items` gives this rank's as (index, averaged gradient)) is summed in
     the binary tree over its elements (`ordered.tree_power_sum`) into its place in a vector,
     one all-reduce per group adds the vectors (one rank's term and zeros: exact), and the
-    vector is summed in the binary tree over the block index."""
+    vector is summed in the binary tree over the block index (max for the inf-norm)."""
     p = check_norm_type(norm_type)
     acc = accumulator_dtype(device)
     parts = torch.zeros(n_items, dtype=acc, device=device)
@@ -143,10 +151,5 @@ def ordered_clip_(
         with C.phase("gradient norm (all-reduce)", group):
             C.all_reduce(parts, op=op, group=group, stats=stats, kind="grad_norm")
     if math.isinf(p):
-        total = parts.max() if n_items else parts.new_zeros(())
-    else:
-        total = tree_total(parts).pow(1.0 / p)
-    if error_if_nonfinite:
-        check_finite(total, p)
-    scale_(scaled, clip_coefficient(total, max_norm))
-    return total if dtype is None else total.to(dtype)
+        return parts.max() if n_items else parts.new_zeros(())
+    return tree_total(parts).pow(1.0 / p)

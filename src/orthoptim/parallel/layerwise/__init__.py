@@ -23,7 +23,7 @@ data-parallel size for the accumulation loop that gives each rank a contiguous b
 global batch's micro-batches: each rank sums its micro-batches in the binary tree over their
 index (`accumulation`), the owners sum the ranks' slices in the binary tree over the rank
 index (`reduction.OrderedReduction`), so the whole sum is one tree over the global
-micro-batch index; the clip norm is summed in fixed trees (`clip.ordered_clip_`), every
+micro-batch index; the clip norm is summed in fixed trees (`clip.ordered_norm`), every
 matrix is orthogonalized on its own, and the AdamW units are owned whole.
 
 AdamW is element-wise, so its parameters need no single owner (`shard_adamw`, ZeRO-1 style):

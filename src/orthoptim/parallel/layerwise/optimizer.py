@@ -347,16 +347,15 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     ) -> Tensor:
         """`DistributedOptimizer.clip_grad_norm_`; under `reproducible` with the norm from
         the units, each summed in a fixed tree by its owner, summed in a fixed tree
-        (`clip.ordered_clip_`), so it has the same bits at every data-parallel size."""
+        (`clip.ordered_norm`), so it has the same bits at every data-parallel size."""
         if not self.reproducible:
             return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         _, scaled, dtype = self._clip_tensors()
         items = [(s.unit, b.shard_view(s)) for b in self.grad_sync.buckets for s in b.mine]
-        return clip.ordered_clip_(
-            items, len(self.units), scaled, max_norm, norm_type, error_if_nonfinite,
-            device=C.device_for(self.process_group, self._device()),
-            groups=self.agreement_groups().all, dtype=dtype, stats=self._stats,
-        )  # fmt: skip
+        device = C.device_for(self.process_group, self._device())
+        groups = self.agreement_groups().all
+        total = clip.ordered_norm(items, len(self.units), norm_type, device, groups, self._stats)
+        return clip.apply_clip(total, scaled, max_norm, norm_type, error_if_nonfinite, dtype)
 
     # -- the step (`DistributedOptimizer.step`) -----------------------------------------
     def refusal(self) -> list[str]:  # the base's, and the gradient sync's
