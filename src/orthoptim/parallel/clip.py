@@ -11,7 +11,7 @@ in fixed trees instead, whose bits do not follow the layout (`reproducible=True`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from orthoptim import collectives as C
 from orthoptim import host
-from orthoptim.parallel.ordered import tree_power_sum, tree_total
+from orthoptim.parallel.ordered import tree_total
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -129,27 +129,38 @@ def clip_(
 
 def ordered_norm(
     items: Iterable[tuple[int, Tensor]],
-    n_items: int,
+    spans: Sequence[tuple[int, int]],
     norm_type: float,
     device: torch.device,
     groups: Iterable[Any],
     stats: C.CommStats | None = None,
 ) -> Tensor:
     """The global norm with bits that do not depend on which rank holds what
-    (`reproducible=True`): each of the `n_items` fixed blocks (the model's units, each held
-    whole by one rank: `items` gives this rank's as (index, averaged gradient)) is summed in
-    the binary tree over its elements (`ordered.tree_power_sum`) into its place in a vector,
-    one all-reduce per group adds the vectors (one rank's term and zeros: exact), and the
-    vector is summed in the binary tree over the block index (max for the inf-norm)."""
+    (`reproducible=True`). The model's units are fixed blocks: unit u has the places
+    `spans[u]` = (first, count) of a vector, one for a unit held whole by one rank (its
+    `ordered.tree_power_sum`), one per block of elements (`ordered.NORM_BLOCK`, the driver's
+    `norm_block`) for a unit sharded in runs that start and end on those blocks (their
+    `block_power_sums`). `items` gives this rank's as
+    (first place, values). One all-reduce per group adds the vectors (one rank's term and
+    zeros: exact), each sharded unit's blocks are summed in the binary tree over the block
+    index, then the units in the binary tree over the unit index (max for the inf-norm)."""
     p = check_norm_type(norm_type)
     acc = accumulator_dtype(device)
-    parts = torch.zeros(n_items, dtype=acc, device=device)
-    for i, t in items:
-        parts[i] = tree_power_sum(t, p, acc).to(device)
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    size = sum(count for _, count in spans)
+    parts = torch.zeros(size, dtype=acc, device=device)
+    for first, values in items:
+        parts[first : first + values.numel()] = values.to(device)
+    inf = math.isinf(p)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     for group in groups:
         with C.phase("gradient norm (all-reduce)", group):
             C.all_reduce(parts, op=op, group=group, stats=stats, kind="grad_norm")
-    if math.isinf(p):
-        return parts.max() if n_items else parts.new_zeros(())
-    return tree_total(parts).pow(1.0 / p)
+    firsts = torch.tensor([first for first, _ in spans], dtype=torch.long, device=device)
+    units = parts.index_select(0, firsts) if spans else parts[:0]
+    for u, (first, count) in enumerate(spans):
+        if count > 1:
+            blocks = parts[first : first + count]
+            units[u] = blocks.max() if inf else tree_total(blocks)
+    if inf:
+        return units.max() if units.numel() else units.new_zeros(())
+    return tree_total(units).pow(1.0 / p)
