@@ -16,8 +16,9 @@ from tests.models.reproducible import micro_batch, train
 from orthoptim import FSDPOptimizer, LayerwiseDistributedOptimizer
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.parallel import clip
+from orthoptim.parallel.assignment import aligned_split
 from orthoptim.parallel.layerwise.ownership import inner_parts
-from orthoptim.parallel.ordered import tree_power_sum, tree_sum_, tree_total
+from orthoptim.parallel.ordered import block_power_sums, tree_power_sum, tree_sum_, tree_total
 
 MUON = dict(optimizer="muon", lr=0.02, adamw_lr=3e-3, weight_decay=0.01, clip=0.5)
 
@@ -64,6 +65,24 @@ def test_every_optimizer_and_precision_has_the_same_bits_at_dp_1_2_4(config):
     assert_same_bits(runs({**config, "reproducible": True}))
 
 
+def test_adamw_units_cut_into_runs_of_whole_norm_blocks_keep_the_bits_at_dp_1_2_4():
+    """With 64-element norm blocks the embedding (2048 elements) and the other AdamW units are
+    sharded in runs over the ranks (the runs start and end on blocks): still the same bits, in
+    float64 (AdamW steps runs of other lengths at each size; the norm over runs cut inside a
+    block is the clip-norm test's plant)."""
+    results = {n: run_ranks(_small_blocks, n, args=({**MUON, "reproducible": True}, 4))[0]
+               for n in (1, 2, 4)}  # fmt: skip
+    assert_same_bits(results)
+    assert results[2]["cut"] > 0 and results[4]["cut"] > 0
+
+
+def _small_blocks(rank, world_size, config, steps):
+    import orthoptim.parallel.ordered as ordered
+
+    ordered.NORM_BLOCK = 64
+    return train(rank, world_size, config, steps, dtype=torch.float64)
+
+
 def test_a_run_resumed_at_dp_4_from_dp_2_ends_on_the_uninterrupted_runs_bits():
     config = {**MUON, "reproducible": True}
     whole = run_ranks(train, 2, args=(config, 4))[0]
@@ -106,27 +125,44 @@ def _norm_terms():
     ]
 
 
-def _norms(rank, world_size):
-    """The float64 clip norm of `_norm_terms` dealt round-robin over the ranks, ordered and
-    in the owners' order (`clip_`, the default)."""
-    terms = _norm_terms()
+BLOCK = 64
+SPLITS = {1: [4096], 2: [2000, 2096], 4: [1000, 1100, 996, 1000]}  # a sharded unit's runs
+
+
+def _norms(rank, world_size, aligned):
+    """The float64 clip norms of `_norm_terms` (units held whole, dealt round-robin) and a
+    4096-element unit sharded in runs (`SPLITS`, moved onto 64-element blocks by the
+    driver's `aligned_split` when `aligned`): ordered, and in the owners' order (`clip_`)."""
+    terms, big = _norm_terms(), torch.cat(_norm_terms())[:4096]
+    split = SPLITS[world_size]
+    if aligned:
+        split = aligned_split(split, [big.numel()], BLOCK)
+    lo = sum(split[:rank])
+    run = big[lo : lo + split[rank]]
     mine = [(i, t) for i, t in enumerate(terms) if i % world_size == rank]
     device = torch.device("cpu")
-    ordered = clip.ordered_clip_(
-        [(i, t.clone()) for i, t in mine], len(terms), [], 1e30, 2.0, False, device, [None],
-        None,
-    )  # fmt: skip
-    default = clip.clip_([t for _, t in mine], [], 1e30, 2.0, False, device, [None], None)
+    items = [(i, tree_power_sum(t, 2.0, torch.float64, BLOCK).reshape(1)) for i, t in mine]
+    items.append((len(terms) + lo // BLOCK, block_power_sums(run, 2.0, torch.float64, BLOCK)))
+    spans = [(i, 1) for i in range(len(terms))] + [(len(terms), big.numel() // BLOCK)]
+    ordered = clip.ordered_norm(items, spans, 2.0, device, [None])
+    counted = [t for _, t in mine] + [run]
+    default = clip.clip_(counted, [], 1e30, 2.0, False, device, [None], None)
     return ordered.view(torch.int64).item(), default.view(torch.int64).item()
 
 
 def test_the_ordered_clip_norm_has_the_same_bits_on_1_2_4_ranks_and_the_default_does_not():
-    got = {n: run_ranks(_norms, n)[0] for n in (1, 2, 4)}
+    """Units held whole and a unit sharded in runs on whole blocks: one norm's bits at every
+    size; the owners' order (the default) and runs cut inside blocks (planted: no
+    `aligned_split`) each give other bits."""
+    got = {n: run_ranks(_norms, n, args=(True,))[0] for n in (1, 2, 4)}
     assert len({ordered for ordered, _ in got.values()}) == 1
     assert len({default for _, default in got.values()}) > 1  # the control
+    unaligned = {n: run_ranks(_norms, n, args=(False,))[0][0] for n in (2, 4)}
+    assert any(bits != got[1][0] for bits in unaligned.values())
     exact = math.fsum(float(t.double().square().sum()) for t in _norm_terms())
-    assert math.isclose(torch.tensor(got[1][0]).view(torch.float64).item() ** 2, exact,
-                        rel_tol=1e-12)  # fmt: skip
+    exact += math.fsum(float(x) ** 2 for x in torch.cat(_norm_terms())[:4096].double())
+    norm = torch.tensor(got[1][0]).view(torch.float64).item()
+    assert math.isclose(norm**2, exact, rel_tol=1e-12)
 
 
 def test_the_fixed_trees_sum_in_the_order_they_name():

@@ -5,11 +5,11 @@ the one step, which equal the single-process optimizer's on the same gradients (
 
 import torch
 import torch.nn.functional as F
+from tests.distributed import run_ranks
+from tests.models.layerwise import BATCH, CONFIGS, batch, make_model
 
 from orthoptim import LayerwiseDistributedOptimizer, build_optimizer
 from orthoptim.parallel.base import StepRefusedError
-from tests.distributed import run_ranks
-from tests.models.layerwise import BATCH, CONFIGS, batch, make_model
 
 
 def loss_of(model, x, y):

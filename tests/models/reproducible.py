@@ -25,15 +25,17 @@ def bits(t):
 
 
 def train(
-    rank, world_size, config, steps, micro_batches=MICROBATCHES, layers=3, resume=None, defect=None
-):
+    rank, world_size, config, steps, micro_batches=MICROBATCHES, layers=3, resume=None, defect=None,
+    dtype=torch.float32,
+):  # fmt: skip
     """`steps` steps of the loop on this rank's contiguous block of each step's
     micro-batches; returns the parameters' and the state's bits and each step's clip norm.
     `config`: optimizer keyword arguments (`reproducible` among them), `clip` the max norm.
     `resume`: (a full state of the model and optimizer, the step to start from); `defect`:
-    one `plant`s."""
+    one `plant`s; `dtype`: the model's (float64: the clip norm comes back in float64, so a
+    norm summed in another order shows)."""
     torch.manual_seed(0)
-    model = TinyGPT(layers=layers)
+    model = TinyGPT(layers=layers).to(dtype)
     config = dict(config)
     max_norm = config.pop("clip", None)
     opt = LayerwiseDistributedOptimizer(model, **config)
@@ -68,7 +70,14 @@ def train(
     }
     params = {n: bits(p) for n, p in model.named_parameters()}
     full = {"model": model.state_dict(), "opt": state}
-    return {"params": params, "state": flat_state, "norms": norms, "full": full}
+    # the AdamW units cut into runs of several ranks
+    runs = {}
+    for b in opt.grad_sync.buckets:
+        for s in b.slots:
+            if s.flat is not None:
+                runs.setdefault(s.unit, set()).add(s.owner)
+    cut = sum(1 for owners in runs.values() if len(owners) > 1)
+    return {"params": params, "state": flat_state, "norms": norms, "full": full, "cut": cut}
 
 
 def plant(opt, rank, defect):

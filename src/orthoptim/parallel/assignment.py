@@ -10,6 +10,7 @@ The balancing algorithms themselves, on plain lists of costs and bytes, are `bal
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -454,6 +455,7 @@ def assign(
     base: Sequence[float] | None = None,
     shard_adamw: bool = False,
     masters: bool = False,
+    align_adamw: int | None = None,
 ) -> Assignment:
     """Give every unit one owner rank among `world_size` and cut the units into buckets.
 
@@ -475,6 +477,8 @@ def assign(
     shard_adamw: AdamW units get no owner (-1) but are sharded element-wise over all ranks
     (`deal_adamw`, levelling the optimizer state; `masters`: a master copy per owned element
     counts too); the balancing sees only the other units (buckets still hold every unit).
+    align_adamw: every run starts and ends at a multiple of this many elements of its unit
+    (or at the unit's end), as `reproducible=True` needs (`deal_adamw`).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -518,7 +522,7 @@ def assign(
     a.movable = count_movable(matrix, nbytes, buckets, owners, world_size)
     if shard_adamw:
         a.owners = [-1 if is_elementwise(u.kind) else o for u, o in zip(units, owners)]
-        return deal_adamw(units, a, masters)
+        return deal_adamw(units, a, masters, align_adamw)
     return a
 
 
@@ -643,7 +647,27 @@ def water_fill(base: Sequence[int], cap: Sequence[int], total: int) -> list[int]
     return x
 
 
-def deal_adamw(units: Sequence[Unit], a: Assignment, masters: bool = False) -> Assignment:
+def aligned_split(split: list[int], numels: list[int], align: int) -> list[int]:
+    """`split` (elements per rank of units of `numels` elements back to back) with each
+    boundary between two ranks moved to the nearest multiple of `align` elements of the unit
+    it falls in (or that unit's end): a rank's run then covers whole blocks of `align`."""
+    starts = list(itertools.accumulate(numels, initial=0))
+    bounds = list(itertools.accumulate(split, initial=0))
+    moved = []
+    for c in bounds[1:-1]:
+        u = max(0, bisect.bisect_right(starts, c) - 1)
+        if u >= len(numels):
+            moved.append(c)
+            continue
+        offset = min(numels[u], align * round((c - starts[u]) / align))
+        moved.append(starts[u] + offset)
+    edges = [bounds[0], *moved, bounds[-1]]
+    return [hi - lo for lo, hi in itertools.pairwise(edges)]
+
+
+def deal_adamw(
+    units: Sequence[Unit], a: Assignment, masters: bool = False, align: int | None = None
+) -> Assignment:
     """`a` with every AdamW unit sharded element-wise over all ranks (owner -1) instead of
     owned whole. `adamw_split[b][r]` is how many elements of bucket b's AdamW units (taken
     back to back in unit order) rank r holds: rank 0 the first run, rank 1 the next, and so on.
@@ -655,7 +679,9 @@ def deal_adamw(units: Sequence[Unit], a: Assignment, masters: bool = False) -> A
     to a common level. Each bucket is then dealt in order, water-filling its shards (whole
     units + AdamW run) within the ranks' remaining quotas, so AdamW elements fill the gaps
     the whole units leave before they pad a bucket. With no whole-owned units (or equal
-    ones) this is ZeRO-1: ⌈S/N⌉ or ⌊S/N⌋ elements of every bucket per rank.
+    ones) this is ZeRO-1: ⌈S/N⌉ or ⌊S/N⌋ elements of every bucket per rank. `align`: each
+    boundary between two ranks' runs moved to the nearest multiple of `align` elements of the
+    unit it falls in, or to that unit's end (`aligned_split`).
     """
     n = a.world_size
     sharded = [is_elementwise(u.kind) for u in units]
@@ -688,6 +714,8 @@ def deal_adamw(units: Sequence[Unit], a: Assignment, masters: bool = False) -> A
             if not sharded[i]:
                 shard[owners[i]] += unit_bytes[i]
         x = water_fill([s // item for s in shard], quota, size)
+        if align is not None:
+            x = aligned_split(x, [units[i].numel for i in region], align)
         quota = [q - y for q, y in zip(quota, x)]
         split.append(x)
         itemsize.append(item)

@@ -4,14 +4,14 @@ Each rank sums the `norm_type`-th powers of the gradient elements it is responsi
 (`power_sum`; the max of their magnitudes for the inf-norm), ONE small all-reduce per group
 (sum; max for the inf-norm) gives the model's total on every rank (`total_norm`), and each
 rank scales its gradients by torch's coefficient (`clip_coefficient`), as
-`torch.nn.utils.clip_grad_norm_` does on a single process. `ordered_clip_` is the same clip
-with a norm summed in a fixed tree (`reproducible=True`).
+`torch.nn.utils.clip_grad_norm_` does on a single process. `ordered_norm` is a norm summed
+in fixed trees instead, whose bits do not follow the layout (`reproducible=True`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from orthoptim import collectives as C
 from orthoptim import host
-from orthoptim.parallel.ordered import tree_power_sum, tree_total
+from orthoptim.parallel.ordered import tree_total
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -91,6 +91,23 @@ def scale_(tensors: Iterable[Tensor], coef: Tensor) -> None:
         t.mul_(coef.to(device=t.device, dtype=t.dtype))
 
 
+def apply_clip(
+    total: Tensor,
+    scaled: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    dtype: torch.dtype | None,
+) -> Tensor:
+    """Multiply `scaled` (the gradients this rank applies) by `clip_coefficient` of the global
+    norm `total`, with no host read unless `error_if_nonfinite` asks for one
+    (`check_finite`). Returns the norm in `dtype` (None: the accumulator's)."""
+    if error_if_nonfinite:
+        check_finite(total, norm_type)
+    scale_(scaled, clip_coefficient(total, max_norm))
+    return total if dtype is None else total.to(dtype)
+
+
 def clip_(
     counted: Iterable[Tensor],
     scaled: Iterable[Tensor],
@@ -103,50 +120,47 @@ def clip_(
     stats: C.CommStats | None = None,
 ) -> Tensor:
     """The whole clip of a distributed optimizer: the global norm of the `counted` tensors
-    (each element of the model counted on exactly one rank of `groups`), then `scaled` (the
-    gradients this rank applies) multiplied by `clip_coefficient`, with no host read unless
-    `error_if_nonfinite` asks for one (`check_finite`). Returns the norm in `dtype` (None:
-    the accumulator's), the same on every rank, as a tensor on the device."""
+    (each element of the model counted on exactly one rank of `groups`), then `apply_clip`.
+    Returns the norm, the same on every rank, as a tensor on the device."""
     p = check_norm_type(norm_type)
     total = total_norm(power_sum(counted, p, device), p, groups, stats=stats)
-    if error_if_nonfinite:
-        check_finite(total, p)
-    scale_(scaled, clip_coefficient(total, max_norm))
-    return total if dtype is None else total.to(dtype)
+    return apply_clip(total, scaled, max_norm, p, error_if_nonfinite, dtype)
 
 
-def ordered_clip_(
+def ordered_norm(
     items: Iterable[tuple[int, Tensor]],
-    n_items: int,
-    scaled: Iterable[Tensor],
-    max_norm: float,
+    spans: Sequence[tuple[int, int]],
     norm_type: float,
-    error_if_nonfinite: bool,
     device: torch.device,
     groups: Iterable[Any],
-    dtype: torch.dtype | None,
     stats: C.CommStats | None = None,
 ) -> Tensor:
-    """`clip_` with a norm whose bits do not depend on which rank holds what
-    (`reproducible=True`): each of the `n_items` fixed blocks (the model's units, each held
-    whole by one rank: `items` gives this rank's as (index, averaged gradient)) is summed in
-    the binary tree over its elements (`ordered.tree_power_sum`) into its place in a vector,
-    one all-reduce per group adds the vectors (one rank's term and zeros: exact), and the
-    vector is summed in the binary tree over the block index."""
+    """The global norm with bits that do not depend on which rank holds what
+    (`reproducible=True`). The model's units are fixed blocks: unit u has the places
+    `spans[u]` = (first, count) of a vector, one for a unit held whole by one rank (its
+    `ordered.tree_power_sum`), one per block of elements (`ordered.NORM_BLOCK`, the driver's
+    `norm_block`) for a unit sharded in runs that start and end on those blocks (their
+    `block_power_sums`). `items` gives this rank's as
+    (first place, values). One all-reduce per group adds the vectors (one rank's term and
+    zeros: exact), each sharded unit's blocks are summed in the binary tree over the block
+    index, then the units in the binary tree over the unit index (max for the inf-norm)."""
     p = check_norm_type(norm_type)
     acc = accumulator_dtype(device)
-    parts = torch.zeros(n_items, dtype=acc, device=device)
-    for i, t in items:
-        parts[i] = tree_power_sum(t, p, acc).to(device)
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    size = sum(count for _, count in spans)
+    parts = torch.zeros(size, dtype=acc, device=device)
+    for first, values in items:
+        parts[first : first + values.numel()] = values.to(device)
+    inf = math.isinf(p)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     for group in groups:
         with C.phase("gradient norm (all-reduce)", group):
             C.all_reduce(parts, op=op, group=group, stats=stats, kind="grad_norm")
-    if math.isinf(p):
-        total = parts.max() if n_items else parts.new_zeros(())
-    else:
-        total = tree_total(parts).pow(1.0 / p)
-    if error_if_nonfinite:
-        check_finite(total, p)
-    scale_(scaled, clip_coefficient(total, max_norm))
-    return total if dtype is None else total.to(dtype)
+    firsts = torch.tensor([first for first, _ in spans], dtype=torch.long, device=device)
+    units = parts.index_select(0, firsts) if spans else parts[:0]
+    for u, (first, count) in enumerate(spans):
+        if count > 1:
+            blocks = parts[first : first + count]
+            units[u] = blocks.max() if inf else tree_total(blocks)
+    if inf:
+        return units.max() if units.numel() else units.new_zeros(())
+    return tree_total(units).pow(1.0 / p)

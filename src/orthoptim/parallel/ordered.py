@@ -13,9 +13,11 @@ import math
 import torch
 from torch import Tensor
 
-#: the terms summed at once by `tree_power_sum` (float64: 32 MiB); a longer tensor is cut into
-#: blocks of this many, which depends on its length alone
-TREE_BLOCK = 2**22
+#: the elements of one block of a norm (`block_power_sums`): the sharded AdamW runs of
+#: `reproducible=True` start and end on these blocks (`assignment.deal_adamw`'s `align`)
+NORM_BLOCK = 2**16
+#: the elements a norm's tree works on at once (float64: 32 MiB)
+_CHUNK = 2**22
 
 
 def tree_sum_(rows: Tensor) -> Tensor:
@@ -42,15 +44,40 @@ def tree_total(values: Tensor) -> Tensor:
     return tree_sum_(rows)
 
 
-def tree_power_sum(t: Tensor, norm_type: float, dtype: torch.dtype) -> Tensor:
-    """Σ |x|^p over the elements of `t` in `dtype` (max |x| for p = inf, which needs no
-    order), in the binary tree over the flattened index: blocks of `TREE_BLOCK` terms, then
-    the blocks' sums. A 0-d tensor."""
+def block_power_sums(t: Tensor, norm_type: float, dtype: torch.dtype, block: int) -> Tensor:
+    """Σ |x|^p of each `block` consecutive elements of `t` flattened (a power of two; the
+    last block short, zeros after its end), each in the binary tree over its positions
+    (halving: element i with i + half), in `dtype`; max |x| per block for p = inf, which
+    needs no order. One entry per block (none for an empty `t`)."""
     x = t.detach().reshape(-1)
+    n, b = x.numel(), block
+    blocks = -(-n // b)
+    out = torch.zeros(blocks, dtype=dtype, device=x.device)
+    per = max(1, _CHUNK // b)
+    for first in range(0, blocks, per):
+        last = min(blocks, first + per)
+        rows = torch.zeros((last - first) * b, dtype=dtype, device=x.device)
+        piece = x[first * b : min(n, last * b)]
+        rows[: piece.numel()] = piece.abs()
+        rows = rows.view(last - first, b)
+        if math.isinf(norm_type):
+            out[first:last] = rows.amax(dim=1)
+            continue
+        rows = rows.square() if norm_type == 2 else rows.pow(norm_type)
+        width = b
+        while width > 1:
+            width //= 2
+            rows = rows[:, :width] + rows[:, width:]
+        out[first:last] = rows[:, 0]
+    return out
+
+
+def tree_power_sum(
+    t: Tensor, norm_type: float, dtype: torch.dtype, block: int = NORM_BLOCK
+) -> Tensor:
+    """Σ |x|^p over the elements of `t` (max |x| for p = inf): its `block_power_sums` summed
+    in the binary tree over the block index. A 0-d tensor in `dtype`."""
+    blocks = block_power_sums(t, norm_type, dtype, block)
     if math.isinf(norm_type):
-        return x.abs().max().to(dtype) if x.numel() else x.new_zeros((), dtype=dtype)
-    blocks = []
-    for start in range(0, max(x.numel(), 1), TREE_BLOCK):
-        block = x[start : start + TREE_BLOCK].to(dtype).abs()
-        blocks.append(tree_total(block.square() if norm_type == 2 else block.pow(norm_type)))
-    return blocks[0] if len(blocks) == 1 else tree_total(torch.stack(blocks))
+        return blocks.max() if blocks.numel() else blocks.new_zeros(())
+    return tree_total(blocks)

@@ -16,7 +16,15 @@ One training step::
              ──► all-gather of the updated parameters per bucket (optionally in bf16),
                  asynchronous: the forward pre-hook of each module waits for its buckets
 
-The model is not wrapped; the optimizer registers the hooks it needs.
+The model is not wrapped; the optimizer's gradient sync registers the hooks it needs.
+
+`reproducible=True` (`docs/reproducible.md`): the same bits at every power-of-two
+data-parallel size for the accumulation loop that gives each rank a contiguous block of the
+global batch's micro-batches: each rank sums its micro-batches in the binary tree over their
+index (`accumulation`), the owners sum the ranks' slices in the binary tree over the rank
+index (`reduction.OrderedReduction`), so the whole sum is one tree over the global
+micro-batch index; the clip norm is summed in fixed trees (`clip.ordered_norm`), every
+matrix is orthogonalized on its own, and the AdamW units are owned whole.
 
 AdamW is element-wise, so its parameters need no single owner (`shard_adamw`, ZeRO-1 style):
 in every bucket each rank's shard ends with a run of the bucket's AdamW elements (the AdamW
@@ -44,9 +52,14 @@ bytes move, one module per job:
 
 - `slots`: where each unit (or each rank's run of a sharded AdamW unit) lives in its bucket;
 - `ordering`: the order of a bucket's slots and of a group's buckets (pure functions);
-- `buffers`: a bucket's layout and collectives, the flat buffers the parameters view, laid
-  out a segment at a time;
-- `sync`: the hooks, the reduce launches, `no_sync`, DDP detection and their flags;
+- `buffers`: a bucket's layout and parameter gather, the flat buffers the parameters view,
+  laid out a segment at a time;
+- `sync`: the gradient sync, the driver's own DDP layer (`GradSync`, public as
+  `opt.grad_sync`): it owns the buckets, the flat buffers, the hooks, the byte counter, the
+  reduce launches, `no_sync`, DDP detection and the state of a step's gradients (`SyncState`);
+- `reduction`: its pluggable reduction, the backend's ring (default) or the ordered
+  all-to-all summed in a fixed tree (`reproducible=True`);
+- `accumulation`: under `reproducible`, each rank's micro-batches summed in a binary tree;
 - `ownership`: the unit groups and their assignments;
 - `optimizer`: ownership, masters, the inner optimizer and the step;
 - `view`: the checkpoint state view;

@@ -20,7 +20,7 @@ from orthoptim.optim.hybrid import RoutePredicate, build_optimizer
 from orthoptim.optim.registry import OptimizerName
 from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import StateView
-from orthoptim.parallel import clip
+from orthoptim.parallel import clip, ordered
 from orthoptim.parallel.assignment import (
     NS_STEPS,
     Balance,
@@ -84,8 +84,9 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     device, `MatrixCost.for_device`), `reproducible` (True: the same bits at every power-of-two
     data-parallel size for the accumulation loop `docs/reproducible.md` writes out: each rank's
     micro-batches summed in a binary tree, an ordered cross-rank reduction, a clip norm from
-    fixed blocks, each matrix orthogonalized on its own, the AdamW parameters owned whole
-    (`shard_adamw` is ignored); data parallelism only: no tensor, expert or pipeline groups);
+    fixed blocks (the sharded AdamW runs start and end on them, `norm_block`), each
+    matrix orthogonalized on its own; data parallelism only: no tensor, expert or pipeline
+    groups);
     other keyword arguments go to `build_optimizer`.
 
     Parameters and gradients are views of flat buffers (nothing model-sized is held twice).
@@ -124,6 +125,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.reproducible = bool(reproducible)
+        self.norm_block = ordered.NORM_BLOCK  # the clip norm's blocks under `reproducible`
         self._preamble(
             model, optimizer, lr, route, nonfinite, balance, bucket_mb, state_dict_to,
             dict(inner_kwargs),
@@ -137,9 +139,8 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             self.tp_groups = found
         if self.reproducible:
             self._check_reproducible()
-        # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters;
-        # not under `reproducible`: a run's bounds, and so its clip-norm blocks, follow dp)
-        self.shard_adamw = bool(shard_adamw) and not found and not self.reproducible
+        # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
+        self.shard_adamw = bool(shard_adamw) and not found
         self.units = units_from_model(
             model,
             optimizer=optimizer,
@@ -245,6 +246,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             a = assign(
                 [self.units[i] for i in ids], C.world(group)[1], balance, int(bucket_mb * 2**20),
                 cost=cost, base=base, shard_adamw=self.shard_adamw, masters=masters,
+                align_adamw=self.norm_block if self.reproducible else None,
             )  # fmt: skip
             out.append(UnitGroup(group, ids, a, divisor, expert=k > 0))
         return out
@@ -347,16 +349,37 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     ) -> Tensor:
         """`DistributedOptimizer.clip_grad_norm_`; under `reproducible` with the norm from
         the units, each summed in a fixed tree by its owner, summed in a fixed tree
-        (`clip.ordered_clip_`), so it has the same bits at every data-parallel size."""
+        (`clip.ordered_norm`), so it has the same bits at every data-parallel size."""
         if not self.reproducible:
             return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         _, scaled, dtype = self._clip_tensors()
-        items = [(s.unit, b.shard_view(s)) for b in self.grad_sync.buckets for s in b.mine]
-        return clip.ordered_clip_(
-            items, len(self.units), scaled, max_norm, norm_type, error_if_nonfinite,
-            device=C.device_for(self.process_group, self._device()),
-            groups=self.agreement_groups().all, dtype=dtype, stats=self._stats,
-        )  # fmt: skip
+        p = clip.check_norm_type(norm_type)
+        device = C.device_for(self.process_group, self._device())
+        acc = clip.accumulator_dtype(device)
+        spans, block = self._norm_spans(), self.norm_block
+        items = []
+        for b in self.grad_sync.buckets:
+            for s in b.mine:
+                g, first = b.shard_view(s), spans[s.unit][0]
+                if s.flat is None:  # a unit held whole: one place
+                    items.append((first, ordered.tree_power_sum(g, p, acc, block).reshape(1)))
+                else:  # a run of whole blocks (`align_adamw`)
+                    sums = ordered.block_power_sums(g, p, acc, block)
+                    items.append((first + s.flat[0] // block, sums))
+        groups = self.agreement_groups().all
+        total = clip.ordered_norm(items, spans, p, device, groups, self._stats)
+        return clip.apply_clip(total, scaled, max_norm, p, error_if_nonfinite, dtype)
+
+    def _norm_spans(self) -> list[tuple[int, int]]:
+        """Each unit's places in `clip.ordered_norm`'s vector: one for a unit owned whole, one
+        per `norm_block` elements for a sharded AdamW unit."""
+        spans, first = [], 0
+        for i, u in enumerate(self.units):
+            sharded = any(s.flat is not None for s in self._slots_by_unit[i])
+            count = max(1, -(-u.numel // self.norm_block)) if sharded else 1
+            spans.append((first, count))
+            first += count
+        return spans
 
     # -- the step (`DistributedOptimizer.step`) -----------------------------------------
     def refusal(self) -> list[str]:  # the base's, and the gradient sync's

@@ -120,13 +120,24 @@ class OrderedReduction(Reduction):
 
     The all-to-all's input is the bucket's buffer laid out owner by owner (a rank-major
     bucket as it is; a natural one's regions copied into that order), its output N rows of
-    this rank's share (`transient_numel`), held until `finish`."""
+    this rank's share (`transient_numel`), held until `finish`, at most `IN_FLIGHT` buckets'
+    at a time."""
 
     kind = "ordered_reduce"
+
+    #: buckets whose inboxes may be alive at once: launching another first finishes the
+    #: oldest, so the reduction holds at most this many buckets' shares beside the buffers
+    IN_FLIGHT = 2
 
     def __init__(self) -> None:
         super().__init__()
         self.inbox: dict[Bucket, Tensor] = {}
+        self.outbox: dict[Bucket, Tensor] = {}  # a natural bucket's copy, until sent
+
+    def launch(self, bucket: Bucket, stats: C.CommStats, async_op: bool) -> None:
+        while len(self.inbox) >= self.IN_FLIGHT:
+            self.finish(next(iter(self.inbox)))
+        super().launch(bucket, stats, async_op)
 
     @staticmethod
     def owner_major(bucket: Bucket) -> list[tuple[int, int, int]]:
@@ -149,6 +160,7 @@ class OrderedReduction(Reduction):
             send = bucket.grads
         else:
             send = torch.cat([bucket.grads[start:stop] for start, stop, _ in regions])
+            self.outbox[bucket] = send
         mine = shares[bucket.rank]
         inbox = torch.empty(bucket.n * mine, dtype=send.dtype, device=send.device)
         self.inbox[bucket] = inbox
@@ -160,9 +172,10 @@ class OrderedReduction(Reduction):
 
     def finish(self, bucket: Bucket) -> None:
         self._wait(bucket)
+        self.outbox.pop(bucket, None)
         inbox = self.inbox.pop(bucket, None)
         assert bucket.grads is not None
-        if inbox is None:  # a group of one rank: nothing was sent
+        if inbox is None:  # finished already (`IN_FLIGHT`), or nothing was sent
             return
         total = tree_sum_(inbox.view(bucket.n, -1))
         total.div_(bucket.divisor).add_(0.0)

@@ -324,7 +324,9 @@ class GradSync:
     def push_leaf(self, p: Tensor, slots: list[Slot]) -> None:
         """`reproducible`: this backward's gradient of `p` becomes a leaf of the micro-batch
         tree, in the reduction's dtype, and `.grad` is cleared so the next backward's is its
-        own (a gradient in the buffer is copied out first)."""
+        own. A parameter's first leaf of the step is its view of the gradient buffer where it
+        has one (the tree's partial sums then add into the buffer, and at most log2(k) - 1
+        of them are held beside it); a gradient already in the buffer is copied out first."""
         assert self.tree is not None
         g = p.grad
         if g is None:
@@ -332,9 +334,14 @@ class GradSync:
         p.grad = None
         leaf = C.local_shard(g)
         dtype = self.bucket_of[slots[0].unit].grad_dtype
-        if leaf.dtype != dtype:
+        view = self.flat.viewed.get(id(p))
+        if view is not None and not self.tree.pending(id(p)):
+            if g is not view:
+                view.copy_(leaf)
+            leaf = view
+        elif leaf.dtype != dtype:
             leaf = leaf.to(dtype)
-        elif self.flat.viewed.get(id(p)) is g:
+        elif view is g:
             leaf = leaf.clone()
         self.tree.push(id(p), self.micro, leaf)
 
@@ -352,13 +359,16 @@ class GradSync:
         if self.bucket_of[slots[0].unit].n == 1:
             self.sums[id(p)] = total
             return
+        view = self.flat.viewed.get(id(p))
+        if view is not None:
+            if total is not view:
+                view.copy_(total)
+            p.grad = view
+            return
         for slot in slots:
             b = self.bucket_of[slot.unit]
             for s in b.units[slot.unit]:
                 b.put_grad(s, whole=total)
-        view = self.flat.viewed.get(id(p))
-        if view is not None:
-            p.grad = view
 
     @torch.no_grad()
     def take_grad(self, p: Tensor, slots: list[Slot], final: bool, count: int = 0) -> None:
