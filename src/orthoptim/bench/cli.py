@@ -19,6 +19,7 @@ BENCH_MODULES = (
     "orthoptim.bench.tp",
     "orthoptim.bench.build",
     "orthoptim.bench.telemetry",
+    "orthoptim.bench.reproducible",
 )
 
 
