@@ -165,22 +165,22 @@ def test_the_train_loss_is_summed_in_global_order_at_every_size(world):
 
 
 class _Loss(torch.nn.Module):
-    """A model whose loss is a sum that rounds: mean of x·w over the batch."""
+    """A model whose loss is the mean of x·w over the batch (w ones)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = torch.nn.Parameter(torch.linspace(0.1, 3.3, 16))
+        self.w = torch.nn.Parameter(torch.ones(16))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return (x.float() * self.w).mean() + y.float().mean() * 1e-3
+        return (x.float() * self.w).mean()
 
 
 def _val_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
-        for _ in range(5)
-    ]
+    """Five batches of 32 tokens whose losses × tokens are 2**58, 32, 32, 32, 32: added one
+    by one each 32 is lost to rounding (half the ulp of 2**58, a tie to even), while two
+    added first (64) survive, so a sum grouped by rank shows in the bits."""
+    y = torch.zeros(2, 16, dtype=torch.int64)
+    return [(torch.full((2, 16), 2**53 if j == 0 else 1), y) for j in range(5)]
 
 
 def _val_rank(rank: int, world: int) -> float:
@@ -189,6 +189,11 @@ def _val_rank(rank: int, world: int) -> float:
 
 def test_the_validation_loss_is_the_same_bits_at_every_size():
     one = ordered_evaluate(_Loss(), _val_batches(), 0, 1, "fp32")
+    # control: these losses summed per rank first (as a plain all-reduce of each rank's
+    # total does) give other bits
+    slots = [2.0**58, 32.0, 32.0, 32.0, 32.0]
+    grouped = ordered_sum([ordered_sum(slots[0::2]), ordered_sum(slots[1::2])])
+    assert grouped / 160 != one == ordered_sum(slots) / 160
     for world in (2, 4):
         got = run_ranks(_val_rank, world, timeout=60)
         assert all(g.hex() == one.hex() for g in got), (world, got, one)
