@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from models.corpus import write_corpus
 from orthoptim.cli import build_parser, main
 from orthoptim.train import launcher
 from orthoptim.train import verify as verify_mod
@@ -45,11 +46,7 @@ RUN += ["--eval-every", "3", "--eval-batches", "2", "--warmup", "1", "--no-progr
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A small text file (seeded words) as --data: loading the stdlib source costs seconds."""
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "def", "return", "(x)", "self", "=", "\n"]
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text(" ".join(rng.choice(words) for _ in range(6000)))
-    return str(path)
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 # -- refusals, before any rank starts ---------------------------------------------------

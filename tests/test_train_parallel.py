@@ -16,13 +16,13 @@ on configs shrunk to a few thousand parameters and a small corpus, to keep the c
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from models.corpus import write_corpus
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.data import load_corpus
 from orthoptim.train.model import CONFIGS, GPTConfig, MoEConfig
@@ -54,11 +54,7 @@ TOL = 1e-10
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A small text file (seeded words) as --data: loading the stdlib source costs seconds."""
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "def", "return", "(x)", "self", "=", "\n"]
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text(" ".join(rng.choice(words) for _ in range(6000)))
-    return str(path)
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(autouse=True)

@@ -65,7 +65,8 @@ METHODS = ("ddp_adamw", "zero_adamw", "ddp_muon", *LAYERWISE)
 FSDP_METHODS = ("fsdp_adamw", "fsdp_muon", "fsdp_muon_bf16")
 
 
-def _model(args: argparse.Namespace) -> nn.Module:
+def gpt_model(args: argparse.Namespace) -> nn.Module:
+    """The benchmarks' small GPT: --layers, --heads, --width, --seq-len, seeded by --seed."""
     from orthoptim.train.model import GPT, GPTConfig
 
     torch.manual_seed(args.seed)
@@ -138,7 +139,7 @@ def _build(method: str, args: argparse.Namespace, stats: C.CommStats) -> tuple[n
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _model(args)
+    model = gpt_model(args)
     hybrid = dict(lr=args.lr, adamw_lr=args.adamw_lr)
     if method.startswith("fsdp"):
         shard_model(model)
@@ -279,15 +280,26 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
         dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Spawn `args.nproc` gloo ranks, run every method, and assemble the report."""
-    world = args.nproc
+def spawn_gloo(
+    rank_main: Callable[[int, int, int, str, argparse.Namespace], None],
+    world: int,
+    args: argparse.Namespace,
+) -> list[Any]:
+    """`rank_main(rank, world, port, outdir, args)` on `world` spawned ranks (a free port on
+    this machine for their gloo group); each rank saves its result to OUTDIR/rank{rank}.pt,
+    returned here in rank order."""
     with tempfile.TemporaryDirectory() as outdir:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_rank_main, args=(world, port, outdir, args), nprocs=world, join=True)
-        per_rank = [load_file(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+        mp.spawn(rank_main, args=(world, port, outdir, args), nprocs=world, join=True)
+        return [load_file(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn `args.nproc` gloo ranks, run every method, and assemble the report."""
+    world = args.nproc
+    per_rank = spawn_gloo(_rank_main, world, args)
     rows: dict[str, dict[str, Any]] = {}
     for m in args.methods:
         rs = [pr[m] for pr in per_rank]
@@ -325,7 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             heads=args.heads,
             seq_len=args.seq_len,
             global_batch=args.batch,
-            params=sum(p.numel() for p in _model(args).parameters()),
+            params=sum(p.numel() for p in gpt_model(args).parameters()),
         ),
         "steps": args.steps,
         "threads_per_rank": args.threads,

@@ -22,35 +22,21 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
 
 from orthoptim import collectives as C
 from orthoptim.bench import environment
+from orthoptim.bench.dist import gpt_model, spawn_gloo
 from orthoptim.kernels import force_matmul
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
-from orthoptim.safe_load import load_file
 
 MODES = ("default", "reproducible")
-
-
-def _model(args: argparse.Namespace) -> nn.Module:
-    from orthoptim.train.model import GPT, GPTConfig
-
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig(
-        n_layer=args.layers, n_head=args.heads, d_model=args.width, seq_len=args.seq_len
-    )
-    return GPT(cfg)
 
 
 def _micro_batch(args: argparse.Namespace, step: int, index: int) -> tuple[Any, Any]:
@@ -65,7 +51,7 @@ class _Mode:
 
     def __init__(self, name: str, args: argparse.Namespace, rank: int, world: int) -> None:
         self.name, self.args, self.rank, self.world = name, args, rank, world
-        self.model = _model(args)
+        self.model = gpt_model(args)
         self.opt = LayerwiseDistributedOptimizer(
             self.model,
             optimizer="muon",
@@ -115,12 +101,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
 
 def run_size(args: argparse.Namespace, world: int) -> dict[str, Any]:
     """Both modes at `world` ranks: each rank's median step time and bytes, the ratios."""
-    with tempfile.TemporaryDirectory() as outdir:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_rank_main, args=(world, port, outdir, args), nprocs=world, join=True)
-        per_rank = [load_file(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+    per_rank = spawn_gloo(_rank_main, world, args)
     row: dict[str, Any] = {"accumulation": args.micro_batches // world}
     for name in MODES:
         row[name] = {
