@@ -183,8 +183,8 @@ def test_split_experts_across_buckets_stay_views(world, bucket_mb):
     copied in and out."""
     from models.plan import MOE
     from orthoptim.plan.dryrun import build_model
+    from orthoptim.plan.layouts import Layout
     from orthoptim.plan.model import model_from_dict
-    from orthoptim.plan.planner import Layout
 
     with fake_world(0, world):
         model = build_model(model_from_dict(MOE), Layout(dp=world))

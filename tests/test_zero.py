@@ -423,8 +423,9 @@ def test_plan_state_per_rank_is_level():
     """The issue's layouts: AdamW whole made kimi-k2 (dp 64, ep 64) 132 vs 120 GiB and put a
     llama3-8b embedding's state on one rank (6.6x the mean); dealt, both within 2 %."""
     from orthoptim.plan.hardware import load_hardware
+    from orthoptim.plan.layouts import Layout
     from orthoptim.plan.model import load_model
-    from orthoptim.plan.planner import Layout, make_plan
+    from orthoptim.plan.planner import make_plan
 
     for name, layout in (("kimi-k2", Layout(dp=64, ep=64)), ("llama3-8b", Layout(dp=64))):
         mem = make_plan(load_model(name), load_hardware("h200"), layout)["memory"]

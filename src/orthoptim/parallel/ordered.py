@@ -16,8 +16,8 @@ from torch import Tensor
 #: the elements of one block of a norm (`block_power_sums`): the sharded AdamW runs of
 #: `reproducible=True` start and end on these blocks (`assignment.deal_adamw`'s `align`)
 NORM_BLOCK = 2**16
-#: the elements a norm's tree works on at once (float64: 32 MiB)
-_CHUNK = 2**22
+#: the elements a norm's tree works on at once (float64: 8 MiB, the most it holds)
+NORM_CHUNK = 2**20
 
 
 def tree_sum_(rows: Tensor) -> Tensor:
@@ -53,21 +53,21 @@ def block_power_sums(t: Tensor, norm_type: float, dtype: torch.dtype, block: int
     n, b = x.numel(), block
     blocks = -(-n // b)
     out = torch.zeros(blocks, dtype=dtype, device=x.device)
-    per = max(1, _CHUNK // b)
+    per = max(1, NORM_CHUNK // b)
     for first in range(0, blocks, per):
         last = min(blocks, first + per)
         rows = torch.zeros((last - first) * b, dtype=dtype, device=x.device)
         piece = x[first * b : min(n, last * b)]
-        rows[: piece.numel()] = piece.abs()
-        rows = rows.view(last - first, b)
+        rows[: piece.numel()] = piece
+        rows = rows.abs_().view(last - first, b)
         if math.isinf(norm_type):
             out[first:last] = rows.amax(dim=1)
             continue
-        rows = rows.square() if norm_type == 2 else rows.pow(norm_type)
+        rows.square_() if norm_type == 2 else rows.pow_(norm_type)
         width = b
-        while width > 1:
+        while width > 1:  # in place: one chunk is all the sum holds
             width //= 2
-            rows = rows[:, :width] + rows[:, width:]
+            rows[:, :width].add_(rows[:, width : 2 * width])
         out[first:last] = rows[:, 0]
     return out
 

@@ -8,6 +8,7 @@ the layer-wise distributed optimizer runs.
 from orthoptim.plan.baseline import adamw_baseline
 from orthoptim.plan.cli import add_parser, format_report, plot_plan
 from orthoptim.plan.hardware import Hardware, load_hardware, shipped_hardware
+from orthoptim.plan.layouts import Layout
 from orthoptim.plan.model import (
     Matrix,
     ModelDescription,
@@ -17,7 +18,7 @@ from orthoptim.plan.model import (
     param_counts,
     shipped_models,
 )
-from orthoptim.plan.planner import Layout, make_plan, to_units
+from orthoptim.plan.planner import make_plan, to_units
 
 __all__ = [
     "Hardware",

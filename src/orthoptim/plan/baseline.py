@@ -15,9 +15,10 @@ import math
 from typing import Any
 
 from orthoptim.plan.hardware import Hardware
+from orthoptim.plan.layouts import DTYPE_BYTES, Layout
 from orthoptim.plan.memory import memory_per_rank
 from orthoptim.plan.model import ModelDescription
-from orthoptim.plan.planner import DTYPE_BYTES, Layout, plan_matrices, plan_slots
+from orthoptim.plan.planner import plan_matrices, plan_slots
 
 
 def adamw_layout(layout: Layout) -> Layout | None:

@@ -17,8 +17,7 @@ from orthoptim.plan.activations import RECOMPUTES
 from orthoptim.plan.baseline import adamw_baseline, versus
 from orthoptim.plan.costs import AUTO_MODES, TP_MODES
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
-from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
-from orthoptim.plan.planner import (
+from orthoptim.plan.layouts import (
     BALANCES,
     DTYPE_BYTES,
     PLAN_OPTIMIZERS,
@@ -26,8 +25,9 @@ from orthoptim.plan.planner import (
     Layout,
     check_layout,
     check_stage,
-    make_plan,
 )
+from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
+from orthoptim.plan.planner import make_plan
 
 
 def _si(x: float, unit: str = "") -> str:

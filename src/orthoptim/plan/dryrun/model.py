@@ -12,8 +12,9 @@ from torch import Tensor, nn
 
 from orthoptim import collectives as C
 from orthoptim.plan.dryrun.world import DEVICE
+from orthoptim.plan.layouts import Layout
 from orthoptim.plan.model import Matrix, ModelDescription, expand
-from orthoptim.plan.planner import Layout, local_shape, stage_of_layers
+from orthoptim.plan.planner import local_shape, stage_of_layers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

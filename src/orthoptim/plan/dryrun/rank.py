@@ -20,8 +20,8 @@ from orthoptim.parallel.assignment import NS_STEPS, MatrixCost
 from orthoptim.plan.dryrun.model import build_model
 from orthoptim.plan.dryrun.record import Collective, HostData, Recorder, plain
 from orthoptim.plan.dryrun.world import DEVICE, fake_world
+from orthoptim.plan.layouts import Layout, check_layout, check_stage
 from orthoptim.plan.model import ModelDescription
-from orthoptim.plan.planner import Layout, check_layout, check_stage
 
 if TYPE_CHECKING:
     from orthoptim.parallel.layout import ParallelMesh

@@ -18,8 +18,8 @@ from orthoptim.plan.dryrun.rank import (
     run_rank,
 )
 from orthoptim.plan.hardware import memory_verdict
+from orthoptim.plan.layouts import Layout
 from orthoptim.plan.model import ModelDescription
-from orthoptim.plan.planner import Layout
 
 COVERAGE = {
     "covered": [
