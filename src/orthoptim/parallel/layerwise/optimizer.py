@@ -30,10 +30,11 @@ from orthoptim.parallel.assignment import (
 )
 from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.layerwise import saving
-from orthoptim.parallel.layerwise.buffers import Bucket, agreement_items
+from orthoptim.parallel.layerwise.buffers import Bucket, agreement_items, norm_items
 from orthoptim.parallel.layerwise.ownership import (
     UnitGroup,
     carried_load,
+    check_reproducible,
     check_tensor_parallel_layout,
     counted_here,
     inner_parts,
@@ -138,7 +139,9 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         else:
             self.tp_groups = found
         if self.reproducible:
-            self._check_reproducible()
+            check_reproducible(
+                self.world_size, bool(self.tp_groups), self.expert_group is not None, self.stages
+            )
         # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
         self.shard_adamw = bool(shard_adamw) and not found
         self.units = units_from_model(
@@ -168,24 +171,6 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self._expose()
         self.grad_sync.register()
         self._saving = saving.register(model)  # state dicts without views (`saving`)
-
-    def _check_reproducible(self) -> None:
-        """`reproducible` covers data parallelism over a power-of-two group: refuse the rest
-        in one line that says what the guarantee covers."""
-        covers = (
-            "reproducible=True covers data parallelism alone over 1, 2, 4, 8, ... ranks "
-            "(the layer-wise driver, no tensor, expert or pipeline parallelism)"
-        )
-        n = self.world_size
-        if n & (n - 1):
-            raise ValueError(f"{covers}; this process group has {n} ranks")
-        for what, there in (
-            ("tensor-parallel (DTensor) parameters", bool(self.tp_groups)),
-            ("an expert group", self.expert_group is not None),
-            ("pipeline stages", self.stages > 1),
-        ):
-            if there:
-                raise ValueError(f"{covers}; this model/layout has {what}")
 
     # -- construction ------------------------------------------------------------------
     def _group_units(
@@ -355,31 +340,13 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         _, scaled, dtype = self._clip_tensors()
         p = clip.check_norm_type(norm_type)
         device = C.device_for(self.process_group, self._device())
-        acc = clip.accumulator_dtype(device)
-        spans, block = self._norm_spans(), self.norm_block
-        items = []
-        for b in self.grad_sync.buckets:
-            for s in b.mine:
-                g, first = b.shard_view(s), spans[s.unit][0]
-                if s.flat is None:  # a unit held whole: one place
-                    items.append((first, ordered.tree_power_sum(g, p, acc, block).reshape(1)))
-                else:  # a run of whole blocks (`align_adamw`)
-                    sums = ordered.block_power_sums(g, p, acc, block)
-                    items.append((first + s.flat[0] // block, sums))
+        spans, items = norm_items(
+            self.grad_sync.buckets, self.units, self._slots_by_unit, self.norm_block, p,
+            clip.accumulator_dtype(device),
+        )  # fmt: skip
         groups = self.agreement_groups().all
         total = clip.ordered_norm(items, spans, p, device, groups, self._stats)
         return clip.apply_clip(total, scaled, max_norm, p, error_if_nonfinite, dtype)
-
-    def _norm_spans(self) -> list[tuple[int, int]]:
-        """Each unit's places in `clip.ordered_norm`'s vector: one for a unit owned whole, one
-        per `norm_block` elements for a sharded AdamW unit."""
-        spans, first = [], 0
-        for i, u in enumerate(self.units):
-            sharded = any(s.flat is not None for s in self._slots_by_unit[i])
-            count = max(1, -(-u.numel // self.norm_block)) if sharded else 1
-            spans.append((first, count))
-            first += count
-        return spans
 
     # -- the step (`DistributedOptimizer.step`) -----------------------------------------
     def refusal(self) -> list[str]:  # the base's, and the gradient sync's
