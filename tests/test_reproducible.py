@@ -58,8 +58,9 @@ def test_muon_with_clipping_has_the_same_bits_at_dp_1_2_4_and_the_default_does_n
         dict(optimizer="adamw", lr=3e-3, clip=0.5),
         dict(MUON, param_dtype=torch.bfloat16),
         dict(MUON, state_dtype=torch.bfloat16),
+        dict(MUON, overlap_grad_reduce=False, overlap_param_gather=False),
     ],
-    ids=["normuon", "soap", "adamw", "bf16-params", "bf16-state"],
+    ids=["normuon", "soap", "adamw", "bf16-params", "bf16-state", "no-overlap"],
 )
 def test_every_optimizer_and_precision_has_the_same_bits_at_dp_1_2_4(config):
     assert_same_bits(runs({**config, "reproducible": True}))
