@@ -181,22 +181,24 @@ def test_the_fixed_trees_sum_in_the_order_they_name():
 # -- Newton-Schulz batches -------------------------------------------------------------------
 
 
-def _ns_batches(rank, world_size, batch_matrices):
-    """Every Newton-Schulz call's batch size by shape, on a device where stacking pays (as a
-    GPU's), through the reproducible driver; `batch_matrices` forced back on for the control."""
+def _ns_batches(rank, world_size, batch_matrices, reproducible=True):
+    """Every Newton-Schulz call's batch shape and kernel mode, on a device where stacking pays
+    (as a GPU's), through the layer-wise driver; `batch_matrices` forced back on for the
+    control."""
     import orthoptim.optim.muon as muon
+    from orthoptim import kernels
 
     calls = []
     real = muon.newton_schulz
 
     def recorded(mats, **kw):
-        calls.append(tuple(mats.shape))
+        calls.append((tuple(mats.shape), kernels.kernel_mode()))
         return real(mats, **kw)
 
     muon.newton_schulz, muon.stacking_pays = recorded, lambda device: True
     torch.manual_seed(0)
     model = TinyGPT(layers=3)
-    opt = LayerwiseDistributedOptimizer(model, optimizer="muon", lr=0.02, reproducible=True)
+    opt = LayerwiseDistributedOptimizer(model, optimizer="muon", lr=0.02, reproducible=reproducible)
     for part in inner_parts(opt.inner):
         if isinstance(part, MatrixOptimizer):
             part.batch_matrices = batch_matrices
@@ -206,14 +208,19 @@ def _ns_batches(rank, world_size, batch_matrices):
     return calls
 
 
-def test_newton_schulz_takes_each_matrix_alone_whatever_a_rank_owns():
+def test_newton_schulz_takes_each_matrix_alone_in_plain_matmuls_whatever_a_rank_owns():
     """Planted: with same-shape matrices batched (as on a GPU), the batches follow what a
-    rank owns (dp 1 stacks the 3 blocks' same-shape matrices); reproducible takes each alone."""
+    rank owns (dp 1 stacks the 3 blocks' same-shape matrices); reproducible takes each alone,
+    and in plain matmuls (`force_matmul`: the SYRK paths are chosen by timing races), where
+    the default dispatches ("auto")."""
     control = run_ranks(_ns_batches, 1, args=(True,))[0]
-    assert any(shape[0] > 1 for shape in control if len(shape) == 3)
+    assert any(shape[0] > 1 for shape, _ in control if len(shape) == 3)
     for n in (1, 2):
         for calls in run_ranks(_ns_batches, n, args=(False,)):
-            assert all(len(shape) == 2 or shape[0] == 1 for shape in calls), calls
+            assert all(len(shape) == 2 or shape[0] == 1 for shape, _ in calls), calls
+            assert {mode for _, mode in calls} == {"matmul"}
+    default = run_ranks(_ns_batches, 1, args=(True, False))[0]
+    assert {mode for _, mode in default} == {"auto"}
 
 
 # -- what the guarantee covers ---------------------------------------------------------------
