@@ -66,7 +66,13 @@ class Reduction:
             bucket.grads[start:stop].div_(bucket.divisor)
 
     def expected_bytes(self, bucket: Bucket, out: dict[str, dict[str, float]]) -> None:
-        """Add what one step's reduction of `bucket` moves to `out`, from its layout alone."""
+        """Add what one step's reduction of `bucket` moves to `out`, from its layout alone
+        (nothing in a group of one rank)."""
+        if bucket.n > 1:
+            size = torch.empty(0, dtype=bucket.grad_dtype).element_size()
+            self._expected(bucket, out, size)
+
+    def _expected(self, bucket: Bucket, out: dict[str, dict[str, float]], size: int) -> None:
         raise NotImplementedError
 
 
@@ -97,10 +103,7 @@ class RingReduction(Reduction):
             works.append((work, name))
         return works
 
-    def expected_bytes(self, bucket: Bucket, out: dict[str, dict[str, float]]) -> None:
-        if bucket.n == 1:
-            return
-        size = torch.empty(0, dtype=bucket.grad_dtype).element_size()
+    def _expected(self, bucket: Bucket, out: dict[str, dict[str, float]], size: int) -> None:
         n, rank = bucket.n, bucket.rank
         if bucket.width:
             sent = C.ring_reduce_scatter_bytes([bucket.width * size] * n)[rank]
@@ -170,10 +173,7 @@ class OrderedReduction(Reduction):
             total = tree_sum_(inbox.view(bucket.n, -1))
             bucket.grads[start:stop].copy_(total.div_(bucket.divisor).add_(0.0))
 
-    def expected_bytes(self, bucket: Bucket, out: dict[str, dict[str, float]]) -> None:
-        if bucket.n == 1:
-            return
-        size = torch.empty(0, dtype=bucket.grad_dtype).element_size()
+    def _expected(self, bucket: Bucket, out: dict[str, dict[str, float]], size: int) -> None:
         n, rank = bucket.n, bucket.rank
         if bucket.width:
             add_bytes(out, self.kind, (n - 1) * bucket.width * size, (n - 1) * bucket.width * size)
