@@ -58,8 +58,9 @@ def test_muon_with_clipping_has_the_same_bits_at_dp_1_2_4_and_the_default_does_n
         dict(optimizer="adamw", lr=3e-3, clip=0.5),
         dict(MUON, param_dtype=torch.bfloat16),
         dict(MUON, state_dtype=torch.bfloat16),
+        dict(MUON, overlap_grad_reduce=False, overlap_param_gather=False),
     ],
-    ids=["normuon", "soap", "adamw", "bf16-params", "bf16-state"],
+    ids=["normuon", "soap", "adamw", "bf16-params", "bf16-state", "no-overlap"],
 )
 def test_every_optimizer_and_precision_has_the_same_bits_at_dp_1_2_4(config):
     assert_same_bits(runs({**config, "reproducible": True}))
@@ -180,22 +181,24 @@ def test_the_fixed_trees_sum_in_the_order_they_name():
 # -- Newton-Schulz batches -------------------------------------------------------------------
 
 
-def _ns_batches(rank, world_size, batch_matrices):
-    """Every Newton-Schulz call's batch size by shape, on a device where stacking pays (as a
-    GPU's), through the reproducible driver; `batch_matrices` forced back on for the control."""
+def _ns_batches(rank, world_size, batch_matrices, reproducible=True):
+    """Every Newton-Schulz call's batch shape and kernel mode, on a device where stacking pays
+    (as a GPU's), through the layer-wise driver; `batch_matrices` forced back on for the
+    control."""
     import orthoptim.optim.muon as muon
+    from orthoptim import kernels
 
     calls = []
     real = muon.newton_schulz
 
     def recorded(mats, **kw):
-        calls.append(tuple(mats.shape))
+        calls.append((tuple(mats.shape), kernels.kernel_mode()))
         return real(mats, **kw)
 
     muon.newton_schulz, muon.stacking_pays = recorded, lambda device: True
     torch.manual_seed(0)
     model = TinyGPT(layers=3)
-    opt = LayerwiseDistributedOptimizer(model, optimizer="muon", lr=0.02, reproducible=True)
+    opt = LayerwiseDistributedOptimizer(model, optimizer="muon", lr=0.02, reproducible=reproducible)
     for part in inner_parts(opt.inner):
         if isinstance(part, MatrixOptimizer):
             part.batch_matrices = batch_matrices
@@ -205,14 +208,19 @@ def _ns_batches(rank, world_size, batch_matrices):
     return calls
 
 
-def test_newton_schulz_takes_each_matrix_alone_whatever_a_rank_owns():
+def test_newton_schulz_takes_each_matrix_alone_in_plain_matmuls_whatever_a_rank_owns():
     """Planted: with same-shape matrices batched (as on a GPU), the batches follow what a
-    rank owns (dp 1 stacks the 3 blocks' same-shape matrices); reproducible takes each alone."""
+    rank owns (dp 1 stacks the 3 blocks' same-shape matrices); reproducible takes each alone,
+    and in plain matmuls (`force_matmul`: the SYRK paths are chosen by timing races), where
+    the default dispatches ("auto")."""
     control = run_ranks(_ns_batches, 1, args=(True,))[0]
-    assert any(shape[0] > 1 for shape in control if len(shape) == 3)
+    assert any(shape[0] > 1 for shape, _ in control if len(shape) == 3)
     for n in (1, 2):
         for calls in run_ranks(_ns_batches, n, args=(False,)):
-            assert all(len(shape) == 2 or shape[0] == 1 for shape in calls), calls
+            assert all(len(shape) == 2 or shape[0] == 1 for shape, _ in calls), calls
+            assert {mode for _, mode in calls} == {"matmul"}
+    default = run_ranks(_ns_batches, 1, args=(True, False))[0]
+    assert {mode for _, mode in default} == {"auto"}
 
 
 # -- what the guarantee covers ---------------------------------------------------------------

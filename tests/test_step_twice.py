@@ -1,7 +1,8 @@
 """A second `step()` without a backward in between (issue 56 item 5): the layer-wise driver's
 last step used the reduced gradients as its scratch space, so stepping again would move the
 weights by garbage. It is refused on every rank with one line, and the weights stay those of
-the one step, which equal the single-process optimizer's on the same gradients (float64)."""
+the one step, which equal the single-process optimizer's on the same gradients (float64).
+Gradients set by hand between the steps are new gradients, as for torch's optimizers."""
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,11 @@ def _twice(rank, world_size):
         lines = e.lines
     opt.wait_for_params()
     moved = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), once[n])]
-    # a backward makes the next step legal again
+    # a backward makes the next step legal again, and so do gradients set by hand
     loss_of(model, x[rows], y[rows]).backward()
+    opt.step()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
     opt.step()
     return lines, moved, once
 

@@ -647,6 +647,23 @@ def water_fill(base: Sequence[int], cap: Sequence[int], total: int) -> list[int]
     return x
 
 
+def settled(quota: list[int]) -> list[int]:
+    """`quota` with no rank below zero and the same total: what an aligned run took beyond a
+    rank's quota comes off the largest quotas, one element at a time in effect (levelled
+    from the top, lowest-numbered rank first among equals). Deterministic."""
+    deficit = -sum(q for q in quota if q < 0)
+    out = [max(0, q) for q in quota]
+    while deficit > 0:
+        top = max(out)
+        rest = max([q for q in out if q < top], default=0)
+        at_top = [r for r, q in enumerate(out) if q == top]
+        take = min(deficit, (top - rest) * len(at_top))
+        for k, r in enumerate(at_top):
+            out[r] -= take // len(at_top) + (1 if k < take % len(at_top) else 0)
+        deficit -= take
+    return out
+
+
 def aligned_split(split: list[int], numels: list[int], align: int) -> list[int]:
     """`split` (elements per rank of units of `numels` elements back to back) with each
     boundary between two ranks moved to the nearest multiple of `align` elements of the unit
@@ -716,7 +733,7 @@ def deal_adamw(
         x = water_fill([s // item for s in shard], quota, size)
         if align is not None:
             x = aligned_split(x, [units[i].numel for i in region], align)
-        quota = [q - y for q, y in zip(quota, x)]
+        quota = settled([q - y for q, y in zip(quota, x)])
         split.append(x)
         itemsize.append(item)
     # rank_cost: the whole units' cost (that of sharded units taken out) + AdamW elements

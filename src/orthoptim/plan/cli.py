@@ -436,6 +436,7 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
         ns_batch_mb=args.ns_batch_mb,
         **activation_flags(args),
         state_dtype=args.state_dtype,
+        reproducible=args.reproducible,
     )
 
 
@@ -470,7 +471,7 @@ def layout_commands(args: argparse.Namespace, layout: Layout) -> dict[str, str |
         flag = "--" + f.name.replace("_", "-")
         if f.name == "dp":
             plan.append(f"{flag} {value}")
-        elif f.name == "fsdp":
+        elif f.name in ("fsdp", "reproducible"):
             plan += [flag] if value else []
         elif value != getattr(default, f.name) and not (
             f.name in ("tokens_per_step", "seq_len") and not value
@@ -666,6 +667,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=sorted(DTYPE_BYTES),
         help="storage of Muon's momentum and AdamW's moments (default fp32); bf16 halves "
         "them (stochastic rounding, the step in fp32)",
+    )
+    p.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="LayerwiseDistributedOptimizer(reproducible=True): the same bits at every "
+        "power-of-two --dp (ordered all-to-all reduction and its inboxes, AdamW runs on whole "
+        "norm blocks, each matrix orthogonalized alone); --tp/--ep/--pp 1, no --fsdp",
     )
     p.add_argument(
         "--bucket-mb",

@@ -71,6 +71,7 @@ def layerwise_bytes(
     padded: bool = True,
     split: Sequence[Sequence[int]] = (),
     rank_major: Sequence[bool] = (),
+    ordered: bool = False,
 ) -> tuple[list[float], list[float]]:
     """(sent, received) bytes of every rank in one layer-wise step, per the bucket layout.
 
@@ -81,7 +82,8 @@ def layerwise_bytes(
     all-gather-v on the ring). Any other bucket is reduced to and broadcast from each owner
     (pipelined chains, `collectives.reduce_bytes` / `broadcast_bytes`).
     Units sharded element-wise (owner -1, AdamW) count by `split[b][r]`, the elements of
-    bucket b rank r holds (`Assignment.adamw_split`).
+    bucket b rank r holds (`Assignment.adamw_split`). `ordered` (`reproducible=True`): every
+    bucket's reduction is one all-to-all of the owners' shares (`ordered_reduce_bytes`).
     """
     sent = [0.0] * world
     received = [0.0] * world
@@ -95,7 +97,18 @@ def layerwise_bytes(
         if b < len(split) and split[b]:
             share = [s + x for s, x in zip(share, split[b])]
         holders = [r for r in range(world) if share[r]]
-        if len(holders) > 1 and (not padded or rank_major[b]):
+        if ordered and holders:
+            nothing = [(0.0, 0.0)] * world
+            if rank_major[b]:
+                chunks = [max(share)] * world
+                gather = C.ring_all_gather_bytes([c * gather_bytes for c in chunks])
+                moves = [(ordered_reduce_bytes(chunks, grad_bytes), gather)]
+            else:
+                moves = [(ordered_reduce_bytes(share, grad_bytes), nothing)]
+                moves += [
+                    (nothing, C.broadcast_bytes(share[o] * gather_bytes, world, o)) for o in holders
+                ]
+        elif len(holders) > 1 and (not padded or rank_major[b]):
             chunks = share if not padded else [max(share)] * world
             moves = [
                 (
@@ -116,6 +129,14 @@ def layerwise_bytes(
                 sent[r] += rs[r][0] + ag[r][0]
                 received[r] += rs[r][1] + ag[r][1]
     return sent, received
+
+
+def ordered_reduce_bytes(share: Sequence[int], grad_bytes: int) -> list[tuple[float, float]]:
+    """(sent, received) of every rank in the ordered reduction's all-to-all
+    (`OrderedReduction`): rank r sends every other rank o its copy of o's `share[o]` elements
+    and receives N − 1 copies of its own."""
+    n, total = len(share), sum(share)
+    return [((total - x) * grad_bytes, (n - 1) * x * grad_bytes) for x in share]
 
 
 def layerwise_unpadded_bytes(

@@ -71,6 +71,9 @@ class Layout:
     # the storage of Muon's momentum and AdamW's moments (`state_dtype=torch.bfloat16`:
     # "bf16", stochastic rounding, `orthoptim.optim.lean`), for the state in `memory_per_rank`
     state_dtype: str = "fp32"
+    # `LayerwiseDistributedOptimizer(reproducible=True)`: the ordered reduction's all-to-all
+    # and inboxes, AdamW runs on whole norm blocks, each matrix orthogonalized on its own
+    reproducible: bool = False
 
     @property
     def gather(self) -> str:
@@ -137,6 +140,13 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         raise ValueError(
             "--gather-dtype with --fsdp: FSDPOptimizer gathers no parameters (FSDP2 does); "
             "leave --gather-dtype unset"
+        )
+    dims = (layout.tp, layout.ep, layout.pp)
+    if layout.reproducible and (layout.fsdp or dims != (1, 1, 1) or layout.dp & (layout.dp - 1)):
+        raise ValueError(
+            "--reproducible covers data parallelism alone over 1, 2, 4, 8, ... ranks "
+            f"(the layer-wise driver, --tp 1 --ep 1 --pp 1, no --fsdp); got --dp {layout.dp} "
+            f"--tp {layout.tp} --ep {layout.ep} --pp {layout.pp}{' --fsdp' * layout.fsdp}"
         )
     if layout.ns_steps < 1:
         raise ValueError(f"--ns-steps must be >= 1, got {layout.ns_steps}")

@@ -191,7 +191,8 @@ def _muon_transient(
     layout.ns_batch_mb)` matrices (`orthogonalize_blocks`): per chunk its concatenation (of
     several blocks), its output and the iteration, gone once the output is copied into the
     updates, before the next chunk's are made."""
-    stack = layout.device != "cpu"  # `newton_schulz.stacking_pays`
+    # `newton_schulz.stacking_pays`; never under `reproducible` (`batch_matrices`)
+    stack = layout.device != "cpu" and not layout.reproducible
     price = MatrixCost(layout.device, layout.ns_dtype, layout.ns_steps)
     batches: dict[tuple[int, int], list[int]] = {}
     updates = 0
@@ -427,7 +428,11 @@ def _layerwise_row(
         "state": state,
         "buffers": buf,
         "transient": max(check, *steps),
-        "backward": _largest_fresh_gradient(slot) * param_bytes,
+        "backward": (
+            _ordered_backward(slot, param_bytes, grad_bytes)
+            if layout.reproducible
+            else _largest_fresh_gradient(slot) * param_bytes
+        ),
         "fsdp_gather": 0,
         "construction": construction,
     }
@@ -442,6 +447,44 @@ def _largest_fresh_gradient(slot: Sequence[tuple[Group, int]]) -> int:
             for m, u in zip(g.matrices, g.units, strict=True):
                 fresh[m.param] = fresh.get(m.param, 0) + math.prod(u.shape)
     return max(fresh.values(), default=0)
+
+
+def _ordered_backward(slot: Sequence[tuple[Group, int]], param_bytes: int, grad_bytes: int) -> int:
+    """`reproducible`'s backward peak above the steady state, from the backward's timeline:
+    parameters' gradients arrive in backward order, a bucket launches once its gradients and
+    every earlier bucket's are in (launches go in bucket order), and the ordered reduction
+    keeps the inboxes of the last two buckets launched (`OrderedReduction.IN_FLIGHT`; N times
+    the rank's share, a rank-major bucket's padded share, in the gradient dtype). Each fresh
+    gradient (with, where it goes into a buffer of another dtype, its copy in that dtype,
+    the micro-batch tree's leaf) arrives beside the inboxes alive then; each launch holds
+    the new inbox beside the one before."""
+    peak = 0
+    fresh_bytes = param_bytes + (grad_bytes if grad_bytes != param_bytes else 0)
+    for g, gr in slot:
+        if g.world == 1:
+            continue
+        a = g.assignment
+        arrival: dict[str, int] = {}  # parameter → when its gradient is in (its last unit)
+        numel: dict[str, int] = {}
+        for i, (m, u) in enumerate(zip(g.matrices, g.units, strict=True)):
+            arrival[m.param] = i
+            numel[m.param] = numel.get(m.param, 0) + math.prod(u.shape)
+        launches: dict[int, list[int]] = {}  # arrival → the inboxes it launches, in order
+        ready = -1
+        for b, ids in enumerate(a.buckets):
+            share = _shares(g, b)
+            if not any(share):
+                continue  # no bucket is made
+            ready = max([ready, *(arrival[g.matrices[i].param] for i in ids)])
+            width = max(share) if a.rank_major(b, g.units) else share[gr]
+            launches.setdefault(ready, []).append(g.world * width * grad_bytes)
+        alive: list[int] = []
+        for param, t in sorted(arrival.items(), key=lambda x: x[1]):
+            peak = max(peak, numel[param] * fresh_bytes + sum(alive))
+            for inbox in launches.get(t, []):
+                alive = [*alive[-1:], inbox]
+                peak = max(peak, sum(alive))
+    return peak
 
 
 def _step_transient(

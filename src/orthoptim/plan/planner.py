@@ -38,6 +38,7 @@ from orthoptim.parallel.assignment import (
     state_numel,
 )
 from orthoptim.parallel.layout import ParallelDims
+from orthoptim.parallel.ordered import NORM_BLOCK
 from orthoptim.parallel.tensor_parallel import CostModel, TPCost, auto_modes
 from orthoptim.plan.activations import activation_figures
 from orthoptim.plan.costs import (
@@ -150,6 +151,9 @@ class _Group:
     # An expert group: the assignment of every EP rank's experts over its expert-DP group,
     # index = EP rank (each filled around the dense load of its own ranks); [self] otherwise.
     siblings: list[_Group] = field(default_factory=list, repr=False, compare=False)
+    # `reproducible`: the AdamW runs start and end on norm blocks of this many elements
+    # (`assign`'s `align_adamw`), and the reduction is the ordered all-to-all
+    align: int | None = None
 
     def __post_init__(self) -> None:
         self._owned: list[list[int]] = [[] for _ in range(self.world)]
@@ -170,8 +174,8 @@ class _Group:
         copies deals them; the owners of whole units are the same."""
         if masters == self.masters or not self.assignment.adamw_split:
             return self
-        a = deal_adamw(self.units, self.assignment, masters)
-        return _Group(self.matrices, self.units, self.world, a, masters)
+        a = deal_adamw(self.units, self.assignment, masters, self.align)
+        return _Group(self.matrices, self.units, self.world, a, masters, align=self.align)
 
     def comm(self, grad_bytes: int, gather_bytes: int) -> tuple[list[float], list[float]]:
         """(sent, received) bytes per rank of this group's world in one step."""
@@ -181,6 +185,7 @@ class _Group:
             a.owners, a.buckets, numels, self.world, grad_bytes, gather_bytes,
             split=a.adamw_split,
             rank_major=[a.rank_major(b, self.units) for b in range(len(a.buckets))],
+            ordered=self.align is not None,
         )  # fmt: skip
 
     def comm_unpadded(self, grad_bytes: int, gather_bytes: int) -> list[float]:
@@ -298,6 +303,7 @@ def plan_groups(
     grad_b = DTYPE_BYTES[layout.grad_dtype]
     bucket_bytes = int(layout.bucket_mb * 2**20)
     tp_model = tp_cost_model(hardware, layout) if hardware is not None else CostModel()
+    align = NORM_BLOCK if layout.reproducible else None
     by_stage: list[list[_Group]] = []
     for s in range(layout.pp):
         stage_groups: list[_Group] = []
@@ -320,8 +326,10 @@ def plan_groups(
                     done[key] = assign(
                         units, world, balance=balance, bucket_bytes=bucket_bytes, cost=costs,
                         base=base, shard_adamw=layout.tp == 1, masters=masters,
+                        align_adamw=align,
                     )  # fmt: skip
-                siblings.append(_Group(ordered, units, world, done[key], masters, costs))
+                group = _Group(ordered, units, world, done[key], masters, costs, align=align)
+                siblings.append(group)
             for g in siblings:
                 g.siblings = siblings
             stage_groups.append(siblings[0])

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from orthoptim import collectives as C
+from orthoptim.parallel import ordered
+from orthoptim.parallel.assignment import Unit
 from orthoptim.parallel.base import add_bytes
 from orthoptim.parallel.layerwise.ordering import adjacent, natural_order, rank_major_order
 from orthoptim.parallel.layerwise.slots import Slot, by_param, start_of
@@ -494,3 +496,33 @@ class FlatBuffers:
                     "build the optimizer"
                 )
         return True
+
+
+def norm_items(
+    buckets: list[Bucket],
+    units: list[Unit],
+    slots_by_unit: list[list[Slot]],
+    block: int,
+    norm_type: float,
+    dtype: torch.dtype,
+) -> tuple[list[tuple[int, int]], list[tuple[int, Tensor]]]:
+    """`clip.ordered_norm`'s places and this rank's terms: each unit's span of places (one
+    for a unit owned whole, one per `block` elements for a sharded AdamW unit, whose runs
+    start and end on those blocks), and per owned slot its first place and its power sums
+    (a whole unit's `ordered.tree_power_sum`, a run's `ordered.block_power_sums`)."""
+    spans, first = [], 0
+    for i, u in enumerate(units):
+        sharded = any(s.flat is not None for s in slots_by_unit[i])
+        count = max(1, -(-u.numel // block)) if sharded else 1
+        spans.append((first, count))
+        first += count
+    items = []
+    for b in buckets:
+        for s in b.mine:
+            g, at = b.shard_view(s), spans[s.unit][0]
+            if s.flat is None:
+                items.append((at, ordered.tree_power_sum(g, norm_type, dtype, block).reshape(1)))
+            else:
+                sums = ordered.block_power_sums(g, norm_type, dtype, block)
+                items.append((at + s.flat[0] // block, sums))
+    return spans, items

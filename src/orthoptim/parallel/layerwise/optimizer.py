@@ -14,6 +14,7 @@ from torch.distributed import ProcessGroup
 from orthoptim import checkpoint
 from orthoptim import collectives as C
 from orthoptim._validate import check_float_dtype
+from orthoptim.kernels import force_matmul
 from orthoptim.optim.base import NonfinitePolicy, param_name, step_checked
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer
@@ -30,10 +31,11 @@ from orthoptim.parallel.assignment import (
 )
 from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.layerwise import saving
-from orthoptim.parallel.layerwise.buffers import Bucket, agreement_items
+from orthoptim.parallel.layerwise.buffers import Bucket, agreement_items, norm_items
 from orthoptim.parallel.layerwise.ownership import (
     UnitGroup,
     carried_load,
+    check_reproducible,
     check_tensor_parallel_layout,
     counted_here,
     inner_parts,
@@ -85,8 +87,8 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     data-parallel size for the accumulation loop `docs/reproducible.md` writes out: each rank's
     micro-batches summed in a binary tree, an ordered cross-rank reduction, a clip norm from
     fixed blocks (the sharded AdamW runs start and end on them, `norm_block`), each
-    matrix orthogonalized on its own; data parallelism only: no tensor, expert or pipeline
-    groups);
+    matrix orthogonalized on its own in plain matmuls (the SYRK paths are picked by timing);
+    data parallelism only: no tensor, expert or pipeline groups);
     other keyword arguments go to `build_optimizer`.
 
     Parameters and gradients are views of flat buffers (nothing model-sized is held twice).
@@ -138,7 +140,9 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         else:
             self.tp_groups = found
         if self.reproducible:
-            self._check_reproducible()
+            check_reproducible(
+                self.world_size, bool(self.tp_groups), self.expert_group is not None, self.stages
+            )
         # AdamW units sharded element-wise (not under tensor parallelism: DTensor parameters)
         self.shard_adamw = bool(shard_adamw) and not found
         self.units = units_from_model(
@@ -168,24 +172,6 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         self._expose()
         self.grad_sync.register()
         self._saving = saving.register(model)  # state dicts without views (`saving`)
-
-    def _check_reproducible(self) -> None:
-        """`reproducible` covers data parallelism over a power-of-two group: refuse the rest
-        in one line that says what the guarantee covers."""
-        covers = (
-            "reproducible=True covers data parallelism alone over 1, 2, 4, 8, ... ranks "
-            "(the layer-wise driver, no tensor, expert or pipeline parallelism)"
-        )
-        n = self.world_size
-        if n & (n - 1):
-            raise ValueError(f"{covers}; this process group has {n} ranks")
-        for what, there in (
-            ("tensor-parallel (DTensor) parameters", bool(self.tp_groups)),
-            ("an expert group", self.expert_group is not None),
-            ("pipeline stages", self.stages > 1),
-        ):
-            if there:
-                raise ValueError(f"{covers}; this model/layout has {what}")
 
     # -- construction ------------------------------------------------------------------
     def _group_units(
@@ -355,31 +341,13 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         _, scaled, dtype = self._clip_tensors()
         p = clip.check_norm_type(norm_type)
         device = C.device_for(self.process_group, self._device())
-        acc = clip.accumulator_dtype(device)
-        spans, block = self._norm_spans(), self.norm_block
-        items = []
-        for b in self.grad_sync.buckets:
-            for s in b.mine:
-                g, first = b.shard_view(s), spans[s.unit][0]
-                if s.flat is None:  # a unit held whole: one place
-                    items.append((first, ordered.tree_power_sum(g, p, acc, block).reshape(1)))
-                else:  # a run of whole blocks (`align_adamw`)
-                    sums = ordered.block_power_sums(g, p, acc, block)
-                    items.append((first + s.flat[0] // block, sums))
+        spans, items = norm_items(
+            self.grad_sync.buckets, self.units, self._slots_by_unit, self.norm_block, p,
+            clip.accumulator_dtype(device),
+        )  # fmt: skip
         groups = self.agreement_groups().all
         total = clip.ordered_norm(items, spans, p, device, groups, self._stats)
         return clip.apply_clip(total, scaled, max_norm, p, error_if_nonfinite, dtype)
-
-    def _norm_spans(self) -> list[tuple[int, int]]:
-        """Each unit's places in `clip.ordered_norm`'s vector: one for a unit owned whole, one
-        per `norm_block` elements for a sharded AdamW unit."""
-        spans, first = [], 0
-        for i, u in enumerate(self.units):
-            sharded = any(s.flat is not None for s in self._slots_by_unit[i])
-            count = max(1, -(-u.numel // self.norm_block)) if sharded else 1
-            spans.append((first, count))
-            first += count
-        return spans
 
     # -- the step (`DistributedOptimizer.step`) -----------------------------------------
     def refusal(self) -> list[str]:  # the base's, and the gradient sync's
@@ -423,11 +391,14 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             return
         # the matrix optimizers compute in the reduced gradients (`consumes_grads`)
         self._consumed = not self.tp_groups
-        step_checked(self.inner)  # the gradients were checked by _agree
-        for t, _ in ready:  # stepped: hidden from the buckets' steps
-            t.grad = None
-        if converted:
-            self._step_converted(converted)
+        # under `reproducible` Newton-Schulz's products are plain matmuls: the CPU's SYRK and
+        # Gram paths and the GPU's Triton SYRK are chosen by timing races, per process
+        with force_matmul(self.reproducible):
+            step_checked(self.inner)  # the gradients were checked by _agree
+            for t, _ in ready:  # stepped: hidden from the buckets' steps
+                t.grad = None
+            if converted:
+                self._step_converted(converted)
         for t, g in ready:
             t.grad = g
         for name, master in self._master.items():

@@ -146,3 +146,21 @@ def counted_here(s: Slot, tp_groups: list[ProcessGroup | None]) -> bool:
     placements = s.param.placements
     coord = s.param.device_mesh.get_coordinate() or [0] * len(placements)
     return all(c == 0 for c, pl in zip(coord, placements) if pl.is_replicate())
+
+
+def check_reproducible(world_size: int, tensor_parallel: bool, experts: bool, stages: int) -> None:
+    """`reproducible=True` covers data parallelism over a power-of-two group: refuse the rest
+    in one line that says what the guarantee covers."""
+    covers = (
+        "reproducible=True covers data parallelism alone over 1, 2, 4, 8, ... ranks "
+        "(the layer-wise driver, no tensor, expert or pipeline parallelism)"
+    )
+    if world_size & (world_size - 1):
+        raise ValueError(f"{covers}; this process group has {world_size} ranks")
+    for what, there in (
+        ("tensor-parallel (DTensor) parameters", tensor_parallel),
+        ("an expert group", experts),
+        ("pipeline stages", stages > 1),
+    ):
+        if there:
+            raise ValueError(f"{covers}; this model/layout has {what}")

@@ -4,8 +4,9 @@
 - `RingReduction` (the default): one reduce-scatter of a rank-major bucket, or one reduce of
   each owner's region of a natural one. The backend chooses the order of the sum (a ring's
   depends on the group's size), so the bits depend on the data-parallel size.
-- `OrderedReduction` (`reproducible=True`): each rank sends every owner its slice (one
-  all-to-all: the same bytes per rank as a ring reduce-scatter of a rank-major bucket), and
+- `OrderedReduction` (`reproducible=True`): each rank sends every owner its slice by
+  all-to-all (one per rank-major bucket, the bytes of its ring reduce-scatter; one per
+  region of a natural bucket, the ring's one reduce per region), and
   the owner sums the slices of ranks 0..N-1 in a fixed binary tree (`tree_sum_`). With each
   rank's contiguous block of micro-batches summed in the same tree (`accumulation`), the
   whole sum is one tree over the global micro-batch index, the same at every
@@ -65,12 +66,14 @@ class Reduction:
             bucket.grads[start:stop].div_(bucket.divisor)
 
     def expected_bytes(self, bucket: Bucket, out: dict[str, dict[str, float]]) -> None:
-        """Add what one step's reduction of `bucket` moves to `out`, from its layout alone."""
-        raise NotImplementedError
+        """Add what one step's reduction of `bucket` moves to `out`, from its layout alone
+        (nothing in a group of one rank)."""
+        if bucket.n > 1:
+            size = torch.empty(0, dtype=bucket.grad_dtype).element_size()
+            self._expected(bucket, out, size)
 
-    def transient_numel(self, bucket: Bucket) -> int:
-        """Elements this reduction holds beside the buffers while `bucket`'s is in flight."""
-        return 0
+    def _expected(self, bucket: Bucket, out: dict[str, dict[str, float]], size: int) -> None:
+        raise NotImplementedError
 
 
 class RingReduction(Reduction):
@@ -100,10 +103,7 @@ class RingReduction(Reduction):
             works.append((work, name))
         return works
 
-    def expected_bytes(self, bucket: Bucket, out: dict[str, dict[str, float]]) -> None:
-        if bucket.n == 1:
-            return
-        size = torch.empty(0, dtype=bucket.grad_dtype).element_size()
+    def _expected(self, bucket: Bucket, out: dict[str, dict[str, float]], size: int) -> None:
         n, rank = bucket.n, bucket.rank
         if bucket.width:
             sent = C.ring_reduce_scatter_bytes([bucket.width * size] * n)[rank]
@@ -114,14 +114,15 @@ class RingReduction(Reduction):
 
 
 class OrderedReduction(Reduction):
-    """Every owner's slices sent to it in one all-to-all, summed by the owner in the binary
-    tree over the ranks' index (`tree_sum_`), then -0 made +0 so that a zero's sign does not
+    """Every owner's slices sent to it by all-to-all, summed by the owner in the binary tree
+    over the ranks' index (`tree_sum_`), then -0 made +0 so that a zero's sign does not
     depend on where a sum of zeros was formed. Needs a power-of-two group.
 
-    The all-to-all's input is the bucket's buffer laid out owner by owner (a rank-major
-    bucket as it is; a natural one's regions copied into that order), its output N rows of
-    this rank's share (`transient_numel`), held until `finish`, at most `IN_FLIGHT` buckets'
-    at a time."""
+    A rank-major bucket goes in one all-to-all of its buffer as it lies (shard r to rank r:
+    the bytes of a ring reduce-scatter); a natural one in one per region, to its owner (as
+    the ring reduction's one reduce per region), so nothing is copied to be sent. The owner
+    receives N copies of its share (its inboxes), held until `finish`, at most `IN_FLIGHT`
+    buckets' at a time."""
 
     kind = "ordered_reduce"
 
@@ -131,74 +132,56 @@ class OrderedReduction(Reduction):
 
     def __init__(self) -> None:
         super().__init__()
-        self.inbox: dict[Bucket, Tensor] = {}
-        self.outbox: dict[Bucket, Tensor] = {}  # a natural bucket's copy, until sent
+        # bucket → (start, stop, the N copies of elements start:stop this rank owns)
+        self.inbox: dict[Bucket, list[tuple[int, int, Tensor]]] = {}
 
     def launch(self, bucket: Bucket, stats: C.CommStats, async_op: bool) -> None:
         while len(self.inbox) >= self.IN_FLIGHT:
             self.finish(next(iter(self.inbox)))
         super().launch(bucket, stats, async_op)
 
-    @staticmethod
-    def owner_major(bucket: Bucket) -> list[tuple[int, int, int]]:
-        """The bucket's regions (start, stop, owner) sorted by owner (stable)."""
-        return sorted(bucket.regions, key=lambda r: r[2])
-
-    @staticmethod
-    def shares(bucket: Bucket) -> list[int]:
-        """How many elements each rank owns in `bucket`."""
-        out = [0] * bucket.n
-        for start, stop, owner in bucket.regions:
-            out[owner] += stop - start
-        return out
-
     def _launch(self, bucket: Bucket, stats: C.CommStats, async_op: bool) -> list[Any]:
-        assert bucket.grads is not None
-        shares = self.shares(bucket)
-        regions = self.owner_major(bucket)
-        if regions == bucket.regions and regions[-1][1] == bucket.numel:
-            send = bucket.grads
-        else:
-            send = torch.cat([bucket.grads[start:stop] for start, stop, _ in regions])
-            self.outbox[bucket] = send
-        mine = shares[bucket.rank]
-        inbox = torch.empty(bucket.n * mine, dtype=send.dtype, device=send.device)
-        self.inbox[bucket] = inbox
-        work = C.all_to_all(
-            inbox, send, [mine] * bucket.n, shares, group=bucket.group, stats=stats,
-            async_op=async_op, kind=self.kind,
-        )  # fmt: skip
-        return [(work, self.phase(bucket))]
+        grads, n, rank = bucket.grads, bucket.n, bucket.rank
+        assert grads is not None
+        regions = [(0, bucket.numel, -1)] if bucket.width else bucket.regions
+        works, inboxes = [], []
+        for start, stop, owner in regions:
+            send = grads[start:stop]
+            if owner < 0:  # rank-major: shard r to rank r
+                w = bucket.width or 0
+                mine, splits = w, [w] * n
+            else:
+                mine = stop - start if owner == rank else 0
+                splits = [stop - start if r == owner else 0 for r in range(n)]
+            inbox = torch.empty(n * mine, dtype=grads.dtype, device=grads.device)
+            if mine:
+                lo = start + rank * mine if owner < 0 else start
+                inboxes.append((lo, lo + mine, inbox))
+            work = C.all_to_all(
+                inbox, send, [mine] * n, splits, group=bucket.group, stats=stats,
+                async_op=async_op, kind=self.kind,
+            )  # fmt: skip
+            works.append((work, self.phase(bucket)))
+        self.inbox[bucket] = inboxes
+        return works
 
     def finish(self, bucket: Bucket) -> None:
         self._wait(bucket)
-        self.outbox.pop(bucket, None)
-        inbox = self.inbox.pop(bucket, None)
-        assert bucket.grads is not None
-        if inbox is None:  # finished already (`IN_FLIGHT`), or nothing was sent
-            return
-        total = tree_sum_(inbox.view(bucket.n, -1))
-        total.div_(bucket.divisor).add_(0.0)
-        at = 0
-        for start, stop, _ in bucket.mine_regions():
-            bucket.grads[start:stop].copy_(total[at : at + stop - start])
-            at += stop - start
+        inboxes = self.inbox.pop(bucket, [])
+        assert bucket.grads is not None or not inboxes
+        for start, stop, inbox in inboxes:
+            total = tree_sum_(inbox.view(bucket.n, -1))
+            bucket.grads[start:stop].copy_(total.div_(bucket.divisor).add_(0.0))
 
-    def expected_bytes(self, bucket: Bucket, out: dict[str, dict[str, float]]) -> None:
-        if bucket.n == 1:
+    def _expected(self, bucket: Bucket, out: dict[str, dict[str, float]], size: int) -> None:
+        n, rank = bucket.n, bucket.rank
+        if bucket.width:
+            add_bytes(out, self.kind, (n - 1) * bucket.width * size, (n - 1) * bucket.width * size)
             return
-        size = torch.empty(0, dtype=bucket.grad_dtype).element_size()
-        shares = self.shares(bucket)
-        mine = shares[bucket.rank]
-        sent = (sum(shares) - mine) * size
-        add_bytes(out, self.kind, sent, (bucket.n - 1) * mine * size)
-
-    def transient_numel(self, bucket: Bucket) -> int:
-        if bucket.n == 1:
-            return 0
-        own = bucket.n * self.shares(bucket)[bucket.rank]
-        copied = 0 if self.owner_major(bucket) == bucket.regions else bucket.numel
-        return own + copied
+        for start, stop, owner in bucket.regions:
+            mine = owner == rank
+            add_bytes(out, self.kind, 0 if mine else (stop - start) * size,
+                      (n - 1) * (stop - start) * size if mine else 0)  # fmt: skip
 
 
 def make_reduction(reproducible: bool) -> Reduction:

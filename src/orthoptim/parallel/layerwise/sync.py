@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,6 +140,9 @@ class GradSync:
         self.sums: dict[int, Tensor] = {}  # id(param) → the tree's sum, where no buffer is
         self.state = SyncState.IDLE
         self.stale = False  # this step's gradients were CONSUMED by the last one
+        # each parameter's `.grad` as a consuming step left it (a weak reference and its
+        # version): one set by hand since (a new tensor, or written in place) is new
+        self.left: dict[int, tuple[Any, int]] = {}
         self.gathering = False
         self.followed = False
         self.backward_queued = False
@@ -163,6 +167,7 @@ class GradSync:
         state = dict(self.__dict__)
         state["hooks"] = []  # handles of hooks on the original model
         state["ddp"] = None  # the original's wrap, noticed again at the copy's forward
+        state["left"] = {}  # weak references, of the original's gradients
         return state
 
     # -- hooks -------------------------------------------------------------------------
@@ -432,7 +437,7 @@ class GradSync:
         the gradients changed in place (`touched`), a second step without a backward
         (`STEPPED`), a micro-batch count the ordered reduction cannot take."""
         lines = [f"{owner}: {TOUCHED}"] if self.touched() else []
-        if self.state is SyncState.CONSUMED:
+        if self.state is SyncState.CONSUMED and not self.regraded():
             lines.append(f"{owner}: {STEPPED}")
         if self.tree is not None and self.micro & (self.micro - 1):
             lines.append(
@@ -441,6 +446,18 @@ class GradSync:
                 "per rank (the same on every rank); change the accumulation"
             )
         return lines
+
+    def regraded(self) -> bool:
+        """Whether some parameter's `.grad` is not what the last (consuming) step left: set
+        by hand (a new tensor, or written in place), as torch's optimizers allow."""
+        for pid, slots in self.slots_of.items():
+            g = slots[0].param.grad
+            if g is None:
+                continue
+            ref, seen = self.left.get(pid, (None, -1))
+            if ref is None or ref() is not g or version(g) != seen:
+                return True
+        return False
 
     def ensure_reduced(self) -> None:
         """The gradients of this step, averaged, where the owners read them: reduced here,
@@ -453,7 +470,7 @@ class GradSync:
         self.wait_for_params()  # a gather may still own a bucket's buffer
         if self.state is SyncState.REDUCED:
             return
-        self.stale = self.state is SyncState.CONSUMED
+        self.stale = self.state is SyncState.CONSUMED and not self.regraded()
         self.touched_before_reduce = self.touched()
         self.grad_versions = None
         self.backward_queued = False  # (a backward that raised never ran its callback)
@@ -542,6 +559,12 @@ class GradSync:
         self.touched_before_reduce = False
         self.state = SyncState.CONSUMED if consumed or self.stale else SyncState.IDLE
         self.stale = False
+        self.left = {}
+        if self.state is SyncState.CONSUMED:
+            for pid, slots in self.slots_of.items():
+                g = slots[0].param.grad
+                if g is not None:
+                    self.left[pid] = (weakref.ref(g), version(g))
 
     def launch_gathers(self, async_op: bool) -> None:
         """Launch the parameter gathers (asynchronous: each is waited for by the first forward

@@ -152,6 +152,8 @@ def _optimizer(
         mixed["grad_dtype"] = DTYPES[layout.grad_dtype]
     if layout.gather_dtype is not None:
         kwargs["gather_dtype"] = DTYPES[layout.gather_dtype]
+    if layout.reproducible:  # check_layout: the layer-wise driver, data parallelism alone
+        kwargs["reproducible"] = True
     if layout.state_dtype != "fp32":  # check_layout: Muon, layer-wise, no TP
         kwargs["state_dtype"] = DTYPES[layout.state_dtype]
     cost = cuda_cost(kwargs.get("ns_dtype", "auto"))
@@ -257,7 +259,7 @@ def run_rank(
         rec.reads.clear()
         run = _run_steps(rec, model, opt, apart, parallel, steps, plant)
         peak = rec.peak
-    kinds = ("reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all")
+    kinds = ("reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all", "ordered_reduce")
     sent = sum(run.comm.get(k, {}).get("sent", 0.0) for k in kinds)
     received = sum(run.comm.get(k, {}).get("received", 0.0) for k in kinds)
     orth = getattr(opt, "inner", None)
