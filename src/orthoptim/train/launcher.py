@@ -168,8 +168,8 @@ def _stop_on_signals(args: TrainArgs) -> Iterator[StopRequest]:
 
 def _run_rank(args: TrainArgs, stop: StopRequest) -> dict[str, Any]:
     """One rank's training, --out already checked; under --reproducible with
-    REPRODUCIBLE_THREADS intra-op threads whatever --nproc and OMP_NUM_THREADS, and
-    Newton-Schulz's plain-product path (`reproducible_rank`)."""
+    REPRODUCIBLE_THREADS intra-op threads whatever --nproc and OMP_NUM_THREADS
+    (`reproducible_rank`)."""
     args.validate()
     rank, world_size, device = _init_distributed(args.shared_gpu, args.pg_timeout)
     out = Path(args.out)

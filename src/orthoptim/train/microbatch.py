@@ -25,7 +25,6 @@ import torch
 from torch import Tensor, nn
 
 from orthoptim import collectives
-from orthoptim.kernels import force_matmul
 from orthoptim.train.data import get_batch
 from orthoptim.train.devices import autocast
 
@@ -140,19 +139,15 @@ def ordered_evaluate(
 
 @contextlib.contextmanager
 def reproducible_rank(reproducible: bool) -> Iterator[None]:
-    """The block (a rank's training) under --reproducible's process settings, restored
-    after: REPRODUCIBLE_THREADS intra-op threads, and Newton-Schulz on the plain-product
-    path (`kernels.force_matmul`): on CPU the path is otherwise raced by timing in one
-    process and read from a per-machine cache file in the ranks of a job
-    (`kernels.calibration`), so two layouts could take two paths. Nothing without
-    `reproducible`."""
+    """The block (a rank's training) under --reproducible's REPRODUCIBLE_THREADS intra-op
+    threads, the count before restored after; nothing without `reproducible`. (Newton-Schulz's
+    path the driver pins itself under reproducible=True: plain matmuls.)"""
     if not reproducible:
         yield
         return
     before = torch.get_num_threads()
     torch.set_num_threads(REPRODUCIBLE_THREADS)
     try:
-        with force_matmul():
-            yield
+        yield
     finally:
         torch.set_num_threads(before)
