@@ -12,8 +12,10 @@ GPT's matrices over the tp group (`parallelize`), --ep keeps E/ep experts per ra
 dispatches tokens over the ep group (`expert_parallelize`), --pp keeps this rank's stage of
 the blocks (`split_stage`) and steps it through a 1F1B or GPipe schedule over micro-batches
 (`PipelineRunner`), training and evaluation alike. Each data-parallel index of a stage
-trains on its own (seed, step, index) batch, which its tp ranks and its stages share; the
-logged loss is the mean over the data-parallel ranks. The layer-wise optimizer takes the
+trains on its block of the step's global micro-batches (`orthoptim.train.microbatch`; one,
+(seed, step, index), without --global-batch), which its tp ranks and its stages share; the
+logged loss is the mean over the micro-batches (under --reproducible summed in global
+order). The layer-wise optimizer takes the
 layout: dense weights over the stage's dp group, experts over their expert group, the
 gradient norm and the non-finite agreement over every stage.
 
