@@ -78,25 +78,17 @@ from orthoptim.collectives.ops import (
 from orthoptim.collectives.store import rendezvous
 from orthoptim.collectives.teardown import finish_at_exit
 
-# the shard helpers and byte formulas, importable from here as before
+# kept for parallel/layerwise until it imports them directly (CommStats, broadcast_bytes,
+# reduce_bytes, ring_all_gather_bytes, ring_reduce_scatter_bytes, is_dtensor, local_shard,
+# wrap_local); every other caller imports them from orthoptim.comm_bytes / orthoptim.shards
 from orthoptim.comm_bytes import (
     CommStats,
     broadcast_bytes,
     reduce_bytes,
     ring_all_gather_bytes,
-    ring_all_reduce_bytes,
     ring_reduce_scatter_bytes,
 )
-from orthoptim.shards import (
-    cut_like,
-    is_dtensor,
-    local_shard,
-    pack_upper,
-    packed_triangle_size,
-    shard_sizes,
-    unpack_upper,
-    wrap_local,
-)
+from orthoptim.shards import is_dtensor, local_shard, wrap_local
 
 __all__ = [
     "CollectiveDeviceError",
@@ -119,7 +111,6 @@ __all__ = [
     "broadcast",
     "broadcast_bytes",
     "check_device",
-    "cut_like",
     "device_for",
     "finish_at_exit",
     "gather_floats",
@@ -130,20 +121,15 @@ __all__ = [
     "issuing",
     "issuing_kind",
     "local_shard",
-    "pack_upper",
-    "packed_triangle_size",
     "phase",
     "reduce",
     "reduce_bytes",
     "reduce_scatter",
     "rendezvous",
     "ring_all_gather_bytes",
-    "ring_all_reduce_bytes",
     "ring_reduce_scatter_bytes",
-    "shard_sizes",
     "sum_floats",
     "to_backend",
-    "unpack_upper",
     "unshard",
     "wait",
     "world",

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from orthoptim import collectives as C
 from orthoptim import host
+from orthoptim.comm_bytes import CommStats
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -54,7 +55,7 @@ def power_sum(tensors: Iterable[Tensor], norm_type: float, device: torch.device)
 
 
 def total_norm(
-    partial: Tensor, norm_type: float, groups: Iterable[Any], stats: C.CommStats | None = None
+    partial: Tensor, norm_type: float, groups: Iterable[Any], stats: CommStats | None = None
 ) -> Tensor:
     """The global norm from every rank's `power_sum`: one all-reduce per group (sum; max for
     the inf-norm), then the p-th root. `partial` must be on `collectives.device_for(group)`."""
@@ -98,7 +99,7 @@ def clip_(
     device: torch.device,
     groups: Iterable[Any],
     dtype: torch.dtype | None,
-    stats: C.CommStats | None = None,
+    stats: CommStats | None = None,
 ) -> Tensor:
     """The whole clip of a distributed optimizer: the global norm of the `counted` tensors
     (each element of the model counted on exactly one rank of `groups`), then `scaled` (the
