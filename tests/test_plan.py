@@ -286,9 +286,9 @@ TP_MODEL = CostModel(bandwidth=1e9, latency=1e-5, throughput=1e11)
 
 def _tp_runs(rank: int, pair: object) -> dict:
     """A real 2-rank TensorParallelOrthogonalizer on the local shard of full matrices, per
-    mode: the bytes collectives.py counted and the matmul flops of this rank."""
+    mode: the bytes orthoptim.collectives counted and the matmul flops of this rank."""
     from orthoptim import kernels
-    from orthoptim.collectives import CommStats
+    from orthoptim.comm_bytes import CommStats
     from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
 
     out = {}
@@ -336,7 +336,7 @@ def test_planner_assignment_and_flops_equal_the_layerwise_optimizer(layerwise_ru
 
 def test_byte_formulas_equal_comm_stats_of_a_real_run(layerwise_runs) -> None:
     """A 2-rank gloo group, fp32 and bf16 parameter gathers, and 4 ranks, fp32: the bytes
-    each rank's step sent and received (collectives.py's counts) equal the planner's formula.
+    each rank's step sent and received (orthoptim.collectives' counts) equal the planner's formula.
     The optimizer's small agreement all-reduce (two flags per unit) is left out of the plan."""
     group, plan = _plan_for(tiny_gpt_description(), 2)
     kinds = ("reduce_scatter", "all_gather", "reduce", "broadcast")
