@@ -473,7 +473,10 @@ def resume(
             run.param_dtype,
         )
     if rank == 0:
-        kept = read_metrics(metrics_path, upto=start)
+        dropped: list[str] = []
+        kept = read_metrics(metrics_path, upto=start, notes=dropped)
+        for note in dropped:
+            _notice(log, rank, note)
         saved_row = info.get("metrics_row")  # the row of the checkpoint's step, kept with it
         if saved_row is not None and all(r["step"] != start for r in kept):
             kept.append(saved_row)
@@ -601,8 +604,11 @@ def train(
     tokens_per_step = run.tokens_per_step
     last = args.stop_after or args.steps
     bar = _progress_bar(args, rank, start)
+    # the event files first: a --tensorboard that fails leaves no metrics.jsonl (no run)
+    # behind; they purge the steps this run writes again (`Board`)
+    purge = start + 1 if start else 0
+    board = Board(args.tensorboard, purge) if args.tensorboard and rank == 0 else None
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
-    board = Board(args.tensorboard) if args.tensorboard and rank == 0 else None
     run.telemetry = Telemetry(run.opt, run.model) if args.log_every else None
 
     def validate() -> float:
