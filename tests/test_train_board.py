@@ -51,7 +51,7 @@ def test_a_tensorboard_that_fails_in_a_rank_leaves_no_run_behind(tmp_path, monke
     """Should the event files fail inside the rank all the same, the run never stepped and
     --out holds no run: the next start needs no --overwrite."""
 
-    def failing(logdir: str, purge_step: int = 0) -> None:
+    def failing(logdir: str, start: int = 0) -> None:
         raise OSError(f"cannot write {logdir}")
 
     monkeypatch.setattr(loop, "Board", failing)

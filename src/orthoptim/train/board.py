@@ -59,13 +59,13 @@ def remove_events(logdir: str | Path) -> list[Path]:
 
 
 class Board:
-    """TensorBoard event files under `logdir`, one scalar per number of each row written;
-    readers drop the steps from `purge_step` on that earlier files hold (the run writes
-    them again)."""
+    """TensorBoard event files under `logdir`, one scalar per number of each row written, of
+    a run that starts after step `start` (0: a fresh run): readers drop the steps after it
+    that earlier files hold (every step, for a fresh run), which the run writes again."""
 
-    def __init__(self, logdir: str | Path, purge_step: int = 0) -> None:
+    def __init__(self, logdir: str | Path, start: int = 0) -> None:
         writer = summary_writer(logdir)
-        self.writer = writer(log_dir=str(logdir), purge_step=purge_step)
+        self.writer = writer(log_dir=str(logdir), purge_step=start + 1 if start else 0)
 
     def write(self, row: dict[str, Any]) -> None:
         """Every number of `row` at its step."""

@@ -605,9 +605,7 @@ def train(
     last = args.stop_after or args.steps
     bar = _progress_bar(args, rank, start)
     # the event files first: a --tensorboard that fails leaves no metrics.jsonl (no run)
-    # behind; they purge the steps this run writes again (`Board`)
-    purge = start + 1 if start else 0
-    board = Board(args.tensorboard, purge) if args.tensorboard and rank == 0 else None
+    board = Board(args.tensorboard, start) if args.tensorboard and rank == 0 else None
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
     run.telemetry = Telemetry(run.opt, run.model) if args.log_every else None
 
