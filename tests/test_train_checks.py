@@ -1,7 +1,9 @@
-"""`orthoptim train --tensorboard DIR` and metrics.jsonl: a bad folder is refused before any
-rank starts and leaves nothing behind; the event files say what metrics.jsonl says after a
-resume and after --overwrite; a last line that is JSON but not a row is dropped, with a word.
-One rank, tiny config, a few steps."""
+"""What `orthoptim train` checks before its ranks start and says on the terminal: a bad
+--tensorboard folder is refused and leaves nothing behind; the event files say what
+metrics.jsonl says after a resume and after --overwrite; a last line of metrics.jsonl that is
+JSON but not a row is dropped, with a word; a checkpoint that cannot resume under a layout
+says so first; a --param-dtype change on resume is said. One rank (two where a layout needs
+them, refused before they start), tiny config, a few steps."""
 
 from __future__ import annotations
 
@@ -125,3 +127,40 @@ def test_a_metrics_line_before_the_last_that_is_no_row_is_refused_by_line(tmp_pa
     assert main(_argv(out, "--resume")) == 2
     err = capsys.readouterr().err
     assert f"{out / 'metrics.jsonl'}, line 2, is not a metrics row" in err, err
+
+
+@pytest.fixture(scope="module")
+def bf16_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of bf16 optimizer state stopped after its checkpoint of step 2."""
+    out = tmp_path_factory.mktemp("bf16_state") / "run"
+    assert main(_argv(out, "--state-dtype", "bf16", "--stop-after", "2")) == 0
+    return out
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--fsdp"]])
+@pytest.mark.parametrize("state", [[], ["--state-dtype", "bf16"]])
+def test_bf16_state_refused_under_tp_or_fsdp_says_it_cannot_resume_there(
+    bf16_state, monkeypatch, capsys, layout, state
+):
+    """Resuming bf16 optimizer state under --tp or --fsdp, with --state-dtype bf16 or
+    without: one line saying the checkpoint cannot resume under that layout (no advice that
+    leads to the other refusal), before any rank starts."""
+    monkeypatch.setattr(launcher, "_launch_ranks", _no_ranks)
+    argv = _argv(bf16_state, "--resume", *layout, *state)
+    argv[argv.index("--nproc") + 1] = "2"
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    flag = " ".join(layout)
+    assert len(err.splitlines()) == 1, err
+    assert f"cannot resume under {flag}" in err, err
+    assert "pass --state-dtype fp32" not in err, err
+
+
+def test_a_param_dtype_change_on_resume_is_said_on_the_terminal(tmp_path, capsys):
+    """fp32 parameters resumed as bf16: said on the terminal, as a --nproc change is."""
+    out = tmp_path / "run"
+    assert main(_argv(out, "--stop-after", "2", "--param-dtype", "fp32")) == 0
+    capsys.readouterr()
+    assert main(_argv(out, "--resume", "--stop-after", "3", "--param-dtype", "bf16")) == 0
+    err = capsys.readouterr().err
+    assert "orthoptim: --param-dtype fp32 → bf16 from step 2" in err, err

@@ -237,9 +237,12 @@ class TrainArgs:
             )
         if self.state_dtype == "bf16" and (self.fsdp or self.tp > 1):
             flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
+            fix = "pass --state-dtype fp32 with it"
+            if self.resume:  # fp32 state would not match the checkpoint's
+                fix = f"a checkpoint of bf16 state cannot resume under {flag}: resume it without"
             raise ValueError(
                 f"--state-dtype bf16 with {flag}: bf16 state takes plain tensors, and {flag} "
-                "steps DTensor parameters; pass --state-dtype fp32 with it"
+                f"steps DTensor parameters; {fix}"
             )
         if self.fsdp and self.qk_clip_tau is not None:
             raise ValueError(

@@ -466,11 +466,11 @@ def resume(
     # (and, under --fsdp, at either parameter dtype: `check_resumable`).
     if info.get("precision", "fp32") != run.precision:
         log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), run.precision)
-    if saved_param_dtype(info) != run.param_dtype:
-        log.info(
-            "checkpoint trained with %s parameters, continuing with %s",
-            saved_param_dtype(info),
-            run.param_dtype,
+    if saved_param_dtype(info) != run.param_dtype:  # on the terminal, as a layout change
+        _notice(
+            log,
+            rank,
+            f"--param-dtype {saved_param_dtype(info)} → {run.param_dtype} from step {start}",
         )
     if rank == 0:
         dropped: list[str] = []
