@@ -115,6 +115,8 @@ class TrainArgs:
     save_on_signal: str | None = None  # one of SAVE_SIGNALS: save and stop on it, as on SIGTERM
     max_restarts: int = 0  # torchelastic restarts the ranks this often after a failure
     progress: bool = True
+    # the routing table and "resuming from" on the terminal (off: compare's later segments)
+    announce: bool = True
 
     def validate(self) -> None:
         """Reject bad values up front, naming the flag."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from orthoptim._extras import require_extra
 from orthoptim.choices import (
@@ -337,7 +338,7 @@ def _named_lrs(items: list[str]) -> dict[str, float]:
 
 def _compare_cmd(ns: argparse.Namespace) -> int:
     from orthoptim.train import devices
-    from orthoptim.train.compare import run_compare, table
+    from orthoptim.train.compare import run_compare, table, written
     from orthoptim.train.launcher import RankFailedError
     from orthoptim.train.loop import Preempted
 
@@ -385,7 +386,7 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         )
         return stop.exit_code
     print(table(summary))
-    print(f"\nwrote {opts.out}/report.md, loss.png, summary.json")
+    print(f"\nwrote {opts.out}/{', '.join(written(Path(opts.out)))}")
     return 0
 
 

@@ -28,10 +28,8 @@ from orthoptim.train.compare_args import COMPARED as COMPARED
 from orthoptim.train.compare_args import CompareArgs as CompareArgs
 from orthoptim.train.compare_args import device_defaults as device_defaults
 from orthoptim.train.compare_telemetry import (
-    colours as _colours,
-)
-from orthoptim.train.compare_telemetry import (
     plot_telemetry,
+    styles,
     telemetry_section,
     telemetry_series,
 )
@@ -84,6 +82,7 @@ def _run_interleaved(
             args = opts.train_args(optimizer, lr, out)
             args.stop_after = end if end < opts.steps else None
             args.resume = i > 0
+            args.announce = i == 0  # the routing table once per run, no "resuming from"
             args.overwrite = i == 0  # compare's own subfolder: a rerun replaces it
             results[k] = launch(args, opts.nproc)
     for result, (_, _, out) in zip(results, runs):
@@ -259,12 +258,12 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    colours = _colours(summary)
+    style = styles(summary)
     for name, run in summary["runs"].items():
         steps, times, losses = zip(*run["val_curve"])
         label = f"{name} (lr {run['lr']:g})"
-        ax_step.plot(steps, losses, marker=".", label=label, color=colours[name])
-        ax_time.plot(times, losses, marker=".", label=label, color=colours[name])
+        ax_step.plot(steps, losses, ms=4, label=label, **style[name])
+        ax_time.plot(times, losses, ms=4, label=label, **style[name])
     ax_step.axhline(summary["baseline_final_val_loss"], color="gray", lw=0.8, ls="--")
     ax_time.axhline(summary["baseline_final_val_loss"], color="gray", lw=0.8, ls="--")
     ax_step.set_xlabel("step")
@@ -657,6 +656,13 @@ How each did against {base} (its final validation loss {summary["baseline_final_
 
 {definitions(summary)}
 """
+
+
+def written(out: Path) -> list[str]:
+    """The files a compare wrote under `out` (telemetry.png only where a run logged
+    telemetry), in the order its last line names them."""
+    names = ("report.md", "loss.png", "telemetry.png", "summary.json")
+    return [name for name in names if (out / name).exists()]
 
 
 def run_compare(opts: CompareArgs) -> dict[str, Any]:

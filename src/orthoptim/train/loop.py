@@ -458,7 +458,7 @@ def resume(
     layout = layout_change(info, args, ckpt.world_size)
     for message in (
         *(f"--resume: passed over {why}" for why in info["passed_over"]),
-        f"resuming from {info['folder']} (step {start})",
+        *([f"resuming from {info['folder']} (step {start})"] if args.announce else []),
         *(f"{change} from step {start}" for change in [*changes, layout] if change),
     ):
         _notice(log, rank, message)
@@ -695,7 +695,7 @@ def _start_run(
     elif rank == 0:
         metrics_path.write_text("")
     # routing.json and its summary (rank 0; every stage's records under --pp), as run now
-    publish_routing(run.opt, run.model, out, run.mesh)
+    publish_routing(run.opt, run.model, out, run.mesh, show=args.announce)
     start = resumed.step
     where = f"after resuming at step {start}" if start else "before step 1"
     with collectives.phase(f"the ranks' barrier {where}"):
