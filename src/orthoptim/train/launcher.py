@@ -228,6 +228,8 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
             return nothing_to_do(out, done)
         # A bad --data fails here, once, before any rank starts.
         load_corpus(args.data, min_bytes=get_config(args.config).seq_len + 1)
+        if plan.device_type == "cpu":
+            _warn_oversubscribed(nproc)
         return _launch_ranks(args, nproc)
     except RankFailedError:
         if not args.resume:  # a run that never stepped leaves no run behind
@@ -236,6 +238,20 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
     finally:
         release_lock(lock)
         _remove_empty(created)  # a refused run leaves no empty folder behind
+
+
+def _warn_oversubscribed(nproc: int) -> None:
+    """One line on stderr when `nproc` CPU ranks outnumber this machine's cores: they start
+    and step slowly, and nothing else is printed until the first step ends."""
+    cores = os.cpu_count() or 1
+    if nproc > cores:
+        print(
+            f"orthoptim: starting {nproc} ranks on {cores} CPU cores: more ranks than cores, "
+            f"so each gets a share of one and they start and step slowly (--nproc {cores} "
+            "fits this machine)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _remove_empty(folders: list[Path]) -> None:
