@@ -1,6 +1,8 @@
 """What a newcomer copies and tries first: a model factory in the current folder for
-`orthoptim routing`, a `--data` file too short for the config, more ranks than CPU cores, and
-the README's Muon example on a model with biases. Each gets a way forward, not a trap."""
+`orthoptim routing`, a `--data` file too short for the config, more ranks than CPU cores, the
+README's Muon example on a model with biases, the docs build without its extra. Each gets a
+way forward, not a trap; and the figures the commands print say what they are, in units
+that agree."""
 
 from __future__ import annotations
 
@@ -90,3 +92,31 @@ def test_the_docs_build_without_the_docs_extra_says_what_to_install(tmp_path):
     assert done.stderr.strip() == (
         ".ci/docs: mkdocs is not installed; pip install -c .ci/constraints.txt -e '.[docs]'"
     )
+
+
+def test_the_fits_verdict_sets_gib_against_gib():
+    """`plan`'s verdict compares like with like: the peak and the capacity both in GiB, the
+    hardware's own GB beside (it set "147.1 GiB of 141 GB")."""
+    from orthoptim.plan.hardware import memory_verdict
+
+    line = memory_verdict(166.3 * 2**30, 141e9, "h200", over=256, ranks=256)
+    assert line.startswith("fits: no — peak 166.3 GiB of 131.3 GiB (h200: 141 GB), 1.27x"), line
+
+
+def test_plan_says_how_its_two_newton_schulz_figures_differ(capsys):
+    """The per-rank table counts each matrix's path's flops (SYRK), the overhead section
+    plain matmuls: the report says so where the second figure appears."""
+    assert main(["plan", "--model", "gpt-small", "--dp", "8"]) == 0
+    out = capsys.readouterr().out
+    at = out.index("Newton-Schulz per GPU mean")
+    assert "counted as plain matmuls" in out[at : at + 400], out[at : at + 400]
+
+
+def test_demo_says_what_its_losses_show(capsys):
+    """`orthoptim demo` ends with a line saying what the two losses are and what they do not
+    show, after the figures."""
+    assert main(["demo", "--steps", "3", "--width", "16"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-3].startswith("muon: loss ") and lines[-2].startswith("adamw: loss ")
+    assert "the same weights, data and 3 steps" in lines[-1]
+    assert "orthoptim compare" in lines[-1]
