@@ -13,35 +13,20 @@ __version__ = "0.1.0"
 # `import orthoptim` imports no torch, so the `orthoptim` command's --help, --version and
 # usage errors answer without it (`orthoptim.cli`).
 _EXPORTS = {
-    "COEFFICIENT_SETS": "orthoptim.newton_schulz",
-    "newton_schulz": "orthoptim.newton_schulz",
-    "polar_factor": "orthoptim.newton_schulz",
-    **dict.fromkeys(
-        (
-            "SOAP",
-            "AdaMuon",
-            "HybridOptimizer",
-            "Lion",
-            "MatrixOptimizer",
-            "Muon",
-            "NorMuon",
-            "PolarGrad",
-            "Scion",
-            "build_optimizer",
-            "routing_table",
-        ),
-        "orthoptim.optim",
-    ),
-    "NonFiniteGradientError": "orthoptim.optim.base",
-    "ParameterSetError": "orthoptim.optim.guards",
-    "SteppedTwiceError": "orthoptim.optim.guards",
-    "QKClip": "orthoptim.optim.qk_clip",
-    "explain_routing": "orthoptim.optim.routing",
-    "FSDPOptimizer": "orthoptim.parallel",
-    "LayerwiseDistributedOptimizer": "orthoptim.parallel",
-    "ParallelDims": "orthoptim.parallel",
-    "StepRefusedError": "orthoptim.parallel.base",
-    "Telemetry": "orthoptim.telemetry",
+    name: module
+    for module, names in {
+        "orthoptim.newton_schulz": "COEFFICIENT_SETS newton_schulz polar_factor",
+        "orthoptim.optim": "SOAP AdaMuon HybridOptimizer Lion MatrixOptimizer Muon NorMuon "
+        "PolarGrad Scion build_optimizer routing_table",
+        "orthoptim.optim.base": "NonFiniteGradientError",
+        "orthoptim.optim.guards": "ParameterSetError SteppedTwiceError",
+        "orthoptim.optim.qk_clip": "QKClip",
+        "orthoptim.optim.routing": "explain_routing",
+        "orthoptim.parallel": "FSDPOptimizer LayerwiseDistributedOptimizer ParallelDims",
+        "orthoptim.parallel.base": "StepRefusedError",
+        "orthoptim.telemetry": "Telemetry",
+    }.items()
+    for name in names.split()
 }
 
 __all__ = [
