@@ -120,3 +120,13 @@ def test_demo_says_what_its_losses_show(capsys):
     assert lines[-3].startswith("muon: loss ") and lines[-2].startswith("adamw: loss ")
     assert "the same weights, data and 3 steps" in lines[-1]
     assert "orthoptim compare" in lines[-1]
+
+
+def test_the_docs_home_page_reads_as_a_page_in_the_repository():
+    """docs/index.md, which the site fills with the README, is no blank page where it is
+    read as a file: it says so and links the README and the other pages."""
+    text = (ROOT / "docs" / "index.md").read_text()
+    visible = re.sub(r"<!--.*?-->", "", text, flags=re.S).strip()
+    assert "[README](../README.md)" in visible
+    for page in re.findall(r"\]\(([\w-]+\.md)\)", visible):
+        assert (ROOT / "docs" / page).is_file(), page
