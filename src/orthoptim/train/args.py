@@ -241,7 +241,7 @@ class TrainArgs:
             flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
             fix = "pass --state-dtype fp32 with it"
             if self.resume:  # fp32 state would not match the checkpoint's
-                fix = f"a checkpoint of bf16 state cannot resume under {flag}: resume it without"
+                fix = f"a checkpoint of bf16 state cannot resume under {flag}: drop {flag}"
             raise ValueError(
                 f"--state-dtype bf16 with {flag}: bf16 state takes plain tensors, and {flag} "
                 f"steps DTensor parameters; {fix}"

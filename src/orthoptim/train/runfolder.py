@@ -164,7 +164,7 @@ def read_metrics(
         if i < len(lines):
             raise ValueError(f"{what}; remove or mend that line to continue the run")
         if notes is not None:
-            notes.append(f"{what}: dropped it (the last line, as a run stopped writing it)")
+            notes.append(f"{what}: dropped it, as a row cut short by a stop is")
     return [r for r in rows if upto is None or r["step"] <= upto]
 
 
