@@ -378,7 +378,7 @@ def test_dry_run_gathers_in_the_layout_dtype_and_says_it_does_not_fit() -> None:
     assert row["memory"]["masters"] > 0
     assert row["memory"]["masters"] == plan_figures(_plan(layout), 0)["masters"]
     assert not d["fits"] and not row["fits"] and row["peak"] > 0.5e9
-    assert d["verdict"].startswith("fits: no — peak") and "of 0.5 GB" in d["verdict"]
+    assert d["verdict"].startswith("fits: no — peak") and ": 0.5 GB)" in d["verdict"]
     assert any(x.startswith("--param-dtype bf16") for x in d["to_fit"])
     text = format_dry_run(d)
     assert d["verdict"] in text and "flags that shrink it" in text

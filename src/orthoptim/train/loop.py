@@ -458,7 +458,7 @@ def resume(
     layout = layout_change(info, args, ckpt.world_size)
     for message in (
         *(f"--resume: passed over {why}" for why in info["passed_over"]),
-        f"resuming from {info['folder']} (step {start})",
+        *([f"resuming from {info['folder']} (step {start})"] if args.announce else []),
         *(f"{change} from step {start}" for change in [*changes, layout] if change),
     ):
         _notice(log, rank, message)
@@ -466,14 +466,17 @@ def resume(
     # (and, under --fsdp, at either parameter dtype: `check_resumable`).
     if info.get("precision", "fp32") != run.precision:
         log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), run.precision)
-    if saved_param_dtype(info) != run.param_dtype:
-        log.info(
-            "checkpoint trained with %s parameters, continuing with %s",
-            saved_param_dtype(info),
-            run.param_dtype,
+    if saved_param_dtype(info) != run.param_dtype:  # on the terminal, as a layout change
+        _notice(
+            log,
+            rank,
+            f"--param-dtype {saved_param_dtype(info)} → {run.param_dtype} from step {start}",
         )
     if rank == 0:
-        kept = read_metrics(metrics_path, upto=start)
+        dropped: list[str] = []
+        kept = read_metrics(metrics_path, upto=start, notes=dropped)
+        for note in dropped:
+            _notice(log, rank, note)
         saved_row = info.get("metrics_row")  # the row of the checkpoint's step, kept with it
         if saved_row is not None and all(r["step"] != start for r in kept):
             kept.append(saved_row)
@@ -601,8 +604,9 @@ def train(
     tokens_per_step = run.tokens_per_step
     last = args.stop_after or args.steps
     bar = _progress_bar(args, rank, start)
+    # the event files first: a --tensorboard that fails leaves no metrics.jsonl (no run)
+    board = Board(args.tensorboard, start) if args.tensorboard and rank == 0 else None
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
-    board = Board(args.tensorboard) if args.tensorboard and rank == 0 else None
     run.telemetry = Telemetry(run.opt, run.model) if args.log_every else None
 
     def validate() -> float:
@@ -691,7 +695,7 @@ def _start_run(
     elif rank == 0:
         metrics_path.write_text("")
     # routing.json and its summary (rank 0; every stage's records under --pp), as run now
-    publish_routing(run.opt, run.model, out, run.mesh)
+    publish_routing(run.opt, run.model, out, run.mesh, show=args.announce)
     start = resumed.step
     where = f"after resuming at step {start}" if start else "before step 1"
     with collectives.phase(f"the ranks' barrier {where}"):
