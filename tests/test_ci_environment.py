@@ -63,3 +63,27 @@ def test_ci_and_the_readme_install_through_the_constraints() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "pip install -c .ci/constraints.txt -e '.[test" in readme
     assert "pip freeze" in (ROOT / ".ci/lock").read_text()  # .ci/lock writes the pins
+
+
+def _bash_lines(text: str) -> list[str]:
+    """The lines of `text`'s ```bash blocks."""
+    return [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+        for line in block.splitlines()
+    ]
+
+
+def test_ci_runs_the_readme_test_commands_word_for_word() -> None:
+    """The README's test command is the default stage (not the whole suite, an hour on 2
+    cores), its second command the slow stage, and `.ci/run` runs exactly those two."""
+    readme = (ROOT / "README.md").read_text()
+    setup = readme[readme.index("## Set up") : readme.index("### On GPUs")]
+    commands = [c.split("&& ")[-1] for c in _bash_lines(setup) if "-m pytest" in c]
+    assert commands == ['python -m pytest -q -m "not slow"', "python -m pytest -q -m slow"]
+    stages = [
+        line.split(maxsplit=2)[2]
+        for line in (ROOT / ".ci/run").read_text().splitlines()
+        if line.startswith("stage ") and "-m pytest" in line
+    ]
+    assert stages == commands

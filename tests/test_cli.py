@@ -95,3 +95,80 @@ def test_version_prints_the_package_version(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out == f"orthoptim {orthoptim.__version__}\n"
+
+
+# Runs `orthoptim.cli.main` with the given words in a fresh interpreter, then says whether
+# torch was imported (the command exits first on --help, --version and usage errors).
+NO_TORCH_PROBE = """
+import sys
+from orthoptim.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as stop:
+    code = stop.code
+print("torch imported:", "torch" in sys.modules, "exit:", code, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--help"], 0),
+        (["--version"], 0),
+        ([], 2),
+        (["bogus"], 2),
+        (["train", "--help"], 0),
+        (["compare", "--help"], 0),
+        (["demo", "--help"], 0),
+        (["train", "--stpes", "5"], 2),
+        (["train", "--optimizer", "sgd"], 2),
+    ],
+)
+def test_help_version_and_usage_errors_import_no_torch(argv, code):
+    """`orthoptim --help`, `--version`, `orthoptim train --help` and a usage error answer
+    without importing torch (which alone takes about as long as the rest of the command)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(orthoptim.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_PROBE, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == f"torch imported: False exit: {code}", done.stderr[-2000:]
+
+
+def test_the_parsers_names_are_the_implementations():
+    """The torch-free names the parser offers (`orthoptim.choices`) are those the library
+    implements."""
+    from orthoptim import choices
+    from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, MATRIX_OPTIMIZERS
+    from orthoptim.train.loop import Preempted
+    from orthoptim.train.model import CONFIGS
+
+    assert tuple(MATRIX_OPTIMIZERS) == choices.MATRIX_OPTIMIZER_NAMES
+    assert tuple(ELEMENTWISE_OPTIMIZERS) == choices.ELEMENTWISE_OPTIMIZER_NAMES
+    assert tuple(CONFIGS) == choices.CONFIG_NAMES
+    assert Preempted.EXIT_CODE == choices.PREEMPTED_EXIT_CODE
+
+
+def test_the_parser_for_one_command_matches_the_whole_one(capsys):
+    """`main` builds the named command's parser only (the others by name and help): its
+    help is the one of the parser with every command."""
+    from orthoptim.cli import COMMANDS
+
+    for name in COMMANDS:
+        helps = []
+        for parser in (build_parser(), build_parser([name])):
+            sub = dict(parsers(parser))[("orthoptim", name)]
+            helps.append(sub.format_help())
+        assert helps[0] == helps[1], name
+    top = [build_parser().format_help(), build_parser([]).format_help()]
+    assert top[0] == top[1]

@@ -5,16 +5,16 @@ import torch
 import torch.distributed as dist
 
 from models.collectives import cpu_tensor_refusals
-from orthoptim.collectives import (
+from orthoptim.collectives import all_gatherv, all_reduce, all_reduce_symmetric, reduce_scatter
+from orthoptim.comm_bytes import (
     CommStats,
-    all_gatherv,
-    all_reduce,
-    all_reduce_symmetric,
-    pack_upper,
-    packed_triangle_size,
-    reduce_scatter,
-    unpack_upper,
+    broadcast_bytes,
+    reduce_bytes,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    ring_reduce_scatter_bytes,
 )
+from orthoptim.shards import pack_upper, packed_triangle_size, unpack_upper
 
 from distributed import run_ranks
 
@@ -127,7 +127,7 @@ def test_gloo_serves_cpu_and_cuda_and_objects_round_trip():
 # cut into chunks and passed from rank to rank, every message is counted (its numel × element
 # size) for the rank that sends it and the rank that receives it, and the result is checked
 # (so the simulated algorithm is a genuine reduce-scatter, all-gather, all-reduce, reduce or
-# broadcast). Nothing here uses collectives.py's formulas.
+# broadcast). Nothing here uses comm_bytes.py's formulas.
 
 
 class _Wire:
@@ -220,29 +220,28 @@ def _replay(wire: _Wire, call: dict) -> None:
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 def test_accounting_helpers_equal_simulated_algorithms(n):
-    """Per rank, the helpers collectives.py records with equal what the simulated ring and
-    chain algorithms move, for uneven chunks and every root; sent = received summed."""
-    from orthoptim import collectives as C
-
+    """Per rank, the byte formulas orthoptim.collectives records with (`comm_bytes`) equal
+    what the simulated ring and chain algorithms move, for uneven chunks and every root;
+    sent = received summed."""
     sizes = [3 + 2 * r for r in range(n)]
     xs = [torch.randn(sum(sizes), dtype=torch.float64) for _ in range(n)]
     w = _Wire(n)
     ys = w.reduce_scatter(xs, sizes)
     torch.testing.assert_close(torch.cat(ys), sum(xs))
-    assert list(zip(w.sent, w.received)) == C.ring_reduce_scatter_bytes([8 * s for s in sizes])
+    assert list(zip(w.sent, w.received)) == ring_reduce_scatter_bytes([8 * s for s in sizes])
     w = _Wire(n)
     w.all_gather(list(torch.ones(sum(sizes)).split(sizes)))
-    assert list(zip(w.sent, w.received)) == C.ring_all_gather_bytes([4 * s for s in sizes])
+    assert list(zip(w.sent, w.received)) == ring_all_gather_bytes([4 * s for s in sizes])
     w = _Wire(n)
     w.all_reduce([torch.ones(6 * n) for _ in range(n)])
-    assert w.sent == w.received == [C.ring_all_reduce_bytes(4 * 6 * n, n)] * n
+    assert w.sent == w.received == [ring_all_reduce_bytes(4 * 6 * n, n)] * n
     for root in range(n):
         w = _Wire(n)
         torch.testing.assert_close(w.reduce(xs, root), sum(xs))
-        assert list(zip(w.sent, w.received)) == C.reduce_bytes(8 * sum(sizes), n, root)
+        assert list(zip(w.sent, w.received)) == reduce_bytes(8 * sum(sizes), n, root)
         w = _Wire(n)
         w.broadcast(xs[root], root)
-        assert list(zip(w.sent, w.received)) == C.broadcast_bytes(8 * sum(sizes), n, root)
+        assert list(zip(w.sent, w.received)) == broadcast_bytes(8 * sum(sizes), n, root)
         assert sum(w.sent) == sum(w.received) == (n - 1) * 8 * sum(sizes)
 
 
@@ -254,6 +253,7 @@ def _logged_step(rank, world_size):
     from torch import nn
 
     from orthoptim import collectives as C
+    from orthoptim.collectives import ops
     from orthoptim.parallel import LayerwiseDistributedOptimizer
 
     log, phase = [], ["setup"]
@@ -275,8 +275,8 @@ def _logged_step(rank, world_size):
     dist.all_reduce = logged("all_reduce", dist.all_reduce)
     dist.reduce = logged("reduce", dist.reduce, "dst")
     dist.broadcast = logged("broadcast", dist.broadcast, "src")
-    C._REDUCE_SCATTER = logged("reduce_scatter", C._REDUCE_SCATTER, numel_of=1)
-    C._ALL_GATHER = logged("all_gather", C._ALL_GATHER, numel_of=1)
+    ops._REDUCE_SCATTER = logged("reduce_scatter", ops._REDUCE_SCATTER, numel_of=1)
+    ops._ALL_GATHER = logged("all_gather", ops._ALL_GATHER, numel_of=1)
 
     out = {}
     for gather in (None, torch.bfloat16):
@@ -300,7 +300,7 @@ def _logged_step(rank, world_size):
         out[str(gather)] = opt.comm_stats()
     phase[0] = "subgroup"
     sub = dist.new_group([1, 2])
-    stats = C.CommStats()
+    stats = CommStats()
     if rank in (1, 2):
         C.reduce(torch.ones(7), dst=2, group=sub, stats=stats)
         C.reduce(torch.ones(3), dst=1, group=sub, stats=stats)

@@ -221,3 +221,37 @@ def test_end_to_end_compare_draws_the_telemetry_of_real_runs(tmp_path):
     for name in ("adamw", "muon"):
         series = summary["runs"][name]["telemetry"]
         assert series and all(v > 0 for points in series.values() for _, v in points)
+
+
+def test_a_compare_says_its_routing_once_per_run_and_names_every_file(tmp_path, capsys):
+    """A real compare in two segments (the second resumes each run): each run's routing
+    table is printed once, at its start, no "resuming from" line, and the last line names
+    telemetry.png too."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--optimizers", "adamw,muon", "--nproc", "1", "--steps", "2",
+            "--batch", "2", "--eval-every", "2", "--segments", "2", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    stdout, stderr = capsys.readouterr()
+    assert stdout.count("routing of ") == 2, stdout
+    assert "resuming from" not in stderr, stderr
+    last = stdout.strip().splitlines()[-1]
+    assert last == f"wrote {out}/report.md, loss.png, telemetry.png, summary.json", last
+
+
+def test_four_optimizers_are_told_apart_by_line_style_and_marker(monkeypatch, tmp_path):
+    """In a four-optimizer loss.png no two lines share a colour, a line style or a marker, so
+    Muon's line is not hidden under NorMuon's where their curves meet."""
+    results = dict(
+        pair(),
+        normuon=planted("normuon", 0.05, 0.1, 0.01, {5: 3.4, 10: 3.3}),
+        adamuon=planted("adamuon", 0.02, 0.1, 0.01, {5: 3.4, 10: 3.3}),
+    )
+    summary = summarize(opts(optimizers=tuple(results)), results, {})
+    figures: dict[str, Figure] = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, *a, **k: figures.update(loss=fig))
+    compare.plot(summary, tmp_path / "loss.png")
+    lines = [ln for ln in figures["loss"].axes[0].get_lines() if ln.get_label()[0] != "_"]
+    assert len(lines) == 4
+    for get in ("get_color", "get_linestyle", "get_marker"):
+        assert len({getattr(line, get)() for line in lines}) == 4, get

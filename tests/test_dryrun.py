@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from orthoptim import collectives as C
 from orthoptim.cli import main
+from orthoptim.collectives import agreement
 from orthoptim.plan import Layout, load_hardware, load_model, make_plan
 from orthoptim.plan.dryrun import (
     CATEGORIES,
@@ -135,7 +136,7 @@ def _recorded_bytes(r: RankResult) -> dict[str, dict[tuple[int, ...], list[float
     calls]}}, priced by `_moved`."""
     out: dict[str, dict[tuple[int, ...], list[float]]] = {}
     for c in r.collectives[-1]:
-        assert c.issued_as is not None, f"{c.kind} on {c.group[:4]}... not via collectives.py"
+        assert c.issued_as is not None, f"{c.kind} on {c.group[:4]}... not via collectives"
         sent, received = _moved(c, r.rank)
         row = out.setdefault(c.issued_as, {}).setdefault(c.group, [0.0, 0.0, 0])
         row[0] += sent
@@ -149,7 +150,7 @@ def test_counted_bytes_are_the_recorded_collectives(case) -> None:
     apart: FSDP2's own collectives, the TP orthogonalizer's) are, per kind, what every
     collective the backend saw moves by its recorded sizes and group (`_moved`'s ring
     arithmetic, summed over the kind's groups); every collective went through
-    collectives.py, and every counted kind was issued."""
+    orthoptim.collectives, and every counted kind was issued."""
     _, _, runs = case
     for r in runs:
         counted: dict[str, list[float]] = {}
@@ -279,7 +280,7 @@ def test_a_cpu_tensor_handed_to_a_collective_is_refused_as_nccl_refuses_it(monke
                 dist.all_reduce(flags, group=g)
         return real_agree(present, bad, group, stats, device, **kw)
 
-    monkeypatch.setattr(C, "agree", cpu_agree)
+    monkeypatch.setattr(agreement, "agree", cpu_agree)  # where agree_nonfinite finds it
     with pytest.raises(C.CollectiveDeviceError) as info:
         run_rank(GPT, Layout(dp=8), 0)
     message = str(info.value)
@@ -313,7 +314,7 @@ def test_recorder_answers_reads_as_a_healthy_run_and_counts_them() -> None:
     assert finite and nonfinite == 0 and zeros_finite and total == 0.0 and unknown == [0, 0, 0]
     # agree's .tolist() is the library's read; this test's own seven are counted apart
     assert rec.reads.pop("outside orthoptim") == 7
-    assert [s.rsplit(":", 1)[0] for s in rec.reads] == ["orthoptim.collectives.agree"]
+    assert [s.rsplit(":", 1)[0] for s in rec.reads] == ["orthoptim.collectives.agreement.agree"]
     with (
         pytest.raises(RuntimeError, match="No backend type associated with device type cpu"),
         fake_world(0, 4),
@@ -377,7 +378,7 @@ def test_dry_run_gathers_in_the_layout_dtype_and_says_it_does_not_fit() -> None:
     assert row["memory"]["masters"] > 0
     assert row["memory"]["masters"] == plan_figures(_plan(layout), 0)["masters"]
     assert not d["fits"] and not row["fits"] and row["peak"] > 0.5e9
-    assert d["verdict"].startswith("fits: no — peak") and "of 0.5 GB" in d["verdict"]
+    assert d["verdict"].startswith("fits: no — peak") and ": 0.5 GB)" in d["verdict"]
     assert any(x.startswith("--param-dtype bf16") for x in d["to_fit"])
     text = format_dry_run(d)
     assert d["verdict"] in text and "flags that shrink it" in text

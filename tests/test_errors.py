@@ -247,10 +247,10 @@ def _beat(logs: Path, rank: int, step: int) -> None:
 
 
 def _peer_gone() -> Exception:
-    from orthoptim import collectives
+    from orthoptim.collectives import errors
 
     cause = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
-    return collectives._collective_error("all_reduce", cause, None)
+    return errors.collective_error("all_reduce", cause, None)
 
 
 def test_a_save_a_dead_peer_broke_is_its_knock_on_and_every_save_collective_is_named(

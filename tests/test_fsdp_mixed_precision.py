@@ -27,8 +27,9 @@ from torch import nn
 from torch.func import functional_call
 
 from orthoptim import build_optimizer
-from orthoptim import collectives as C
+from orthoptim.comm_bytes import CommStats
 from orthoptim.parallel.fsdp import FSDPOptimizer, count_fsdp_collectives, shard_model
+from orthoptim.shards import local_shard
 
 from distributed import run_ranks
 
@@ -107,7 +108,7 @@ def reference(world_size: int, steps: int, cast: torch.dtype | None) -> list[dic
 
 
 def local(model: nn.Module) -> dict:
-    return {n: C.local_shard(p).detach().clone() for n, p in model.named_parameters()}
+    return {n: local_shard(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def mixed_precision_ranks(rank: int, world_size: int) -> dict:
@@ -116,7 +117,7 @@ def mixed_precision_ranks(rank: int, world_size: int) -> dict:
         out["ref"] = reference(world_size, STEPS, BF16)
         out["ref_fp32"] = reference(world_size, STEPS, None)[-1]
     model = shard_model(make_model(), param_dtype=BF16)
-    stats = C.CommStats()
+    stats = CommStats()
     count_fsdp_collectives(model, stats)
     opt = FSDPOptimizer(model, bucket_mb=0.001, **KW)
     seen: dict = {}
@@ -142,7 +143,7 @@ def mixed_precision_ranks(rank: int, world_size: int) -> dict:
         for k, v in opt.state[p].items()
         if torch.is_tensor(v) and v.is_floating_point()
     }
-    out["numels"] = {n: C.local_shard(p).numel() for n, p in model.named_parameters()}
+    out["numels"] = {n: local_shard(p).numel() for n, p in model.named_parameters()}
     out["matrices"] = sorted(opt.owner_of)
     return out
 

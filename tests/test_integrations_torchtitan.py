@@ -24,12 +24,12 @@ from torchtitan.components.optimizer import LRSchedulersContainer
 
 from models.checkpoint import same
 from orthoptim import checkpoint as ckpt
-from orthoptim import collectives as C
 from orthoptim.integrations.torchtitan import (
     OrthoptimOptimizersContainer,
     build_optimizers,
 )
 from orthoptim.parallel.fsdp import shard_model
+from orthoptim.shards import is_dtensor
 
 from distributed import run_ranks
 
@@ -137,7 +137,7 @@ def snapshot(container, parts):
         if hasattr(opt, "wait_for_params"):
             opt.wait_for_params()
     return {
-        f"{i}.{n}": (p.full_tensor() if C.is_dtensor(p) else p).detach().clone()
+        f"{i}.{n}": (p.full_tensor() if is_dtensor(p) else p).detach().clone()
         for i, part in enumerate(parts)
         for n, p in part.named_parameters()
     }
@@ -151,7 +151,7 @@ def local(v):
     """A state dict value as comparable plain data: a FlatShard's run, a DTensor's shard."""
     if isinstance(v, ckpt.FlatShard):
         return ("run", v.offset, tuple(v.shape), v.local.clone())
-    if C.is_dtensor(v):
+    if is_dtensor(v):
         return ("dtensor", tuple(v.placements), v.to_local().clone())
     if isinstance(v, torch.Tensor):
         return v.clone()

@@ -15,7 +15,7 @@ from torch import nn
 
 from models.layerwise import BATCH, CONFIGS, batch, loss_fn, make_model
 from orthoptim import build_optimizer
-from orthoptim import collectives as C
+from orthoptim.collectives import store
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 
 from distributed import run_ranks
@@ -98,7 +98,7 @@ def _rank0_state_dict(rank, world_size):
     """state_dict() by rank 0 alone: how long until it fails, and the message; then
     prepare_state_dict() on every rank and state_dict() by rank 0 alone, against the
     collective full_state_dict()."""
-    C.RENDEZVOUS_TIMEOUT_S = TIMEOUT_S
+    store.RENDEZVOUS_TIMEOUT_S = TIMEOUT_S
     model = make_model()
     opt = LayerwiseDistributedOptimizer(model, **CONFIGS["hybrid"], bucket_mb=0.03)
     (x, y), _ = _micro(rank, world_size, 0)

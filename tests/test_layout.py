@@ -239,3 +239,44 @@ def test_the_rooms_stay_small():
                 long.append(f"{where}:{node.name} ({size} lines)")
     assert big_files == [] and big_classes == [], (big_files, big_classes)
     assert len(long) <= MAX_LONG_FUNCTIONS, long
+
+
+def borrowed_from_collectives(path: Path, helpers: set[str]) -> list[str]:
+    """`C.name` or `from orthoptim.collectives import name` in `path`, where C is
+    `orthoptim.collectives` and `name` one of `helpers` (a shard helper or byte formula,
+    whose home is `orthoptim.shards` / `orthoptim.comm_bytes`)."""
+    tree = ast.parse(path.read_text())
+    aliases, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "orthoptim":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "collectives"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "orthoptim.collectives":
+            found += [f"{path.name}:{node.lineno}: {a.name}" for a in node.names
+                      if a.name in helpers]  # fmt: skip
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "orthoptim.collectives"}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr in helpers
+        ):
+            found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_shard_helpers_and_byte_formulas_are_imported_from_their_modules():
+    """`orthoptim.collectives` is the collectives: the shard helpers and the byte formulas are
+    imported from `orthoptim.shards` and `orthoptim.comm_bytes`, not through it (by the source
+    and the tests)."""
+    from orthoptim import comm_bytes, shards
+
+    helpers = {
+        n
+        for m in (shards, comm_bytes)
+        for n, obj in vars(m).items()
+        if getattr(obj, "__module__", None) == m.__name__ and not n.startswith("_")
+    }
+    files = [*ROOT.rglob("*.py"), *Path(__file__).parent.rglob("*.py")]
+    assert [r for f in sorted(files) for r in borrowed_from_collectives(f, helpers)] == []

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from models.checkpoint import KW, make_model, train
 from orthoptim import checkpoint as ckpt
 from orthoptim import collectives as C
+from orthoptim.collectives import errors, objects, store
 from orthoptim.parallel import LayerwiseDistributedOptimizer
 
 from distributed import free_port, run_ranks
@@ -60,8 +61,8 @@ def _planted(rank, world_size):
     out = {}
     # serialising this rank's state, before any collective of the gather
     for key, module, name, fake, call in [
-        ("oom", C, "_to_bytes", oom, opt.state_dict),
-        ("bug", C, "_from_bytes", bug, lambda: ckpt.full_state_dict(opt)),
+        ("oom", objects, "_to_bytes", oom, opt.state_dict),
+        ("bug", objects, "_from_bytes", bug, lambda: ckpt.full_state_dict(opt)),
         ("copy", ckpt, "_cpu", value_bug, lambda: ckpt.full_state_dict(opt, to_rank0=True)),
     ]:
         real = getattr(module, name)
@@ -101,7 +102,7 @@ def _dead_peer(rank, port, outdir):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
-    C.RENDEZVOUS_TIMEOUT_S = 3.0  # the state dict's rendezvous notices the dead peer
+    store.RENDEZVOUS_TIMEOUT_S = 3.0  # the state dict's rendezvous notices the dead peer
     model = make_model()
     opt = LayerwiseDistributedOptimizer(model, **KW)
     train(model, opt, range(1), rank, 2)
@@ -194,7 +195,7 @@ def test_a_device_refusal_is_still_a_device_error():
 
 
 def test_the_note_reaches_the_message_on_python_3_10(monkeypatch):
-    monkeypatch.setattr(C, "_ADD_NOTE", False)
+    monkeypatch.setattr(errors, "_ADD_NOTE", False)
     with pytest.raises(RuntimeError) as info, C.phase("checkpoint save"):
         raise RuntimeError("local")
     assert info.value.__notes__ == [

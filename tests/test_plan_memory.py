@@ -32,7 +32,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.plan import DENSE, MOE
-from orthoptim import collectives as C
 from orthoptim.optim.state import base_name
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.plan import Layout, load_hardware, make_plan, model_from_dict
@@ -42,6 +41,7 @@ from orthoptim.plan.dryrun import (
     _register_backend,
 )
 from orthoptim.plan.model import ModelDescription, expand
+from orthoptim.shards import local_shard
 
 _register_backend()  # the dry run's fake process group, serving the meta device only
 
@@ -139,10 +139,10 @@ def _state(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     if opt is None:
         return []
     return [
-        C.local_shard(v)
+        local_shard(v)
         for st in opt.state.values()
         for v in st.values()
-        if isinstance(v, torch.Tensor) and C.local_shard(v).device.type == "meta"
+        if isinstance(v, torch.Tensor) and local_shard(v).device.type == "meta"
     ]
 
 

@@ -486,7 +486,7 @@ def test_leftovers_and_a_cut_metrics_line_do_not_block_resume(runs, tmp_path, ca
     (bad / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     capsys.readouterr()
     assert main(_argv(bad, "--resume")) == 2
-    assert f"{bad / 'metrics.jsonl'}, line 2, is not a JSON row" in capsys.readouterr().err
+    assert f"{bad / 'metrics.jsonl'}, line 2, is not a metrics row" in capsys.readouterr().err
 
 
 def test_metrics_are_synced_at_checkpoints_and_the_checkpoint_row_is_restored(

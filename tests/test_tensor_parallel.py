@@ -7,13 +7,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from orthoptim import kernels
-from orthoptim.collectives import (
-    CommStats,
-    all_reduce,
-    all_reduce_symmetric,
-    packed_triangle_size,
-    shard_sizes,
-)
+from orthoptim.collectives import all_reduce, all_reduce_symmetric
+from orthoptim.comm_bytes import CommStats
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.parallel import TensorParallelOrthogonalizer
 from orthoptim.parallel.tensor_parallel import (
@@ -27,6 +22,7 @@ from orthoptim.parallel.tensor_parallel import (
     split_plan,
     tp_cost,
 )
+from orthoptim.shards import packed_triangle_size, shard_sizes
 
 from distributed import run_ranks
 

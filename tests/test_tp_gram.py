@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from orthoptim import kernels
-from orthoptim.collectives import CommStats, packed_triangle_size, shard_sizes
+from orthoptim.comm_bytes import CommStats
 from orthoptim.kernels import syrk_cpu
 from orthoptim.newton_schulz import (
     coefficient_schedule,
@@ -31,6 +31,7 @@ from orthoptim.parallel.tensor_parallel import (
     gram_runs,
     tp_cost,
 )
+from orthoptim.shards import packed_triangle_size, shard_sizes
 
 from distributed import run_ranks
 

@@ -257,7 +257,7 @@ def test_sharded_adamw_equals_single_process(runs, world_size):
                 assert torch.equal(got, v), (i, got, v)
             else:
                 assert ((got - v).norm() / v.norm()).item() <= 1e-10, (i, k)
-    # comm_stats: what the layout says moves, through collectives.py
+    # comm_stats: what the layout says moves, through orthoptim.collectives
     for r in results:
         assert set(r["stats"]) == set(r["expected"])
         for kind, d in r["expected"].items():

@@ -93,6 +93,7 @@ from orthoptim.safe_load import (
     unpack,
 )
 from orthoptim.safe_load import one_line as one_line
+from orthoptim.shards import cut_like, is_dtensor, wrap_local
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -295,8 +296,8 @@ def _placed(v: Any, p: Tensor, elementwise: bool) -> Any:
     DTensor parameter becomes a DTensor laid out like it (each rank keeps its shard)."""
     if not isinstance(v, Tensor):
         return v
-    if elementwise and C.is_dtensor(p) and not C.is_dtensor(v) and v.shape == p.shape:
-        return C.cut_like(v.detach().to(p.device_mesh.device_type, copy=True), p)
+    if elementwise and is_dtensor(p) and not is_dtensor(v) and v.shape == p.shape:
+        return cut_like(v.detach().to(p.device_mesh.device_type, copy=True), p)
     return v.detach().to(p.device, copy=True)
 
 
@@ -672,9 +673,9 @@ def _template(md: Any, like: Tensor | None) -> Tensor:
     `like` (the parameter it belongs to) when that is a DTensor of the same shape, so each
     rank reads only its shard; else the whole tensor."""
     shape = tuple(md.size)
-    if like is not None and C.is_dtensor(like) and tuple(like.shape) == shape:
+    if like is not None and is_dtensor(like) and tuple(like.shape) == shape:
         local = torch.empty(like.to_local().shape, dtype=md.properties.dtype)
-        return C.wrap_local(local, like)
+        return wrap_local(local, like)
     return torch.empty(shape, dtype=md.properties.dtype)
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from orthoptim import collectives as C
+from orthoptim.comm_bytes import CommStats
 from orthoptim.optim import telemetry as recorder
 from orthoptim.optim.base import GuardedOptimizer, param_names
 from orthoptim.optim.telemetry import CLASSES, FIELDS
@@ -48,7 +49,7 @@ def comm_totals(optimizer: Any) -> tuple[float, float]:
     if not hasattr(optimizer, "comm_stats"):
         return 0.0, 0.0
     stats = optimizer.comm_stats()
-    if isinstance(stats, C.CommStats):
+    if isinstance(stats, CommStats):
         stats = stats.as_dict()
     total = stats.get("total")
     if total is None:

@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from orthoptim.comm_bytes import CommStats
+
 from ._models import WORLD, setup_rank, spawn, to_cpu
 
 # The wrappers that take tensors, each called with one CPU tensor (what a CUDA-only backend
@@ -23,7 +25,7 @@ def _values(rank: int, n: int, device: str) -> dict:
     from orthoptim import collectives as C
 
     out: dict = {}
-    stats = C.CommStats()
+    stats = CommStats()
     t = torch.arange(4.0, device=device) + rank
     C.all_reduce(t, stats=stats)
     out["all_reduce"] = t

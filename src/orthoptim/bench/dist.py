@@ -16,7 +16,7 @@ With `--fsdp` the model is sharded by FSDP2 (`fully_shard` per block and at the 
 
 For each: the step time (fwd + bwd + step, median over steps; the slowest rank), the
 optimizer-state bytes per rank, and the bytes each rank sends per step (counted by
-collectives.py: DDP's all-reduce runs through a comm hook that calls it; ZeRO's parameter
+`orthoptim.collectives`: DDP's all-reduce runs through a comm hook that calls it; ZeRO's parameter
 broadcasts are counted on their way to torch.distributed; FSDP2's parameter all-gathers and
 gradient reduce-scatters run through its custom-collective hooks, see
 `count_fsdp_collectives`). For the layer-wise runs also the compute-only time (fwd + bwd +
@@ -46,10 +46,12 @@ from torch import nn
 from orthoptim import collectives as C
 from orthoptim.bench import emit, environment
 from orthoptim.checkpoint import load_file
+from orthoptim.comm_bytes import CommStats, broadcast_bytes
 from orthoptim.optim.hybrid import build_optimizer
 from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.fsdp import FSDPOptimizer, count_fsdp_collectives, shard_model
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.shards import local_shard
 
 LAYERWISE = {
     "layerwise_overlap_fp32": dict(overlap_grad_reduce=True, overlap_param_gather=True),
@@ -96,11 +98,11 @@ def state_bytes(optimizer: Any) -> int:
 
 def _tensor_bytes(state: dict[str, Any]) -> int:
     """Bytes held on this rank (a DTensor counts its local shard)."""
-    local = [C.local_shard(v) for v in state.values()]
+    local = [local_shard(v) for v in state.values()]
     return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v))
 
 
-def _ddp_hook(stats: C.CommStats) -> Callable[..., Any]:
+def _ddp_hook(stats: CommStats) -> Callable[..., Any]:
     """A DDP comm hook that averages each bucket through collectives.all_reduce (counted)."""
 
     def hook(_state, bucket):  # unannotated: DDP rejects annotations other than its own
@@ -113,9 +115,9 @@ def _ddp_hook(stats: C.CommStats) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _count_broadcasts(stats: C.CommStats) -> Iterator[None]:
+def _count_broadcasts(stats: CommStats) -> Iterator[None]:
     """Count torch.distributed.broadcast calls made inside the block (ZeRO's parameter sync)
-    under collectives.py's accounting (`collectives.broadcast_bytes`: a pipelined chain from
+    under `orthoptim.collectives`' accounting (`comm_bytes.broadcast_bytes`: a pipelined chain from
     the source, every rank but the source receives the tensor, every rank but the last sends
     it)."""
     original = dist.broadcast
@@ -124,7 +126,7 @@ def _count_broadcasts(stats: C.CommStats) -> Iterator[None]:
         group = kw.get("group", a[0] if a else None)
         rank, n = C.world(group)
         b = tensor.numel() * tensor.element_size()
-        stats.record("broadcast", *C.broadcast_bytes(b, n, C.group_rank(group, src))[rank])
+        stats.record("broadcast", *broadcast_bytes(b, n, C.group_rank(group, src))[rank])
         return original(tensor, src, *a, **kw)
 
     dist.broadcast = counted
@@ -134,7 +136,7 @@ def _count_broadcasts(stats: C.CommStats) -> Iterator[None]:
         dist.broadcast = original
 
 
-def _build(method: str, args: argparse.Namespace, stats: C.CommStats) -> tuple[nn.Module, Any, Any]:
+def _build(method: str, args: argparse.Namespace, stats: CommStats) -> tuple[nn.Module, Any, Any]:
     """(model to call, optimizer, the module holding the parameters)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -177,7 +179,7 @@ class _Method:
 
     def __init__(self, name: str, args: argparse.Namespace, rank: int, world: int) -> None:
         self.name, self.args, self.rank, self.world = name, args, rank, world
-        self.stats = C.CommStats()
+        self.stats = CommStats()
         self.runner, self.opt, self.model = _build(name, args, self.stats)
         self.times: list[float] = []
         self.step_stats: dict[str, Any] = {}
@@ -225,7 +227,7 @@ class _Method:
         if isinstance(self.opt, FSDPOptimizer):
             # fp32 gradient shards of the matrices (the optimizer's units): dim-0 shards
             out["sharded_matrix_grad_bytes"] = sum(
-                4 * C.local_shard(self.opt.named[u.name]).numel() for u in self.opt.units
+                4 * local_shard(self.opt.named[u.name]).numel() for u in self.opt.units
             )
         return out
 

@@ -3,7 +3,7 @@
 Starts N gloo ranks on this machine (one thread each, so a rank stands for one device) and,
 per shape and shard dimension, runs every mode of `TensorParallelOrthogonalizer` (or those
 `--modes` names) on the same batch of `--k` matrices. Reported per mode: median time per
-batch (slowest rank), collectives and bytes sent per rank (as `collectives.CommStats` counts
+batch (slowest rank), collectives and bytes sent per rank (as `comm_bytes.CommStats` counts
 them), matmul flops per rank (counted by `torch.utils.flop_counter`, not computed), flops ÷
 (single-device plain iteration ÷ N), packed Gram bytes ÷ the unpacked all-reduce of the same
 Gram, and the relative Frobenius deviation from full Newton-Schulz of the whole matrix.
@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from orthoptim import collectives, kernels
 from orthoptim.bench import parse_shapes
 from orthoptim.checkpoint import load_file
-from orthoptim.collectives import CommStats
+from orthoptim.comm_bytes import CommStats
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.parallel.tensor_parallel import (
     GRAM_KIND,

@@ -17,10 +17,10 @@ from torch import Tensor
 from orthoptim import host
 from orthoptim._torch_compat import foreach_norm
 from orthoptim._validate import check_choice
-from orthoptim.collectives import is_dtensor
 from orthoptim.optim import telemetry
 from orthoptim.optim.guards import ParamSet, mark_stepped, one_step
 from orthoptim.optim.state import StateView, check_state_dict
+from orthoptim.shards import is_dtensor
 
 logger = logging.getLogger("orthoptim")
 

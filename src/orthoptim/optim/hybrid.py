@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from orthoptim._validate import check_betas, check_choice, check_nonnegative
-from orthoptim.collectives import is_dtensor
 from orthoptim.optim.adamw import LeanAdamW
 from orthoptim.optim.base import (
     CompositeOptimizer,
@@ -42,6 +41,7 @@ from orthoptim.optim.registry import (
 )
 from orthoptim.optim.routing import ModelRoute, RoutePredicate, stored_in_out
 from orthoptim.optim.state import StateView
+from orthoptim.shards import is_dtensor
 
 
 def default_route(model: nn.Module) -> ModelRoute:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from orthoptim.collectives import is_dtensor
 from orthoptim.optim.state import base_name
+from orthoptim.shards import is_dtensor
 
 #: the state entry holding the seed of a parameter's next stochastic rounding
 STREAM_KEY = "rounding_stream"

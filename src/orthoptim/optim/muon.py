@@ -35,7 +35,6 @@ from orthoptim._validate import (
     check_positive,
     check_unit_interval,
 )
-from orthoptim.collectives import is_dtensor
 from orthoptim.newton_schulz import (
     NS_BATCH_MB,
     CoefficientsLike,
@@ -66,6 +65,7 @@ from orthoptim.optim.lean import (
 )
 from orthoptim.optim.shapes import matrix_view, stack_shape
 from orthoptim.optim.state import base_name
+from orthoptim.shards import is_dtensor
 
 # LR-scale conventions by their published names; LR_SCALE_ALIASES maps other libraries' spellings
 # (NVIDIA Emerging-Optimizers' `scale_mode`, torch.optim.Muon's `adjust_lr_fn`) onto them.

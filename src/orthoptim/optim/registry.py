@@ -5,10 +5,14 @@ elementwise optimizers of the non-matrix part (`build_optimizer(elementwise=...)
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from orthoptim.choices import (  # noqa: F401 (the registry's names, read from here too)
+    OPTIMIZER_NAMES,
+    ElementwiseOptimizerName,
+    MatrixOptimizerName,
+    OptimizerName,
+)
 from orthoptim.optim.adamuon import AdaMuon
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.lion import Lion
@@ -18,11 +22,7 @@ from orthoptim.optim.polargrad import PolarGrad
 from orthoptim.optim.scion import Scion
 from orthoptim.optim.soap import SOAP
 
-MatrixOptimizerName = Literal["muon", "soap", "normuon", "adamuon", "polargrad", "scion"]
-ElementwiseOptimizerName = Literal["adamw", "lion"]
-#: what `build_optimizer(optimizer=...)` takes: a matrix optimizer, or "adamw" for everything
-OptimizerName = MatrixOptimizerName | Literal["adamw"]
-
+# the names are `orthoptim.choices`' (torch-free, for the command's parser)
 MATRIX_OPTIMIZERS: dict[MatrixOptimizerName, type[MatrixOptimizer]] = {
     "muon": Muon,
     "soap": SOAP,
@@ -31,9 +31,6 @@ MATRIX_OPTIMIZERS: dict[MatrixOptimizerName, type[MatrixOptimizer]] = {
     "polargrad": PolarGrad,
     "scion": Scion,
 }
-
-# every name `build_optimizer(optimizer=...)` takes: a matrix optimizer, or AdamW for all
-OPTIMIZER_NAMES: tuple[str, ...] = (*MATRIX_OPTIMIZERS, "adamw")
 
 # the optimizers of the non-matrix part (embeddings, heads, vectors), with their state
 # elements per parameter element (AdamW: two moments; Lion: one)

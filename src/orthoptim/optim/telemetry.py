@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from orthoptim import host
-from orthoptim.collectives import local_shard
+from orthoptim.shards import local_shard
 
 #: the parameter classes, in report order
 CLASSES = (

@@ -1,6 +1,6 @@
 """Distributed machinery: who owns which matrix, and the collectives that move them."""
 
-from orthoptim.collectives import CommStats
+from orthoptim.comm_bytes import CommStats
 from orthoptim.parallel.assignment import Assignment, Unit, assign, unit_cost, units_from_model
 from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.fsdp import FSDPOptimizer

@@ -22,8 +22,14 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from orthoptim import collectives as C
 from orthoptim import kernels
+from orthoptim.comm_bytes import (
+    broadcast_bytes,
+    reduce_bytes,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    ring_reduce_scatter_bytes,
+)
 from orthoptim.newton_schulz import GRAM_FORM_RESTART
 from orthoptim.optim.registry import (
     ELEMENTWISE_OPTIMIZERS,
@@ -50,6 +56,7 @@ from orthoptim.parallel.balancing import (
     round_robin,
 )
 from orthoptim.parallel.balancing import SWAP_PARTNERS as SWAP_PARTNERS
+from orthoptim.shards import is_dtensor
 
 if TYPE_CHECKING:
     from orthoptim.optim.routing import RoutePredicate
@@ -376,7 +383,7 @@ class Assignment:
 
     def comm_bytes(self, rank: int, gather_ratio: float = 1.0) -> dict[str, tuple[float, float]]:
         """(sent, received) bytes per collective kind for `rank` in one step of the layer-wise
-        optimizer, under collectives.py's ring accounting, for one parameter dtype.
+        optimizer, under `orthoptim.collectives`' ring accounting, for one parameter dtype.
 
         A rank-major bucket moves its padded flat once by reduce-scatter and once by
         all-gather; any other is reduced to and broadcast from each owner, region by region
@@ -402,13 +409,13 @@ class Assignment:
                 continue
             if not self.rank_major(b):
                 for o in owners:
-                    add("reduce", *C.reduce_bytes(shard[o], n, o)[rank])
-                    add("broadcast", *C.broadcast_bytes(shard[o] * gather_ratio, n, o)[rank])
+                    add("reduce", *reduce_bytes(shard[o], n, o)[rank])
+                    add("broadcast", *broadcast_bytes(shard[o] * gather_ratio, n, o)[rank])
             else:
-                add("reduce_scatter", *C.ring_reduce_scatter_bytes([max(shard)] * n)[rank])
+                add("reduce_scatter", *ring_reduce_scatter_bytes([max(shard)] * n)[rank])
                 g = max(shard) * gather_ratio
-                add("all_gather", *C.ring_all_gather_bytes([g] * n)[rank])
-        flags = C.ring_all_reduce_bytes((len(self.owners) + 2) * 4, n)  # + count, refusal
+                add("all_gather", *ring_all_gather_bytes([g] * n)[rank])
+        flags = ring_all_reduce_bytes((len(self.owners) + 2) * 4, n)  # + count, refusal
         add("all_reduce", flags, flags)
         return out
 
@@ -582,7 +589,7 @@ def shard_shape(p: Tensor) -> tuple[int, ...]:
     torch.chunk rule). Computed from the global shape, so every rank gets the same answer.
     """
     shape = list(p.shape)
-    if not C.is_dtensor(p):
+    if not is_dtensor(p):
         return tuple(shape)
     for mesh_dim, placement in enumerate(p.placements):
         if placement.is_shard():

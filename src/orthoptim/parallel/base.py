@@ -39,6 +39,7 @@ from orthoptim import checkpoint
 from orthoptim import collectives as C
 from orthoptim._torch_compat import storage_key
 from orthoptim._validate import check_choice, check_member, check_positive
+from orthoptim.comm_bytes import CommStats, ring_all_reduce_bytes
 from orthoptim.optim.base import (
     CompositeOptimizer,
     NonfinitePolicy,
@@ -52,6 +53,7 @@ from orthoptim.optim.state import StateView
 from orthoptim.parallel import clip
 from orthoptim.parallel.assignment import BALANCES, Balance
 from orthoptim.parallel.layout import ParallelMesh
+from orthoptim.shards import local_shard
 
 #: what `DistributedOptimizer.memory()` reports, in the order a shared storage is counted in
 MEMORY_CATEGORIES = ("params", "grads", "masters", "state", "buffers")
@@ -155,8 +157,8 @@ class DistributedOptimizer(CompositeOptimizer):
         self.accumulating = 0  # how many no_sync() blocks are open
         # this step's bytes, one counter for the driver's life (its gradient sync records in
         # it), and the last step's, a copy
-        self._stats = C.CommStats()
-        self._last_stats = C.CommStats()
+        self._stats = CommStats()
+        self._last_stats = CommStats()
 
     def _bind_groups(
         self,
@@ -286,15 +288,13 @@ class DistributedOptimizer(CompositeOptimizer):
         per item, on the device, to name them; the items' names). By default the items are
         the trainable parameters and the gradients the local shards of their `.grad`."""
         params = list(self.named.values())
-        checks = [
-            ~torch.isfinite(C.local_shard(p.grad)).all() for p in params if p.grad is not None
-        ]
+        checks = [~torch.isfinite(local_shard(p.grad)).all() for p in params if p.grad is not None]
         device = self._device()
 
         def per_param() -> Tensor:
             return torch.stack(
                 [
-                    ~torch.isfinite(C.local_shard(p.grad)).all().to(device)
+                    ~torch.isfinite(local_shard(p.grad)).all().to(device)
                     if p.grad is not None
                     else torch.zeros((), dtype=torch.bool, device=device)
                     for p in params
@@ -359,7 +359,7 @@ class DistributedOptimizer(CompositeOptimizer):
     def _clip_tensors(self) -> tuple[Iterable[Tensor], list[Tensor], torch.dtype | None]:
         """(the averaged gradients this rank counts in the norm, those it scales, the dtype
         the norm is returned in). By default the local shards of every `.grad`, both."""
-        grads = [C.local_shard(q.grad) for q in self.named.values() if q.grad is not None]
+        grads = [local_shard(q.grad) for q in self.named.values() if q.grad is not None]
         dtype = next(iter(self.named.values())).dtype if self.named else None
         return grads, grads, dtype
 
@@ -406,7 +406,7 @@ class DistributedOptimizer(CompositeOptimizer):
         out = dict.fromkeys(MEMORY_CATEGORIES, 0)
         for cat, tensors in self.memory_tensors().items():
             for t in tensors:
-                storage = C.local_shard(t).untyped_storage()
+                storage = local_shard(t).untyped_storage()
                 if storage_key(storage) not in seen:
                     seen.add(storage_key(storage))
                     out[cat] += storage.nbytes()
@@ -426,7 +426,7 @@ class DistributedOptimizer(CompositeOptimizer):
             for g in gs:
                 size = C.world(g)[1]
                 if size > 1:
-                    ar = C.ring_all_reduce_bytes(nbytes, size)
+                    ar = ring_all_reduce_bytes(nbytes, size)
                     add_bytes(out, "all_reduce", ar, ar)
 
     def reduce_max(self, t: Tensor) -> Tensor:
@@ -449,8 +449,8 @@ class DistributedOptimizer(CompositeOptimizer):
         this optimizer at any world size), gathered to every rank, or with
         `state_dict_to="rank0"` to rank 0 only (the others get {}). Collective: call it on
         every rank, or `prepare_state_dict()` on every rank first. A call that some rank does
-        not make fails within `orthoptim.collectives.RENDEZVOUS_TIMEOUT_S` seconds. For
-        per-rank DCP checkpoints use `sharded_state_dict()`."""
+        not make fails within `orthoptim.collectives.store.RENDEZVOUS_TIMEOUT_S`
+        seconds. For per-rank DCP checkpoints use `sharded_state_dict()`."""
         if self._prepared is not None:
             return self._prepared
         return self.full_state_dict(to_rank0=self.state_dict_to == "rank0")

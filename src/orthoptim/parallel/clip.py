@@ -20,6 +20,7 @@ from torch import Tensor
 
 from orthoptim import collectives as C
 from orthoptim import host
+from orthoptim.comm_bytes import CommStats
 from orthoptim.parallel.ordered import tree_total
 
 
@@ -56,7 +57,7 @@ def power_sum(tensors: Iterable[Tensor], norm_type: float, device: torch.device)
 
 
 def total_norm(
-    partial: Tensor, norm_type: float, groups: Iterable[Any], stats: C.CommStats | None = None
+    partial: Tensor, norm_type: float, groups: Iterable[Any], stats: CommStats | None = None
 ) -> Tensor:
     """The global norm from every rank's `power_sum`: one all-reduce per group (sum; max for
     the inf-norm), then the p-th root. `partial` must be on `collectives.device_for(group)`."""
@@ -117,7 +118,7 @@ def clip_(
     device: torch.device,
     groups: Iterable[Any],
     dtype: torch.dtype | None,
-    stats: C.CommStats | None = None,
+    stats: CommStats | None = None,
 ) -> Tensor:
     """The whole clip of a distributed optimizer: the global norm of the `counted` tensors
     (each element of the model counted on exactly one rank of `groups`), then `apply_clip`.
@@ -133,7 +134,7 @@ def ordered_norm(
     norm_type: float,
     device: torch.device,
     groups: Iterable[Any],
-    stats: C.CommStats | None = None,
+    stats: CommStats | None = None,
 ) -> Tensor:
     """The global norm with bits that do not depend on which rank holds what
     (`reproducible=True`). The model's units are fixed blocks: unit u has the places

@@ -48,6 +48,7 @@ from orthoptim import checkpoint
 from orthoptim import collectives as C
 from orthoptim._torch_compat import fsdp_collective_bases
 from orthoptim._validate import check_choice, check_float_dtype
+from orthoptim.comm_bytes import CommStats
 from orthoptim.optim import telemetry
 from orthoptim.optim.base import (
     NonfinitePolicy,
@@ -66,6 +67,7 @@ from orthoptim.parallel.assignment import (
     units_from_model,
 )
 from orthoptim.parallel.base import DistributedOptimizer
+from orthoptim.shards import is_dtensor, local_shard, shard_sizes
 
 
 def shard_model(
@@ -103,9 +105,9 @@ def shard_model(
     return model
 
 
-def count_fsdp_collectives(model: nn.Module, stats: C.CommStats) -> None:
+def count_fsdp_collectives(model: nn.Module, stats: CommStats) -> None:
     """Route FSDP2's own parameter all-gathers and gradient reduce-scatters, for every module of
-    `model` that `fully_shard` wrapped, through collectives.py, counted in `stats` (as
+    `model` that `fully_shard` wrapped, through `orthoptim.collectives`, counted in `stats` (as
     "fsdp_all_gather" and "fsdp_reduce_scatter"), so FSDP2's traffic can be told apart from
     the optimizer's. Uses FSDP2's `set_custom_all_gather` / `set_custom_reduce_scatter` hooks.
     (HSDP's all-reduce across replicas is not covered by these hooks.)"""
@@ -162,7 +164,7 @@ class _Matrix:
     ) -> None:
         self.name, self.param, self.unit, self.owner, self.group = name, param, unit, owner, group
         row = param[0].numel() if param.shape[0] else 0
-        self.numels = [r * row for r in C.shard_sizes(param.shape[0], world_size)]
+        self.numels = [r * row for r in shard_sizes(param.shape[0], world_size)]
 
 
 class _Exchange:
@@ -281,7 +283,7 @@ class FSDPOptimizer(DistributedOptimizer):
             for i, (u, owner) in enumerate(zip(self.units, self.assignment.owners))
         ]
         for m in self._matrices:
-            mine = C.local_shard(m.param).numel()
+            mine = local_shard(m.param).numel()
             if mine != m.numels[self.rank]:
                 raise ValueError(
                     f"{m.name}: local shard has {mine} elements but Shard(0) over "
@@ -320,13 +322,13 @@ class FSDPOptimizer(DistributedOptimizer):
     def _local(self, m: _Matrix) -> dict[str, Any]:
         """The state of matrix `m` as its contract functions see it on this rank: DTensor
         entries as their local shards (sharing storage), the rest as they are."""
-        return {k: C.local_shard(v) for k, v in self.state[m.param].items()}
+        return {k: local_shard(v) for k, v in self.state[m.param].items()}
 
     def _keep(self, m: _Matrix, local: dict[str, Any]) -> None:
         """Write back what the contract set in `local` (scalars, new entries)."""
         state = self.state[m.param]
         for k, v in local.items():
-            if not C.is_dtensor(state.get(k)):
+            if not is_dtensor(state.get(k)):
                 state[k] = v
 
     def _step_matrices(self, present: list[bool]) -> None:
@@ -344,7 +346,7 @@ class FSDPOptimizer(DistributedOptimizer):
             moving[m.unit] = opt.moves(state, m.param.shape, m.group)
             if m.param.grad is not None:
                 local = self._local(m)
-                u = opt.prepare(C.local_shard(m.param.grad), local, m.group)
+                u = opt.prepare(local_shard(m.param.grad), local, m.group)
                 self._keep(m, local)
                 updates[m.unit] = u.reshape(-1)
         buckets = []
@@ -367,7 +369,7 @@ class FSDPOptimizer(DistributedOptimizer):
         for m in live:
             if m.param.grad is None:
                 continue
-            p = C.local_shard(m.param)
+            p = local_shard(m.param)
             d = rows.get(m.unit, p.new_zeros(0)).view(p.shape).to(state_dtype(m.param))
             local = self._local(m)
             d = d if moving[m.unit] else None
@@ -509,7 +511,7 @@ class _FSDPView(StateView):
 
     def sends(self, name: str, key: str, value: Any) -> bool:
         # an unsharded DTensor entry is the same on every rank of the group: rank 0 sends it
-        return self.rank == 0 or not C.is_dtensor(value)
+        return self.rank == 0 or not is_dtensor(value)
 
     def keeps(self, name: str, key: str) -> bool:
         kind = self.kinds(name).get(key, "elementwise")
@@ -554,7 +556,7 @@ def _shard_group(named: list[tuple[str, Tensor]]) -> tuple[Any, Any]:
 
     mesh, dim = None, None
     for name, p in named:
-        if not C.is_dtensor(p):
+        if not is_dtensor(p):
             if C.world()[1] == 1:
                 continue
             raise ValueError(

@@ -261,11 +261,13 @@ def publish_routing(
     out: Path,
     layout: ParallelMesh | None = None,
     file: TextIO | None = None,
+    show: bool = True,
 ) -> list[ParamRoute] | None:
     """Write `routing_report(opt, model)` to `out`/routing.json (atomically, replacing the
-    one a resumed run had) and print `summarize_routing` to `file` (default stdout), on
-    global rank 0. Under pipeline parallelism (`layout` with pp > 1) every rank calls it: the
-    stages' records are gathered over the pp group, so rank 0 writes the whole model's.
+    one a resumed run had) and, with `show`, print `summarize_routing` to `file` (default
+    stdout), on global rank 0. Under pipeline parallelism (`layout` with pp > 1) every rank
+    calls it: the stages' records are gathered over the pp group, so rank 0 writes the whole
+    model's.
     Returns the records on rank 0, None elsewhere."""
     records = routing_report(opt, model)
     if layout is not None and layout.dims.pp > 1:
@@ -282,7 +284,8 @@ def publish_routing(
     atomic_write_json(
         {"parameters": [r.as_dict() for r in records]}, Path(out) / ROUTING_FILE, indent=1
     )
-    print(summarize_routing(records), file=file if file is not None else sys.stdout, flush=True)
+    if show:
+        print(summarize_routing(records), file=file or sys.stdout, flush=True)
     return records
 
 

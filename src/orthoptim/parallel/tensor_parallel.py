@@ -68,7 +68,7 @@ from torch.distributed import ProcessGroup
 
 from orthoptim import collectives, kernels
 from orthoptim._validate import check_choice, check_dtype_or_auto, check_member, check_positive
-from orthoptim.collectives import CommStats
+from orthoptim.comm_bytes import CommStats
 from orthoptim.newton_schulz import (
     GRAM_FORM_RESTART,
     Coefficients,
@@ -78,6 +78,7 @@ from orthoptim.newton_schulz import (
     newton_schulz,
     resolve_ns_dtype,
 )
+from orthoptim.shards import is_dtensor, packed_triangle_size, shard_sizes, unpack_upper
 
 TPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
 MODES: tuple[TPMode, ...] = get_args(TPMode)
@@ -299,12 +300,12 @@ def tp_cost(
     mode's form follows from the shape (`gram_mode_form`).
 
     Flops count plain matmuls (2·m·n·k each). Bytes are what one rank sends under the ring
-    algorithm, as `collectives.CommStats` records them.
+    algorithm, as `comm_bytes.CommStats` records them.
     """
     T = world_size
     m, n = min(rows, cols), max(rows, cols)
     if mode == "duplicated":
-        widest = max(collectives.shard_sizes((rows, cols)[shard_dim], T))
+        widest = max(shard_sizes((rows, cols)[shard_dim], T))
         other = (cols, rows)[shard_dim]
         sent = (T - 1) * k * widest * other * element_size
         flops = steps * k * (4 * m * m * n + 2 * m**3)
@@ -312,12 +313,12 @@ def tp_cost(
     if mode == "distributed":
         q = (rows, cols)[shard_dim]
         p = (cols, rows)[shard_dim]
-        q_local = max(collectives.shard_sizes(q, T))
+        q_local = max(shard_sizes(q, T))
         if form == "auto":
             raise ValueError("tp_cost needs a concrete form (apply, square or split)")
         per_step, gathered = _distributed_flops(p, q, q_local, T, form)
         ring = 2 * (T - 1) / T
-        gram = 0.0 if form == "rows" else ring * k * collectives.packed_triangle_size(p)
+        gram = 0.0 if form == "rows" else ring * k * packed_triangle_size(p)
         gram *= element_size
         split = (T - 1) * k * gathered * element_size
         norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
@@ -326,21 +327,21 @@ def tp_cost(
     if mode == "gram":
         q = (rows, cols)[shard_dim]
         p = (cols, rows)[shard_dim]
-        q_local = max(collectives.shard_sizes(q, T))
+        q_local = max(shard_sizes(q, T))
         if gram_mode_form(rows, cols, shard_dim) == "rows":
             per_step, gathered = _distributed_flops(p, q, q_local, T, "rows")
             sent = steps * (T - 1) * k * gathered * element_size
             return TPCost(sent, 2 * steps if T > 1 else 0, steps * k * per_step)
         ring = 2 * (T - 1) / T
         runs = gram_runs(steps)
-        sent = len(runs) * ring * k * collectives.packed_triangle_size(p) * element_size
+        sent = len(runs) * ring * k * packed_triangle_size(p) * element_size
         # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p
         # products), R (L − 1) and A ← A·Q·Q (2·(L − 1))
         flops = sum(4 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
         return TPCost(sent, len(runs) if T > 1 else 0, k * flops)
     if mode == "blockwise":
         local = [rows, cols]
-        local[shard_dim] = max(collectives.shard_sizes(local[shard_dim], T))
+        local[shard_dim] = max(shard_sizes(local[shard_dim], T))
         ml, nl = min(local), max(local)
         return TPCost(0.0, 0, steps * k * (4 * ml * ml * nl + 2 * ml**3))
     raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
@@ -422,7 +423,7 @@ class TensorParallelOrthogonalizer:
                 f"TensorParallelOrthogonalizer needs a batch of matrices, got shape "
                 f"{tuple(mats.shape)}"
             )
-        dtensor = collectives.is_dtensor(mats)
+        dtensor = is_dtensor(mats)
         local, layout = self._local_and_layout(mats)
         flat = local.reshape(-1, *local.shape[-2:])
         global_rows, global_cols = flat.shape[-2], flat.shape[-1]
@@ -501,7 +502,7 @@ class TensorParallelOrthogonalizer:
     # -- layouts -----------------------------------------------------------------------------
 
     def _local_and_layout(self, mats: Tensor) -> tuple[Tensor, _Layout]:
-        if collectives.is_dtensor(mats):
+        if is_dtensor(mats):
             return mats.to_local(), _dtensor_layout(mats)
         if self.shard_dim is None:
             raise ValueError(
@@ -668,7 +669,7 @@ class TensorParallelOrthogonalizer:
             stats=self.stats,
             kind=SPLIT_KIND,
         ).wait()
-        packed = A.new_empty(k, collectives.packed_triangle_size(p))
+        packed = A.new_empty(k, packed_triangle_size(p))
         for blks, part, n in zip(plan, parts, counts):
             part = part.view(k, n)
             at = 0
@@ -677,7 +678,7 @@ class TensorParallelOrthogonalizer:
                 start = _packed_offset(lo, p)
                 packed[:, start : start + size] = part[:, at : at + size]
                 at += size
-        return collectives.unpack_upper(packed, p)
+        return unpack_upper(packed, p)
 
 
 def _dtensor_layout(mats: Any) -> _Layout:
@@ -706,4 +707,4 @@ def _dtensor_layout(mats: Any) -> _Layout:
         # Split along the stack (experts): every rank holds whole matrices.
         return _Layout(group, n, rank, None, ())
     size = mats.shape[dim]
-    return _Layout(group, n, rank, dim - mats.ndim, tuple(collectives.shard_sizes(size, n)))
+    return _Layout(group, n, rank, dim - mats.ndim, tuple(shard_sizes(size, n)))

@@ -276,6 +276,8 @@ def _overhead_lines(p: dict[str, Any]) -> list[str]:
             f"  model 6·active·tokens per GPU {_si(o['model_flops_per_gpu'], 'FLOP')}; "
             f"Newton-Schulz per GPU mean {_si(o['ns_flops_per_gpu_mean'], 'FLOP')}, "
             f"max {_si(o['ns_flops_per_gpu_max'], 'FLOP')}",
+            "  (Newton-Schulz counted as plain matmuls, 4m²n + 2m³ a step, as the model's flops "
+            "are; the per-rank table above counts its path's, fewer with SYRK)",
             f"  Newton-Schulz share of model flops: {o['ns_share_of_model_flops_mean']:.2%} "
             f"(mean rank), {o['ns_share_of_model_flops_max']:.2%} (busiest rank)",
             f"  modelled time: Newton-Schulz {o['ns_time_s_max'] * 1e3:.1f} ms vs model "

@@ -40,7 +40,12 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
-from orthoptim import collectives as C
+from orthoptim.comm_bytes import (
+    broadcast_bytes,
+    reduce_bytes,
+    ring_all_gather_bytes,
+    ring_reduce_scatter_bytes,
+)
 from orthoptim.parallel.tensor_parallel import (
     CostModel,
     TensorParallelOrthogonalizer,
@@ -80,7 +85,7 @@ def layerwise_bytes(
     shards of w and one all-gather: (N−1)·w·(grad_bytes + gather_bytes) each way on every rank; with
     `padded=False` every shared bucket counts so, with the true shares (reduce-scatter-v /
     all-gather-v on the ring). Any other bucket is reduced to and broadcast from each owner
-    (pipelined chains, `collectives.reduce_bytes` / `broadcast_bytes`).
+    (pipelined chains, `comm_bytes.reduce_bytes` / `broadcast_bytes`).
     Units sharded element-wise (owner -1, AdamW) count by `split[b][r]`, the elements of
     bucket b rank r holds (`Assignment.adamw_split`). `ordered` (`reproducible=True`): every
     bucket's reduction is one all-to-all of the owners' shares (`ordered_reduce_bytes`).
@@ -101,26 +106,26 @@ def layerwise_bytes(
             nothing = [(0.0, 0.0)] * world
             if rank_major[b]:
                 chunks = [max(share)] * world
-                gather = C.ring_all_gather_bytes([c * gather_bytes for c in chunks])
+                gather = ring_all_gather_bytes([c * gather_bytes for c in chunks])
                 moves = [(ordered_reduce_bytes(chunks, grad_bytes), gather)]
             else:
                 moves = [(ordered_reduce_bytes(share, grad_bytes), nothing)]
                 moves += [
-                    (nothing, C.broadcast_bytes(share[o] * gather_bytes, world, o)) for o in holders
+                    (nothing, broadcast_bytes(share[o] * gather_bytes, world, o)) for o in holders
                 ]
         elif len(holders) > 1 and (not padded or rank_major[b]):
             chunks = share if not padded else [max(share)] * world
             moves = [
                 (
-                    C.ring_reduce_scatter_bytes([c * grad_bytes for c in chunks]),
-                    C.ring_all_gather_bytes([c * gather_bytes for c in chunks]),
+                    ring_reduce_scatter_bytes([c * grad_bytes for c in chunks]),
+                    ring_all_gather_bytes([c * gather_bytes for c in chunks]),
                 )
             ]
         else:
             moves = [
                 (
-                    C.reduce_bytes(share[o] * grad_bytes, world, o),
-                    C.broadcast_bytes(share[o] * gather_bytes, world, o),
+                    reduce_bytes(share[o] * grad_bytes, world, o),
+                    broadcast_bytes(share[o] * gather_bytes, world, o),
                 )
                 for o in holders
             ]
@@ -160,8 +165,8 @@ def zero1_bytes(numel: int, world: int, grad_bytes: int, gather_bytes: int) -> f
     shard = math.ceil(numel / world)
     if world == 1:
         return 0.0
-    rs = C.ring_reduce_scatter_bytes([shard * grad_bytes] * world)[0]
-    ag = C.ring_all_gather_bytes([shard * gather_bytes] * world)[0]
+    rs = ring_reduce_scatter_bytes([shard * grad_bytes] * world)[0]
+    ag = ring_all_gather_bytes([shard * gather_bytes] * world)[0]
     return rs[0] + ag[0]
 
 

@@ -110,9 +110,11 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
 
 def memory_verdict(peak: float, capacity: float, name: str, over: int = 0, ranks: int = 1) -> str:
     """Whether a rank's `peak` bytes fit `capacity` bytes of hardware `name`, as one line:
-    "fits: yes — peak 97.3 GiB of 141 GB (h200)"; when not, by how much, and `over` of the
-    `ranks` ranks that do not fit when there are several."""
-    head = f"peak {peak / 2**30:.1f} GiB of {capacity / 1e9:.3g} GB ({name})"
+    "fits: yes — peak 97.3 GiB of 131.3 GiB (h200: 141 GB)", both sides in GiB and the
+    hardware's own figure beside; when not, by how much, and `over` of the `ranks` ranks that
+    do not fit when there are several."""
+    head = f"peak {peak / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB"
+    head += f" ({name}: {capacity / 1e9:.3g} GB)"
     if peak <= capacity:
         return f"fits: yes — {head}"
     some = f", {over} of {ranks} ranks over" if ranks > 1 else ""

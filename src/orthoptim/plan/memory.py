@@ -4,7 +4,7 @@ The categories are those a dry run of the real code measures (`memory_per_rank`)
 
     params     every parameter the rank holds (its stage's, its TP shards, its EP rank's
                experts), in the parameter dtype (`param_dtype`): the buckets' flat
-               parameter buffers, their padding included (`_padding_bytes`)
+               parameter buffers, their padding included (`BucketLayout`)
     grads      their gradients, the buckets' flat gradient buffers in the gradient dtype
                (`grad_dtype`), padding included; a group of one rank (an expert group
                when ep = dp) makes no flats: its parameters stay the model's and its
@@ -61,6 +61,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from orthoptim.newton_schulz import GRAM_FORM_RESTART, batch_chunks, batch_limit
@@ -116,61 +117,80 @@ def _shares(g: Group, bucket: int) -> list[int]:
     return share
 
 
-def _widest_slots(g: Group, bucket: int) -> list[int]:
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket of a group as the layer-wise optimizer lays it out, worked out once per
+    plan (`bucket_layouts`): the elements each rank owns in it (`_shares`), the padding
+    elements of each of its flat buffers (a rank-major bucket pads every shard to the
+    largest, at most `MAX_PADDING` of its bytes, `Assignment.rank_major`; any other is
+    unpadded), and the runs of its sharded AdamW units (`Assignment.adamw_runs`)."""
+
+    share: list[int]
+    padding: int
+    runs: dict[int, list[tuple[int, int, int]]]
+
+
+def bucket_layouts(g: Group) -> list[BucketLayout]:
+    """Every bucket of `g`'s assignment laid out (`BucketLayout`), one `rank_major` and one
+    `adamw_runs` call each: the memory model reads these for every rank of the group."""
+    a, out = g.assignment, []
+    for b in range(len(a.buckets)):
+        share = _shares(g, b)
+        padded = g.world > 1 and a.rank_major(b, g.units)
+        padding = g.world * max(share) - sum(share) if padded and share else 0
+        out.append(BucketLayout(share, padding, a.adamw_runs(b)))
+    return out
+
+
+def _widest_slots(g: Group, bucket: int, runs: dict[int, list[tuple[int, int, int]]]) -> list[int]:
     """Per rank of `g`, the elements of the largest slot it owns in bucket `bucket` (a whole
-    unit, or its piece of a sharded AdamW unit's run): what checking its gradients for
+    unit, or its piece of a sharded AdamW unit's run, `runs`): what checking its gradients for
     non-finite values at once costs (`_Bucket.shards`)."""
     a, n = g.assignment, g.world
     widest = [0] * n
     for i in a.buckets[bucket]:
         if a.owners[i] >= 0:
             widest[a.owners[i]] = max(widest[a.owners[i]], math.prod(g.units[i].shape))
-    for runs in a.adamw_runs(bucket).values():
-        for r, lo, hi in runs:
+    for pieces in runs.values():
+        for r, lo, hi in pieces:
             widest[r] = max(widest[r], hi - lo)
     return widest
 
 
-def _padding_bytes(g: Group, bucket: int, element_bytes: int) -> int:
-    """Bytes of padding bucket `bucket` of `g` adds to each of its flat buffers of
-    `element_bytes`-byte elements on every rank of `g` (the flat parameters, the flat
-    gradients and a gather buffer): a rank-major bucket pads every shard to the largest (at
-    most `MAX_PADDING` of its bytes, `Assignment.rank_major`); any other is unpadded."""
-    if g.world == 1 or not g.assignment.rank_major(bucket, g.units):
-        return 0
-    share = _shares(g, bucket)
-    return (g.world * max(share) - sum(share)) * element_bytes
-
-
 def _flats(
-    g: Group, param_bytes: int, grad_bytes: int, gather_bytes: int | None
+    g: Group,
+    layouts: Sequence[BucketLayout],
+    param_bytes: int,
+    grad_bytes: int,
+    gather_bytes: int | None,
 ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Per rank of `g`'s world, what its buckets hold beyond the parameters' and gradients'
-    own elements: the padding of the flat parameters (`param_bytes`-byte elements) and of the
-    flat gradients (`grad_bytes`), the gather buffer when the gather dtype (`gather_bytes`)
-    differs from the parameters' (None: it does not), and the bytes of the non-finite check of the
-    largest gradient slot the rank checks (`_widest_slots`). A group of one rank makes no
-    flat: its gradients are checked where autograd left them, in the parameter dtype."""
+    """Per rank of `g`'s world, what its buckets (`layouts`, `bucket_layouts(g)`) hold beyond
+    the parameters' and gradients' own elements: the padding of the flat parameters
+    (`param_bytes`-byte elements) and of the flat gradients (`grad_bytes`), the gather buffer
+    when the gather dtype (`gather_bytes`) differs from the parameters' (None: it does not),
+    and the bytes of the non-finite check of the largest gradient slot the rank checks
+    (`_widest_slots`). A group of one rank makes no flat: its gradients are checked where
+    autograd left them, in the parameter dtype."""
     a, n = g.assignment, g.world
     numels = [math.prod(u.shape) for u in g.units]
     params, grads, gather, check = [0] * n, [0] * n, [0] * n, [0] * n
     for b, bucket in enumerate(a.buckets):
-        share = _shares(g, b)
-        holders = [r for r in range(n) if share[r]]
-        if not holders:
+        laid = layouts[b]
+        if not any(laid.share):
             continue  # no slot has elements: the optimizer makes no bucket
         if n == 1:
             # isfinite(x) is composite, (x == x) * (x.abs() != inf), all four alive at once
             check[0] = max(check[0], *(numels[i] * (param_bytes + 3) for i in bucket))
             continue
-        for r, widest in enumerate(_widest_slots(g, b)):
+        for r, widest in enumerate(_widest_slots(g, b, laid.runs)):
             check[r] = max(check[r], widest * (grad_bytes + 3))
+        gathered = 0
+        if gather_bytes is not None:
+            gathered = (sum(numels[i] for i in bucket) + laid.padding) * gather_bytes
         for r in range(n):
-            params[r] += _padding_bytes(g, b, param_bytes)
-            grads[r] += _padding_bytes(g, b, grad_bytes)
-            if gather_bytes is not None:
-                elements = sum(numels[i] for i in bucket)
-                gather[r] += elements * gather_bytes + _padding_bytes(g, b, gather_bytes)
+            params[r] += laid.padding * param_bytes
+            grads[r] += laid.padding * grad_bytes
+            gather[r] += gathered
     return params, grads, gather, check
 
 
@@ -335,15 +355,19 @@ def memory_per_rank(
         return _finish(rows, gather)
     dealt = {}
     flats: dict[int, Flats] = {}
+    laid: dict[int, list[BucketLayout]] = {}
     for stage_groups in by_stage:
         for g in stage_groups:
             for s in g.siblings or [g]:
                 d = s.dealt(layout.masters)
                 dealt[id(s)] = d
-                flats[id(s)] = _flats(d, param_bytes, grad_bytes, gather_bytes)
+                laid[id(s)] = bucket_layouts(d)
+                flats[id(s)] = _flats(d, laid[id(s)], param_bytes, grad_bytes, gather_bytes)
     widths = (param_bytes, grad_bytes, state_bytes, ns_bytes)
     store = dtype_bytes[layout.state_dtype]
-    rows = [_layerwise_row(slot, dealt, flats, position, layout, widths, store) for slot in slots]
+    rows = [
+        _layerwise_row(slot, dealt, flats, laid, position, layout, widths, store) for slot in slots
+    ]
     return _finish(rows, gather)
 
 
@@ -351,6 +375,7 @@ def _layerwise_row(
     slot: Sequence[tuple[Group, int]],
     dealt: dict[int, Group],
     flats: dict[int, Flats],
+    laid: dict[int, list[BucketLayout]],
     position: dict[Matrix, int],
     layout: Layout,
     widths: tuple[int, int, int, int],
@@ -412,7 +437,7 @@ def _layerwise_row(
                 key = (id(g), b)
                 converted[key] = converted.get(key, 0) + run * state_bytes
             # the rank's piece of each AdamW unit of the bucket, one tensor each to the step
-            pieces = d.assignment.adamw_runs(b).values()
+            pieces = laid[id(g)][b].runs.values()
             adamw.setdefault(key, []).extend(hi - lo for x in pieces for r, lo, hi in x if r == gr)
     masters = owned_elements * state_bytes if layout.masters else 0
     construction = _construction(slot, held, masters, params, grads, param_bytes)
@@ -429,7 +454,7 @@ def _layerwise_row(
         "buffers": buf,
         "transient": max(check, *steps),
         "backward": (
-            _ordered_backward(slot, param_bytes, grad_bytes)
+            _ordered_backward(slot, dealt, laid, param_bytes, grad_bytes)
             if layout.reproducible
             else _largest_fresh_gradient(slot) * param_bytes
         ),
@@ -449,7 +474,13 @@ def _largest_fresh_gradient(slot: Sequence[tuple[Group, int]]) -> int:
     return max(fresh.values(), default=0)
 
 
-def _ordered_backward(slot: Sequence[tuple[Group, int]], param_bytes: int, grad_bytes: int) -> int:
+def _ordered_backward(
+    slot: Sequence[tuple[Group, int]],
+    dealt: dict[int, Group],
+    laid: dict[int, list[BucketLayout]],
+    param_bytes: int,
+    grad_bytes: int,
+) -> int:
     """`reproducible`'s backward peak above the steady state, from the backward's timeline:
     parameters' gradients arrive in backward order, a bucket launches once its gradients and
     every earlier bucket's are in (launches go in bucket order), and the ordered reduction
@@ -460,10 +491,10 @@ def _ordered_backward(slot: Sequence[tuple[Group, int]], param_bytes: int, grad_
     the new inbox beside the one before."""
     peak = 0
     fresh_bytes = param_bytes + (grad_bytes if grad_bytes != param_bytes else 0)
-    for g, gr in slot:
+    for s, gr in slot:
+        g, layouts = dealt[id(s)], laid[id(s)]
         if g.world == 1:
             continue
-        a = g.assignment
         arrival: dict[str, int] = {}  # parameter → when its gradient is in (its last unit)
         numel: dict[str, int] = {}
         for i, (m, u) in enumerate(zip(g.matrices, g.units, strict=True)):
@@ -471,12 +502,13 @@ def _ordered_backward(slot: Sequence[tuple[Group, int]], param_bytes: int, grad_
             numel[m.param] = numel.get(m.param, 0) + math.prod(u.shape)
         launches: dict[int, list[int]] = {}  # arrival → the inboxes it launches, in order
         ready = -1
-        for b, ids in enumerate(a.buckets):
-            share = _shares(g, b)
+        for ids, bucket in zip(g.assignment.buckets, layouts, strict=True):
+            share = bucket.share
             if not any(share):
                 continue  # no bucket is made
             ready = max([ready, *(arrival[g.matrices[i].param] for i in ids)])
-            width = max(share) if a.rank_major(b, g.units) else share[gr]
+            # a rank-major bucket's shards are all the largest (equal ones pad nothing)
+            width = max(share) if bucket.padding else share[gr]
             launches.setdefault(ready, []).append(g.world * width * grad_bytes)
         alive: list[int] = []
         for param, t in sorted(arrival.items(), key=lambda x: x[1]):

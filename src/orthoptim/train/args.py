@@ -6,13 +6,23 @@ from __future__ import annotations
 import math
 import signal
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS, OPTIMIZER_NAMES
-from orthoptim.parallel.layout import ParallelDims, as_flags
-from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS, ParamDtype, resolve_param_dtype
-from orthoptim.train.model import check_tensor_parallel, get_config
-from orthoptim.train.pipeline import SCHEDULES, ScheduleName
+# Names only: the command's parser reads this module, and builds without torch (the modules
+# behind the checks import it, so the checks import them when they run).
+from orthoptim.choices import (
+    ELEMENTWISE_OPTIMIZER_NAMES,
+    OPTIMIZER_NAMES,
+    PARAM_DTYPES,
+    PRECISIONS,
+    SCHEDULES,
+    ParamDtype,
+    ScheduleName,
+)
+
+if TYPE_CHECKING:
+    from orthoptim.parallel.layout import ParallelDims
+    from orthoptim.train.model import GPTConfig
 
 OPTIMIZERS = OPTIMIZER_NAMES
 # what --state-dtype takes: the optimizer state's storage (bf16: Muon's momentum and AdamW's
@@ -63,6 +73,13 @@ def is_power_of_two(n: int) -> bool:
 
 
 SAVE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
+
+
+def _config(name: str) -> GPTConfig:
+    """The built-in GPT's config `name` (`model.get_config`: a clear error lists the names)."""
+    from orthoptim.train.model import get_config
+
+    return get_config(name)
 
 
 @dataclass
@@ -116,11 +133,13 @@ class TrainArgs:
     save_on_signal: str | None = None  # one of SAVE_SIGNALS: save and stop on it, as on SIGTERM
     max_restarts: int = 0  # torchelastic restarts the ranks this often after a failure
     progress: bool = True
+    # the routing table and "resuming from" on the terminal (off: compare's later segments)
+    announce: bool = True
 
     def validate(self) -> None:
         """Reject bad values up front, naming the flag."""
         self._validate_choices()
-        get_config(self.config)
+        _config(self.config)
         self._validate_numbers()
         self._validate_parallel()
         self._validate_combinations()
@@ -131,9 +150,9 @@ class TrainArgs:
         --param-dtype, alone and together."""
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.elementwise not in ELEMENTWISE_OPTIMIZERS:
+        if self.elementwise not in ELEMENTWISE_OPTIMIZER_NAMES:
             raise ValueError(
-                f"--elementwise must be one of {tuple(ELEMENTWISE_OPTIMIZERS)}, "
+                f"--elementwise must be one of {ELEMENTWISE_OPTIMIZER_NAMES}, "
                 f"got {self.elementwise!r}"
             )
         if self.optimizer == "adamw" and self.elementwise != "adamw":
@@ -246,9 +265,12 @@ class TrainArgs:
             )
         if self.state_dtype == "bf16" and (self.fsdp or self.tp > 1):
             flag = "--fsdp" if self.fsdp else f"--tp {self.tp}"
+            fix = "pass --state-dtype fp32 with it"
+            if self.resume:  # fp32 state would not match the checkpoint's
+                fix = f"a checkpoint of bf16 state cannot resume under {flag}: drop {flag}"
             raise ValueError(
                 f"--state-dtype bf16 with {flag}: bf16 state takes plain tensors, and {flag} "
-                "steps DTensor parameters; pass --state-dtype fp32 with it"
+                f"steps DTensor parameters; {fix}"
             )
         if self.fsdp and self.qk_clip_tau is not None:
             raise ValueError(
@@ -276,7 +298,9 @@ class TrainArgs:
                     f"--tp {self.tp} runs with --optimizer muon (its Newton-Schulz is tensor-"
                     f"parallel), got --optimizer {self.optimizer}; use --tp 1 for it"
                 )
-            check_tensor_parallel(get_config(self.config), self.tp)
+            from orthoptim.train.model import check_tensor_parallel
+
+            check_tensor_parallel(_config(self.config), self.tp)
             if self.qk_clip_tau is not None:
                 raise ValueError(
                     f"--tp {self.tp}: MuonClip (--qk-clip {self.qk_clip_tau}) rescales whole "
@@ -326,6 +350,8 @@ class TrainArgs:
             raise ValueError(
                 f"--compile with {flags} is not wired into `orthoptim train`; drop --compile"
             )
+        from orthoptim.parallel.layout import ParallelDims, as_flags
+
         # dp as small as the flags allow: the sizes against --nproc are check_nproc's
         with as_flags():
             dims = ParallelDims(dp=self.dp or self.ep, tp=self.tp, ep=self.ep, pp=self.pp)
@@ -413,6 +439,8 @@ class TrainArgs:
     def layout(self, nproc: int) -> ParallelDims:
         """This run's parallel layout over `nproc` ranks (--pp × --dp × --tp, --ep inside
         --dp), checked against the model (`ParallelDims.check`)."""
+        from orthoptim.parallel.layout import ParallelDims, as_flags
+
         with as_flags():
             dims = ParallelDims.for_world(
                 nproc,
@@ -429,7 +457,7 @@ class TrainArgs:
         """`dims` against the built-in model's layers and experts (`ParallelDims.check`; a
         transformers model is not checked here)."""
         if self.hf_config is None:
-            cfg = get_config(self.config)
+            cfg = _config(self.config)
             dims.check(n_layer=cfg.n_layer, n_expert=cfg.moe.n_expert if cfg.moe else None)
 
     def check_nproc(self, nproc: int, device_type: str) -> None:
@@ -451,6 +479,8 @@ class TrainArgs:
 
     def param_dtype_on(self, device_type: str) -> Literal["bf16", "fp32", "fp64"]:
         """This run's parameter dtype ("bf16", "fp32" or "fp64") on a `device_type` rank."""
+        from orthoptim.train.devices import resolve_param_dtype
+
         return resolve_param_dtype(self.param_dtype, device_type)
 
     @property
@@ -469,7 +499,7 @@ class TrainArgs:
         """The MuonClip threshold of this run (None: no clipping)."""
         tau = self.qk_clip
         if tau is None and self.hf_config is None:
-            tau = get_config(self.config).qk_clip
+            tau = _config(self.config).qk_clip
         return tau or None
 
     @property

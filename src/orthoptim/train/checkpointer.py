@@ -16,6 +16,7 @@ from torch import nn
 
 from orthoptim import checkpoint, collectives
 from orthoptim.parallel.layout import ParallelDims
+from orthoptim.shards import cut_like, is_dtensor, local_shard
 from orthoptim.train.args import TrainArgs
 from orthoptim.train.diskfull import (
     FULL_BELOW_BYTES,
@@ -71,7 +72,7 @@ def _first_nonfinite(model: nn.Module) -> str | None:
     """The name of a parameter or buffer of `model` holding NaN or infinity (this rank's
     shard of it), or None."""
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        local = collectives.local_shard(t)
+        local = local_shard(t)
         if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
             return name
     return None
@@ -384,8 +385,8 @@ def _load_full_model(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     here = model.state_dict()
     model.load_state_dict(
         {
-            k: collectives.cut_like(v.to(collectives.local_shard(here[k]).device), here[k])
-            if k in here and collectives.is_dtensor(here[k])
+            k: cut_like(v.to(local_shard(here[k]).device), here[k])
+            if k in here and is_dtensor(here[k])
             else v
             for k, v in full.items()
         }

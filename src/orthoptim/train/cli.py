@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from orthoptim._extras import require_extra
-from orthoptim.optim.registry import ELEMENTWISE_OPTIMIZERS
-from orthoptim.train import devices
+from orthoptim.choices import (
+    CONFIG_NAMES,
+    ELEMENTWISE_OPTIMIZER_NAMES,
+    PARAM_DTYPES,
+    PRECISIONS,
+    PREEMPTED_EXIT_CODE,
+)
 from orthoptim.train.args import (
     DEFAULT_GRAD_CLIP,
     OPTIMIZERS,
@@ -17,10 +23,10 @@ from orthoptim.train.args import (
     STATE_DTYPES,
     TrainArgs,
 )
-from orthoptim.train.devices import PARAM_DTYPES, PRECISIONS
-from orthoptim.train.launcher import RankFailedError, launch
-from orthoptim.train.loop import Preempted
-from orthoptim.train.model import CONFIGS
+from orthoptim.train.compare_args import CompareArgs, device_defaults
+
+# The parser imports no torch (`orthoptim.choices`): the commands import the modules that
+# run them.
 
 NPROC_HELP = (
     "ranks to start on this machine (default: one per visible GPU; 2 on CPU or with "
@@ -74,14 +80,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--elementwise",
-        choices=tuple(ELEMENTWISE_OPTIMIZERS),
+        choices=ELEMENTWISE_OPTIMIZER_NAMES,
         default=d.elementwise,
         help="the optimizer of embeddings, head and vectors next to a matrix optimizer "
         "(default %(default)s; lion takes --adamw-lr and the AdamW decay as its own)",
     )
     p.add_argument(
         "--config",
-        choices=sorted(CONFIGS),
+        choices=sorted(CONFIG_NAMES),
         default=d.config,
         help="the built-in GPT's size; with --hf-config its sequence length only",
     )
@@ -303,7 +309,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SIG",
         help="on this signal (e.g. SIGUSR1, which Slurm's --signal sends) every rank finishes "
         "its step, saves a checkpoint of it and the run stops with exit status "
-        f"{Preempted.EXIT_CODE}, as on SIGTERM (always); one of {', '.join(SAVE_SIGNALS[1:])}",
+        f"{PREEMPTED_EXIT_CODE}, as on SIGTERM (always); one of {', '.join(SAVE_SIGNALS[1:])}",
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -325,6 +331,9 @@ def _fail(msg: str) -> int:
 
 
 def _train_cmd(ns: argparse.Namespace) -> int:
+    from orthoptim.train.launcher import RankFailedError, launch
+    from orthoptim.train.loop import Preempted
+
     args = train_args_from(ns)
     try:
         result = launch(args, ns.nproc)
@@ -354,7 +363,10 @@ def _named_lrs(items: list[str]) -> dict[str, float]:
 
 
 def _compare_cmd(ns: argparse.Namespace) -> int:
-    from orthoptim.train.compare import CompareArgs, run_compare, table
+    from orthoptim.train import devices
+    from orthoptim.train.compare import run_compare, table, written
+    from orthoptim.train.launcher import RankFailedError
+    from orthoptim.train.loop import Preempted
 
     require_extra("matplotlib", "orthoptim compare")  # its plot, before the runs
     try:
@@ -400,7 +412,7 @@ def _compare_cmd(ns: argparse.Namespace) -> int:
         )
         return stop.exit_code
     print(table(summary))
-    print(f"\nwrote {opts.out}/report.md, loss.png, summary.json")
+    print(f"\nwrote {opts.out}/{', '.join(written(Path(opts.out)))}")
     return 0
 
 
@@ -418,8 +430,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_train_arguments(p)
     p.set_defaults(func=_train_cmd)
-
-    from orthoptim.train.compare import CompareArgs, device_defaults
 
     d, cpu, gpu = CompareArgs(), device_defaults("cpu"), device_defaults("cuda")
 
@@ -450,7 +460,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"sequences per rank per step ({machine_default('batch')})",
     )
     c.add_argument(
-        "--config", choices=sorted(CONFIGS), default=None, help=machine_default("config")
+        "--config", choices=sorted(CONFIG_NAMES), default=None, help=machine_default("config")
     )
     c.add_argument(
         "--out",

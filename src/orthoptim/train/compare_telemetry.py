@@ -22,9 +22,24 @@ def telemetry_series(rows: list[dict[str, Any]]) -> dict[str, list[list[float]]]
     return series
 
 
+# Each run's line style and marker beside its colour: four optimizers whose curves nearly meet
+# (Muon's and NorMuon's) stay apart where one line would hide the other.
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "x")
+
+
+def styles(summary: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Each run's colour, line style and marker (matplotlib's `color`, `linestyle`,
+    `marker`), the same in loss.png and telemetry.png, none two runs share."""
+    return {
+        name: dict(color=f"C{i}", linestyle=LINESTYLES[i % 4], marker=MARKERS[i % 6])
+        for i, name in enumerate(summary["runs"])
+    }
+
+
 def colours(summary: dict[str, Any]) -> dict[str, str]:
-    """Each run's colour, the same in loss.png and telemetry.png."""
-    return {name: f"C{i}" for i, name in enumerate(summary["runs"])}
+    """Each run's colour, the same in loss.png and telemetry.png (`styles`)."""
+    return {name: style["color"] for name, style in styles(summary).items()}
 
 
 def telemetry_classes(summary: dict[str, Any]) -> list[str]:
@@ -58,7 +73,7 @@ def plot_telemetry(summary: dict[str, Any], path: Path) -> bool:
         squeeze=False,
         constrained_layout=True,
     )
-    palette = colours(summary)
+    palette = styles(summary)
     drawn = [n for n, run in summary["runs"].items() if run.get("telemetry")]
     for ax, cls in zip(axes.flat, classes):
         for name in drawn:
@@ -67,7 +82,7 @@ def plot_telemetry(summary: dict[str, Any], path: Path) -> bool:
             if points:
                 steps, ratios = zip(*points)
                 label = f"{name} (lr {summary['runs'][name]['lr']:g})"
-                ax.plot(steps, ratios, marker=".", ms=3, color=palette[name], label=label)
+                ax.plot(steps, ratios, ms=3, label=label, **palette[name])
         ax.set_yscale("log")
         ax.set_title(cls)
         ax.grid(alpha=0.3, which="both")
@@ -77,7 +92,7 @@ def plot_telemetry(summary: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel("update RMS / weight RMS")
     for ax in list(axes.flat)[len(classes) :]:
         ax.set_visible(False)
-    handles = [Line2D([], [], color=palette[n], marker=".") for n in drawn]
+    handles = [Line2D([], [], ms=3, **palette[n]) for n in drawn]
     labels = [f"{n} (lr {summary['runs'][n]['lr']:g})" for n in drawn]
     axes[0, 0].legend(handles, labels, fontsize="small")
     fig.suptitle(

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from orthoptim.train.model import CONFIGS
+
 SPLIT_SEED = 20240601
 VAL_FRACTION = 0.02
 # Bytes other than these in a file's head mark it as binary (text has tab/newline/CR/FF/ESC).
@@ -175,9 +177,13 @@ def load_corpus(
 
     for split, t in (("train", corpus.train), ("validation", corpus.val)):
         if t.numel() < min_bytes:
+            shortest = min(c.seq_len for c in CONFIGS.values())
+            name = next(n for n, c in CONFIGS.items() if c.seq_len == shortest)
+            shorter = f", or pass --config {name} ({shortest}-byte context)"
             raise DataError(
                 f"--data: the {split} split of {source} has {t.numel()} bytes, fewer than the "
-                f"{min_bytes} one training window needs; add text or use a shorter context"
+                f"{min_bytes} one training window needs; add text"
+                + (shorter if shortest + 1 < min_bytes else "")
             )
     return corpus
 

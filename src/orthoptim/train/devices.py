@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
-PRECISIONS = ("auto", "bf16", "fp32")
-ParamDtype = Literal["auto", "bf16", "fp32", "fp64"]
-PARAM_DTYPES: tuple[ParamDtype, ...] = get_args(ParamDtype)
+from orthoptim.choices import PARAM_DTYPES, PRECISIONS, ParamDtype  # noqa: F401 (read from here)
+
 # The data-parallel default on a machine without GPUs: two gloo ranks exercise the
 # distributed optimizer (one rank runs the plain single-process optimizer).
 CPU_DEFAULT_NPROC = 2

@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from orthoptim import collectives
 from orthoptim.train import devices
 from orthoptim.train.args import TrainArgs
+from orthoptim.train.board import summary_writer
 from orthoptim.train.data import load_corpus
 from orthoptim.train.devices import plan_ranks
 from orthoptim.train.loop import Preempted, StopRequest, setup_logging, train
@@ -40,6 +41,7 @@ from orthoptim.train.runfolder import (
     claim_out,
     clean_leftovers,
     disk_full_error,
+    forget_unstepped,
     is_disk_full,
     latest_record,
     no_space,
@@ -101,7 +103,7 @@ def _claim_and_run(args: TrainArgs, stop: StopRequest) -> dict[str, Any]:
     lock, done, error = None, None, None
     if rank == 0:
         try:
-            check_out(out)
+            check_folders(args)
             lock = acquire_lock(out)
             # A restart with no checkpoint yet starts afresh in the folder the first start claimed.
             if args.resume or not _restart_count():
@@ -216,8 +218,13 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
     nproc = plan.nproc
     args.check_nproc(nproc, plan.device_type)
     out = Path(args.out)
-    created = not out.exists()
-    check_out(out)
+    folders = [out, *([Path(args.tensorboard)] if args.tensorboard else [])]
+    created = [folder for folder in folders if not folder.exists()]
+    try:
+        check_folders(args)
+    except ValueError:
+        _remove_empty(created)
+        raise
     lock = acquire_lock(out)
     try:
         done = claim_out(args, nproc, plan.device_type)
@@ -225,12 +232,37 @@ def launch(args: TrainArgs, nproc: int | None = None) -> dict[str, Any]:
             return nothing_to_do(out, done)
         # A bad --data fails here, once, before any rank starts.
         load_corpus(args.data, min_bytes=get_config(args.config).seq_len + 1)
+        if plan.device_type == "cpu":
+            _warn_oversubscribed(nproc)
         return _launch_ranks(args, nproc)
+    except RankFailedError:
+        if not args.resume:  # a run that never stepped leaves no run behind
+            forget_unstepped(out)
+        raise
     finally:
         release_lock(lock)
-        if created:  # a refused run leaves no empty folder behind
-            with contextlib.suppress(OSError):
-                out.rmdir()
+        _remove_empty(created)  # a refused run leaves no empty folder behind
+
+
+def _warn_oversubscribed(nproc: int) -> None:
+    """One line on stderr when `nproc` CPU ranks outnumber this machine's cores: they start
+    and step slowly, and nothing else is printed until the first step ends."""
+    cores = os.cpu_count() or 1
+    if nproc > cores:
+        print(
+            f"orthoptim: starting {nproc} ranks on {cores} CPU cores: more ranks than cores, "
+            f"so each gets a share of one and they start and step slowly (--nproc {cores} "
+            "fits this machine)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove those of `folders` (the ones this launch created) that are empty."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _launch_ranks(args: TrainArgs, nproc: int) -> dict[str, Any]:
@@ -467,6 +499,16 @@ def check_out(out: Path, flag: str = "--out") -> None:
             f"{flag} {out}: cannot write a run folder there ({e.strerror or e}); "
             "pass a writable folder"
         ) from e
+
+
+def check_folders(args: TrainArgs) -> None:
+    """Refuse, before any rank starts, an --out (`check_out`) or --tensorboard folder that
+    cannot be created or written, or a --tensorboard without TensorBoard installed: one
+    line naming the flag."""
+    check_out(Path(args.out))
+    if args.tensorboard:
+        summary_writer(args.tensorboard)
+        check_out(Path(args.tensorboard), "--tensorboard")
 
 
 class _Progress:

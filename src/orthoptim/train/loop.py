@@ -239,6 +239,22 @@ def evaluate(
     return total / count
 
 
+def validate(run: Run, args: TrainArgs) -> float:
+    """The run's validation loss now (`evaluate` over its fixed batches; in lockstep under
+    --fsdp or expert parallelism, in global order under --reproducible)."""
+    _params_ready(run.opt)
+    return evaluate(
+        run.model,
+        run.val,
+        run.dp_rank,
+        run.dp_size,
+        args.fsdp or run.lockstep,
+        run.precision,
+        run.pipeline,
+        ordered=args.reproducible,
+    )
+
+
 def _notice(log: logging.Logger, rank: int, message: str) -> None:
     """Something the user must know about this run: in the rank's log, and on rank 0's
     stderr."""
@@ -476,7 +492,7 @@ def resume(
     layout = layout_change(info, args, ckpt.world_size)
     for message in (
         *(f"--resume: passed over {why}" for why in info["passed_over"]),
-        f"resuming from {info['folder']} (step {start})",
+        *([f"resuming from {info['folder']} (step {start})"] if args.announce else []),
         *(f"{change} from step {start}" for change in [*changes, layout] if change),
     ):
         _notice(log, rank, message)
@@ -484,14 +500,17 @@ def resume(
     # (and, under --fsdp, at either parameter dtype: `check_resumable`).
     if info.get("precision", "fp32") != run.precision:
         log.info("checkpoint trained in %s, continuing in %s", info.get("precision"), run.precision)
-    if saved_param_dtype(info) != run.param_dtype:
-        log.info(
-            "checkpoint trained with %s parameters, continuing with %s",
-            saved_param_dtype(info),
-            run.param_dtype,
+    if saved_param_dtype(info) != run.param_dtype:  # on the terminal, as a layout change
+        _notice(
+            log,
+            rank,
+            f"--param-dtype {saved_param_dtype(info)} → {run.param_dtype} from step {start}",
         )
     if rank == 0:
-        kept = read_metrics(metrics_path, upto=start)
+        dropped: list[str] = []
+        kept = read_metrics(metrics_path, upto=start, notes=dropped)
+        for note in dropped:
+            _notice(log, rank, note)
         saved_row = info.get("metrics_row")  # the row of the checkpoint's step, kept with it
         if saved_row is not None and all(r["step"] != start for r in kept):
             kept.append(saved_row)
@@ -609,31 +628,18 @@ def train(
     stop = stop or StopRequest()
     metrics_path = out / "metrics.jsonl"
     args, run, ckpt, resumed = _start_run(args, rank, world_size, device, out, log, metrics_path)
-    opt = run.opt
     start, train_time = resumed.step, resumed.train_time_s
     tokens_per_step = run.tokens_per_step
     last = args.stop_after or args.steps
     bar = _progress_bar(args, rank, start)
+    # the event files first: a --tensorboard that fails leaves no metrics.jsonl (no run)
+    board = Board(args.tensorboard, start) if args.tensorboard and rank == 0 else None
     metrics_file = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
-    board = Board(args.tensorboard) if args.tensorboard and rank == 0 else None
     run.telemetry = Telemetry(run.opt, run.model) if args.log_every else None
-
-    def validate() -> float:
-        _params_ready(opt)
-        return evaluate(
-            run.model,
-            run.val,
-            run.dp_rank,
-            run.dp_size,
-            args.fsdp or run.lockstep,
-            run.precision,
-            run.pipeline,
-            ordered=args.reproducible,
-        )
 
     val_loss = None
     if start == 0:
-        val_loss = validate()
+        val_loss = validate(run, args)
         if metrics_file:
             row0 = dict(step=0, val_loss=val_loss, train_time_s=0.0, tokens=0)
             row0.update(precision=run.precision, param_dtype=run.param_dtype)
@@ -652,7 +658,7 @@ def train(
             if step - start <= COLD_STEPS:
                 row["cold"] = True
             if step % args.eval_every == 0 or step == args.steps:
-                val_loss = row["val_loss"] = validate()
+                val_loss = row["val_loss"] = validate(run, args)
                 log.info("step %d train %.4f val %.4f", step, row["train_loss"], val_loss)
             if metrics_file:
                 _write_row(metrics_file, row)
@@ -705,7 +711,7 @@ def _start_run(
     elif rank == 0:
         metrics_path.write_text("")
     # routing.json and its summary (rank 0; every stage's records under --pp), as run now
-    publish_routing(run.opt, run.model, out, run.mesh)
+    publish_routing(run.opt, run.model, out, run.mesh, show=args.announce)
     start = resumed.step
     where = f"after resuming at step {start}" if start else "before step 1"
     with collectives.phase(f"the ranks' barrier {where}"):

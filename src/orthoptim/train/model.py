@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 
 from orthoptim import collectives as C
 from orthoptim import host
-from orthoptim.collectives import CommStats
+from orthoptim.comm_bytes import CommStats
 from orthoptim.optim.muon import Split, qkv_split
 from orthoptim.optim.qk_clip import QKHeads
 

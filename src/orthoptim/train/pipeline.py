@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from orthoptim import collectives, host
+from orthoptim.choices import SCHEDULES, ScheduleName
 from orthoptim.parallel.layout import ParallelDims
 from orthoptim.train.model import GPT, GPTConfig, lm_loss
 
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
 
     from orthoptim.parallel.layout import ParallelMesh
 
-ScheduleName = Literal["gpipe", "1f1b"]
-SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b")
 NoSync = Callable[[], AbstractContextManager[Any]]
 
 

@@ -41,6 +41,14 @@ def check_resumable(
     fp32 weights rounded to bf16 on loading, and a bf16 run resumed in fp32 continues from
     its bf16 weights)."""
     saved = TrainArgs.from_dict(info["args"])  # defaults for flags newer than the checkpoint
+    if saved.state_dtype == "bf16" and (args.fsdp or args.tp > 1):
+        flag = "--fsdp" if args.fsdp else f"--tp {args.tp}"
+        raise ValueError(
+            f"--resume: this checkpoint holds bf16 optimizer state (--state-dtype bf16), which "
+            f"cannot resume under {flag}: {flag} steps DTensor parameters and bf16 state takes "
+            f"plain tensors, and fp32 state would not match the checkpoint; resume it without "
+            f"{flag}"
+        )
     mismatched = [
         f"--{k.replace('_', '-')}: checkpoint {getattr(saved, k)!r}, now {getattr(args, k)!r}"
         for k in RESUME_MUST_MATCH

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -44,10 +45,13 @@ def hf_model(name: str) -> nn.Module:
 
 
 def model_from_factory(spec: str) -> nn.Module:
-    """The model `module:factory` names: `factory()` imported from `module`."""
+    """The model `module:factory` names: `factory()` imported from `module` (found on the
+    path or, as `python -m` finds it, in the current folder)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise SystemExit(f"--model must be module:factory (e.g. mypkg.models:build), got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # modules of the current folder, as `python -m` finds
     try:
         factory: Callable[[], Any] = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

@@ -33,6 +33,7 @@ from typing import Any
 
 from orthoptim import fileio
 from orthoptim.train.args import TrainArgs
+from orthoptim.train.board import remove_events
 from orthoptim.train.checkpointer import DAMAGED_KEPT, Checkpointer
 from orthoptim.train.diskfull import (
     FULL_BELOW_BYTES,
@@ -102,6 +103,7 @@ __all__ = [
     "clean_leftovers",
     "damage",
     "disk_full_error",
+    "forget_unstepped",
     "held_run",
     "holds_run",
     "is_disk_full",
@@ -130,10 +132,20 @@ def atomic_write_text(text: str, path: Path, durable: bool = False) -> None:
     fileio.atomic_write_text(text, path, durable=durable, tmp=path.with_name(path.name + ".tmp"))
 
 
-def read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
+def _is_row(value: Any) -> bool:
+    """Whether `value`, read from a line of metrics.jsonl, is a metrics row: a JSON object
+    with an integer step."""
+    step = value.get("step") if isinstance(value, dict) else None
+    return isinstance(step, int) and not isinstance(step, bool)
+
+
+def read_metrics(
+    path: Path, upto: int | None = None, notes: list[str] | None = None
+) -> list[dict[str, Any]]:
     """The rows of a run's metrics.jsonl (those with step <= `upto` when given). A last line
-    cut short (a run stopped while writing it) is left out; a damaged line before it is an
-    error naming the file and line."""
+    that is no row (cut short by a run stopped while writing it, or JSON but not an object
+    with a step) is left out, with a line saying so appended to `notes` (given); such a
+    line before it is an error naming the file and line."""
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
@@ -142,15 +154,35 @@ def read_metrics(path: Path, upto: int | None = None) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
-            if i == len(lines):
-                continue
-            raise ValueError(
-                f"{path}, line {i}, is not a JSON row ({line[:60]!r}); remove or mend that "
-                "line to continue the run"
-            ) from None
+            row = None
+        if _is_row(row):
+            rows.append(row)
+            continue
+        what = f"{path}, line {i}, is not a metrics row ({line[:60]!r})"
+        if i < len(lines):
+            raise ValueError(f"{what}; remove or mend that line to continue the run")
+        if notes is not None:
+            notes.append(f"{what}: dropped it, as a row cut short by a stop is")
     return [r for r in rows if upto is None or r["step"] <= upto]
+
+
+def forget_unstepped(out: Path) -> bool:
+    """Remove the metrics.jsonl of a fresh run that failed before its first step ended (no
+    row past step 0, no checkpoint, no result), so that `out` holds no run the next start
+    must --overwrite. Returns whether it did."""
+    path = out / "metrics.jsonl"
+    if any((out / name).exists() for name in RUN_FILES[1:3]):
+        return False
+    try:
+        rows = read_metrics(path)
+    except (OSError, ValueError):
+        return False
+    if any(r["step"] > 0 for r in rows):
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 def clean_leftovers(out: Path) -> list[str]:
@@ -197,8 +229,9 @@ def claim_out(args: TrainArgs, world_size: int, device_type: str) -> str | None:
     """Check what this run may do with --out (call with the lock held), before any rank
     trains on `device_type` ranks ("cpu" or "cuda"). A folder holding a run is refused unless
     --resume (the checkpoint must match this run) or --overwrite (its run's files are removed
-    here). Returns a message when there is nothing to do: a resumed run whose checkpoint is at
-    or past its last step."""
+    here, and the event files directly under its --tensorboard folder). Returns a message
+    when there is nothing to do: a resumed run whose checkpoint is at or past its last
+    step."""
     out = Path(args.out)
     if args.resume:
         for path in clean_leftovers(out):
@@ -231,6 +264,8 @@ def claim_out(args: TrainArgs, world_size: int, device_type: str) -> str | None:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+    if args.tensorboard:  # the replaced run's rows there too
+        remove_events(args.tensorboard)
     return None
 
 

@@ -12,11 +12,13 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from orthoptim import collectives as C
+from orthoptim.comm_bytes import CommStats, broadcast_bytes, ring_all_gather_bytes
 from orthoptim.parallel import ordered
 from orthoptim.parallel.assignment import Unit
 from orthoptim.parallel.base import add_bytes
 from orthoptim.parallel.layerwise.ordering import adjacent, natural_order, rank_major_order
 from orthoptim.parallel.layerwise.slots import Slot, by_param, start_of
+from orthoptim.shards import is_dtensor, local_shard, wrap_local
 
 
 class Bucket:
@@ -152,7 +154,7 @@ class Bucket:
                 f"{s.param.placements}; LayerwiseDistributedOptimizer needs gradients sharded "
                 "like their tensor-parallel parameters"
             )
-        src = C.local_shard(g)
+        src = local_shard(g)
         if s.flat is not None:
             src = src.reshape(-1)[s.flat[0] : s.flat[1]]
         shape = s.local().shape
@@ -207,7 +209,7 @@ class Bucket:
 
     def reduced_grad(self, s: Slot) -> Tensor:
         """`shard_view` as the unit's gradient: a DTensor sharded like a DTensor parameter."""
-        return C.wrap_local(self.shard_view(s), s.data)
+        return wrap_local(self.shard_view(s), s.data)
 
     def reset(self) -> None:
         self.ready.clear()
@@ -224,21 +226,19 @@ class Bucket:
         gsize = torch.empty(0, dtype=self.gather_dtype).element_size()
         n, rank = self.n, self.rank
         if self.width:
-            add_bytes(out, "all_gather", *C.ring_all_gather_bytes([self.width * gsize] * n)[rank])
+            add_bytes(out, "all_gather", *ring_all_gather_bytes([self.width * gsize] * n)[rank])
             return
         for start, stop, owner in self.regions:
-            add_bytes(out, "broadcast", *C.broadcast_bytes((stop - start) * gsize, n, owner)[rank])
+            add_bytes(out, "broadcast", *broadcast_bytes((stop - start) * gsize, n, owner)[rank])
 
     # -- parameters --------------------------------------------------------------------
-    def launch_gather(self, stats: C.CommStats, async_op: bool) -> None:
+    def launch_gather(self, stats: CommStats, async_op: bool) -> None:
         """Send the owners' parameters to every rank (the owned values of parameters that are
         not views of the buffer, `copied`, copied in first)."""
         with C.phase(self.gather_phase(), self.group):
             self._launch_gather(self.group, stats, async_op)
 
-    def _launch_gather(
-        self, group: ProcessGroup | None, stats: C.CommStats, async_op: bool
-    ) -> None:
+    def _launch_gather(self, group: ProcessGroup | None, stats: CommStats, async_op: bool) -> None:
         if self.n == 1:
             if self.rounds:  # the one replica holds the rounded value
                 for s in self.mine:
@@ -401,7 +401,7 @@ class FlatBuffers:
             for s in b.slots:
                 where.setdefault(id(s.param), []).append((s, base + s.offset, params))
                 values = s.param if s.data is s.param else s.view()
-                b.param_slice(s).copy_(C.local_shard(values).reshape(-1))
+                b.param_slice(s).copy_(local_shard(values).reshape(-1))
             base += b.numel
         return params, where
 
@@ -424,10 +424,10 @@ class FlatBuffers:
         homes = {id(p) for p, flat in self.homes if flat is params}
         for pid in homes:
             s, first, _ = laid[pid][0]
-            local = C.local_shard(s.param)
+            local = local_shard(s.param)
             if grad_dtype == local.dtype:
                 view = grads[first : first + local.numel()].view(local.shape)
-                self.viewed[pid] = C.wrap_local(view, s.param) if C.is_dtensor(s.param) else view
+                self.viewed[pid] = wrap_local(view, s.param) if is_dtensor(s.param) else view
 
     def _view(self, spots: list[tuple[Slot, int, Tensor]]) -> None:
         """Make the parameter of `spots` a view of its segment where it lies there in one
@@ -438,7 +438,7 @@ class FlatBuffers:
         contiguous = all(
             x[1] + x[0].numel == y[1] and x[2] is y[2] for x, y in itertools.pairwise(spots)
         )
-        local = C.local_shard(p)
+        local = local_shard(p)
         numel = local.numel()
         covers = sum(x[0].numel for x in spots) == numel and start_of(spots[0][0]) == 0
         if not (contiguous and covers and local.is_contiguous()):
@@ -451,14 +451,14 @@ class FlatBuffers:
             return
         params = spots[0][2]
         values = params[first : first + numel].view(local.shape)
-        if C.is_dtensor(p):
+        if is_dtensor(p):
             if values.dtype != local.dtype:
                 raise NotImplementedError(
                     f"{spots[0][0].name}: param_dtype with tensor-parallel (DTensor) "
                     "parameters is not supported; build the optimizer without param_dtype"
                 )
             # the same Parameter object, its local shard now the view
-            viewed = nn.Parameter(C.wrap_local(values, p), requires_grad=p.requires_grad)
+            viewed = nn.Parameter(wrap_local(values, p), requires_grad=p.requires_grad)
             torch.utils.swap_tensors(p, viewed)
         else:
             p.data = values
@@ -483,13 +483,13 @@ class FlatBuffers:
         moved = [
             p
             for p, flat in self.homes
-            if C.local_shard(p).untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+            if local_shard(p).untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
         ]
         if not moved:
             return False
         device = self.homes[0][1].device
         for p in moved:
-            if C.local_shard(p).device != device:
+            if local_shard(p).device != device:
                 raise RuntimeError(
                     f"the model's parameters moved from {device} to {p.device} after "
                     "LayerwiseDistributedOptimizer was built; move the model first, then "

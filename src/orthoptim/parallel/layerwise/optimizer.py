@@ -46,6 +46,7 @@ from orthoptim.parallel.layerwise.slots import Slot, make_masters
 from orthoptim.parallel.layerwise.sync import GradSync
 from orthoptim.parallel.layerwise.view import LayerwiseView
 from orthoptim.parallel.layout import ParallelMesh, expert_gradient_divisor
+from orthoptim.shards import local_shard
 
 
 class LayerwiseDistributedOptimizer(DistributedOptimizer):
@@ -403,7 +404,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             t.grad = g
         for name, master in self._master.items():
             s = self._slot_by_name(name)
-            s.local().copy_(C.local_shard(master))
+            s.local().copy_(local_shard(master))
 
     def _step_converted(self, converted: list[list[tuple[Tensor, Bucket, Slot]]]) -> None:
         """Step each bucket of converted gradients on its own: a matrix optimizer steps just
@@ -522,7 +523,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         was saved with the optimizer)."""
         self.wait_for_params()
         for name, master in self._master.items():
-            C.local_shard(master).copy_(self._slot_by_name(name).local())
+            local_shard(master).copy_(self._slot_by_name(name).local())
         yield
         for name, master in self._master.items():
-            self._slot_by_name(name).local().copy_(C.local_shard(master))
+            self._slot_by_name(name).local().copy_(local_shard(master))

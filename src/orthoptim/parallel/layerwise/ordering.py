@@ -7,9 +7,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from orthoptim import collectives as C
 from orthoptim.parallel.assignment import MAX_PADDING
 from orthoptim.parallel.layerwise.slots import Slot, start_of
+from orthoptim.shards import local_shard
 
 
 class _Unit(Protocol):
@@ -86,7 +86,7 @@ def natural_order(params: list[list[Slot]]) -> list[Slot | int]:
 
     def key(ss: list[Slot]) -> tuple[int, int, int]:
         end = start_of(ss[-1]) + ss[-1].numel
-        place = 0 if start_of(ss[0]) > 0 else 2 if end < C.local_shard(ss[0].param).numel() else 1
+        place = 0 if start_of(ss[0]) > 0 else 2 if end < local_shard(ss[0].param).numel() else 1
         return place, ss[0].owner, ss[-1].owner
 
     return [s for ss in sorted(params, key=key) for s in ss]

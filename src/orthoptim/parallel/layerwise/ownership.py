@@ -13,6 +13,7 @@ from orthoptim import collectives as C
 from orthoptim.optim.hybrid import HybridOptimizer
 from orthoptim.parallel.assignment import Assignment, Unit
 from orthoptim.parallel.layerwise.slots import Slot, unit_label
+from orthoptim.shards import is_dtensor
 
 
 @dataclass
@@ -112,7 +113,7 @@ def tensor_parallel_groups(
 
     groups: list[ProcessGroup | None] = []
     for name, p in params.items():
-        if not C.is_dtensor(p):
+        if not is_dtensor(p):
             continue
         mesh = p.device_mesh
         for d in range(mesh.ndim):
@@ -141,7 +142,7 @@ def counted_here(s: Slot, tp_groups: list[ProcessGroup | None]) -> bool:
     first rank of every TP group only."""
     if not tp_groups:
         return True
-    if not C.is_dtensor(s.param):
+    if not is_dtensor(s.param):
         return all(C.world(g)[0] == 0 for g in tp_groups)
     placements = s.param.placements
     coord = s.param.device_mesh.get_coordinate() or [0] * len(placements)

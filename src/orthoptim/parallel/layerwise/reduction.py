@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from orthoptim import collectives as C
+from orthoptim.comm_bytes import CommStats, reduce_bytes, ring_reduce_scatter_bytes
 from orthoptim.parallel.base import add_bytes
 from orthoptim.parallel.layerwise.buffers import Bucket
 from orthoptim.parallel.ordered import tree_sum_
@@ -43,13 +44,13 @@ class Reduction:
         """The name of the step a failure of `bucket`'s reduction happened in."""
         return f"gradient {self.kind} of {bucket.label}"
 
-    def launch(self, bucket: Bucket, stats: C.CommStats, async_op: bool) -> None:
+    def launch(self, bucket: Bucket, stats: CommStats, async_op: bool) -> None:
         """Start `bucket`'s reduction (nothing moves in a group of one rank)."""
         if bucket.n > 1:
             with C.phase(self.phase(bucket), bucket.group):
                 self.pending[bucket] = self._launch(bucket, stats, async_op)
 
-    def _launch(self, bucket: Bucket, stats: C.CommStats, async_op: bool) -> list[Any]:
+    def _launch(self, bucket: Bucket, stats: CommStats, async_op: bool) -> list[Any]:
         raise NotImplementedError
 
     def _wait(self, bucket: Bucket) -> None:
@@ -84,7 +85,7 @@ class RingReduction(Reduction):
     def phase(self, bucket: Bucket) -> str:
         return f"gradient {'reduce-scatter' if bucket.width else 'reduce'} of {bucket.label}"
 
-    def _launch(self, bucket: Bucket, stats: C.CommStats, async_op: bool) -> list[Any]:
+    def _launch(self, bucket: Bucket, stats: CommStats, async_op: bool) -> list[Any]:
         assert bucket.grads is not None
         name = self.phase(bucket)
         if bucket.width:
@@ -106,11 +107,11 @@ class RingReduction(Reduction):
     def _expected(self, bucket: Bucket, out: dict[str, dict[str, float]], size: int) -> None:
         n, rank = bucket.n, bucket.rank
         if bucket.width:
-            sent = C.ring_reduce_scatter_bytes([bucket.width * size] * n)[rank]
+            sent = ring_reduce_scatter_bytes([bucket.width * size] * n)[rank]
             add_bytes(out, "reduce_scatter", *sent)
             return
         for start, stop, owner in bucket.regions:
-            add_bytes(out, "reduce", *C.reduce_bytes((stop - start) * size, n, owner)[rank])
+            add_bytes(out, "reduce", *reduce_bytes((stop - start) * size, n, owner)[rank])
 
 
 class OrderedReduction(Reduction):
@@ -135,12 +136,12 @@ class OrderedReduction(Reduction):
         # bucket → (start, stop, the N copies of elements start:stop this rank owns)
         self.inbox: dict[Bucket, list[tuple[int, int, Tensor]]] = {}
 
-    def launch(self, bucket: Bucket, stats: C.CommStats, async_op: bool) -> None:
+    def launch(self, bucket: Bucket, stats: CommStats, async_op: bool) -> None:
         while len(self.inbox) >= self.IN_FLIGHT:
             self.finish(next(iter(self.inbox)))
         super().launch(bucket, stats, async_op)
 
-    def _launch(self, bucket: Bucket, stats: C.CommStats, async_op: bool) -> list[Any]:
+    def _launch(self, bucket: Bucket, stats: CommStats, async_op: bool) -> list[Any]:
         grads, n, rank = bucket.grads, bucket.n, bucket.rank
         assert grads is not None
         regions = [(0, bucket.numel, -1)] if bucket.width else bucket.regions

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from orthoptim import collectives as C
 from orthoptim.optim.state import flat_label
+from orthoptim.shards import is_dtensor, local_shard, wrap_local
 
 
 def unit_label(name: str, part: tuple[int, int] | None) -> str:
@@ -42,7 +42,7 @@ class Slot:
         self.part = part
         self.flat = flat
         if flat is not None:
-            if C.is_dtensor(param) or not param.is_contiguous():
+            if is_dtensor(param) or not param.is_contiguous():
                 raise ValueError(
                     f"{name}: a sharded AdamW parameter must be a contiguous plain tensor; "
                     "build the optimizer with shard_adamw=False"
@@ -52,7 +52,7 @@ class Slot:
             self.data: Tensor = self.view().requires_grad_(True)
         elif part is None:
             self.data = param
-        elif C.is_dtensor(param):
+        elif is_dtensor(param):
             raise NotImplementedError(
                 f"{self.name}: expert slices of a tensor-parallel (DTensor) parameter are not "
                 "owned separately; build the optimizer with split_experts=False"
@@ -60,7 +60,7 @@ class Slot:
         else:
             # A leaf view of the slice: the inner optimizer updates the parameter in place.
             self.data = self.view().requires_grad_(True)
-        self.numel = C.local_shard(self.data).numel()
+        self.numel = local_shard(self.data).numel()
         self.offset = 0
         self.mine = False  # owned by this rank (set by the optimizer)
 
@@ -80,7 +80,7 @@ class Slot:
 
     def local(self) -> Tensor:
         """The unit's local values (a DTensor's shard), sharing the parameter's storage."""
-        return C.local_shard(self.data.detach())
+        return local_shard(self.data.detach())
 
     def local_grad(self) -> Tensor | None:
         """This rank's (unreduced) gradient of the unit (of a run: the whole parameter's)."""
@@ -122,6 +122,6 @@ def make_masters(
         master_dtype = torch.float32 if param_dtype is not None else s.data.dtype
         keeps = (param_dtype or s.data.dtype) != master_dtype
         if s.mine and (keeps or gather_dtype not in (None, s.data.dtype)):
-            m = C.local_shard(s.data).detach().to(master_dtype, copy=True)
-            out[s.name] = C.wrap_local(m, s.data).requires_grad_(True)
+            m = local_shard(s.data).detach().to(master_dtype, copy=True)
+            out[s.name] = wrap_local(m, s.data).requires_grad_(True)
     return out

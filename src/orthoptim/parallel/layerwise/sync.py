@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from orthoptim import collectives as C
 from orthoptim._torch_compat import active_ddp_module, queue_backward_callback, version
+from orthoptim.comm_bytes import CommStats
 from orthoptim.optim.base import sparse_gradient_error
 from orthoptim.parallel.assignment import Unit
 from orthoptim.parallel.layerwise.accumulation import TreeAccumulator
@@ -26,6 +27,7 @@ from orthoptim.parallel.layerwise.buffers import Bucket, FlatBuffers
 from orthoptim.parallel.layerwise.ownership import UnitGroup
 from orthoptim.parallel.layerwise.reduction import Reduction, make_reduction
 from orthoptim.parallel.layerwise.slots import Slot, unit_label
+from orthoptim.shards import local_shard
 
 #: why a step (or `clip_grad_norm_`) is refused when the gradients changed in place since backward
 TOUCHED = (
@@ -114,7 +116,7 @@ class GradSync:
         unit_groups: list[UnitGroup],
         slots: list[Slot],
         slots_by_unit: list[list[Slot]],
-        stats: C.CommStats,
+        stats: CommStats,
         *,
         world_size: int,
         param_dtype: torch.dtype | None,
@@ -337,7 +339,7 @@ class GradSync:
         if g is None:
             return
         p.grad = None
-        leaf = C.local_shard(g)
+        leaf = local_shard(g)
         dtype = self.bucket_of[slots[0].unit].grad_dtype
         view = self.flat.viewed.get(id(p))
         if view is not None and not self.tree.pending(id(p)):

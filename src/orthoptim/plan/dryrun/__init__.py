@@ -27,7 +27,7 @@ What makes that work:
   group's size), so every read gets the answer a healthy run gets (the library's flags
   count what is wrong: zero, unless a unit has no gradient anywhere); unknown values read
   as zeros; it records every collective (kind, group, dtypes and sizes, the root, and
-  the kind `collectives.py` issued it as) in issue order; and it keeps the live storages
+  the kind `orthoptim.collectives` issued it as) in issue order; and it keeps the live storages
   (each counted once, views included) for the step's peak.
 * The steady memory is read off the objects that hold it: parameters, the layer-wise
   bucket buffers, master copies, optimizer state, then gradients; each storage once.

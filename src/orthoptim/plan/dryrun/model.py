@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from orthoptim import collectives as C
 from orthoptim.plan.dryrun.world import DEVICE
 from orthoptim.plan.layouts import Layout
 from orthoptim.plan.model import Matrix, ModelDescription, expand
 from orthoptim.plan.planner import local_shape, stage_of_layers
+from orthoptim.shards import is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +40,7 @@ class _Part(nn.Module):
 def _terms(module: nn.Module, idx: Tensor, lookup: bool) -> Tensor:
     total = torch.zeros((), device=DEVICE)
     for p in module.parameters(recurse=False):
-        local = p.to_local() if C.is_dtensor(p) else p  # type: ignore[attr-defined]
+        local = p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined]
         if local.ndim == 1:
             total = total + local.sum()
         elif lookup:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from orthoptim import collectives as C
 from orthoptim._torch_compat import storage_key, tree_flatten
+from orthoptim.comm_bytes import CommStats
 from orthoptim.parallel.assignment import NS_STEPS, MatrixCost
 from orthoptim.plan.dryrun.model import build_model
 from orthoptim.plan.dryrun.record import Collective, HostData, Recorder, plain
@@ -115,7 +115,7 @@ def cuda_cost(ns_dtype: torch.dtype | str = "auto") -> MatrixCost:
 
 def _optimizer(
     model: nn.Module, layout: Layout, mesh: ParallelMesh
-) -> tuple[Any, dict[str, C.CommStats]]:
+) -> tuple[Any, dict[str, CommStats]]:
     """The layout's optimizer over `model` (layer-wise, its assignment priced as on CUDA, or
     over FSDP2) and the byte counters besides the optimizer's own, by name."""
     from orthoptim.parallel.fsdp import FSDPOptimizer, count_fsdp_collectives, shard_model
@@ -130,14 +130,14 @@ def _optimizer(
     # the model is built in fp32; a lower parameter dtype is the optimizer's (or FSDP2's
     # mixed precision)
     mixed = {}
-    apart: dict[str, C.CommStats] = {}
+    apart: dict[str, CommStats] = {}
     if layout.param_dtype != "fp32":
         mixed = {"param_dtype": DTYPES[layout.param_dtype]}
     if layout.fsdp:
         if mixed:
             mixed["reduce_dtype"] = DTYPES[layout.grad_dtype]
         shard_model(model, mesh.fsdp_mesh, **mixed)
-        fsdp_stats = C.CommStats()
+        fsdp_stats = CommStats()
         count_fsdp_collectives(model, fsdp_stats)
         apart["fsdp"] = fsdp_stats
         opt = FSDPOptimizer(model, optimizer=optimizer, layout=mesh, **kwargs)
@@ -193,7 +193,7 @@ def _run_steps(
     rec: Recorder,
     model: nn.Module,
     opt: Any,
-    apart: dict[str, C.CommStats],
+    apart: dict[str, CommStats],
     parallel: Parallel,
     steps: int,
     plant: Callable[[], contextlib.AbstractContextManager] | None,

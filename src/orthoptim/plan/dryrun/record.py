@@ -28,6 +28,7 @@ from orthoptim._torch_compat import (
     tree_flatten,
     tree_map,
 )
+from orthoptim.shards import is_dtensor
 
 # the dry run's own frames (the model's forward, the per-rank run), which `_site` skips
 _PACKAGE = __name__.rpartition(".")[0]
@@ -36,7 +37,7 @@ _PACKAGE = __name__.rpartition(".")[0]
 @dataclass
 class Collective:
     """One collective as the backend saw it: op, group ranks, tensor (dtype, shape)s, split
-    sizes; the root's group rank (reduce, broadcast) and the kind `collectives.py` issued it
+    sizes; the root's group rank (reduce, broadcast) and the kind `orthoptim.collectives` issued it
     as (None: issued outside it)."""
 
     kind: str
@@ -86,7 +87,7 @@ _DATA_FLAGS: dict[Any, bool] = {
 
 def plain(t: Tensor) -> Tensor:
     """The local tensor of a DTensor, else `t`."""
-    return local_tensor(t) if C.is_dtensor(t) else t
+    return local_tensor(t) if is_dtensor(t) else t
 
 
 def _key(t: Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
