@@ -182,9 +182,9 @@ def test_the_fixed_trees_sum_in_the_order_they_name():
 
 
 def _ns_batches(rank, world_size, batch_matrices, reproducible=True):
-    """Every Newton-Schulz call's batch shape and kernel mode, on a device where stacking pays
-    (as a GPU's), through the layer-wise driver; `batch_matrices` forced back on for the
-    control."""
+    """Every Newton-Schulz call's batch shape and why its path was taken (`kernels.path_for`),
+    on a device where stacking pays (as a GPU's), through the layer-wise driver;
+    `batch_matrices` forced back on for the control."""
     import orthoptim.optim.muon as muon
     from orthoptim import kernels
 
@@ -192,7 +192,8 @@ def _ns_batches(rank, world_size, batch_matrices, reproducible=True):
     real = muon.newton_schulz
 
     def recorded(mats, **kw):
-        calls.append((tuple(mats.shape), kernels.kernel_mode()))
+        oriented = mats if mats.shape[-2] <= mats.shape[-1] else mats.mT
+        calls.append((tuple(mats.shape), kernels.path_for(oriented).reason))
         return real(mats, **kw)
 
     muon.newton_schulz, muon.stacking_pays = recorded, lambda device: True
@@ -208,19 +209,19 @@ def _ns_batches(rank, world_size, batch_matrices, reproducible=True):
     return calls
 
 
-def test_newton_schulz_takes_each_matrix_alone_in_plain_matmuls_whatever_a_rank_owns():
+def test_newton_schulz_takes_each_matrix_alone_on_a_path_its_shape_decides():
     """Planted: with same-shape matrices batched (as on a GPU), the batches follow what a
     rank owns (dp 1 stacks the 3 blocks' same-shape matrices); reproducible takes each alone,
-    and in plain matmuls (`force_matmul`: the SYRK paths are chosen by timing races), where
-    the default dispatches ("auto")."""
+    on a path its shape decides (`kernels.unraced`: "forced"), where the default's path is
+    raced, read from the machine's cache or defaulted (never "forced")."""
     control = run_ranks(_ns_batches, 1, args=(True,))[0]
     assert any(shape[0] > 1 for shape, _ in control if len(shape) == 3)
     for n in (1, 2):
         for calls in run_ranks(_ns_batches, n, args=(False,)):
             assert all(len(shape) == 2 or shape[0] == 1 for shape, _ in calls), calls
-            assert {mode for _, mode in calls} == {"matmul"}
+            assert {why for _, why in calls} == {"forced"}
     default = run_ranks(_ns_batches, 1, args=(True, False))[0]
-    assert {mode for _, mode in default} == {"auto"}
+    assert "forced" not in {why for _, why in default}
 
 
 # -- what the guarantee covers ---------------------------------------------------------------

@@ -141,7 +141,7 @@ def ordered_evaluate(
 def reproducible_rank(reproducible: bool) -> Iterator[None]:
     """The block (a rank's training) under --reproducible's REPRODUCIBLE_THREADS intra-op
     threads, the count before restored after; nothing without `reproducible`. (Newton-Schulz's
-    path the driver pins itself under reproducible=True: plain matmuls.)"""
+    path the driver pins itself under reproducible=True: `kernels.unraced`.)"""
     if not reproducible:
         yield
         return

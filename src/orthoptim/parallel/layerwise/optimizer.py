@@ -14,7 +14,7 @@ from torch.distributed import ProcessGroup
 from orthoptim import checkpoint
 from orthoptim import collectives as C
 from orthoptim._validate import check_float_dtype
-from orthoptim.kernels import force_matmul
+from orthoptim.kernels import unraced
 from orthoptim.optim.base import NonfinitePolicy, param_name, step_checked
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer
@@ -88,7 +88,7 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
     data-parallel size for the accumulation loop `docs/reproducible.md` writes out: each rank's
     micro-batches summed in a binary tree, an ordered cross-rank reduction, a clip norm from
     fixed blocks (the sharded AdamW runs start and end on them, `norm_block`), each
-    matrix orthogonalized on its own in plain matmuls (the SYRK paths are picked by timing);
+    matrix orthogonalized on its own on a path its shape decides (`kernels.unraced`);
     data parallelism only: no tensor, expert or pipeline groups);
     other keyword arguments go to `build_optimizer`.
 
@@ -392,9 +392,9 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             return
         # the matrix optimizers compute in the reduced gradients (`consumes_grads`)
         self._consumed = not self.tp_groups
-        # under `reproducible` Newton-Schulz's products are plain matmuls: the CPU's SYRK and
-        # Gram paths and the GPU's Triton SYRK are chosen by timing races, per process
-        with force_matmul(self.reproducible):
+        # under `reproducible` Newton-Schulz's path follows the shape alone (`unraced`): the
+        # CPU's SYRK and Gram paths and the GPU's Triton SYRK are raced per process
+        with unraced(self._device(), self.reproducible):
             step_checked(self.inner)  # the gradients were checked by _agree
             for t, _ in ready:  # stepped: hidden from the buckets' steps
                 t.grad = None
