@@ -235,7 +235,11 @@ def syrk_for(X: Tensor) -> Syrk:
 
 
 def _cuda_syrk(X: Tensor, C: Tensor | None, beta: float, alpha: float) -> Tensor:
-    """beta·C + alpha·X·Xᵀ on CUDA through the implementation measured fastest for the shape."""
+    """beta·C + alpha·X·Xᵀ on CUDA through the implementation measured fastest for the shape
+    (an empty X, e.g. a tensor-parallel rank's empty shard, by torch's product: nothing to
+    tune)."""
+    if X.numel() == 0:
+        return syrk_cpu.syrk_matmul(X, C, beta, alpha)
     from orthoptim.kernels import triton_syrk
 
     choice = tuning.choose(X, C is not None, tuner=triton_syrk.tune)

@@ -43,8 +43,8 @@ def syrk_matmul(
     if X.ndim == 2:
         return product(X, X, C, beta, alpha)
     lead = X.shape[:-2]
-    X3 = X.reshape(-1, *X.shape[-2:]) if X.ndim > 2 else X
-    C3 = C.reshape(-1, *C.shape[-2:]) if C is not None and C.ndim > 2 else C
+    X3 = X.flatten(0, -3) if X.ndim > 2 else X  # not reshape(-1, ...): an empty X
+    C3 = C.flatten(0, -3) if C is not None and C.ndim > 2 else C
     out = product(X3, X3, C3, beta, alpha)
     return out.reshape(*lead, X.shape[-2], X.shape[-2])
 
@@ -91,8 +91,8 @@ def syrk(
     if leaf < 1:
         raise ValueError(f"leaf must be a positive number of rows, got {leaf}")
     lead = X.shape[:-2]
-    X3 = X.reshape(-1, *X.shape[-2:]) if X.ndim > 2 else X
-    C3 = C.reshape(-1, *C.shape[-2:]) if C is not None and C.ndim > 2 else C
+    X3 = X.flatten(0, -3) if X.ndim > 2 else X  # not reshape(-1, ...): an empty X
+    C3 = C.flatten(0, -3) if C is not None and C.ndim > 2 else C
     out = X3.new_empty((*X3.shape[:-1], X3.shape[-2]))
     _blocked_into(X3, X3, C3, beta, alpha, leaf, out)
     return out.reshape(*lead, X.shape[-2], X.shape[-2])
