@@ -24,6 +24,7 @@ from orthoptim.parallel.tensor_parallel import (
     GRAM_KIND,
     NORM_KIND,
     ROWS_KIND,
+    SHAPES_KIND,
     CostModel,
     _Layout,
     gram_mode_form,
@@ -82,8 +83,10 @@ def _run(orth, local):
     stats.reset()
     with kernels.force_matmul(), FlopCounterMode(display=False) as counter:
         out = orth(local)
-    return {"out": out, "stats": stats.as_dict(), "flops": counter.get_total_flops(),
-            "forms": list(orth.last_forms)}  # fmt: skip
+    # the mode's own collectives (tp_cost's); plain shards' shape check apart
+    return {"out": out, "stats": stats.without(SHAPES_KIND).as_dict(),
+            "shape_checks": stats.calls.get(SHAPES_KIND, 0),
+            "flops": counter.get_total_flops(), "forms": list(orth.last_forms)}  # fmt: skip
 
 
 def _recording_syrk(calls):
@@ -138,7 +141,8 @@ def _mode_checks(group, mesh):
         schedule = coefficient_schedule("quintic", steps)
         newton_schulz_gram_form(Z, schedule, syrk=_recording_syrk(seen["single"]))
         ref = gram_reference(G, steps).chunk(T, dim=2)[rank]
-        res[("restarts", steps)] = {"runs": seen, "stats": orth.stats.as_dict(),
+        own = orth.stats.without(SHAPES_KIND).as_dict()  # plain shards' shape check apart
+        res[("restarts", steps)] = {"runs": seen, "stats": own,
                                     "err": ((out - ref).norm() / ref.norm()).item()}  # fmt: skip
     # auto among duplicated, distributed and gram, on DTensors: the same pick on every rank
     for name, d, model in AUTO_CASES:
@@ -338,6 +342,7 @@ def test_gram_mode_collectives_bytes_and_flops_are_tp_cost(ranks, T):
                 model = tp_cost("gram", k, rows, cols, shard_dim, T, STEPS, 8)
                 assert s["total"]["sent"] == pytest.approx(model.bytes_sent), (name, shard_dim)
                 assert s["total"]["calls"] == model.rounds
+                assert got["shape_checks"] == 1  # plain shards: one all-gather of the shapes
                 flops = [ranks[q][T][(name, shard_dim)]["flops"] for q in range(4)]
                 assert max(flops) == model.flops, (name, shard_dim, flops, model)
         for name, (shape, d) in UNEVEN.items():

@@ -65,6 +65,14 @@ class CommStats:
         out.calls.update(self.calls)
         return out
 
+    def without(self, *kinds: str) -> CommStats:
+        """A copy without the calls of `kinds` (e.g. a check priced apart from the work)."""
+        out = self.copy()
+        for table in (out.sent, out.received, out.calls):
+            for kind in kinds:
+                table.pop(kind, None)
+        return out
+
     def as_dict(self) -> dict[str, dict[str, float]]:
         """{kind: {"sent": bytes, "received": bytes, "calls": n}} plus a "total" entry."""
         out: dict[str, dict[str, float]] = {

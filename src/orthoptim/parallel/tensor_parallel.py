@@ -47,8 +47,12 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of five
   duplicated, distributed or gram per batch, identically on every rank. Never blockwise.
 
 Inputs are DTensors (as `parallelize_module` makes them: the group and shard dimension are
-read from the mesh and placements, uneven shards allowed) or plain local shards (the group
-and `shard_dim` given at construction; shards must be equal in size). Every collective goes
+read from the mesh and placements, uneven shards allowed, an empty one too: a matrix with
+fewer rows than ranks) or plain local shards (the group and `shard_dim` given at
+construction). Plain shards carry no global shape, so every mode that communicates first
+all-gathers each rank's shape (`SHAPES_KIND`, 3 integers per rank, one host read) and
+refuses shards that differ, on every rank alike; blockwise takes any. An empty shard
+contributes nothing and issues every collective the other ranks do. Every collective goes
 through `orthoptim.collectives`, counted in `stats`.
 """
 
@@ -66,7 +70,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from orthoptim import collectives, kernels
+from orthoptim import collectives, host, kernels
 from orthoptim._validate import check_choice, check_dtype_or_auto, check_member, check_positive
 from orthoptim.comm_bytes import CommStats
 from orthoptim.newton_schulz import (
@@ -77,6 +81,7 @@ from orthoptim.newton_schulz import (
     coefficient_schedule,
     newton_schulz,
     resolve_ns_dtype,
+    squared_frobenius,
 )
 from orthoptim.shards import is_dtensor, packed_triangle_size, shard_sizes, unpack_upper
 
@@ -105,6 +110,7 @@ NORM_KIND = "all_reduce_norm"
 GATHER_KIND = "all_gather"
 SPLIT_KIND = "all_gather_split"
 ROWS_KIND = "all_gather_rows"
+SHAPES_KIND = "all_gather_shapes"  # plain shards: every rank's (k, rows, cols), checked equal
 
 
 @dataclass(frozen=True)
@@ -416,16 +422,18 @@ class TensorParallelOrthogonalizer:
 
     # -- entry point -------------------------------------------------------------------------
 
-    def __call__(self, mats: Tensor) -> Tensor:
-        """Orthogonalize every matrix of `mats` ([..., rows, cols], shards); same shape back."""
+    def __call__(self, mats: Tensor, name: str | None = None) -> Tensor:
+        """Orthogonalize every matrix of `mats` ([..., rows, cols], shards); same shape back.
+        `name` (the parameter's) is what a refusal of unequal plain shards names."""
         if mats.ndim < 2:
             raise ValueError(
                 f"TensorParallelOrthogonalizer needs a batch of matrices, got shape "
                 f"{tuple(mats.shape)}"
             )
         dtensor = is_dtensor(mats)
-        local, layout = self._local_and_layout(mats)
-        flat = local.reshape(-1, *local.shape[-2:])
+        local, layout = self._local_and_layout(mats, name)
+        # not reshape(-1, ...): ambiguous for an empty shard (an uneven DTensor's last ranks)
+        flat = local.reshape(math.prod(local.shape[:-2]), *local.shape[-2:])
         global_rows, global_cols = flat.shape[-2], flat.shape[-1]
         if layout.dim == -2:
             global_rows = sum(layout.sizes)
@@ -501,7 +509,7 @@ class TensorParallelOrthogonalizer:
 
     # -- layouts -----------------------------------------------------------------------------
 
-    def _local_and_layout(self, mats: Tensor) -> tuple[Tensor, _Layout]:
+    def _local_and_layout(self, mats: Tensor, name: str | None) -> tuple[Tensor, _Layout]:
         if is_dtensor(mats):
             return mats.to_local(), _dtensor_layout(mats)
         if self.shard_dim is None:
@@ -512,7 +520,29 @@ class TensorParallelOrthogonalizer:
             )
         rank, n = collectives.world(self.group)
         dim = -2 if self.shard_dim == 0 else -1
+        if n > 1 and self.mode != "blockwise":
+            self._check_equal_shards(mats, n, name)
         return mats, _Layout(self.group, n, rank, dim, (mats.shape[dim],) * n)
+
+    def _check_equal_shards(self, mats: Tensor, n: int, name: str | None) -> None:
+        """Refuse, on every rank alike, plain shards whose shapes differ across the group:
+        one all-gather of each rank's (k, rows, cols) and one host read."""
+        shape = (math.prod(mats.shape[:-2]), mats.shape[-2], mats.shape[-1])
+        mine = torch.tensor(
+            shape, dtype=torch.int64, device=collectives.device_for(self.group, mats)
+        )
+        every = mine.new_empty(n * 3)
+        collectives.all_gather(every, mine, group=self.group, stats=self.stats, kind=SHAPES_KIND)
+        shapes = host.read(every, "tensor-parallel shard shapes").view(n, 3).tolist()
+        if any(s != shapes[0] for s in shapes):
+            what = f"parameter {name!r}" if name else "a batch of matrices"
+            listed = ", ".join("x".join(map(str, s)) for s in shapes)
+            raise ValueError(
+                f"TensorParallelOrthogonalizer: the plain shards of {what} differ across the "
+                f"{n} tensor-parallel ranks (k x rows x cols by rank: {listed}); pass DTensor "
+                f"parameters (parallelize_module), which may shard unevenly, or plain shards "
+                f"of equal size along shard_dim={self.shard_dim}"
+            )
 
     def _compute_dtype(self, X: Tensor) -> torch.dtype:
         return resolve_ns_dtype(self.ns_dtype, X.device, X.dtype)
@@ -540,7 +570,7 @@ class TensorParallelOrthogonalizer:
                 f"rank {layout.rank} holds a shard of {local.shape[dim]} along dim {dim}, "
                 f"expected {layout.sizes[layout.rank]}"
             )
-        other = local.numel() // max(1, local.shape[dim])
+        other = math.prod(s for i, s in enumerate(local.shape) if i != dim % local.ndim)
         sizes = [s * other for s in layout.sizes]
         parts = collectives.all_gatherv(
             local.reshape(-1), sizes, group=layout.group, stats=self.stats
@@ -560,7 +590,7 @@ class TensorParallelOrthogonalizer:
         compute = self._compute_dtype(X)
         W = X if layout.dim == -1 else X.mT  # the sharded dimension last: W is [k, p, q_i]
         norm_dtype = _norm_dtype(compute)
-        sq = W.to(norm_dtype).square().sum(dim=(-2, -1))
+        sq = squared_frobenius(W, norm_dtype).flatten()  # [k]: an empty shard adds zeros
         collectives.all_reduce(sq, group=layout.group, stats=self.stats, kind=NORM_KIND)
         norm = self._norm(sq)
         W = (W.to(norm_dtype) / norm).to(compute)
@@ -642,7 +672,7 @@ class TensorParallelOrthogonalizer:
             full = self._gather_rows(X, layout)
             if normalise and step == 0:
                 norm_dtype = _norm_dtype(X.dtype)
-                norm = self._norm(full.to(norm_dtype).square().sum(dim=(-2, -1)))
+                norm = self._norm(squared_frobenius(full, norm_dtype).flatten())
                 X = (X.to(norm_dtype) / norm).to(full.dtype)
                 full = (full.to(norm_dtype) / norm).to(full.dtype)
             A_i = X @ full.mT  # [k, q_i, q]: this rank's rows of X·Xᵀ
