@@ -1,6 +1,7 @@
 """orthoptim: matrix-aware optimizers (Muon and its variants, SOAP) at data-, tensor-, expert-
 and pipeline-parallel scale."""
 
+import atexit
 import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,18 @@ __all__ = [
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+
+@atexit.register
+def _end_at_exit() -> None:
+    """Registered when orthoptim is imported (so it runs after the program's own exit
+    handlers registered later): where the program used torch.distributed, end its process
+    group while the interpreter still serves gloo's threads (`collectives.teardown`). A
+    program that only asked for --help imported no torch and does nothing here."""
+    if "torch.distributed" in sys.modules:
+        from orthoptim.collectives import teardown
+
+        teardown.end_at_exit()
 
 
 class _Package(ModuleType):

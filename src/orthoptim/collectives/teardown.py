@@ -6,7 +6,6 @@ releases the default groups torch.distributed.nn bound at its import
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import weakref
 from typing import Any
@@ -23,15 +22,14 @@ _PENDING_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def finish_at_exit(driver: Any) -> None:
-    """Have `driver.wait_for_params()` called when the interpreter exits (`_end_at_exit`),
+    """Have `driver.wait_for_params()` called when the interpreter exits (`end_at_exit`),
     so that no collective it launched is still in flight then; `driver` is held weakly."""
     _PENDING_AT_EXIT.add(driver)
 
 
-@atexit.register
-def _end_at_exit() -> None:
-    """At interpreter exit, after the program's own exit handlers (this one is registered
-    when orthoptim is imported, and they run last-registered first), end every process group
+def end_at_exit() -> None:
+    """At interpreter exit, after the program's own exit handlers (`orthoptim` registers this
+    when it is imported, and they run last-registered first), end every process group
     while the interpreter still serves gloo's worker threads (one that releases a finished
     collective needs the interpreter, and aborts the process once its teardown has begun):
     release a group torch.distributed.nn bound after it started (`unbind_world_defaults`),
