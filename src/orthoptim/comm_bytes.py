@@ -34,6 +34,7 @@ implementation does on loopback.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -130,3 +131,11 @@ def broadcast_bytes(nbytes: float, n: int, src: int) -> list[tuple[float, float]
     if n <= 1:
         return [(0.0, 0.0)] * n
     return [(0.0 if r == (src - 1) % n else nbytes, 0.0 if r == src else nbytes) for r in range(n)]
+
+
+def ordered_reduce_bytes(share: Sequence[int], nbytes: int) -> list[tuple[float, float]]:
+    """(sent, received) of every rank in one all-to-all of the ordered reduction
+    (`OrderedReduction`): rank r sends every other rank o its copy of o's `share[o]`
+    elements of `nbytes` bytes and receives N − 1 copies of its own."""
+    n, total = len(share), sum(share)
+    return [((total - x) * nbytes, (n - 1) * x * nbytes) for x in share]

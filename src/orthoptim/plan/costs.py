@@ -42,6 +42,7 @@ from functools import lru_cache
 
 from orthoptim.comm_bytes import (
     broadcast_bytes,
+    ordered_reduce_bytes,
     reduce_bytes,
     ring_all_gather_bytes,
     ring_reduce_scatter_bytes,
@@ -134,14 +135,6 @@ def layerwise_bytes(
                 sent[r] += rs[r][0] + ag[r][0]
                 received[r] += rs[r][1] + ag[r][1]
     return sent, received
-
-
-def ordered_reduce_bytes(share: Sequence[int], grad_bytes: int) -> list[tuple[float, float]]:
-    """(sent, received) of every rank in the ordered reduction's all-to-all
-    (`OrderedReduction`): rank r sends every other rank o its copy of o's `share[o]` elements
-    and receives N − 1 copies of its own."""
-    n, total = len(share), sum(share)
-    return [((total - x) * grad_bytes, (n - 1) * x * grad_bytes) for x in share]
 
 
 def layerwise_unpadded_bytes(

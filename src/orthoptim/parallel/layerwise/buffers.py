@@ -498,24 +498,31 @@ class FlatBuffers:
         return True
 
 
-def norm_items(
-    buckets: list[Bucket],
-    units: list[Unit],
-    slots_by_unit: list[list[Slot]],
-    block: int,
-    norm_type: float,
-    dtype: torch.dtype,
-) -> tuple[list[tuple[int, int]], list[tuple[int, Tensor]]]:
-    """`clip.ordered_norm`'s places and this rank's terms: each unit's span of places (one
-    for a unit owned whole, one per `block` elements for a sharded AdamW unit, whose runs
-    start and end on those blocks), and per owned slot its first place and its power sums
-    (a whole unit's `ordered.tree_power_sum`, a run's `ordered.block_power_sums`)."""
+def norm_spans(
+    units: list[Unit], slots_by_unit: list[list[Slot]], block: int
+) -> list[tuple[int, int]]:
+    """`clip.ordered_norm`'s places: each unit's span (first place, count), one place for a
+    unit owned whole, one per `block` elements for a sharded AdamW unit, whose runs start
+    and end on those blocks. Fixed once the slots are."""
     spans, first = [], 0
     for i, u in enumerate(units):
         sharded = any(s.flat is not None for s in slots_by_unit[i])
         count = max(1, -(-u.numel // block)) if sharded else 1
         spans.append((first, count))
         first += count
+    return spans
+
+
+def norm_items(
+    buckets: list[Bucket],
+    spans: list[tuple[int, int]],
+    block: int,
+    norm_type: float,
+    dtype: torch.dtype,
+) -> list[tuple[int, Tensor]]:
+    """This rank's terms of `clip.ordered_norm`: per owned slot its first place (`spans`)
+    and its power sums (a whole unit's `ordered.tree_power_sum`, a run's
+    `ordered.block_power_sums`)."""
     items = []
     for b in buckets:
         for s in b.mine:
@@ -525,4 +532,4 @@ def norm_items(
             else:
                 sums = ordered.block_power_sums(g, norm_type, dtype, block)
                 items.append((at + s.flat[0] // block, sums))
-    return spans, items
+    return items

@@ -31,7 +31,12 @@ from orthoptim.parallel.assignment import (
 )
 from orthoptim.parallel.base import DistributedOptimizer
 from orthoptim.parallel.layerwise import saving
-from orthoptim.parallel.layerwise.buffers import Bucket, agreement_items, norm_items
+from orthoptim.parallel.layerwise.buffers import (
+    Bucket,
+    agreement_items,
+    norm_items,
+    norm_spans,
+)
 from orthoptim.parallel.layerwise.ownership import (
     UnitGroup,
     carried_load,
@@ -161,6 +166,8 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
             self.units, self.named, self.unit_groups
         )
         self._master = make_masters(self._slots, param_dtype, gather_dtype)
+        # the clip norm's places under `reproducible` (`clip.ordered_norm`), fixed with the slots
+        self._norm_spans = norm_spans(self.units, self._slots_by_unit, self.norm_block)
         self.grad_sync = GradSync(
             model, self.units, self.unit_groups, self._slots, self._slots_by_unit, self._stats,
             world_size=self.world_size, param_dtype=param_dtype, grad_dtype=grad_dtype,
@@ -290,10 +297,6 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         """The tensor the inner optimizer steps for owned slot `s`: its master, else its values."""
         return self._master.get(s.name, s.data)
 
-    @property
-    def _buckets(self) -> list[Bucket]:
-        return self.grad_sync.buckets
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for s in self._slots:  # pickle copies views apart: make slices views again
@@ -342,12 +345,15 @@ class LayerwiseDistributedOptimizer(DistributedOptimizer):
         _, scaled, dtype = self._clip_tensors()
         p = clip.check_norm_type(norm_type)
         device = C.device_for(self.process_group, self._device())
-        spans, items = norm_items(
-            self.grad_sync.buckets, self.units, self._slots_by_unit, self.norm_block, p,
+        items = norm_items(
+            self.grad_sync.buckets,
+            self._norm_spans,
+            self.norm_block,
+            p,
             clip.accumulator_dtype(device),
-        )  # fmt: skip
+        )
         groups = self.agreement_groups().all
-        total = clip.ordered_norm(items, spans, p, device, groups, self._stats)
+        total = clip.ordered_norm(items, self._norm_spans, p, device, groups, self._stats)
         return clip.apply_clip(total, scaled, max_norm, p, error_if_nonfinite, dtype)
 
     # -- the step (`DistributedOptimizer.step`) -----------------------------------------

@@ -25,7 +25,12 @@ import torch
 from torch import Tensor
 
 from orthoptim import collectives as C
-from orthoptim.comm_bytes import CommStats, reduce_bytes, ring_reduce_scatter_bytes
+from orthoptim.comm_bytes import (
+    CommStats,
+    ordered_reduce_bytes,
+    reduce_bytes,
+    ring_reduce_scatter_bytes,
+)
 from orthoptim.parallel.base import add_bytes
 from orthoptim.parallel.layerwise.buffers import Bucket
 from orthoptim.parallel.ordered import tree_sum_
@@ -141,25 +146,27 @@ class OrderedReduction(Reduction):
             self.finish(next(iter(self.inbox)))
         super().launch(bucket, stats, async_op)
 
+    @staticmethod
+    def sends(bucket: Bucket) -> list[tuple[int, int, list[int]]]:
+        """The bucket's all-to-alls: (start, stop, the elements of start:stop each rank owns),
+        one for a rank-major bucket (shard r to rank r), one per region of a natural one."""
+        n = bucket.n
+        if bucket.width:
+            return [(0, bucket.numel, [bucket.width] * n)]
+        return [(a, b, [b - a if r == o else 0 for r in range(n)]) for a, b, o in bucket.regions]
+
     def _launch(self, bucket: Bucket, stats: CommStats, async_op: bool) -> list[Any]:
         grads, n, rank = bucket.grads, bucket.n, bucket.rank
         assert grads is not None
-        regions = [(0, bucket.numel, -1)] if bucket.width else bucket.regions
         works, inboxes = [], []
-        for start, stop, owner in regions:
-            send = grads[start:stop]
-            if owner < 0:  # rank-major: shard r to rank r
-                w = bucket.width or 0
-                mine, splits = w, [w] * n
-            else:
-                mine = stop - start if owner == rank else 0
-                splits = [stop - start if r == owner else 0 for r in range(n)]
+        for start, stop, shares in self.sends(bucket):
+            mine = shares[rank]
             inbox = torch.empty(n * mine, dtype=grads.dtype, device=grads.device)
             if mine:
-                lo = start + rank * mine if owner < 0 else start
+                lo = start + sum(shares[:rank])
                 inboxes.append((lo, lo + mine, inbox))
             work = C.all_to_all(
-                inbox, send, [mine] * n, splits, group=bucket.group, stats=stats,
+                inbox, grads[start:stop], [mine] * n, shares, group=bucket.group, stats=stats,
                 async_op=async_op, kind=self.kind,
             )  # fmt: skip
             works.append((work, self.phase(bucket)))
@@ -175,14 +182,8 @@ class OrderedReduction(Reduction):
             bucket.grads[start:stop].copy_(total.div_(bucket.divisor).add_(0.0))
 
     def _expected(self, bucket: Bucket, out: dict[str, dict[str, float]], size: int) -> None:
-        n, rank = bucket.n, bucket.rank
-        if bucket.width:
-            add_bytes(out, self.kind, (n - 1) * bucket.width * size, (n - 1) * bucket.width * size)
-            return
-        for start, stop, owner in bucket.regions:
-            mine = owner == rank
-            add_bytes(out, self.kind, 0 if mine else (stop - start) * size,
-                      (n - 1) * (stop - start) * size if mine else 0)  # fmt: skip
+        for _, _, shares in self.sends(bucket):
+            add_bytes(out, self.kind, *ordered_reduce_bytes(shares, size)[bucket.rank])
 
 
 def make_reduction(reproducible: bool) -> Reduction:
