@@ -6,8 +6,9 @@ and times interleaved pairs of training steps (the pair's order alternating, a b
 each step): the accumulation loop of `docs/reproducible.md` over `--micro-batches` global
 micro-batches (each rank its contiguous block, all but the last inside `no_sync()`), the
 clip norm, `step()` and the parameter gathers' wait. Newton-Schulz takes each mode's own
-path: reproducible=True plain matmuls, the default what a job's ranks take (the kernel cache
-file's choice, else plain matmuls), so the ratio is what a run pays. Bytes are the
+path: reproducible=True the one its shape decides (`kernels.unraced`), the default what a
+job's ranks take (the kernel cache file's choice, else plain matmuls), so the ratio is what
+a run pays. Bytes are the
 optimizer's counted wire bytes of a step (`opt.comm_stats()`).
 
 Reported per size and as the worst over sizes: time_ratio = the busiest rank's median step
