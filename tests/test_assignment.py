@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from orthoptim.ns_cost import ns_flops, ns_path
 from orthoptim.parallel.assignment import (
     PAD_ALLOWANCE,
     Assignment,
@@ -12,8 +13,6 @@ from orthoptim.parallel.assignment import (
     Unit,
     assign,
     make_buckets,
-    ns_flops,
-    ns_path,
     unit_cost,
     units_from_model,
 )

@@ -20,6 +20,7 @@ from orthoptim.bench import (
 from orthoptim.bench import ns as bench_ns
 from orthoptim.bench import step as bench_step
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz
+from orthoptim.ns_cost import ns_flops
 
 NS_PEERS = (
     "emerging_optimizers",
@@ -180,7 +181,7 @@ def test_bench_ns_rates_against_measured_peak(capsys: pytest.CaptureFixture[str]
     assert peak["tflops"] == pytest.approx(peak["flops"] / peak["best_s"] / 1e12)
     for res in report["results"]:
         b, m, n = res["shape"]
-        assert res["plain_flops"] == bench_ns.ns_flops(b, m, n, 5)
+        assert res["plain_flops"] == b * ns_flops(m, n, 5)
         timed = [row for row in res["cases"] if "median_s" in row]
         assert {"orthoptim", "matmul_ns", "gemm_gram"} <= {row["name"] for row in timed}
         for row in timed:
@@ -200,7 +201,7 @@ def test_bench_step_rates_against_measured_peak(capsys: pytest.CaptureFixture[st
             "--threads", "1", "--peak-size", "32", "--json"]  # fmt: skip
     report = _run_json(capsys, argv)
     shapes = bench_step.gpt_matrix_shapes(1, 8)
-    assert report["step_flops"] == sum(bench_ns.ns_flops(1, r, c, 5) for r, c in shapes)
+    assert report["step_flops"] == sum(ns_flops(r, c, 5) for r, c in shapes)
     peak = report["matmul_peak"]["tflops"]
     names = {c["name"]: c for c in report["cases"]}
     for name in ("orthoptim_muon", "orthoptim_muon_matmul", "torch_muon"):
@@ -447,7 +448,7 @@ def test_bench_syrk_tune_fills_the_cpu_cache_and_bench_step_says_why(
     """`bench syrk --tune` on CPU races the Newton-Schulz paths even with measuring off and
     writes them to the decisions file; `bench step` and `bench ns` then report each shape's
     path as cached, and an unlisted one as the default."""
-    from orthoptim import kernels
+    from orthoptim import kernels, ns_cost
     from orthoptim.kernels import calibration, syrk_cpu
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -459,7 +460,7 @@ def test_bench_syrk_tune_fills_the_cpu_cache_and_bench_step_says_why(
     report = _run_json(capsys, [*argv, "--tune", "--json"])
     (path,) = report["kernel_paths"]
     assert path["reason"] == "measured" and path["shape"] == [1, 16, 64]
-    assert set(path["ms"]) == set(calibration.PATHS)
+    assert set(path["ms"]) == set(ns_cost.PATHS)
     entries = calibration.read_cache(calibration.cache_path())
     assert [e["path"] for e in entries.values()] == [path["path"]]
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orthoptim import kernels
+from orthoptim import kernels, ns_cost
 from orthoptim.kernels import calibration, syrk_cpu
-from orthoptim.kernels.calibration import Calibrator, PathName
+from orthoptim.kernels.calibration import Calibrator
 from orthoptim.newton_schulz import newton_schulz
+from orthoptim.ns_cost import PathName
 
 
 @pytest.fixture
@@ -96,7 +97,7 @@ def test_the_race_picks_the_faster_path_against_a_planted_slow_one(
 def test_the_paths_add_up_from_their_products() -> None:
     t = {"gram_matmul": 10.0, "poly_matmul": 3.0, "apply": 10.0, "sym_matmul": 3.0}
     t |= {"gram_syrk": 6.0, "poly_syrk": 2.0, "sym_syrk": 2.0}
-    ms = calibration.path_times(t, calibration.PATHS)
+    ms = calibration.path_times(t, ns_cost.PATHS)
     assert ms == {
         "matmul": 3 * (10 + 3 + 10),
         "cpu_syrk": 3 * (6 + 2 + 10),
@@ -109,7 +110,7 @@ def test_the_paths_add_up_from_their_products() -> None:
     assert calibration.winner({"matmul": 100.0, "cpu_syrk": 100.0 * close}) == "matmul"
     assert calibration.winner({"matmul": 100.0, "cpu_syrk": 90.0}) == "cpu_syrk"
     leaf = syrk_cpu.LEAF_ROWS
-    assert calibration.eligible(torch.float32, leaf + 1, 2 * leaf + 2) == calibration.PATHS
+    assert calibration.eligible(torch.float32, leaf + 1, 2 * leaf + 2) == ns_cost.PATHS
     assert calibration.eligible(torch.float64, leaf, 4 * leaf) == ("matmul", "gram_form")
     assert calibration.eligible(torch.float32, leaf + 1, leaf + 1) == ("matmul", "cpu_syrk")
     assert calibration.eligible(torch.bfloat16, 512, 2048) == ("matmul",)

@@ -36,15 +36,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from orthoptim import build_optimizer, kernels
-from orthoptim.kernels import calibration, syrk_cpu
-from orthoptim.kernels.calibration import PathName
+from orthoptim.kernels import syrk_cpu
+from orthoptim.ns_cost import PATHS, SYRK_PATHS, PathName
 
 from distributed import run_ranks
 
 # the module (`orthoptim.newton_schulz` is also the name of the package's function)
 ns = importlib.import_module("orthoptim.newton_schulz")
 
-PATHS = calibration.PATHS  # matmul (the control), cpu_syrk, gram_form, gram_form_syrk
+# PATHS: matmul (the control), cpu_syrk, gram_form, gram_form_syrk
 STEPS, BATCH, WIDTH, NARROW, WIDE = 3, 8, 16, 24, 128
 TOL = 1e-10
 LR = dict(lr=0.02, adamw_lr=3e-3)
@@ -339,5 +339,5 @@ def test_tensor_parallel_runs_the_forced_path_as_one_process(
     elif mode == "blockwise":
         assert summed([r["counts"] for r in runs]) == ref["counts"]
     else:
-        want = {"syrk"} if path in calibration.SYRK_PATHS else set()
+        want = {"syrk"} if path in SYRK_PATHS else set()
         assert [ran(r["counts"]) for r in runs] == [want] * len(runs), [r["counts"] for r in runs]

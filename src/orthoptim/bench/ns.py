@@ -47,6 +47,7 @@ from orthoptim.bench import (
     torch_zeropower_fp32,
 )
 from orthoptim.newton_schulz import COEFFICIENT_SETS, newton_schulz
+from orthoptim.ns_cost import NS_STEPS, ns_flops
 
 DEFAULT_SHAPES = "1024x1024,1024x4096,4096x1024,8x768x3072"
 BASELINE = "matmul_ns"
@@ -55,12 +56,6 @@ HEAVYBALL_BF16 = (
     "heavyball's Newton-Schulz rounds its input to bfloat16 (float64 excepted): "
     "timed in the bfloat16 rows only"
 )
-
-
-def ns_flops(batch: int, rows: int, cols: int, steps: int) -> float:
-    """Flops of a plain-matmul Newton-Schulz: per step 4m²n + 2m³ with m = min, n = max."""
-    m, n = min(rows, cols), max(rows, cols)
-    return float(batch * steps * (4 * m * m * n + 2 * m**3))
 
 
 @contextlib.contextmanager
@@ -278,7 +273,7 @@ def run(
     device: torch.device,
     repeats: int,
     warmup: int,
-    steps: int = 5,
+    steps: int = NS_STEPS,
     coefficients: str = "quintic",
     bf16_shrink: int = 1,
     bf16_repeats: int | None = None,
@@ -305,7 +300,7 @@ def run(
             warm = 0 if low and bf16_repeats else warmup
             times = time_side_by_side(cases, device, reps, warm, skip)
             rows_out = summarize(cases, times, BASELINE)
-            flops = ns_flops(batch, r, c, steps)
+            flops = batch * ns_flops(r, c, steps)
             gemm_rates = [
                 row["flops"] / row["median_s"] / 1e9
                 for row in rows_out
@@ -442,7 +437,12 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "--shapes", type=parse_shapes, default=DEFAULT_SHAPES, help=f"default {DEFAULT_SHAPES}"
     )
     p.add_argument("--dtypes", default="float32,bfloat16", help="default float32,bfloat16")
-    p.add_argument("--steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=NS_STEPS,
+        help=f"Newton-Schulz iterations (default {NS_STEPS})",
+    )
     p.add_argument(
         "--coefficients",
         default="quintic",

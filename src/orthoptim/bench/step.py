@@ -47,8 +47,8 @@ from orthoptim.bench import (
     time_side_by_side,
     torch_muon_fp32,
 )
-from orthoptim.bench.ns import ns_flops
 from orthoptim.newton_schulz import resolve_ns_dtype
+from orthoptim.ns_cost import NS_STEPS, ns_flops
 
 Params = list[torch.nn.Parameter]
 Builder = Callable[[Params], torch.optim.Optimizer]
@@ -288,8 +288,9 @@ def _dion_candidates(args: argparse.Namespace) -> list[StepCandidate]:
 
 
 def muon_step_flops(shapes: Sequence[tuple[int, int]]) -> float:
-    """Plain-matmul flops of 5 Newton-Schulz steps on every matrix: one Muon step's work."""
-    return sum(ns_flops(1, rows, cols, steps=5) for rows, cols in shapes)
+    """Plain-matmul flops of the default Newton-Schulz steps on every matrix: one Muon step's
+    work."""
+    return sum(ns_flops(rows, cols, NS_STEPS) for rows, cols in shapes)
 
 
 register_suite("muon", muon_candidates, baseline="torch_muon", flops=muon_step_flops)

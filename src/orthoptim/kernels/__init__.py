@@ -28,40 +28,25 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
+from orthoptim import ns_cost
 from orthoptim.kernels import calibration, syrk_cpu, tuning
-from orthoptim.kernels.calibration import Decision, PathName
+from orthoptim.kernels.calibration import Decision
+from orthoptim.ns_cost import PathName
 
 ENV_VAR = "ORTHOPTIM_KERNELS"
 MODES = ("auto", "matmul")
-# The shape-only CPU rules without a measurement (what `parallel.assignment.ns_path` models):
-# the blocked SYRK and the Gram form serve no shape until measured faster on this machine, so
-# both thresholds are "never". On the AVX2 EPYC machines they were 512 rows for the SYRK and
-# 128 rows (aspect 2.5) for the Gram form; on an AVX-512 Xeon the same rules made a Muon step
-# 0.3x the plain product's speed, hence `calibration`.
-CPU_SYRK_MIN_ROWS = sys.maxsize
-GRAM_FORM_MIN_ROWS_CPU = sys.maxsize
-GRAM_FORM_ASPECT_SMALL = 2.5
-# Newton-Schulz may iterate on the m×m Gram matrix when columns >= this many times rows.
-GRAM_FORM_ASPECT = calibration.GRAM_FORM_ASPECT
-
 _CPU_DTYPES = (torch.float32, torch.float64)
-_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _forced_matmul = 0
 _forced_paths: list[PathName] = []
 
 __all__ = [
-    "CPU_SYRK_MIN_ROWS",
     "ENV_VAR",
-    "GRAM_FORM_ASPECT",
-    "GRAM_FORM_ASPECT_SMALL",
-    "GRAM_FORM_MIN_ROWS_CPU",
     "MODES",
     "Decision",
     "backend_for",
@@ -72,6 +57,7 @@ __all__ = [
     "gram",
     "gram_form_pays",
     "kernel_mode",
+    "ns_path_of",
     "path_for",
     "sym_matmul_for",
     "sym_poly",
@@ -112,10 +98,10 @@ def force_matmul(enabled: bool = True) -> Iterator[None]:
 def force_path(path: PathName) -> Iterator[None]:
     """Within the block CPU Newton-Schulz takes `path` ("matmul", "cpu_syrk", "gram_form",
     "gram_form_syrk") wherever it applies (the Gram form to float32/float64 matrices with
-    n >= GRAM_FORM_ASPECT·m, else its step-form counterpart), unmeasured. Nestable, the
+    n >= GRAM_FORM_ASPECT·m, `ns_cost`'s, else its step-form counterpart), unmeasured. Nestable, the
     innermost wins; `force_matmul` still overrides it."""
-    if path not in calibration.PATHS:
-        raise ValueError(f"force_path: path {path!r} is not one of {', '.join(calibration.PATHS)}")
+    if path not in ns_cost.PATHS:
+        raise ValueError(f"force_path: path {path!r} is not one of {', '.join(ns_cost.PATHS)}")
     _forced_paths.append(path)
     try:
         yield
@@ -162,7 +148,7 @@ def path_for(X: Tensor) -> Decision:
         return Decision("matmul", "not raced", shape=shape, dtype=dtype)
     if _forced_paths:
         path = _forced_paths[-1]
-        if path in calibration.GRAM_PATHS and X.shape[-1] < GRAM_FORM_ASPECT * X.shape[-2]:
+        if path in ns_cost.GRAM_PATHS and X.shape[-1] < ns_cost.GRAM_FORM_ASPECT * X.shape[-2]:
             path = "cpu_syrk" if path == "gram_form_syrk" else "matmul"
         return Decision(path, "forced", shape=shape, dtype=dtype)
     if torch.compiler.is_compiling():
@@ -181,33 +167,39 @@ def forget() -> None:
     tuning.forget()
 
 
+def ns_path_of(X: Tensor) -> ns_cost.NSPath:
+    """(form, backend) of Newton-Schulz on X ([..., m, n]) by the one rule (`ns_cost.ns_path`),
+    fed this process's facts: the matmul path forced (`kernel_mode`, or autograd flowing),
+    Triton installed on a CUDA device, and on CPU the path decided for X's shape class
+    (`path_for`)."""
+    plain = kernel_mode() == "matmul" or (X.requires_grad and torch.is_grad_enabled())
+    cpu = X.device.type == "cpu"
+    return ns_cost.ns_path(
+        X.shape[-2],
+        X.shape[-1],
+        X.device.type,
+        X.dtype,
+        triton=X.device.type == "cuda" and triton_available(),
+        kernel_mode="matmul" if plain else "auto",
+        cpu_path=path_for(X).path if cpu and not plain else None,
+    )
+
+
 def backend_for(X: Tensor) -> str:
     """Which implementation a symmetric product of the rows of `X` ([..., m, n]) uses:
-    "triton", "cpu_syrk" or "matmul". "triton" is the CUDA dispatch: per shape the Triton
-    SYRK or torch's product, whichever `tuning.choose` says was measured faster; "cpu_syrk"
-    where `path_for(X)` is a SYRK path."""
-    if kernel_mode() == "matmul" or (X.requires_grad and torch.is_grad_enabled()):
-        return "matmul"
-    if X.device.type == "cuda" and X.dtype in _CUDA_DTYPES and triton_available():
-        return "triton"
-    if X.device.type == "cpu" and path_for(X).path in calibration.SYRK_PATHS:
-        return "cpu_syrk"
-    return "matmul"
+    "triton", "cpu_syrk" or "matmul" (`ns_path_of`). "triton" is the CUDA dispatch: per shape
+    the Triton SYRK or torch's product, whichever `tuning.choose` says was measured faster;
+    "cpu_syrk" where `path_for(X)` is a SYRK path."""
+    return ns_path_of(X)[1]
 
 
 def gram_form_pays(X: Tensor) -> bool:
     """Whether Newton-Schulz on `X` ([..., m, n], m <= n) should iterate on its m×m Gram
-    matrix (`newton_schulz_gram_form`): float32/float64 with n >= GRAM_FORM_ASPECT·m, and on
-    CPU only where `path_for(X)` is a Gram-form path (measured faster, cached or forced).
-    Half precision is left alone (the Gram form squares the condition number)."""
-    m, n = X.shape[-2], X.shape[-1]
-    if kernel_mode() == "matmul" or X.dtype not in _CPU_DTYPES or n < GRAM_FORM_ASPECT * m:
-        return False
-    if X.requires_grad and torch.is_grad_enabled():
-        return False
-    if X.device.type != "cpu":
-        return True
-    return path_for(X).path in calibration.GRAM_PATHS
+    matrix (`newton_schulz_gram_form`, `ns_path_of`): float32/float64 with
+    n >= GRAM_FORM_ASPECT·m, and on CPU only where `path_for(X)` is a Gram-form path
+    (measured faster, cached or forced). Half precision is left alone (the Gram form squares
+    the condition number)."""
+    return X.shape[-2] <= X.shape[-1] and ns_path_of(X)[0] == "gram"
 
 
 def _check(name: str, T: Tensor, square: bool) -> None:

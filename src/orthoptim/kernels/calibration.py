@@ -52,15 +52,18 @@ from torch import Tensor
 
 from orthoptim.fileio import atomic_write_json
 from orthoptim.kernels import syrk_cpu
+from orthoptim.ns_cost import (
+    GRAM_FORM_ASPECT,
+    GRAM_FORM_RESTART,
+    GRAM_PATHS,
+    SYRK_PATHS,
+    PathName,
+)
 
 CALIBRATION_ENV = "ORTHOPTIM_KERNEL_CALIBRATION"
 CACHE_NAME = "kernels-cpu.json"
 CACHE_FORMAT = 1
-PathName = Literal["matmul", "cpu_syrk", "gram_form", "gram_form_syrk"]
 Reason = Literal["measured", "cached", "default", "forced", "not raced"]
-PATHS: tuple[PathName, ...] = ("matmul", "cpu_syrk", "gram_form", "gram_form_syrk")
-SYRK_PATHS = ("cpu_syrk", "gram_form_syrk")
-GRAM_PATHS = ("gram_form", "gram_form_syrk")
 # Seconds of racing per shape class, first calls included: no repeat is begun that would end
 # past it (every product is called once, so a shape whose products take longer overruns).
 BUDGET_S = 0.9
@@ -73,14 +76,11 @@ REPEATS = 5
 # machine is a few per cent).
 MARGIN = 0.03
 # The steps a path is compared over: one restart run of the Gram form
-# (`newton_schulz.GRAM_FORM_RESTART`).
-RUN_STEPS = 3
+# (`ns_cost.GRAM_FORM_RESTART`).
+RUN_STEPS = GRAM_FORM_RESTART
 # Fewer rows than this: the plain product, unraced (products of microseconds, where a race
 # would cost more than any path could save).
 MIN_ROWS = 64
-# The Gram form is a candidate for float32/float64 from this aspect (columns / rows) on: below
-# it the step form needs fewer flops.
-GRAM_FORM_ASPECT = 2.0
 _DTYPES = (torch.float32, torch.float64)
 
 

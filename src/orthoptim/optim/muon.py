@@ -45,6 +45,7 @@ from orthoptim.newton_schulz import (
     newton_schulz,
     stacking_pays,
 )
+from orthoptim.ns_cost import NS_STEPS
 from orthoptim.optim import telemetry
 from orthoptim.optim.base import (
     NonfinitePolicy,
@@ -309,7 +310,7 @@ class Muon(MatrixOptimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         weight_decay: float = 0.0,
-        ns_steps: int = 5,
+        ns_steps: int = NS_STEPS,
         coefficients: CoefficientsLike = "quintic",
         lr_scale: LRScale = "keller",
         ns_dtype: NSDtype = "auto",

@@ -30,7 +30,7 @@ from orthoptim.comm_bytes import (
     ring_all_reduce_bytes,
     ring_reduce_scatter_bytes,
 )
-from orthoptim.newton_schulz import GRAM_FORM_RESTART
+from orthoptim.ns_cost import NS_STEPS, NSPath, ns_flops, ns_path
 from orthoptim.optim.registry import (
     ELEMENTWISE_OPTIMIZERS,
     ELEMENTWISE_STATE,
@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 KINDS = (*MATRIX_OPTIMIZERS, *ELEMENTWISE_OPTIMIZERS)
 Balance = Literal["cost", "round_robin", "capped"]
 BALANCES: tuple[Balance, ...] = get_args(Balance)
-NS_STEPS = 5
 # Padding (bytes) a bucket laid out rank by rank in equal shards may carry, as a fraction of
 # what it holds; a bucket that would need more is reduced to and broadcast from each owner
 # (`Assignment.rank_major`).
@@ -98,86 +97,8 @@ class Unit:
         return unit_cost(self.shape, self.kind)
 
 
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-}
-_SYRK_DTYPES = {
-    "cpu": (torch.float32, torch.float64),
-    "cuda": (torch.float16, torch.bfloat16, torch.float32),
-}
-_GRAM_DTYPES = (torch.float32, torch.float64)
-
-
-@functools.lru_cache(maxsize=4096)
-def ns_path(
-    rows: int,
-    cols: int,
-    device: str = "cuda",
-    dtype: torch.dtype | str = "auto",
-    triton: bool = True,
-    kernel_mode: str = "auto",
-) -> tuple[str, str]:
-    """(form, backend) that `newton_schulz` takes for one rows×cols matrix, from its shape.
-
-    form: "step" (the plain iteration) or "gram" (`newton_schulz_gram_form`, for wide
-    float32/float64 matrices); backend: "matmul", "cpu_syrk" or "triton", as
-    `kernels.backend_for` / `kernels.gram_form_pays` decide on a tensor (tested equal).
-    `dtype` is the iteration's dtype ("auto": bf16 on CUDA, fp32 elsewhere, Muon's default);
-    `triton`: whether Triton is installed on a CUDA device; `kernel_mode` "matmul" is
-    `ORTHOPTIM_KERNELS=matmul` (plain matmul everywhere).
-    """
-    m, n = sorted((int(rows), int(cols)))
-    dev = torch.device(device).type
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    else:
-        dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if kernel_mode == "matmul":
-        return "step", "matmul"
-    backend = "matmul"
-    if dev == "cuda" and triton and dt in _SYRK_DTYPES["cuda"]:
-        backend = "triton"
-    elif dev == "cpu" and dt in _SYRK_DTYPES["cpu"] and m >= kernels.CPU_SYRK_MIN_ROWS:
-        backend = "cpu_syrk"
-    gram = dt in _GRAM_DTYPES and n >= kernels.GRAM_FORM_ASPECT * m
-    if gram and dev == "cpu" and m < kernels.CPU_SYRK_MIN_ROWS:
-        gram = m >= kernels.GRAM_FORM_MIN_ROWS_CPU and n >= kernels.GRAM_FORM_ASPECT_SMALL * m
-    return ("gram" if gram else "step"), backend
-
-
-@functools.lru_cache(maxsize=4096)
-def ns_flops(
-    rows: int, cols: int, steps: int = NS_STEPS, path: tuple[str, str] = ("step", "matmul")
-) -> float:
-    """Flops of `steps` Newton-Schulz iterations on one rows×cols matrix along `path`
-    (`ns_path`), with m ≤ n its short and long side:
-
-    - plain matmul: steps·(4m²n + 2m³);
-    - SYRK backends compute one triangle of X·Xᵀ and of b·A + c·A·A: steps·(3m²n + m³);
-    - Gram form, per run of r ≤ GRAM_FORM_RESTART steps: the Gram of X, r polynomials
-      Q = b·A + c·A·A (+a·I), 3(r−1) products of m×m polynomials in A, and X ← R·X. The
-      Gram and Q are half on a SYRK backend, the m×m products half on "cpu_syrk" only (on
-      CUDA they are plain matmuls): 5 CPU steps ≈ 6m²n + 14m³.
-    """
-    form, backend = path
-    m, n = sorted((int(rows), int(cols)))
-    half = 1 if backend != "matmul" else 2
-    gram, poly = half * m * m * n, half * m**3
-    if form == "step":
-        return float(steps * (gram + poly + 2 * m * m * n))
-    product = (1 if backend == "cpu_syrk" else 2) * m**3
-    total = 0
-    for start in range(0, steps, GRAM_FORM_RESTART):
-        r = min(GRAM_FORM_RESTART, steps - start)
-        total += gram + 2 * m * m * n + r * poly + 3 * (r - 1) * product
-    return float(total)
+# the planner prices many matrices of few shapes
+_shape_path = functools.lru_cache(maxsize=4096)(ns_path)
 
 
 @dataclass(frozen=True)
@@ -216,9 +137,9 @@ class MatrixCost:
             kernels.kernel_mode(),
         )
 
-    def path(self, rows: int, cols: int) -> tuple[str, str]:
+    def path(self, rows: int, cols: int) -> NSPath:
         """`ns_path` of one rows×cols matrix on this device."""
-        return ns_path(rows, cols, self.device, self.dtype, self.triton, self.kernel_mode)
+        return _shape_path(rows, cols, self.device, self.dtype, self.triton, self.kernel_mode)
 
     def flops(self, rows: int, cols: int) -> float:
         """Newton-Schulz flops of one rows×cols matrix on its path."""

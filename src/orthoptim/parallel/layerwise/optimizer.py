@@ -15,6 +15,7 @@ from orthoptim import checkpoint
 from orthoptim import collectives as C
 from orthoptim._validate import check_float_dtype
 from orthoptim.kernels import unraced
+from orthoptim.ns_cost import NS_STEPS
 from orthoptim.optim.base import NonfinitePolicy, param_name, step_checked
 from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.optim.hybrid import RoutePredicate, build_optimizer
@@ -23,7 +24,6 @@ from orthoptim.optim.routing import ModelRoute
 from orthoptim.optim.state import StateView
 from orthoptim.parallel import clip, ordered
 from orthoptim.parallel.assignment import (
-    NS_STEPS,
     Balance,
     MatrixCost,
     assign,

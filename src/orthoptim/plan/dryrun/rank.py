@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from orthoptim._torch_compat import storage_key, tree_flatten
 from orthoptim.comm_bytes import CommStats
-from orthoptim.parallel.assignment import NS_STEPS, MatrixCost
+from orthoptim.ns_cost import NS_STEPS
+from orthoptim.parallel.assignment import MatrixCost
 from orthoptim.plan.dryrun.model import build_model
 from orthoptim.plan.dryrun.record import Collective, HostData, Recorder, plain
 from orthoptim.plan.dryrun.world import DEVICE, fake_world
