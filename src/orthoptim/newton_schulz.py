@@ -22,6 +22,7 @@ from torch import Tensor
 from orthoptim import host, kernels
 from orthoptim._validate import check_dtype_or_auto, check_int, check_positive
 from orthoptim.kernels import syrk_cpu
+from orthoptim.ns_cost import GRAM_FORM_RESTART, NS_STEPS
 
 Coefficients = tuple[float, float, float]
 #: the names of `COEFFICIENT_SETS` (below; tested equal)
@@ -163,7 +164,7 @@ def resolve_ns_dtype(
 
 def newton_schulz(
     X: Tensor,
-    steps: int = 5,
+    steps: int = NS_STEPS,
     coefficients: CoefficientsLike = "quintic",
     eps: float = 1e-7,
     dtype: NSDtype = None,
@@ -380,11 +381,6 @@ def newton_schulz_step(
     return step.reshape(*lead, *X.shape[-2:])
 
 
-# Steps the Gram form takes before recomputing X and its Gram (rounding in A_k compounds:
-# without a restart the singular vectors of a 5-step float32 run drift ~100x further).
-GRAM_FORM_RESTART = 3
-
-
 def newton_schulz_gram_form(
     X: Tensor,
     schedule: Sequence[Coefficients],
@@ -403,18 +399,36 @@ def newton_schulz_gram_form(
     syrk = syrk or kernels.syrk_for(X)
     sym_matmul = kernels.sym_matmul_for(X)
     for start in range(0, len(schedule), GRAM_FORM_RESTART):
+        last = start + GRAM_FORM_RESTART >= len(schedule)
         run = schedule[start : start + GRAM_FORM_RESTART]
-        A = syrk(X, None, 0.0, 1.0)
-        R: Tensor | None = None
-        for k, (a, b, c) in enumerate(run):
-            Q = syrk(A, A, b, c)
-            Q.diagonal(dim1=-2, dim2=-1).add_(a)
-            R = Q if R is None else sym_matmul(Q, R)
-            if k < len(run) - 1:
-                A = sym_matmul(sym_matmul(A, Q), Q)
-        assert R is not None
-        X = _matmul_into(R, X, out=out if start + GRAM_FORM_RESTART >= len(schedule) else None)
+        X = gram_form_run(X, run, syrk, sym_matmul, out=out if last else None)
     return X
+
+
+def gram_form_run(
+    X: Tensor,
+    run: Sequence[Coefficients],
+    syrk: kernels.Syrk,
+    sym_matmul: kernels.SymMatmul,
+    A: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """One run of L steps of the Gram form on X ([..., m, n]): R·X with R = Q_{L−1}···Q_0,
+    Q_k = a·I + b·A_k + c·A_k² and A_{k+1} = (A_k·Q_k)·Q_k from A_0 = A (default X·Xᵀ; the
+    tensor-parallel gram mode passes the Gram summed over its ranks). `out` as in
+    `newton_schulz_step`. The single-device Gram form and the tensor-parallel gram mode both
+    run it."""
+    if A is None:
+        A = syrk(X, None, 0.0, 1.0)
+    R: Tensor | None = None
+    for k, (a, b, c) in enumerate(run):
+        Q = syrk(A, A, b, c)
+        Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        R = Q if R is None else sym_matmul(Q, R)
+        if k < len(run) - 1:
+            A = sym_matmul(sym_matmul(A, Q), Q)
+    assert R is not None
+    return _matmul_into(R, X, out=out)
 
 
 def polar_factor(X: Tensor) -> Tensor:
