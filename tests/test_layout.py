@@ -94,6 +94,14 @@ def private_reaches(path: Path) -> list[str]:
         and isinstance(node.value, ast.Name)
         and node.value.id == "self"
     }
+    # the methods of the classes defined here (a table naming `Class._method`)
+    own |= {
+        item.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        for item in node.body
+        if isinstance(item, ast.FunctionDef)
+    }
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
