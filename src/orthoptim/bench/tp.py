@@ -29,26 +29,33 @@ from orthoptim.bench import parse_shapes
 from orthoptim.checkpoint import load_file
 from orthoptim.comm_bytes import CommStats
 from orthoptim.newton_schulz import newton_schulz
+from orthoptim.ns_cost import NS_STEPS, ns_flops
 from orthoptim.parallel.tensor_parallel import (
     GRAM_KIND,
+    TP_MODES,
     CostModel,
     TensorParallelOrthogonalizer,
 )
 
 DEFAULT_SHAPES = "512x512,256x1024,1024x256"
 # (label, mode, form, cost model: "default" or "calibrated")
-VARIANTS: tuple[tuple[str, str, str, str], ...] = (
-    ("duplicated", "duplicated", "auto", "default"),
-    ("distributed/apply", "distributed", "apply", "default"),
-    ("distributed/square", "distributed", "square", "default"),
-    ("distributed/split", "distributed", "split", "default"),
-    ("distributed/rows", "distributed", "rows", "default"),
-    ("distributed/auto", "distributed", "auto", "calibrated"),
-    ("gram", "gram", "auto", "default"),
-    ("blockwise", "blockwise", "auto", "default"),
-    ("auto/default", "auto", "auto", "default"),
-    ("auto/calibrated", "auto", "auto", "calibrated"),
-)
+Variant = tuple[str, str, str, str]
+
+
+def variants() -> list[Variant]:
+    """What `bench tp` runs, from the orthogonalizer's table of modes: each mode, a mode with
+    forms in each (and in its calibrated cost model's pick), then auto with the default and
+    the calibrated cost model."""
+    out: list[Variant] = []
+    for mode, spec in TP_MODES.items():
+        if spec.forms:
+            out += [(f"{mode}/{form}", mode, form, "default") for form in spec.forms]
+            out.append((f"{mode}/auto", mode, "auto", "calibrated"))
+        else:
+            out.append((mode, mode, "auto", "default"))
+    out.append(("auto/default", "auto", "auto", "default"))
+    out.append(("auto/calibrated", "auto", "auto", "calibrated"))
+    return out
 
 
 def _parse_shapes(text: str) -> list[tuple[int, ...]]:
@@ -56,7 +63,7 @@ def _parse_shapes(text: str) -> list[tuple[int, ...]]:
 
 
 def _parse_modes(text: str) -> list[str]:
-    labels = [v[0] for v in VARIANTS]
+    labels = [v[0] for v in variants()]
     modes = [m.strip() for m in text.split(",") if m.strip()]
     for m in modes:
         if m not in labels:
@@ -100,8 +107,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
             if args.single
             else None
         )
-        m, n = min(rows, cols), max(rows, cols)
-        plain = args.steps * args.k * (4 * m * m * n + 2 * m**3)
+        plain = args.k * ns_flops(rows, cols, args.steps)
         for shard_dim in args.shard_dims:
             if (rows, cols)[shard_dim] % T:
                 continue
@@ -113,7 +119,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
             W = local if shard_dim == 1 else local.mT
             collectives.all_reduce(kernels.gram(W).contiguous(), stats=unpacked)
             unpacked_bytes = unpacked.sent["all_reduce"] * args.steps
-            for label, mode, form, model in VARIANTS:
+            for label, mode, form, model in variants():
                 if args.modes and label not in args.modes:
                     continue
                 stats = CommStats()
@@ -253,7 +259,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"matrix shapes ROWSxCOLS, comma-separated (default {DEFAULT_SHAPES})",
     )
     p.add_argument("--k", type=int, default=1, help="matrices per batch")
-    p.add_argument("--steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=NS_STEPS,
+        help=f"Newton-Schulz iterations (default {NS_STEPS})",
+    )
     p.add_argument(
         "--repeats", type=int, default=3, help="timed repeats; the median is reported (default 3)"
     )
@@ -263,7 +274,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_parse_modes,
         default=[],
         help="comma-separated mode labels to run, e.g. duplicated,distributed/apply,gram "
-        f"(default every one: {', '.join(v[0] for v in VARIANTS)})",
+        f"(default every one: {', '.join(v[0] for v in variants())})",
     )
     p.add_argument(
         "--shard-dims",

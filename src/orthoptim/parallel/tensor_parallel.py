@@ -46,6 +46,10 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of five
 - ``auto``: a cost model (bytes ÷ bandwidth + rounds × latency + flops ÷ throughput) picks
   duplicated, distributed or gram per batch, identically on every rank. Never blockwise.
 
+The modes are one table, `TP_MODES` (at the end): each maps to its cost (`tp_cost`), its run
+(a method below), its transient bytes (`tp_model`) and whether `auto` may pick it
+(`pick_auto`); the planner, `orthoptim plan --tp-mode` and `orthoptim bench tp` read it too.
+
 Inputs are DTensors (as `parallelize_module` makes them: the group and shard dimension are
 read from the mesh and placements, uneven shards allowed, an empty one too: a matrix with
 fewer rows than ranks) or plain local shards (the group and `shard_dim` given at
@@ -60,13 +64,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -74,29 +76,29 @@ from orthoptim import collectives, host, kernels
 from orthoptim._validate import check_choice, check_dtype_or_auto, check_member, check_positive
 from orthoptim.comm_bytes import CommStats
 from orthoptim.newton_schulz import (
-    GRAM_FORM_RESTART,
-    Coefficients,
     CoefficientsLike,
     NSDtype,
     coefficient_schedule,
+    gram_form_run,
     newton_schulz,
     resolve_ns_dtype,
     squared_frobenius,
 )
+from orthoptim.ns_cost import GRAM_FORM_RESTART, NS_STEPS, gram_runs, ns_flops
+from orthoptim.parallel.tp_model import (
+    CostModel,
+    TPBatch,
+    TPCost,
+    TPShape,
+    distributed_transient,
+    duplicated_transient,
+    local_transient,
+)
 from orthoptim.shards import is_dtensor, packed_triangle_size, shard_sizes, unpack_upper
 
+#: the shipped modes and "auto" (tests/test_mode_table.py: equal to ("auto", *TP_MODES))
 TPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
 MODES: tuple[TPMode, ...] = get_args(TPMode)
-
-
-def auto_modes(dtype_bytes: int) -> tuple[TPMode, ...]:
-    """The modes `auto` chooses among for a Newton-Schulz dtype of `dtype_bytes`: gram only
-    for float32 and wider. The Gram form squares the condition number, so in half precision
-    it is several times less accurate than the step form (as single-device Newton-Schulz
-    keeps its Gram form to float32/float64); `mode="gram"` still forces it."""
-    return (
-        ("duplicated", "distributed", "gram") if dtype_bytes >= 4 else ("duplicated", "distributed")
-    )
 
 
 TPForm = Literal["auto", "apply", "square", "split", "rows"]
@@ -113,93 +115,29 @@ ROWS_KIND = "all_gather_rows"
 SHAPES_KIND = "all_gather_shapes"  # plain shards: every rank's (k, rows, cols), checked equal
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds a mode is expected to take: bytes ÷ bandwidth + rounds·latency + flops ÷ throughput.
+# (the batch, distributed's form) → a rank's cost (`tp_cost`)
+ModeCost = Callable[[TPShape, str], TPCost]
 
-    `bandwidth` is bytes per second one rank pushes through a collective (ring algorithm),
-    `latency` the fixed cost of one collective, `throughput` the matmul flop rate. The
-    defaults describe a GPU node with NVLink; `calibrate` measures the actual group.
+
+@dataclass(frozen=True)
+class TPModeSpec:
+    """One entry of TP_MODES: a tensor-parallel mode.
+
+    `cost` prices a batch per rank (`ModeCost`); `run(orthogonalizer, shards, layout)` runs
+    it (a method of `TensorParallelOrthogonalizer`); `transient` is the bytes a batch holds
+    while it runs (`tp_model.TPBatch`), for the planner's memory model; `auto`: whether `auto`
+    may pick it, for Newton-Schulz dtypes of at least `auto_min_bytes`; `form(orthogonalizer,
+    shape)` the form it takes for a batch (None: it has none), and `forms` those `form=` can
+    force, each benchmarked apart.
     """
 
-    bandwidth: float = 100e9
-    latency: float = 20e-6
-    throughput: float = 100e12
-
-    def __post_init__(self) -> None:
-        for name in ("bandwidth", "latency", "throughput"):
-            value = getattr(self, name)
-            if not (value >= 0.0 and math.isfinite(value)) or (name != "latency" and value == 0):
-                raise ValueError(f"CostModel.{name} must be a finite positive number, got {value}")
-
-    def seconds(self, cost: TPCost) -> float:
-        """Expected time of a mode whose per-rank cost is `cost`."""
-        return (
-            cost.bytes_sent / self.bandwidth
-            + cost.rounds * self.latency
-            + cost.flops / self.throughput
-        )
-
-    @classmethod
-    def calibrate(
-        cls,
-        group: ProcessGroup | None = None,
-        nbytes: int = 4 << 20,
-        matmul_size: int = 512,
-        repeats: int = 5,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> CostModel:
-        """Measure bandwidth, latency and matmul throughput on `group` with a quick probe.
-
-        Every rank of `group` must call it. The slowest rank's figures are used on all ranks
-        (a max all-reduce), so every rank's cost model, and hence `auto`'s choice, agrees.
-        """
-        if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
-        _, n = collectives.world(group)
-        dev = collectives.device_for(group, device)
-        elem = torch.empty((), dtype=dtype).element_size()
-
-        def timed(fn: Any) -> float:
-            fn()
-            samples = []
-            for _ in range(repeats):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                fn()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                samples.append(time.perf_counter() - t0)
-            return statistics.median(samples)
-
-        big = torch.zeros(max(1, nbytes // elem), dtype=dtype, device=dev)
-        tiny = torch.zeros(1, dtype=dtype, device=dev)
-        a = torch.randn(matmul_size, matmul_size, dtype=dtype, device=dev)
-        t_big = timed(lambda: collectives.all_reduce(big, group=group)) if n > 1 else 0.0
-        t_tiny = timed(lambda: collectives.all_reduce(tiny, group=group)) if n > 1 else 0.0
-        t_mm = timed(lambda: a @ a)
-        times = torch.tensor([t_big, t_tiny, t_mm], dtype=torch.float64, device=dev)
-        collectives.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        t_big, t_tiny, t_mm = times.tolist()
-        defaults = cls()
-        sent = 2 * (n - 1) / n * big.numel() * elem
-        bandwidth = sent / max(t_big - t_tiny, 1e-9) if n > 1 else defaults.bandwidth
-        return cls(
-            bandwidth=bandwidth,
-            latency=max(t_tiny, 0.0) if n > 1 else defaults.latency,
-            throughput=2 * matmul_size**3 / max(t_mm, 1e-12),
-        )
-
-
-@dataclass(frozen=True)
-class TPCost:
-    """Per-rank cost of orthogonalizing one batch: bytes sent, collective rounds, flops."""
-
-    bytes_sent: float
-    rounds: int
-    flops: float
+    cost: ModeCost
+    run: Callable[[TensorParallelOrthogonalizer, Tensor, _Layout], Tensor]
+    transient: Callable[[TPBatch], int]
+    auto: bool = True
+    auto_min_bytes: int = 0
+    form: Callable[[TensorParallelOrthogonalizer, TPShape], str] | None = None
+    forms: tuple[str, ...] = ()
 
 
 def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
@@ -256,32 +194,10 @@ def gram_mode_form(rows: int, cols: int, shard_dim: int) -> GramForm:
     return "gram" if other <= split else "rows"
 
 
-def gram_runs(steps: int) -> list[int]:
-    """The lengths of the runs of steps between the restarts of the single-device Gram form
-    (`newton_schulz_gram_form`: GRAM_FORM_RESTART steps each, the last what is left). Gram
-    mode all-reduces the Gram matrix once per run."""
-    return [min(GRAM_FORM_RESTART, steps - s) for s in range(0, steps, GRAM_FORM_RESTART)]
-
-
 def gram_restarts(steps: int) -> int:
-    """All-reduces of the Gram matrix gram mode makes per batch (`gram_runs`)."""
+    """All-reduces of the Gram matrix gram mode makes per batch: one per run of the Gram form
+    (`ns_cost.gram_runs`)."""
     return len(gram_runs(steps))
-
-
-def _gram_run(
-    A: Tensor, run: list[Coefficients], syrk: kernels.Syrk, sym_matmul: kernels.SymMatmul
-) -> Tensor:
-    """R = Q_{L−1}···Q_0 of one run of L steps from the Gram matrix A ([k, s, s]), the
-    products of `newton_schulz_gram_form`'s run in the same order: the run takes X to R·X."""
-    R: Tensor | None = None
-    for i, (a, b, c) in enumerate(run):
-        Q = syrk(A, A, b, c)
-        Q.diagonal(dim1=-2, dim2=-1).add_(a)
-        R = Q if R is None else sym_matmul(Q, R)
-        if i < len(run) - 1:
-            A = sym_matmul(sym_matmul(A, Q), Q)
-    assert R is not None
-    return R
 
 
 def _norm_dtype(compute: torch.dtype) -> torch.dtype:
@@ -290,7 +206,7 @@ def _norm_dtype(compute: torch.dtype) -> torch.dtype:
 
 
 def tp_cost(
-    mode: TPMode,
+    mode: str,
     k: int,
     rows: int,
     cols: int,
@@ -298,59 +214,78 @@ def tp_cost(
     world_size: int,
     steps: int,
     element_size: int,
-    form: TPForm = "apply",
+    form: str = "apply",
 ) -> TPCost:
-    """Per-rank cost of `mode` on k global rows×cols matrices sharded along `shard_dim` (0/1).
+    """Per-rank cost of `mode` (a key of TP_MODES) on k global rows×cols matrices sharded
+    along `shard_dim` (0/1) over `world_size` ranks: the table's cost function.
 
     `form` is distributed mode's way of applying B (apply, square, split or rows); gram
     mode's form follows from the shape (`gram_mode_form`).
 
-    Flops count plain matmuls (2·m·n·k each). Bytes are what one rank sends under the ring
-    algorithm, as `comm_bytes.CommStats` records them.
+    Flops count plain matmuls (2·m·n·k each), as whole numbers. Bytes are what one rank sends
+    under the ring algorithm, as `comm_bytes.CommStats` records them.
     """
-    T = world_size
-    m, n = min(rows, cols), max(rows, cols)
-    if mode == "duplicated":
-        widest = max(shard_sizes((rows, cols)[shard_dim], T))
-        other = (cols, rows)[shard_dim]
-        sent = (T - 1) * k * widest * other * element_size
-        flops = steps * k * (4 * m * m * n + 2 * m**3)
-        return TPCost(sent, 1 if T > 1 else 0, flops)
-    if mode == "distributed":
-        q = (rows, cols)[shard_dim]
-        p = (cols, rows)[shard_dim]
-        q_local = max(shard_sizes(q, T))
-        if form == "auto":
-            raise ValueError("tp_cost needs a concrete form (apply, square or split)")
-        per_step, gathered = _distributed_flops(p, q, q_local, T, form)
-        ring = 2 * (T - 1) / T
-        gram = 0.0 if form == "rows" else ring * k * packed_triangle_size(p)
-        gram *= element_size
-        split = (T - 1) * k * gathered * element_size
-        norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
-        rounds = (steps * (2 if form in ("split", "rows") else 1) + 1) if T > 1 else 0
-        return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
-    if mode == "gram":
-        q = (rows, cols)[shard_dim]
-        p = (cols, rows)[shard_dim]
-        q_local = max(shard_sizes(q, T))
-        if gram_mode_form(rows, cols, shard_dim) == "rows":
-            per_step, gathered = _distributed_flops(p, q, q_local, T, "rows")
-            sent = steps * (T - 1) * k * gathered * element_size
-            return TPCost(sent, 2 * steps if T > 1 else 0, steps * k * per_step)
-        ring = 2 * (T - 1) / T
-        runs = gram_runs(steps)
-        sent = len(runs) * ring * k * packed_triangle_size(p) * element_size
-        # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p
-        # products), R (L − 1) and A ← A·Q·Q (2·(L − 1))
-        flops = sum(4 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
-        return TPCost(sent, len(runs) if T > 1 else 0, k * flops)
-    if mode == "blockwise":
-        local = [rows, cols]
-        local[shard_dim] = max(shard_sizes(local[shard_dim], T))
-        ml, nl = min(local), max(local)
-        return TPCost(0.0, 0, steps * k * (4 * ml * ml * nl + 2 * ml**3))
-    raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
+    if mode not in TP_MODES:
+        raise ValueError(f"mode must be one of {tuple(TP_MODES)}, got {mode!r}")
+    shape = TPShape(k, rows, cols, shard_dim, world_size, steps, element_size)
+    return TP_MODES[mode].cost(shape, form)
+
+
+def _duplicated_cost(s: TPShape, form: str) -> TPCost:
+    """duplicated: one all-gather of the shards, the whole plain iteration on every rank."""
+    k, rows, cols, shard_dim, T, steps, element_size = s
+    widest = max(shard_sizes((rows, cols)[shard_dim], T))
+    other = (cols, rows)[shard_dim]
+    sent = (T - 1) * k * widest * other * element_size
+    return TPCost(sent, 1 if T > 1 else 0, k * int(ns_flops(rows, cols, steps)))
+
+
+def _distributed_cost(s: TPShape, form: str) -> TPCost:
+    """distributed, applying B in `form`: a packed Gram all-reduce per step (and the split
+    form's or the rows form's all-gathers), one norm all-reduce."""
+    k, rows, cols, shard_dim, T, steps, element_size = s
+    q = (rows, cols)[shard_dim]
+    p = (cols, rows)[shard_dim]
+    q_local = max(shard_sizes(q, T))
+    if form == "auto":
+        raise ValueError("tp_cost needs a concrete form (apply, square or split)")
+    per_step, gathered = _distributed_flops(p, q, q_local, T, form)
+    ring = 2 * (T - 1) / T
+    gram = 0.0 if form == "rows" else ring * k * packed_triangle_size(p)
+    gram *= element_size
+    split = (T - 1) * k * gathered * element_size
+    norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
+    rounds = (steps * (2 if form in ("split", "rows") else 1) + 1) if T > 1 else 0
+    return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
+
+
+def _gram_cost(s: TPShape, form: str) -> TPCost:
+    """gram: a packed Gram all-reduce per run of the Gram form and the small iteration on
+    every rank, or the rows form when split along the short side (`gram_mode_form`; `form`
+    is not read)."""
+    k, rows, cols, shard_dim, T, steps, element_size = s
+    q = (rows, cols)[shard_dim]
+    p = (cols, rows)[shard_dim]
+    q_local = max(shard_sizes(q, T))
+    if gram_mode_form(rows, cols, shard_dim) == "rows":
+        per_step, gathered = _distributed_flops(p, q, q_local, T, "rows")
+        sent = steps * (T - 1) * k * gathered * element_size
+        return TPCost(sent, 2 * steps if T > 1 else 0, steps * k * per_step)
+    ring = 2 * (T - 1) / T
+    runs = gram_runs(steps)
+    sent = len(runs) * ring * k * packed_triangle_size(p) * element_size
+    # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p
+    # products), R (L − 1) and A ← A·Q·Q (2·(L − 1))
+    flops = sum(4 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
+    return TPCost(sent, len(runs) if T > 1 else 0, k * flops)
+
+
+def _blockwise_cost(s: TPShape, form: str) -> TPCost:
+    """blockwise: the plain iteration on the widest local shard, nothing sent."""
+    k, rows, cols, shard_dim, T, steps, _ = s
+    local = [rows, cols]
+    local[shard_dim] = max(shard_sizes(local[shard_dim], T))
+    return TPCost(0.0, 0, k * int(ns_flops(local[0], local[1], steps)))
 
 
 @dataclass(frozen=True)
@@ -370,10 +305,10 @@ class TensorParallelOrthogonalizer:
     `group` is the tensor-parallel process group (None: the default group) and `shard_dim`
     the matrix dimension the plain local shards are split along (0: rows, as column-parallel
     layers split their weight; 1: columns, row-parallel). Both are ignored for DTensor
-    inputs, whose device mesh and placements say it. `mode` is one of MODES; `form` how
-    distributed mode applies B·W (FORMS); `cost_model` drives `auto`. `ns_dtype` is the
-    dtype of the iteration and of the shards and Grams on the wire, resolved per batch from
-    the device of the local shards (`resolve_ns_dtype`): "auto" (default) is bfloat16 on CUDA,
+    inputs, whose device mesh and placements say it. `mode` is "auto" or a key of TP_MODES;
+    `form` how distributed mode applies B·W (FORMS); `cost_model` drives `auto`. `ns_dtype`
+    is the dtype of the iteration and of the shards and Grams on the wire, resolved per batch
+    from the device of the local shards (`resolve_ns_dtype`): "auto" (default) is bfloat16 on CUDA,
     float32 elsewhere, float64 stays float64; a torch dtype forces it; None is float32. The
     last batch's choices are in `last_modes` / `last_forms`; bytes are counted in `stats`.
     """
@@ -383,7 +318,7 @@ class TensorParallelOrthogonalizer:
         group: ProcessGroup | None = None,
         mode: TPMode = "auto",
         shard_dim: int | None = None,
-        steps: int = 5,
+        steps: int = NS_STEPS,
         coefficients: CoefficientsLike = "quintic",
         ns_dtype: NSDtype = "auto",
         eps: float = 1e-7,
@@ -391,7 +326,7 @@ class TensorParallelOrthogonalizer:
         cost_model: CostModel | None = None,
         stats: CommStats | None = None,
     ) -> None:
-        check_choice("mode", mode, MODES)
+        check_choice("mode", mode, tp_mode_names())
         check_choice("form", form, FORMS)
         if shard_dim is not None and shard_dim not in (0, 1, -1, -2):
             raise ValueError(
@@ -441,14 +376,10 @@ class TensorParallelOrthogonalizer:
             global_cols = sum(layout.sizes)
         mode = self.choose_mode(flat.shape[0], global_rows, global_cols, layout, flat.device)
         self.last_modes.append(mode)
-        if mode == "duplicated":
-            out = self._duplicated(flat, layout)
-        elif mode == "distributed":
-            out = self._distributed(flat, layout)
-        elif mode == "gram":
-            out = self._gram(flat, layout)
-        else:
+        if mode == "local":
             out = self._newton_schulz(flat)
+        else:
+            out = TP_MODES[mode].run(self, flat, layout)
         out = out.reshape(local.shape)
         if dtensor:
             from torch.distributed.tensor import DTensor
@@ -467,8 +398,8 @@ class TensorParallelOrthogonalizer:
         device: torch.device | str | None = None,
     ) -> str:
         """The mode for k global rows×cols float32 matrices on `device`: `mode`, or the cost
-        model's pick. The bytes on the wire are priced in the Newton-Schulz dtype there;
-        `device` None assumes CUDA, the GPU node the default `CostModel` describes."""
+        model's pick (`pick_auto`). The bytes on the wire are priced in the Newton-Schulz dtype
+        there; `device` None assumes CUDA, the GPU node the default `CostModel` describes."""
         if layout.dim is None or layout.world_size == 1:
             return "blockwise" if self.mode == "blockwise" else "local"
         if self.mode != "auto":
@@ -476,15 +407,27 @@ class TensorParallelOrthogonalizer:
         shard = 0 if layout.dim == -2 else 1
         on = torch.device("cuda") if device is None else device
         elem = resolve_ns_dtype(self.ns_dtype, on, torch.float32).itemsize
-        args = (k, rows, cols, shard, layout.world_size, self.steps, elem)
-        form = self.choose_form(*args)
-        costs = {
-            k: self.cost_model.seconds(
-                tp_cost(k, *args, form=form) if k == "distributed" else tp_cost(k, *args)
-            )
-            for k in auto_modes(elem)
-        }
-        return min(costs, key=costs.__getitem__)
+        args = (k, rows, cols, shard, layout.world_size, elem)
+        return pick_auto(lambda mode: self.mode_cost(mode, *args)[0], elem, self.cost_model)[0]
+
+    def mode_cost(
+        self,
+        mode: str,
+        k: int,
+        rows: int,
+        cols: int,
+        shard_dim: int,
+        world_size: int,
+        element_size: int,
+    ) -> tuple[TPCost, str]:
+        """Per-rank cost of `mode` (a key of TP_MODES) on k global rows×cols matrices split
+        along `shard_dim` (0/1) over `world_size` ranks in `element_size`-byte elements, and
+        the form it takes there ("" for a mode without forms): the table's form and cost, at
+        this orthogonalizer's steps, `form` and cost model."""
+        spec = TP_MODES[mode]
+        shape = TPShape(k, rows, cols, shard_dim, world_size, self.steps, element_size)
+        form = spec.form(self, shape) if spec.form is not None else ""
+        return spec.cost(shape, form or "apply"), form
 
     def choose_form(
         self,
@@ -557,7 +500,11 @@ class TensorParallelOrthogonalizer:
             check_finite=False,  # the optimizer checked the gradients: no host read per batch
         )
 
-    # -- modes -------------------------------------------------------------------------------
+    # -- modes (each the run of an entry of TP_MODES) ------------------------------------------
+
+    def _blockwise(self, X: Tensor, layout: _Layout) -> Tensor:
+        """Each rank its own shards, no communication."""
+        return self._newton_schulz(X)
 
     def _duplicated(self, X: Tensor, layout: _Layout) -> Tensor:
         """All-gather the shards in the compute dtype, full iteration, keep the local slice."""
@@ -648,7 +595,7 @@ class TensorParallelOrthogonalizer:
                 norm = self._norm(A.diagonal(dim1=-2, dim2=-1).to(norm_dtype).sum(dim=-1))
                 Z = (W.to(norm_dtype) / norm).to(compute)
                 A = (A.to(norm_dtype) / norm.square()).to(compute)
-            Z = _gram_run(A, run, syrk, sym_matmul) @ Z
+            Z = gram_form_run(Z, run, syrk, sym_matmul, A)
         out = Z if layout.dim == -1 else Z.mT
         return out.to(X.dtype).contiguous()
 
@@ -709,6 +656,72 @@ class TensorParallelOrthogonalizer:
                 packed[:, start : start + size] = part[:, at : at + size]
                 at += size
         return unpack_upper(packed, p)
+
+
+def _distributed_form(orth: TensorParallelOrthogonalizer, s: TPShape) -> str:
+    """Distributed mode's form: the orthogonalizer's `form`, or its cost model's pick."""
+    return orth.choose_form(*s)
+
+
+def _gram_form(orth: TensorParallelOrthogonalizer, s: TPShape) -> str:
+    """Gram mode's form, from the shape alone (`gram_mode_form`)."""
+    return gram_mode_form(s.rows, s.cols, s.shard_dim)
+
+
+# The modes. A new one is an entry here and its run, a method of the orthogonalizer; the
+# orthogonalizer, `auto`, the planner (its rows, picks and memory), `orthoptim plan
+# --tp-mode` and `orthoptim bench tp` all read this table.
+TP_MODES: dict[str, TPModeSpec] = {
+    "duplicated": TPModeSpec(
+        _duplicated_cost, TensorParallelOrthogonalizer._duplicated, duplicated_transient
+    ),
+    "distributed": TPModeSpec(
+        _distributed_cost,
+        TensorParallelOrthogonalizer._distributed,
+        distributed_transient,
+        form=_distributed_form,
+        forms=FORMS[1:],
+    ),
+    # The Gram form squares the condition number, so in half precision it is several times
+    # less accurate than the step form (as single-device Newton-Schulz keeps its Gram form to
+    # float32/float64): `auto` takes it from float32 on; `mode="gram"` still forces it. Its
+    # memory is priced as duplicated's.
+    "gram": TPModeSpec(
+        _gram_cost,
+        TensorParallelOrthogonalizer._gram,
+        duplicated_transient,
+        auto_min_bytes=4,
+        form=_gram_form,
+    ),
+    # not the same iteration as the whole matrix's: never `auto`'s pick
+    "blockwise": TPModeSpec(
+        _blockwise_cost, TensorParallelOrthogonalizer._blockwise, local_transient, auto=False
+    ),
+}
+
+
+def tp_mode_names() -> tuple[str, ...]:
+    """Every mode the orthogonalizer takes: "auto" and the table's."""
+    return ("auto", *TP_MODES)
+
+
+def auto_modes(dtype_bytes: int) -> tuple[str, ...]:
+    """The modes `auto` chooses among for a Newton-Schulz dtype of `dtype_bytes`: the table's
+    entries marked `auto`, each from its `auto_min_bytes` on (gram: float32 and wider)."""
+    return tuple(
+        name for name, spec in TP_MODES.items() if spec.auto and dtype_bytes >= spec.auto_min_bytes
+    )
+
+
+def pick_auto(
+    cost: Callable[[str], TPCost], dtype_bytes: int, model: CostModel
+) -> tuple[str, TPCost]:
+    """`auto`'s pick, for the orthogonalizer and the planner alike: of `auto_modes(dtype_bytes)`
+    the mode whose `cost(mode)` takes the fewest seconds under `model` (the first listed on a
+    tie), and that cost."""
+    costs = {mode: cost(mode) for mode in auto_modes(dtype_bytes)}
+    best = min(costs, key=lambda mode: model.seconds(costs[mode]))
+    return best, costs[best]
 
 
 def _dtensor_layout(mats: Any) -> _Layout:

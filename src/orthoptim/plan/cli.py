@@ -12,16 +12,16 @@ from typing import Any
 
 from orthoptim._extras import require_extra
 from orthoptim.newton_schulz import NS_BATCH_MB
+from orthoptim.ns_cost import NS_STEPS
 from orthoptim.parallel.layout import as_flags
+from orthoptim.parallel.tensor_parallel import TP_MODES, tp_mode_names
 from orthoptim.plan.activations import RECOMPUTES
 from orthoptim.plan.baseline import adamw_baseline, versus
-from orthoptim.plan.costs import AUTO_MODES, TP_MODES
 from orthoptim.plan.hardware import load_hardware, shipped_hardware
 from orthoptim.plan.layouts import (
     BALANCES,
     DTYPE_BYTES,
     PLAN_OPTIMIZERS,
-    PLAN_TP_MODES,
     Layout,
     check_layout,
     check_stage,
@@ -260,9 +260,12 @@ def _tp_lines(p: dict[str, Any]) -> list[str]:
         )
     picks = t["auto_picks"]
     chosen = ", ".join(f"{k} {v}" for k, v in sorted(picks.items()))
+    picked = ", ".join(m for m, s in TP_MODES.items() if s.auto)
+    wide = "".join(f"{m} only in fp32, " for m, s in TP_MODES.items() if s.auto_min_bytes >= 4)
+    never = ", ".join(m for m, s in TP_MODES.items() if not s.auto)
     lines.append(
         f"  TP-split Muon matrices: {chosen} (cost model: {t['cost_model']}; "
-        f"auto picks among {', '.join(AUTO_MODES)}, gram only in fp32, never blockwise)"
+        f"auto picks among {picked}, {wide}never {never})"
     )
     return lines
 
@@ -626,7 +629,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="h200",
         help=f"one of {', '.join(shipped_hardware())}, or a .json file (default h200)",
     )
-    p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument(
+        "--ns-steps",
+        type=int,
+        default=NS_STEPS,
+        help=f"Newton-Schulz iterations (default {NS_STEPS})",
+    )
     p.add_argument(
         "--ns-dtype",
         default="bf16",
@@ -706,7 +714,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tp-mode",
         default="auto",
-        choices=PLAN_TP_MODES,
+        choices=tp_mode_names(),
         help="the tensor-parallel orthogonalizer's mode, for its step memory (default auto)",
     )
     p.add_argument(

@@ -29,9 +29,9 @@ ZeRO-1 AdamW has the same two collectives over equal element shards of all P par
 
     sent = received = (N−1)·⌈P/N⌉·(grad_bytes + gather_bytes)
 
-Newton-Schulz on an m×n matrix (a = min, b = max), plain matmuls, per step: 4a²b + 2a³.
-Tensor-parallel modes are costed by `orthoptim.parallel.tensor_parallel.tp_cost`, the model
-the orthogonalizer's `auto` mode itself uses.
+Newton-Schulz on one matrix is costed by `orthoptim.ns_cost`; the tensor-parallel modes by
+the orthogonalizer's own table (`orthoptim.parallel.tensor_parallel.TP_MODES`), the model its
+`auto` mode itself uses.
 """
 
 from __future__ import annotations
@@ -47,24 +47,13 @@ from orthoptim.comm_bytes import (
     ring_all_gather_bytes,
     ring_reduce_scatter_bytes,
 )
+from orthoptim.ns_cost import ns_flops
 from orthoptim.parallel.tensor_parallel import (
+    TP_MODES,
     CostModel,
     TensorParallelOrthogonalizer,
     TPCost,
-    gram_mode_form,
-    tp_cost,
 )
-
-TP_MODES = ("duplicated", "distributed", "gram", "blockwise")
-# the modes the orthogonalizer's `auto` chooses among (never blockwise)
-AUTO_MODES = ("duplicated", "distributed", "gram")
-
-
-@lru_cache(maxsize=4096)
-def ns_flops(shape: tuple[int, ...], steps: int) -> float:
-    """Flops of `steps` plain-matmul Newton-Schulz iterations on one matrix."""
-    a, b = sorted(shape[-2:])
-    return float(steps * (4 * a * a * b + 2 * a**3))
 
 
 def layerwise_bytes(
@@ -175,24 +164,17 @@ def tp_ns_cost(
 ) -> tuple[TPCost, str]:
     """Per-TP-rank cost of orthogonalizing one matrix, and the form it takes.
 
-    The tensor-parallel orthogonalizer's own cost model (`tp_cost`): `shape` is the full
-    matrix, split along `tp_dim` over `tp` ranks; distributed mode uses the form (apply,
-    square, split, rows) the orthogonalizer's `cost_model` would choose, gram mode the one
-    its shape gives (`gram_mode_form`: gram, or rows when split along the short side). A
-    replicated matrix (`tp_dim` None) or tp = 1 costs the full single-device iteration and
-    no bytes.
+    The tensor-parallel orthogonalizer's own cost model (`mode_cost`, from its table of
+    modes): `shape` is the full matrix, split along `tp_dim` over `tp` ranks, each mode in the
+    form an orthogonalizer with `cost_model` would take (distributed: apply, square, split or
+    rows, its cost model's pick; gram: gram, or rows when split along the short side; ""
+    for a mode without forms). A replicated matrix (`tp_dim` None) or tp = 1 costs the full
+    single-device plain iteration and no bytes.
     """
     if mode not in TP_MODES:
-        raise ValueError(f"mode must be one of {TP_MODES}, got {mode!r}")
+        raise ValueError(f"mode must be one of {tuple(TP_MODES)}, got {mode!r}")
     if tp_dim is None or tp == 1:
-        return TPCost(0.0, 0, ns_flops(shape, steps)), ""
+        return TPCost(0.0, 0, ns_flops(*shape[-2:], steps)), ""
     rows, cols = shape[-2:]
-    form = "apply"
-    if mode == "gram":
-        form = gram_mode_form(rows, cols, tp_dim)
-    elif mode == "distributed":
-        chooser = TensorParallelOrthogonalizer(
-            mode="distributed", shard_dim=tp_dim, steps=steps, cost_model=cost_model
-        )
-        form = chooser.choose_form(1, rows, cols, tp_dim, tp, steps, dtype_bytes)
-    return tp_cost(mode, 1, rows, cols, tp_dim, tp, steps, dtype_bytes, form=form), form
+    chooser = TensorParallelOrthogonalizer(shard_dim=tp_dim, steps=steps, cost_model=cost_model)
+    return chooser.mode_cost(mode, 1, rows, cols, tp_dim, tp, dtype_bytes)

@@ -8,7 +8,9 @@ from typing import Literal, get_args
 
 from orthoptim._validate import check_positive
 from orthoptim.newton_schulz import NS_BATCH_MB
+from orthoptim.ns_cost import NS_STEPS
 from orthoptim.parallel.layout import ParallelDims
+from orthoptim.parallel.tensor_parallel import TPMode, tp_mode_names
 from orthoptim.plan.activations import RECOMPUTES, Recompute
 from orthoptim.plan.model import ModelDescription
 
@@ -18,8 +20,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # AdamW for every parameter, sharded element-wise (`plan_matrices`)
 PlanOptimizer = Literal["muon", "soap", "adamw"]
 PLAN_OPTIMIZERS: tuple[PlanOptimizer, ...] = get_args(PlanOptimizer)
-PlanTPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
-PLAN_TP_MODES: tuple[PlanTPMode, ...] = get_args(PlanTPMode)
 
 
 def keeps_masters(param_dtype: str, gather: str) -> bool:
@@ -38,7 +38,7 @@ class Layout:
     ep: int = 1
     pp: int = 1
     tokens_per_step: int = 0
-    ns_steps: int = 5
+    ns_steps: int = NS_STEPS
     ns_dtype: str = "bf16"
     grad_dtype: str = "fp32"
     bucket_mb: float = 25.0
@@ -59,7 +59,7 @@ class Layout:
     fsdp: bool = False
     # the tensor-parallel orthogonalizer's mode (`TensorParallelOrthogonalizer(mode=...)`),
     # for its gathers and Gram buffers in `memory_per_rank`
-    tp_mode: PlanTPMode = "auto"
+    tp_mode: TPMode = "auto"
     # the cap on one stacked Newton-Schulz call in MiB of float32 (`Muon(ns_batch_mb=...)`;
     # None: one call per shape), for the step's transient in `memory_per_rank`
     ns_batch_mb: float | None = NS_BATCH_MB
@@ -124,8 +124,8 @@ def check_layout(desc: ModelDescription, layout: Layout) -> None:
         )
     if layout.optimizer not in PLAN_OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {PLAN_OPTIMIZERS}, got {layout.optimizer!r}")
-    if layout.tp_mode not in PLAN_TP_MODES:
-        raise ValueError(f"--tp-mode must be one of {PLAN_TP_MODES}, got {layout.tp_mode!r}")
+    if layout.tp_mode not in tp_mode_names():
+        raise ValueError(f"--tp-mode must be one of {tp_mode_names()}, got {layout.tp_mode!r}")
     if layout.optimizer != "muon" and layout.tp > 1:
         raise ValueError(
             f"--optimizer {layout.optimizer} with --tp {layout.tp}: the tensor-parallel path "

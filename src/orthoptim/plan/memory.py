@@ -64,8 +64,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orthoptim.newton_schulz import GRAM_FORM_RESTART, batch_chunks, batch_limit
+from orthoptim.newton_schulz import batch_chunks, batch_limit
+from orthoptim.ns_cost import iterate_bytes
 from orthoptim.parallel.assignment import MatrixCost
+from orthoptim.parallel.tensor_parallel import TP_MODES
+from orthoptim.parallel.tp_model import TPBatch, local_transient
 from orthoptim.plan.model import Matrix
 
 # The planner's types (`planner.Layout`, its groups and slots), not imported: the planner
@@ -75,33 +78,6 @@ Group = Any
 
 CATEGORIES = ("params", "grads", "masters", "state", "buffers", "transient", "backward")
 HELD = CATEGORIES[:5]
-
-
-def _step_iterate(x: int, square: int, steps: int, into_out: bool) -> int:
-    """Peak bytes of the plain iteration on a batch whose X takes `x` bytes and each m×m
-    matrix `square`: X, A = X·Xᵀ, B = b·A + c·A·A and the next X, which the last step writes
-    into the output when the dtypes agree (`into_out`)."""
-    return (x if steps == 1 and into_out else 2 * x) + 2 * square
-
-
-def _gram_iterate(x: int, square: int, steps: int, into_out: bool) -> int:
-    """Peak bytes of `newton_schulz_gram_form` (runs of GRAM_FORM_RESTART steps): the input
-    X (kept by the caller) and, after the first run, the X it made; the m×m matrices of a run
-    (A, Q, R and the two products A·Q·Q in flight: 5 from its second step on when a third
-    follows, 4 in a run of two, 2 in a run of one; 4 when a run starts while the last one's
-    A, Q, R are alive); and R·X made afresh except in the last run when it writes into the
-    output (`into_out`)."""
-    runs = [min(GRAM_FORM_RESTART, steps - s) for s in range(0, steps, GRAM_FORM_RESTART)]
-    peak = 0
-    for j, r in enumerate(runs):
-        held = x if j == 0 else 2 * x
-        squares = 5 if r >= 3 else (4 if r == 2 else 2)
-        if j:
-            squares = max(squares, 4 if runs[j - 1] >= 2 else 3)
-        peak = max(peak, held + squares * square)
-        if j < len(runs) - 1 or not into_out:
-            peak = max(peak, held + x + 3 * square)
-    return peak
 
 
 def _shares(g: Group, bucket: int) -> list[int]:
@@ -234,9 +210,7 @@ def _muon_transient(
             out = k * m * n * state_bytes
             cat = out if len(chunk) > 1 else 0
             x, square = k * m * n * ns_bytes, k * m * m * ns_bytes
-            iterate = (_gram_iterate if form == "gram" else _step_iterate)(
-                x, square, layout.ns_steps, ns_bytes == state_bytes
-            )
+            iterate = iterate_bytes(form, x, square, layout.ns_steps, ns_bytes == state_bytes)
             peak = max(peak, out + cat + iterate)
     return (updates if fresh_updates else 0) + peak
 
@@ -759,15 +733,11 @@ def _tp_transient(
     orthogonalizer always gets a stack (`Muon.stacks`): same-shape matrices form one batch,
     in order of first appearance. Held through the step: every owned Nesterov update and
     the fp32 outputs of the batches done; per batch its stack (when it has several
-    matrices) and the mode's own peak: in "distributed" the output copy (two when the split
-    side is the rows: the transposed result is made contiguous apart), the last iterate
-    and its p×p Gram in the iteration dtype (p the unsplit side), or the iteration itself
-    (the iterate, the Gram, A·W and the next iterate); in "duplicated" the local shard and
-    the gathered and concatenated whole stack in the iteration dtype with the iteration on
-    the whole stack, then the local slice of its output; "blockwise" and unsplit matrices
-    the local iteration (`_muon_transient`'s). "auto" is taken as "duplicated", the larger.
-    Checked against the dry run (`tests/test_dryrun.py`: the peak within 5 % in every
-    mode)."""
+    matrices) and the mode's own peak, its entry's `transient` in the orthogonalizer's table
+    (`tensor_parallel.TP_MODES`; `tp_model`'s functions); unsplit matrices the local
+    iteration (`tp_model.local_transient`, `_muon_transient`'s). "auto" is taken as
+    "duplicated", the larger. Checked against the dry run (`tests/test_dryrun.py`: the peak
+    within 5 % in every mode)."""
     mode = "duplicated" if layout.tp_mode == "auto" else layout.tp_mode
     price = MatrixCost(layout.device, layout.ns_dtype, layout.ns_steps)
     batches: dict[tuple[int, ...], list[tuple[tuple[int, ...], int | None, tuple[int, ...]]]] = {}
@@ -782,24 +752,18 @@ def _tp_transient(
         k = sum(math.prod(s[:-2]) if len(s) > 2 else 1 for s, _, _ in entries)
         x = k * r * c
         cat = x * state_bytes if len(entries) > 1 else 0
-        if dim is None or mode == "blockwise":
-            m, n = sorted((r, c))
-            form, _ = price.path(m, n)
-            iterate = (_gram_iterate if form == "gram" else _step_iterate)(
-                x * ns_bytes, k * m * m * ns_bytes, layout.ns_steps, ns_bytes == state_bytes
-            )
-            own = x * state_bytes + iterate
-        elif mode == "distributed":
-            p = (r, c)[1 - dim]
-            gram = k * p * p * ns_bytes
-            copies = 2 if dim == 0 else 1
-            own = max(copies * x * state_bytes + x * ns_bytes + gram, 3 * x * ns_bytes + gram)
-        else:
-            rows, cols = full[-2:]
-            m, n = sorted((rows, cols))
-            whole = k * m * n * ns_bytes
-            iterate = _step_iterate(whole, k * m * m * ns_bytes, layout.ns_steps, True)
-            own = x * ns_bytes + 2 * whole + max(iterate, whole + x * state_bytes)
+        rows, cols = full[-2:]
+        batch = TPBatch(
+            k,
+            (r, c),
+            (rows, cols),
+            dim,
+            layout.ns_steps,
+            ns_bytes,
+            state_bytes,
+            price.path(r, c)[0],
+        )
+        own = local_transient(batch) if dim is None else TP_MODES[mode].transient(batch)
         peak = max(peak, done + cat + own)
         done += x * state_bytes
     return updates + peak

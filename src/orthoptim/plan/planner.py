@@ -39,10 +39,9 @@ from orthoptim.parallel.assignment import (
 )
 from orthoptim.parallel.layout import ParallelDims
 from orthoptim.parallel.ordered import NORM_BLOCK
-from orthoptim.parallel.tensor_parallel import CostModel, TPCost, auto_modes
+from orthoptim.parallel.tensor_parallel import TP_MODES, CostModel, TPCost, pick_auto
 from orthoptim.plan.activations import activation_figures
 from orthoptim.plan.costs import (
-    TP_MODES,
     layerwise_bytes,
     layerwise_unpadded_bytes,
     tp_ns_cost,
@@ -346,15 +345,15 @@ def tp_cost_model(hw: Hardware, layout: Layout) -> CostModel:
 
 
 def tp_auto_cost(m: Matrix, layout: Layout, model: CostModel) -> tuple[TPCost, str]:
-    """Per-TP-rank cost of `m` in the mode the orthogonalizer's `auto` picks (the cheapest of
-    duplicated, distributed and gram under `model`), and that mode."""
+    """Per-TP-rank cost of `m` in the mode the orthogonalizer's `auto` picks (`pick_auto`: the
+    cheapest under `model` of the modes it may pick), and that mode."""
     ns_b = DTYPE_BYTES[layout.ns_dtype]
-    options = {
-        k: tp_ns_cost(m.shape, m.tp_dim, layout.tp, k, layout.ns_steps, ns_b, model)[0]
-        for k in auto_modes(ns_b)
-    }
-    best = min(options, key=lambda k: model.seconds(options[k]))
-    return options[best], best
+
+    def cost(mode: str) -> TPCost:
+        return tp_ns_cost(m.shape, m.tp_dim, layout.tp, mode, layout.ns_steps, ns_b, model)[0]
+
+    best, chosen = pick_auto(cost, ns_b, model)
+    return chosen, best
 
 
 def unit_costs(
@@ -701,12 +700,13 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
 def _tp_modes(
     slots: list[Slot], by_stage: list[list[_Group]], layout: Layout, hw: Hardware
 ) -> dict[str, Any]:
-    """Per TP mode: bytes, collective rounds, flops and modelled time of the busiest rank;
-    what auto picks and the forms distributed and gram take, counted over the matrices.
+    """Per TP mode (each of the orthogonalizer's TP_MODES, and auto): bytes, collective
+    rounds, flops and modelled time of the busiest rank; what auto picks and the forms the
+    modes take, counted over the matrices.
 
     Costs and the auto choice come from the tensor-parallel orthogonalizer's cost model
-    (`tp_cost`, `CostModel.seconds`, its choice of distributed form), with the hardware's
-    TP-link bandwidth and latency and its Newton-Schulz matmul rate.
+    (`mode_cost`, `CostModel.seconds`, `pick_auto`), with the hardware's TP-link bandwidth
+    and latency and its Newton-Schulz matmul rate.
     """
     tp, steps = layout.tp, layout.ns_steps
     ns_b = DTYPE_BYTES[layout.ns_dtype]
@@ -715,9 +715,8 @@ def _tp_modes(
     def cost(m: Matrix, mode: str) -> tuple[TPCost, str]:
         if mode != "auto":
             return tp_ns_cost(m.shape, m.tp_dim, tp, mode, steps, ns_b, model)
-        options = {k: cost(m, k) for k in auto_modes(ns_b)}
-        best = min(options, key=lambda k: model.seconds(options[k][0]))
-        return options[best][0], best if m.tp_dim is not None and tp > 1 else ""
+        chosen, best = tp_auto_cost(m, layout, model)
+        return chosen, best if m.tp_dim is not None and tp > 1 else ""
 
     out: dict[str, Any] = {}
     picks: dict[str, int] = {}
@@ -733,7 +732,7 @@ def _tp_modes(
                         continue
                     c, choice = cost(m, mode)
                     rows.append((c.bytes_sent, c.flops, model.seconds(c), float(c.rounds)))
-                    if mode in ("auto", "distributed", "gram") and choice:
+                    if choice:  # auto's mode, or the form a mode takes
                         key = choice if mode == "auto" else f"{mode} form {choice}"
                         picks[key] = picks.get(key, 0) + 1
                 per_matrix[id(g.matrices)] = rows  # shared by an expert group's siblings
