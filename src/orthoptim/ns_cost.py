@@ -157,7 +157,10 @@ def iterate_bytes(form: NSForm, x: int, square: int, steps: int, into_out: bool)
       the first run, the X it made; the m×m matrices of a run (A, Q, R and the two products
       A·Q·Q in flight: 5 from its second step on when a third follows, 4 in a run of two, 2
       in a run of one; 4 when a run starts while the last one's A, Q, R are alive); and R·X
-      made afresh except in the last run when it writes into the output.
+      made afresh except in the last run when it writes into the output. `gram_form_run`
+      releases a run's matrices when it returns, so that "4 when a run starts" is an upper
+      bound; it can only count in a run of one step after another run (4, 7, ... steps),
+      never at the default 5.
     """
     if form == "step":
         return (x if steps == 1 and into_out else 2 * x) + 2 * square
