@@ -101,6 +101,14 @@ def parse_shapes(text: str, batched: bool = True) -> list[tuple[int, ...]]:
     return shapes
 
 
+def parse_sizes(text: str) -> list[int]:
+    """`--nproc`-style sizes as an argparse type: '2,4' → [2, 4] (argparse names the flag)."""
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes sizes like 2,4, got {text!r}") from None
+
+
 def parse_dtypes(text: str) -> list[torch.dtype]:
     """'float32,bfloat16' → dtypes, with a clear error naming the bad entry."""
     out = []

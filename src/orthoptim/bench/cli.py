@@ -20,6 +20,7 @@ BENCH_MODULES = (
     "orthoptim.bench.build",
     "orthoptim.bench.telemetry",
     "orthoptim.bench.reproducible",
+    "orthoptim.bench.calibrate",
 )
 
 

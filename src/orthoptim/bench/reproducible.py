@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from orthoptim import collectives as C
-from orthoptim.bench import environment
+from orthoptim.bench import environment, parse_sizes
 from orthoptim.bench.dist import gpt_model, spawn_gloo
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 
@@ -158,13 +158,6 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes sizes like 2,4, got {text!r}") from None
-
-
 def _cmd(args: argparse.Namespace) -> int:
     for n in args.nproc:
         if n < 2 or args.micro_batches % n:
@@ -190,7 +183,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "bytes at 2 and 4 gloo ranks",
     )
     p.add_argument(
-        "--nproc", type=_sizes, default=[2, 4], help="gloo ranks, comma-separated (default 2,4)"
+        "--nproc",
+        type=parse_sizes,
+        default=[2, 4],
+        help="gloo ranks, comma-separated (default 2,4)",
     )
     p.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT")
     p.add_argument("--width", type=int, default=128, help="model width of the GPT")

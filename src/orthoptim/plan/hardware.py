@@ -1,16 +1,32 @@
 """Accelerator descriptions for the planner: throughput, memory and link bandwidths.
 
-Shipped as JSON next to this module (`h200`, `gb300`); `load_hardware(path)` reads a custom
-file of the same keys. Figures are datasheet dense rates; `matmul_efficiency` is the fraction
-of peak a large Newton-Schulz matmul reaches, `model_mfu` the model's own utilisation.
+Shipped as JSON next to this module (`h100`, `h200`, `gb300`); `load_hardware(path)` reads a
+custom file of the same keys, such as one `orthoptim bench calibrate` measured. The shipped
+figures are datasheet dense rates; `matmul_efficiency` is the fraction of peak a large
+Newton-Schulz matmul reaches, `model_mfu` the model's own utilisation. Optional keys hold
+what a measurement adds (`memory_gb_per_s`, `matmul_tflops` per dtype and shape class,
+`collectives` per kind and group size), and `sources` says where each figure comes from.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from pathlib import Path
+from typing import Any, Literal, get_args
+
+MatmulDtype = Literal["bf16", "fp32"]
+# square: n×n·n×n; gram: X·Xᵀ of a wide X (Newton-Schulz's products); small: a small square
+MatmulShape = Literal["square", "gram", "small"]
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+# the keys of one `collectives` entry: bytes each rank sends per second, fixed cost per call
+LINK_KEYS = ("gb_per_s", "latency_us")
+# fields that name or describe the hardware rather than give a figure
+TEXT_FIELDS = ("name", "description", "sources")
+# the keys a hardware file may leave out (the figures a measurement adds, and the text)
+OPTIONAL_FIELDS = ("description", "memory_gb_per_s", "matmul_tflops", "collectives", "sources")
 
 # Published Muon vs AdamW throughput on GB300 NVL72 (NVIDIA technical blog "Advancing
 # Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron", Megatron Bridge
@@ -35,7 +51,14 @@ PUBLISHED_GB300 = {
 
 @dataclass(frozen=True)
 class Hardware:
-    """One accelerator and its interconnect (bandwidths per GPU, per direction)."""
+    """One accelerator and its interconnect (bandwidths per GPU, per direction).
+
+    The optional tables hold measured figures (`orthoptim bench calibrate`) and take
+    precedence where present: `matmul_tflops[dtype][shape]` in TFLOP/s,
+    `collectives[kind][group size]` as {"gb_per_s": bytes each rank sends per second ÷ 1e9,
+    "latency_us": one call's fixed cost}; `sources[field]` says where a figure comes from
+    ("datasheet: ...", "measured <date>: ...", "assumed: ...").
+    """
 
     name: str
     bf16_tflops: float
@@ -49,9 +72,19 @@ class Hardware:
     intra_node_latency_us: float
     inter_node_latency_us: float
     description: str = ""
+    memory_gb_per_s: float | None = None
+    matmul_tflops: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
+    collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict, hash=False)
+    sources: dict[str, str] = field(default_factory=dict, hash=False)
 
-    def matmul_flops_per_s(self, dtype_bytes: int) -> float:
-        """Sustained matmul rate for Newton-Schulz in a 2-byte (bf16) or 4-byte dtype."""
+    def matmul_flops_per_s(self, dtype_bytes: int, shape: MatmulShape | None = None) -> float:
+        """Sustained matmul rate for Newton-Schulz in a 2-byte (bf16) or 4-byte dtype: the
+        measured rate of `shape` (default its Gram product) where `matmul_tflops` has it,
+        else the dense peak × `matmul_efficiency`."""
+        dtype = "bf16" if dtype_bytes <= 2 else "fp32"
+        measured = self.matmul_tflops.get(dtype, {}).get(shape or "gram")
+        if measured is not None:
+            return measured * 1e12
         peak = self.bf16_tflops if dtype_bytes <= 2 else self.fp32_tflops
         return peak * 1e12 * self.matmul_efficiency
 
@@ -61,6 +94,24 @@ class Hardware:
             return self.intra_node_gb_per_s * 1e9, self.intra_node_latency_us * 1e-6
         return self.inter_node_gb_per_s * 1e9, self.inter_node_latency_us * 1e-6
 
+    def collective(self, kind: CollectiveKind, group_size: int) -> tuple[float, float]:
+        """(bytes each rank sends per s, latency s) of one `kind` over `group_size` ranks: the
+        measured entry of `collectives` for that size, else `link(group_size)`."""
+        entry = self.collectives.get(kind, {}).get(str(group_size))
+        if entry is None:
+            return self.link(group_size)
+        return entry["gb_per_s"] * 1e9, entry["latency_us"] * 1e-6
+
+    def memory_bytes_per_s(self) -> float | None:
+        """Elementwise memory bandwidth (bytes read + written per s); None when not given."""
+        return None if self.memory_gb_per_s is None else self.memory_gb_per_s * 1e9
+
+    def to_json(self) -> str:
+        """The JSON text `load_hardware` reads back (optional keys left out when unset)."""
+        raw = {k: v for k, v in asdict(self).items() if v not in (None, {}, "")}
+        raw = {"name": raw.pop("name"), "description": raw.pop("description", ""), **raw}
+        return json.dumps(raw, indent=2) + "\n"
+
 
 def shipped_hardware() -> list[str]:
     """Names of the shipped hardware descriptions."""
@@ -69,7 +120,8 @@ def shipped_hardware() -> list[str]:
 
 
 def load_hardware(name_or_path: str | Path) -> Hardware:
-    """A shipped description (`h200`, `gb300`) or a JSON file with the `Hardware` fields."""
+    """A shipped description (`h100`, `h200`, `gb300`) or a JSON file with the `Hardware`
+    fields; a bad key or value is a ValueError naming the key and what it takes."""
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
@@ -92,20 +144,80 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
         raise ValueError(f"{origin}: expected a JSON object of hardware fields")
     known = {f.name for f in fields(Hardware)}
     unknown = sorted(set(raw) - known)
-    missing = sorted(
-        f.name for f in fields(Hardware) if f.name != "description" and f.name not in raw
-    )
+    required = [f.name for f in fields(Hardware) if f.name not in OPTIONAL_FIELDS]
+    missing = sorted(k for k in required if k not in raw)
     if unknown or missing:
         raise ValueError(
             f"{origin}: unknown key(s) {unknown}, missing key(s) {missing}; "
             f"a hardware file has the keys {sorted(known)}"
         )
-    hw = Hardware(**raw)
-    for f in fields(Hardware):
-        v = getattr(hw, f.name)
-        if f.name not in ("name", "description") and not (isinstance(v, int | float) and v > 0):
-            raise ValueError(f"{origin}: {f.name!r} must be a positive number, got {v!r}")
-    return hw
+    for key in required:
+        if key not in TEXT_FIELDS and not _positive(raw[key]):
+            raise ValueError(f"{origin}: {key!r} must be a positive number, got {raw[key]!r}")
+    _check_optional(raw, origin)
+    return Hardware(**raw)
+
+
+def _positive(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def _table(value: Any, where: str, origin: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """`value` (the file's key `where`) checked to be an object whose keys are among
+    `allowed` (any, when empty)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{origin}: {where!r} must be a JSON object, got {value!r}")
+    bad = sorted(k for k in value if allowed and k not in allowed)
+    if bad:
+        raise ValueError(f"{origin}: {where!r} has unknown key(s) {bad}; it takes {list(allowed)}")
+    return value
+
+
+def _check_optional(raw: dict[str, Any], origin: str) -> None:
+    """Validate the optional keys, naming the first bad one by its path in the file."""
+    for key in ("description", "name"):
+        if not isinstance(raw.get(key, ""), str):
+            raise ValueError(f"{origin}: {key!r} must be a string, got {raw[key]!r}")
+    gbs = raw.get("memory_gb_per_s")
+    if gbs is not None and not _positive(gbs):
+        raise ValueError(
+            f"{origin}: 'memory_gb_per_s' must be a positive number (or left out), got {gbs!r}"
+        )
+    rates = _table(raw.get("matmul_tflops", {}), "matmul_tflops", origin, get_args(MatmulDtype))
+    for dtype, by_shape in rates.items():
+        where = f"matmul_tflops.{dtype}"
+        for shape, v in _table(by_shape, where, origin, get_args(MatmulShape)).items():
+            if not _positive(v):
+                raise ValueError(
+                    f"{origin}: '{where}.{shape}' must be a positive number of TFLOP/s, got {v!r}"
+                )
+    kinds = _table(raw.get("collectives", {}), "collectives", origin, get_args(CollectiveKind))
+    for kind, sizes in kinds.items():
+        for size, entry in _table(sizes, f"collectives.{kind}", origin, ()).items():
+            where = f"collectives.{kind}.{size}"
+            if not size.isdigit() or int(size) < 2:
+                raise ValueError(f"{origin}: {where!r}: a group size is a whole number >= 2")
+            if not isinstance(entry, dict) or sorted(entry) != sorted(LINK_KEYS):
+                raise ValueError(
+                    f"{origin}: {where!r} must be an object with keys {list(LINK_KEYS)}"
+                )
+            for k in LINK_KEYS:
+                if not _positive(entry[k]):
+                    raise ValueError(
+                        f"{origin}: '{where}.{k}' must be a positive number, got {entry[k]!r}"
+                    )
+    figures = [f.name for f in fields(Hardware) if f.name not in TEXT_FIELDS]
+    for key, text in _table(raw.get("sources", {}), "sources", origin, tuple(figures)).items():
+        if not (isinstance(text, str) and text.strip()):
+            raise ValueError(
+                f"{origin}: 'sources.{key}' must say where the figure comes from, e.g. "
+                f'"datasheet: ..." or "measured <date>: ...", got {text!r}'
+            )
 
 
 def memory_verdict(peak: float, capacity: float, name: str, over: int = 0, ranks: int = 1) -> str:
