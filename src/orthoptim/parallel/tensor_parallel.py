@@ -83,7 +83,15 @@ from orthoptim.newton_schulz import (
     resolve_ns_dtype,
     squared_frobenius,
 )
-from orthoptim.shards import is_dtensor, packed_triangle_size, shard_sizes, unpack_upper
+from orthoptim.shards import (
+    is_dtensor,
+    pack_block_row,
+    packed_triangle_size,
+    shard_sizes,
+    triangle_block_size,
+    triangle_blocks,
+    unpack_upper,
+)
 
 TPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
 MODES: tuple[TPMode, ...] = get_args(TPMode)
@@ -115,30 +123,67 @@ SHAPES_KIND = "all_gather_shapes"  # plain shards: every rank's (k, rows, cols),
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds a mode is expected to take: bytes ÷ bandwidth + rounds·latency + flops ÷ throughput.
+    """Seconds a mode is expected to take: bytes ÷ bandwidth + rounds·latency + flops ÷
+    throughput (a symmetric product's flops weighted by `symmetric`) + bytes moved ÷
+    memory_bandwidth + ops·launch.
 
     `bandwidth` is bytes per second one rank pushes through a collective (ring algorithm),
-    `latency` the fixed cost of one collective, `throughput` the matmul flop rate. The
-    defaults describe a GPU node with NVLink; `calibrate` measures the actual group.
+    `latency` the fixed cost of one collective, `throughput` the matmul flop rate,
+    `symmetric` the time of a symmetric product (X·Xᵀ, b·A + c·A·A) ÷ the general product's
+    (below 1 where a SYRK computes one triangle), `memory_bandwidth` the bytes per second an
+    elementwise copy reads and writes, `launch` the fixed cost of one tensor operation. The
+    defaults describe a GPU node with NVLink; `for_device` gives figures for a CPU process
+    group instead, and `calibrate` measures the actual group.
     """
 
     bandwidth: float = 100e9
     latency: float = 20e-6
     throughput: float = 100e12
+    symmetric: float = 1.0
+    memory_bandwidth: float = 2e12
+    launch: float = 5e-6
 
     def __post_init__(self) -> None:
-        for name in ("bandwidth", "latency", "throughput"):
+        for name in (
+            "bandwidth",
+            "latency",
+            "throughput",
+            "symmetric",
+            "memory_bandwidth",
+            "launch",
+        ):
             value = getattr(self, name)
-            if not (value >= 0.0 and math.isfinite(value)) or (name != "latency" and value == 0):
+            positive = name not in ("latency", "launch")
+            if not (value >= 0.0 and math.isfinite(value)) or (positive and value == 0):
                 raise ValueError(f"CostModel.{name} must be a finite positive number, got {value}")
+
+    @classmethod
+    def for_device(cls, device: torch.device | str | None) -> CostModel:
+        """The default figures for ranks on `device`: the GPU node's (None or CUDA), or
+        CPU_FIGURES for CPU ranks over gloo."""
+        on = torch.device("cuda" if device is None else device)
+        return cls() if on.type != "cpu" else cls(**CPU_FIGURES)
 
     def seconds(self, cost: TPCost) -> float:
         """Expected time of a mode whose per-rank cost is `cost`."""
+        general = cost.flops - cost.symmetric_flops
         return (
             cost.bytes_sent / self.bandwidth
             + cost.rounds * self.latency
-            + cost.flops / self.throughput
+            + (general + self.symmetric * cost.symmetric_flops) / self.throughput
+            + cost.moved / self.memory_bandwidth
+            + cost.ops * self.launch
         )
+
+    def packs(self, k: int, m: int, world_size: int, element_size: int) -> bool:
+        """Whether all-reducing k symmetric m×m matrices as their packed upper triangle
+        (`shards.pack_upper`) beats sending them whole: the bytes it saves on the link
+        against its pass over memory and its per-block operations."""
+        if world_size < 2:
+            return False
+        ring = 2 * (world_size - 1) / world_size
+        saved = ring * k * (m * m - packed_triangle_size(m)) * element_size / self.bandwidth
+        return saved > self.seconds(pack_cost(k, m, element_size))
 
     @classmethod
     def calibrate(
@@ -150,7 +195,8 @@ class CostModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> CostModel:
-        """Measure bandwidth, latency and matmul throughput on `group` with a quick probe.
+        """Measure bandwidth, latency, matmul throughput, the symmetric products' speed-up,
+        memory bandwidth and launch cost on `group` with a quick probe.
 
         Every rank of `group` must call it. The slowest rank's figures are used on all ranks
         (a max all-reduce), so every rank's cost model, and hence `auto`'s choice, agrees.
@@ -179,27 +225,61 @@ class CostModel:
         a = torch.randn(matmul_size, matmul_size, dtype=dtype, device=dev)
         t_big = timed(lambda: collectives.all_reduce(big, group=group)) if n > 1 else 0.0
         t_tiny = timed(lambda: collectives.all_reduce(tiny, group=group)) if n > 1 else 0.0
-        t_mm = timed(lambda: a @ a)
-        times = torch.tensor([t_big, t_tiny, t_mm], dtype=torch.float64, device=dev)
+        t_mm = timed(lambda: a @ a.mT)
+        t_sym = timed(lambda: kernels.gram(a))
+        t_copy = timed(lambda: big.clone())
+        t_op = timed(lambda: tiny.add_(0.0))
+        times = torch.tensor(
+            [t_big, t_tiny, t_mm, t_sym, t_copy, t_op], dtype=torch.float64, device=dev
+        )
         collectives.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        t_big, t_tiny, t_mm = times.tolist()
-        defaults = cls()
+        t_big, t_tiny, t_mm, t_sym, t_copy, t_op = times.tolist()
+        defaults = cls.for_device(dev)
         sent = 2 * (n - 1) / n * big.numel() * elem
-        bandwidth = sent / max(t_big - t_tiny, 1e-9) if n > 1 else defaults.bandwidth
         return cls(
-            bandwidth=bandwidth,
+            bandwidth=sent / max(t_big - t_tiny, 1e-9) if n > 1 else defaults.bandwidth,
             latency=max(t_tiny, 0.0) if n > 1 else defaults.latency,
             throughput=2 * matmul_size**3 / max(t_mm, 1e-12),
+            symmetric=min(1.0, max(t_sym / max(t_mm, 1e-12), 1e-3)),
+            memory_bandwidth=2 * big.numel() * elem / max(t_copy, 1e-12),
+            launch=max(t_op, 0.0),
         )
+
+
+# CostModel figures for CPU ranks over gloo, one thread each, measured on the project's 2-core
+# machines with the ranks sharing the cores (`orthoptim bench tp --against eo`): a collective's
+# per-rank bandwidth and latency, one rank's matmul rate while the others compute too, the
+# blocked SYRK's time per symmetric product ÷ the general product's, a copy's bandwidth.
+CPU_FIGURES: dict[str, float] = {
+    "bandwidth": 0.5e9,
+    "latency": 400e-6,
+    "throughput": 25e9,
+    "symmetric": 0.65,
+    "memory_bandwidth": 5e9,
+    "launch": 10e-6,
+}
 
 
 @dataclass(frozen=True)
 class TPCost:
-    """Per-rank cost of orthogonalizing one batch: bytes sent, collective rounds, flops."""
+    """Per-rank cost of orthogonalizing one batch: bytes sent, collective rounds, flops (of
+    them `symmetric_flops` in symmetric products, whose SYRK computes one triangle), bytes
+    moved through memory by packing and reassembly, and the tensor operations doing it."""
 
     bytes_sent: float
     rounds: int
     flops: float
+    symmetric_flops: float = 0.0
+    moved: float = 0.0
+    ops: int = 0
+
+
+def pack_cost(k: int, m: int, element_size: int) -> TPCost:
+    """The memory traffic of packing k symmetric m×m matrices and unpacking the sum: about
+    three passes over the matrices, five operations per row block (`shards.triangle_blocks`)."""
+    return TPCost(
+        0.0, 0, 0.0, moved=3.0 * k * m * m * element_size, ops=5 * len(triangle_blocks(m))
+    )
 
 
 def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
@@ -208,9 +288,7 @@ def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
     Block rows s..e−1 cost (e−s)·(p−s) multiply-adds (a row slab times the columns from s on);
     about 4 blocks per rank, dealt largest first to the least loaded rank, balance that work.
     """
-    nblocks = max(1, min(p, 4 * world_size))
-    bounds = [round(i * p / nblocks) for i in range(nblocks + 1)]
-    blocks = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    blocks = triangle_blocks(p, 4 * world_size)
     load = [0] * world_size
     plan: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
     for a, b in sorted(blocks, key=lambda blk: -(blk[1] - blk[0]) * (p - blk[0])):
@@ -220,32 +298,24 @@ def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
     return [sorted(blks) for blks in plan]
 
 
-def _packed_offset(row: int, p: int) -> int:
-    """Index of element (row, row) in the packed upper triangle of a p×p matrix."""
-    return row * p - row * (row - 1) // 2
-
-
-def _block_count(a: int, b: int, p: int) -> int:
-    return _packed_offset(b, p) - _packed_offset(a, p)
-
-
 def _distributed_flops(
     p: int, q: int, q_local: int, world_size: int, form: str
-) -> tuple[float, float]:
-    """(flops per step per matrix, elements all-gathered per step per matrix) of a form, for
-    a p×q matrix sharded along q (q_local on the busiest rank)."""
+) -> tuple[float, float, float]:
+    """(flops per step per matrix, of them in symmetric products, elements all-gathered per
+    step per matrix) of a form, for a p×q matrix sharded along q (q_local on the busiest
+    rank). The partial Gram and, in the square form, b·A + c·A·A are symmetric products."""
     if form == "rows":
-        return 4 * q_local * q * p + 2 * q_local * q * q, float(q_local * (p + q))
+        return 4 * q_local * q * p + 2 * q_local * q * q, 0.0, float(q_local * (p + q))
     gram = 2 * p * p * q_local
     if form == "apply":
-        return gram + 4 * p * p * q_local, 0.0
+        return gram + 4 * p * p * q_local, gram, 0.0
     if form == "square":
-        return gram + 2 * p**3 + 2 * p * p * q_local, 0.0
+        return gram + 2 * p**3 + 2 * p * p * q_local, gram + 2 * p**3, 0.0
     if form == "split":
         plan = split_plan(p, world_size)
         share = max(sum(2 * (b - a) * p * (p - a) for a, b in blks) for blks in plan)
-        widest = max(sum(_block_count(a, b, p) for a, b in blks) for blks in plan)
-        return gram + share + 2 * p * p * q_local, float(widest)
+        widest = max(sum(triangle_block_size(a, b, p) for a, b in blks) for blks in plan)
+        return gram + share + 2 * p * p * q_local, gram, float(widest)
     raise ValueError(f"form must be one of {FORMS[1:]}, got {form!r}")
 
 
@@ -299,58 +369,130 @@ def tp_cost(
     steps: int,
     element_size: int,
     form: TPForm = "apply",
+    packed: bool = True,
 ) -> TPCost:
     """Per-rank cost of `mode` on k global rows×cols matrices sharded along `shard_dim` (0/1).
 
     `form` is distributed mode's way of applying B (apply, square, split or rows); gram
-    mode's form follows from the shape (`gram_mode_form`).
+    mode's form follows from the shape (`gram_mode_form`). `packed`: the Gram all-reduces
+    send the packed upper triangle (`CostModel.packs` decides it for the runtime).
 
-    Flops count plain matmuls (2·m·n·k each). Bytes are what one rank sends under the ring
-    algorithm, as `comm_bytes.CommStats` records them.
+    Flops count plain matmuls (2·m·n·k each), those of symmetric products apart. Bytes are
+    what one rank sends under the ring algorithm, as `comm_bytes.CommStats` records them;
+    bytes moved, what packing and the reassembly of gathered pieces read and write.
     """
-    T = world_size
-    m, n = min(rows, cols), max(rows, cols)
+    shape = _CostShape(k, rows, cols, shard_dim, world_size, steps, element_size, packed)
     if mode == "duplicated":
-        widest = max(shard_sizes((rows, cols)[shard_dim], T))
-        other = (cols, rows)[shard_dim]
-        sent = (T - 1) * k * widest * other * element_size
-        flops = steps * k * (4 * m * m * n + 2 * m**3)
-        return TPCost(sent, 1 if T > 1 else 0, flops)
+        return _duplicated_cost(shape)
     if mode == "distributed":
-        q = (rows, cols)[shard_dim]
-        p = (cols, rows)[shard_dim]
-        q_local = max(shard_sizes(q, T))
         if form == "auto":
-            raise ValueError("tp_cost needs a concrete form (apply, square or split)")
-        per_step, gathered = _distributed_flops(p, q, q_local, T, form)
-        ring = 2 * (T - 1) / T
-        gram = 0.0 if form == "rows" else ring * k * packed_triangle_size(p)
-        gram *= element_size
-        split = (T - 1) * k * gathered * element_size
-        norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
-        rounds = (steps * (2 if form in ("split", "rows") else 1) + 1) if T > 1 else 0
-        return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
+            raise ValueError("tp_cost needs a concrete form (apply, square, split or rows)")
+        return _distributed_cost(shape, form)
     if mode == "gram":
-        q = (rows, cols)[shard_dim]
-        p = (cols, rows)[shard_dim]
-        q_local = max(shard_sizes(q, T))
-        if gram_mode_form(rows, cols, shard_dim) == "rows":
-            per_step, gathered = _distributed_flops(p, q, q_local, T, "rows")
-            sent = steps * (T - 1) * k * gathered * element_size
-            return TPCost(sent, 2 * steps if T > 1 else 0, steps * k * per_step)
-        ring = 2 * (T - 1) / T
-        runs = gram_runs(steps)
-        sent = len(runs) * ring * k * packed_triangle_size(p) * element_size
-        # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p
-        # products), R (L − 1) and A ← A·Q·Q (2·(L − 1))
-        flops = sum(4 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
-        return TPCost(sent, len(runs) if T > 1 else 0, k * flops)
+        return _gram_cost(shape)
     if mode == "blockwise":
-        local = [rows, cols]
-        local[shard_dim] = max(shard_sizes(local[shard_dim], T))
-        ml, nl = min(local), max(local)
-        return TPCost(0.0, 0, steps * k * (4 * ml * ml * nl + 2 * ml**3))
+        return _blockwise_cost(shape)
     raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class _CostShape:
+    """What a mode's cost depends on: k global rows×cols matrices split along `shard_dim`
+    over `world_size` ranks, `steps` iterations, `element_size` bytes on the wire."""
+
+    k: int
+    rows: int
+    cols: int
+    shard_dim: int
+    world_size: int
+    steps: int
+    element_size: int
+    packed: bool
+
+    @property
+    def q(self) -> int:  # the split side
+        return (self.rows, self.cols)[self.shard_dim]
+
+    @property
+    def p(self) -> int:  # the other side: the Gram over the split side is p×p
+        return (self.cols, self.rows)[self.shard_dim]
+
+    @property
+    def q_local(self) -> int:  # the busiest rank's share of the split side
+        return max(shard_sizes(self.q, self.world_size))
+
+    @property
+    def ring(self) -> float:
+        return 2 * (self.world_size - 1) / self.world_size
+
+    def gram_bytes(self) -> float:
+        """Bytes one rank sends all-reducing the k p×p Gram matrices once."""
+        elems = packed_triangle_size(self.p) if self.packed else self.p * self.p
+        return self.ring * self.k * elems * self.element_size
+
+    def packing(self) -> TPCost:
+        """The memory traffic of one Gram all-reduce's packing (none when sent whole)."""
+        if not self.packed or self.world_size < 2:
+            return TPCost(0.0, 0, 0.0)
+        return pack_cost(self.k, self.p, self.element_size)
+
+
+def _duplicated_cost(c: _CostShape) -> TPCost:
+    m, n = min(c.rows, c.cols), max(c.rows, c.cols)
+    sent = (c.world_size - 1) * c.k * c.q_local * c.p * c.element_size
+    flops = c.steps * c.k * (4 * m * m * n + 2 * m**3)
+    symmetric = c.steps * c.k * (2 * m * m * n + 2 * m**3)
+    moved = 2.0 * c.k * c.rows * c.cols * c.element_size  # the gathered blocks joined, once
+    return TPCost(sent, 1 if c.world_size > 1 else 0, flops, symmetric, moved)
+
+
+def _distributed_cost(c: _CostShape, form: str) -> TPCost:
+    per_step, symmetric, gathered = _distributed_flops(c.p, c.q, c.q_local, c.world_size, form)
+    gram = 0.0 if form == "rows" else c.gram_bytes()
+    split = (c.world_size - 1) * c.k * gathered * c.element_size
+    norm = c.ring * c.k * max(4, c.element_size)  # the norm is summed in fp32 (fp64 for fp64)
+    rounds = c.steps * (2 if form in ("split", "rows") else 1) + 1 if c.world_size > 1 else 0
+    packing = c.packing() if form != "rows" else TPCost(0.0, 0, 0.0)
+    joined = 2.0 * c.world_size * c.k * gathered * c.element_size  # gathered pieces joined
+    return TPCost(
+        c.steps * (gram + split) + norm,
+        rounds,
+        c.steps * c.k * per_step,
+        c.steps * c.k * symmetric,
+        c.steps * (joined + packing.moved),
+        c.steps * packing.ops,
+    )
+
+
+def _gram_cost(c: _CostShape) -> TPCost:
+    p, q_local, T = c.p, c.q_local, c.world_size
+    if gram_mode_form(c.rows, c.cols, c.shard_dim) == "rows":
+        per_step, _, gathered = _distributed_flops(p, c.q, q_local, T, "rows")
+        sent = c.steps * (T - 1) * c.k * gathered * c.element_size
+        moved = c.steps * 2.0 * T * c.k * gathered * c.element_size
+        return TPCost(sent, 2 * c.steps if T > 1 else 0, c.steps * c.k * per_step, 0.0, moved)
+    runs = gram_runs(c.steps)
+    # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p products),
+    # R (L − 1) and A ← A·Q·Q (2·(L − 1)): all but the apply symmetric
+    flops = sum(4 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
+    symmetric = sum(2 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
+    packing = c.packing()
+    return TPCost(
+        len(runs) * c.gram_bytes(),
+        len(runs) if T > 1 else 0,
+        c.k * flops,
+        c.k * symmetric,
+        len(runs) * packing.moved,
+        len(runs) * packing.ops,
+    )
+
+
+def _blockwise_cost(c: _CostShape) -> TPCost:
+    local = [c.rows, c.cols]
+    local[c.shard_dim] = c.q_local
+    ml, nl = min(local), max(local)
+    flops = c.steps * c.k * (4 * ml * ml * nl + 2 * ml**3)
+    return TPCost(0.0, 0, flops, c.steps * c.k * (2 * ml * ml * nl + 2 * ml**3))
 
 
 @dataclass(frozen=True)
@@ -410,7 +552,7 @@ class TensorParallelOrthogonalizer:
         self.ns_dtype = ns_dtype
         self.eps = eps
         self.form = form
-        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.cost_model = cost_model
         self.stats = stats if stats is not None else CommStats()
         self.last_modes: list[str] = []
         self.last_forms: list[str] = []
@@ -419,6 +561,11 @@ class TensorParallelOrthogonalizer:
         """Replace the cost model by one measured on this group (`CostModel.calibrate`)."""
         self.cost_model = CostModel.calibrate(self.group, **kw)
         return self.cost_model
+
+    def model_for(self, device: torch.device | str | None) -> CostModel:
+        """The cost model `auto` and the Gram packing decide by: the one given (or
+        calibrated), else `CostModel.for_device(device)`."""
+        return self.cost_model if self.cost_model is not None else CostModel.for_device(device)
 
     # -- entry point -------------------------------------------------------------------------
 
@@ -466,9 +613,9 @@ class TensorParallelOrthogonalizer:
         layout: _Layout,
         device: torch.device | str | None = None,
     ) -> str:
-        """The mode for k global rows×cols float32 matrices on `device`: `mode`, or the cost
-        model's pick. The bytes on the wire are priced in the Newton-Schulz dtype there;
-        `device` None assumes CUDA, the GPU node the default `CostModel` describes."""
+        """The mode for k global rows×cols float32 matrices on `device`: `mode`, or the pick
+        of the cost model for `device` (`model_for`). The bytes on the wire are priced in the
+        Newton-Schulz dtype there; `device` None assumes CUDA."""
         if layout.dim is None or layout.world_size == 1:
             return "blockwise" if self.mode == "blockwise" else "local"
         if self.mode != "auto":
@@ -477,12 +624,14 @@ class TensorParallelOrthogonalizer:
         on = torch.device("cuda") if device is None else device
         elem = resolve_ns_dtype(self.ns_dtype, on, torch.float32).itemsize
         args = (k, rows, cols, shard, layout.world_size, self.steps, elem)
-        form = self.choose_form(*args)
+        model = self.model_for(on)
+        packed = model.packs(k, (cols, rows)[shard], layout.world_size, elem)
+        form = self.choose_form(*args, device=on)
         costs = {
-            k: self.cost_model.seconds(
-                tp_cost(k, *args, form=form) if k == "distributed" else tp_cost(k, *args)
+            mode: model.seconds(
+                tp_cost(mode, *args, form=form if mode == "distributed" else "apply", packed=packed)
             )
-            for k in auto_modes(elem)
+            for mode in auto_modes(elem)
         }
         return min(costs, key=costs.__getitem__)
 
@@ -495,14 +644,17 @@ class TensorParallelOrthogonalizer:
         world_size: int,
         steps: int,
         element_size: int,
+        device: torch.device | str | None = None,
     ) -> str:
-        """Distributed mode's form for this shape: `form`, or the cost model's cheapest."""
+        """Distributed mode's form for this shape: `form`, or the cheapest by the cost model
+        for `device` (None: CUDA)."""
         if self.form != "auto":
             return self.form
+        model = self.model_for(torch.device("cuda") if device is None else device)
+        args = (k, rows, cols, shard_dim, world_size, steps, element_size)
+        packed = model.packs(k, (cols, rows)[shard_dim], world_size, element_size)
         costs = {
-            f: self.cost_model.seconds(
-                tp_cost("distributed", k, rows, cols, shard_dim, world_size, steps, element_size, f)
-            )
+            f: model.seconds(tp_cost("distributed", *args, form=f, packed=packed))
             for f in FORMS[1:]
         }
         return min(costs, key=costs.__getitem__)
@@ -598,14 +750,15 @@ class TensorParallelOrthogonalizer:
         rows, cols = (p, sum(layout.sizes)) if layout.dim == -1 else (sum(layout.sizes), p)
         shard = 1 if layout.dim == -1 else 0
         elem = torch.empty((), dtype=compute).element_size()
-        form = self.choose_form(k, rows, cols, shard, layout.world_size, self.steps, elem)
+        form = self.choose_form(k, rows, cols, shard, layout.world_size, self.steps, elem, W.device)
+        packed = self.model_for(W.device).packs(k, p, layout.world_size, elem)
         self.last_forms.append(form)
         if form == "rows":
             out = self._rows_iteration(W.mT, layout)
             return (out.mT if layout.dim == -1 else out).to(X.dtype).contiguous()
         for a, b, c in self.schedule:
             A = collectives.all_reduce_symmetric(
-                kernels.gram(W), group=layout.group, stats=self.stats, kind=GRAM_KIND
+                kernels.gram(W), layout.group, self.stats, GRAM_KIND, packed
             )
             if form == "apply":
                 AW = A @ W
@@ -638,11 +791,12 @@ class TensorParallelOrthogonalizer:
         self.last_forms.append("gram")
         Z = W.to(compute)
         syrk, sym_matmul = kernels.syrk_for(Z), kernels.sym_matmul_for(Z)
+        packed = self.model_for(Z.device).packs(Z.shape[0], p, layout.world_size, Z.element_size())
         restarts = range(0, len(self.schedule), GRAM_FORM_RESTART)  # as newton_schulz_gram_form
         for i, start in enumerate(restarts):
             run = self.schedule[start : start + GRAM_FORM_RESTART]
             A = collectives.all_reduce_symmetric(
-                syrk(Z, None, 0.0, 1.0), group=layout.group, stats=self.stats, kind=GRAM_KIND
+                syrk(Z, None, 0.0, 1.0), layout.group, self.stats, GRAM_KIND, packed
             )
             if i == 0:  # ‖X‖_F² = tr A: normalise X and A
                 norm = self._norm(A.diagonal(dim1=-2, dim2=-1).to(norm_dtype).sum(dim=-1))
@@ -685,13 +839,14 @@ class TensorParallelOrthogonalizer:
         """B = b·A + c·A·A with each rank computing its share of the upper triangle."""
         k, p = A.shape[0], A.shape[-1]
         plan = split_plan(p, layout.world_size)
-        pieces = []
-        for lo, hi in plan[layout.rank]:
-            slab = torch.baddbmm(A[:, lo:hi, lo:], A[:, lo:hi, :], A[:, :, lo:], beta=b, alpha=c)
-            r, cidx = torch.triu_indices(hi - lo, p - lo, device=A.device)
-            pieces.append(slab[:, r, cidx])
+        pieces = [
+            pack_block_row(
+                torch.baddbmm(A[:, lo:hi, lo:], A[:, lo:hi, :], A[:, :, lo:], beta=b, alpha=c)
+            )
+            for lo, hi in plan[layout.rank]
+        ]
         mine = torch.cat(pieces, dim=1) if pieces else A.new_zeros(k, 0)
-        counts = [sum(_block_count(lo, hi, p) for lo, hi in blks) for blks in plan]
+        counts = [sum(triangle_block_size(a, b, p) for a, b in blks) for blks in plan]
         parts = collectives.all_gatherv(
             mine.reshape(-1).contiguous(),
             [k * n for n in counts],
@@ -699,16 +854,17 @@ class TensorParallelOrthogonalizer:
             stats=self.stats,
             kind=SPLIT_KIND,
         ).wait()
-        packed = A.new_empty(k, packed_triangle_size(p))
-        for blks, part, n in zip(plan, parts, counts):
-            part = part.view(k, n)
-            at = 0
-            for lo, hi in blks:
-                size = _block_count(lo, hi, p)
-                start = _packed_offset(lo, p)
-                packed[:, start : start + size] = part[:, at : at + size]
-                at += size
-        return unpack_upper(packed, p)
+        # each rank's blocks, in the order pack_upper lays out the blocks of the whole triangle
+        placed: list[tuple[tuple[int, int], Tensor]] = []
+        for blks, part in zip(plan, parts):
+            sizes = [triangle_block_size(lo, hi, p) for lo, hi in blks]
+            starts = itertools.accumulate(sizes, initial=0)
+            placed += [
+                (blk, part.view(k, -1).narrow(1, at, n)) for blk, at, n in zip(blks, starts, sizes)
+            ]
+        placed.sort(key=lambda blk_piece: blk_piece[0])
+        packed = torch.cat([piece for _, piece in placed], dim=1)
+        return unpack_upper(packed, p, [blk for blk, _ in placed])
 
 
 def _dtensor_layout(mats: Any) -> _Layout:
