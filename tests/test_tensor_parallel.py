@@ -27,6 +27,9 @@ from orthoptim.shards import packed_triangle_size, shard_sizes
 
 from distributed import run_ranks
 
+# a slow link: the Gram matrices travel packed (`CostModel.packs`)
+PACKED = CostModel(bandwidth=1e3)
+
 STEPS = 5
 # fp32: the sharded iteration sums the Gram in another order than the single-device one;
 # five steps amplify that rounding to well under this (entries are O(1/sqrt(cols))).
@@ -74,7 +77,13 @@ def _sharded_modes(group, mesh):
             for mode, form in VARIANTS:
                 stats = CommStats()
                 orth = TensorParallelOrthogonalizer(
-                    group, mode=mode, shard_dim=shard_dim, steps=STEPS, form=form, stats=stats
+                    group,
+                    mode=mode,
+                    shard_dim=shard_dim,
+                    steps=STEPS,
+                    form=form,
+                    cost_model=PACKED,
+                    stats=stats,
                 )
                 out, flops = _matmul_flops(lambda o=orth, x=local: o(x))
                 expected = newton_schulz(local, steps=STEPS) if mode == "blockwise" else ref_local
@@ -102,6 +111,7 @@ def _sharded_modes(group, mesh):
             steps=STEPS,
             form="apply",
             ns_dtype=torch.bfloat16,
+            cost_model=PACKED,
             stats=stats,
         )
         out = orth(local)
@@ -299,7 +309,14 @@ def test_auto_prices_the_wire_in_the_dtype_of_the_device():
     priced = []
 
     def spy(orth):
-        orth.choose_form = lambda *args: priced.append(args[-1]) or "apply"
+        real = orth.mode_cost
+
+        def mode_cost(mode, k, rows, cols, shard_dim, world_size, element_size, device=None):
+            if mode == "distributed":  # one of auto's candidates, priced once per choice
+                priced.append(element_size)
+            return real(mode, k, rows, cols, shard_dim, world_size, element_size, device)
+
+        orth.mode_cost = mode_cost
         return orth
 
     auto = spy(TensorParallelOrthogonalizer())

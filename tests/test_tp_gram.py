@@ -36,6 +36,9 @@ from orthoptim.shards import packed_triangle_size, shard_sizes
 
 from distributed import run_ranks
 
+# a slow link: the Gram matrices travel packed (`CostModel.packs`)
+PACKED = CostModel(bandwidth=1e3)
+
 STEPS = 5
 # float64: the sharded Gram sums in another order and the norm comes from its trace; the
 # iteration amplifies that rounding (~1e-16) to about 1e-14 measured (wide, tall, square,
@@ -111,7 +114,9 @@ def _mode_checks(group, mesh):
         for shard_dim in dims:
             d = _matrix_dim(shape, shard_dim)
             local = G.chunk(T, dim=d)[rank].contiguous()
-            orth = TensorParallelOrthogonalizer(group, "gram", shard_dim, STEPS, stats=CommStats())
+            orth = TensorParallelOrthogonalizer(
+                group, "gram", shard_dim, STEPS, cost_model=PACKED, stats=CommStats()
+            )
             res[(name, shard_dim)] = _run(orth, local)
             # float32 and bf16 iterations against the standard float32 iteration
             for dt in (torch.float32, torch.bfloat16):
@@ -119,7 +124,9 @@ def _mode_checks(group, mesh):
                 res[(name, shard_dim, dt)] = orth(local.float())
     for j, (name, (shape, d)) in enumerate(UNEVEN.items()):
         D = distribute_tensor(_full(shape, seed=50 + j), mesh, [Shard(d)])
-        orth = TensorParallelOrthogonalizer(mode="gram", steps=STEPS, stats=CommStats())
+        orth = TensorParallelOrthogonalizer(
+            mode="gram", steps=STEPS, cost_model=PACKED, stats=CommStats()
+        )
         got = _run(orth, D)
         got["placements"] = got["out"].placements == D.placements
         got["out"] = got["out"].full_tensor()

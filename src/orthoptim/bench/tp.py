@@ -16,18 +16,22 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.utils.flop_counter import FlopCounterMode
 
 from orthoptim import collectives, kernels
-from orthoptim.bench import parse_shapes
+from orthoptim.bench import import_optional, parse_shapes
+from orthoptim.bench.ns import float32_matmul_precision
 from orthoptim.checkpoint import load_file
 from orthoptim.comm_bytes import CommStats
+from orthoptim.fileio import atomic_write_json
 from orthoptim.newton_schulz import newton_schulz
 from orthoptim.ns_cost import NS_STEPS, ns_flops
 from orthoptim.parallel.tensor_parallel import (
@@ -69,6 +73,16 @@ def _parse_modes(text: str) -> list[str]:
         if m not in labels:
             raise argparse.ArgumentTypeError(f"unknown mode {m!r}; choose from {', '.join(labels)}")
     return modes
+
+
+def _parse_cases(text: str) -> list[str]:
+    cases = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown or not cases:
+        raise argparse.ArgumentTypeError(
+            f"unknown case(s) {unknown or text!r}; choose from {', '.join(CASES)}"
+        )
+    return cases
 
 
 def _parse_dims(text: str) -> list[int]:
@@ -175,21 +189,194 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> list[dic
     return rows_out
 
 
+# The shapes the side-by-side table runs (`--cases`): k matrices of rows×cols split along
+# shard_dim (0: rows, a column-parallel weight; 1: columns, row-parallel).
+CASES: dict[str, tuple[int, int, int, int]] = {
+    "up": (1, 4096, 1024, 0),  # column-parallel up-projection, rows split
+    "down": (1, 1024, 4096, 1),  # row-parallel down-projection, columns split
+    "sq": (1, 2048, 2048, 0),  # square, rows split
+    "stack": (4, 1024, 1024, 0),  # a stack of square matrices, rows split
+    "kv": (1, 1024, 4096, 0),  # k/v projection split along its short side
+}
+# orthoptim's variants in the side-by-side table: (label, mode, form)
+OURS: tuple[tuple[str, str, str], ...] = (
+    ("duplicated", "duplicated", "auto"),
+    ("distributed/apply", "distributed", "apply"),
+    ("distributed/square", "distributed", "square"),
+    ("distributed/rows", "distributed", "rows"),
+    ("gram", "gram", "auto"),
+    ("auto", "auto", "auto"),
+)
+EO_MODULE = "emerging_optimizers.orthogonalized_optimizers.muon_utils"
+RIGHT = 1e-3  # a variant within this relative deviation of the float64 result is "right"
+
+
+def import_eo() -> tuple[Any, str]:
+    """Emerging-Optimizers' muon_utils and a note on how it was imported. 0.3.0 declares
+    Python ≥ 3.12 and imports `typing.override`; on 3.11 that name is taken from
+    typing_extensions for the import, and the note says so."""
+    import typing
+
+    note = ""
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+        note = "typing.override aliased from typing_extensions (Python < 3.12)"
+    eo, reason = import_optional(EO_MODULE)
+    if eo is None or not hasattr(eo, "newton_schulz_tp"):
+        raise SystemExit(
+            f"--against eo: {reason or 'this emerging_optimizers has no newton_schulz_tp'}; "
+            "install emerging-optimizers (0.3.0 has newton_schulz_tp) to compare"
+        )
+    return eo, note
+
+
+def _variants(
+    local: Tensor, shard_dim: int, steps: int, eo: Any | None
+) -> dict[str, Callable[[], Tensor]]:
+    """The callables timed side by side on this rank's shard `local` [k, rows_i, cols_i]."""
+    out: dict[str, Callable[[], Tensor]] = {}
+    for label, mode, form in OURS:
+        orth = TensorParallelOrthogonalizer(mode=mode, shard_dim=shard_dim, steps=steps, form=form)
+        out[label] = lambda o=orth: o(local)
+    if eo is not None:
+        group = dist.group.WORLD
+        x = local if local.shape[0] > 1 else local[0]
+        tensor_dim = shard_dim + x.ndim - 2
+
+        def eo_run(tp_mode: str) -> Tensor:
+            # distributed: partition_dim says which matrix side is split (0 transposes);
+            # duplicated: the tensor dim the shards are concatenated along
+            dim = shard_dim if tp_mode == "distributed" else tensor_dim
+            with float32_matmul_precision("highest"):
+                y = eo.newton_schulz_tp(x, steps, "quintic", group, dim, tp_mode)
+            return y.reshape(local.shape)
+
+        out["eo/distributed"] = lambda: eo_run("distributed")
+        out["eo/duplicated"] = lambda: eo_run("duplicated")
+    return out
+
+
+def _side_by_side_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every variant on every case, interleaved: per round each variant once (order rotated
+    round by round), the slowest rank's time kept."""
+    eo, note = import_eo() if args.against == "eo" else (None, "")
+    dev = collectives.device_for()
+    result: dict[str, Any] = {"note": note, "cases": {}}
+    for ci, name in enumerate(args.cases):
+        k, rows, cols, shard_dim = CASES[name]
+        rows, cols = rows // args.shrink, cols // args.shrink
+        G = torch.randn(k, rows, cols, generator=torch.Generator().manual_seed(ci))
+        ref = newton_schulz(G.double(), steps=args.steps).chunk(world_size, dim=1 + shard_dim)
+        local = G.chunk(world_size, dim=1 + shard_dim)[rank].contiguous()
+        variants = _variants(local, shard_dim, args.steps, eo)
+        deviation, chosen = {}, ""
+        for label, fn in variants.items():
+            out = fn()
+            err = torch.stack([(out.double() - ref[rank]).square().sum(), ref[rank].square().sum()])
+            collectives.all_reduce(err.to(dev))
+            deviation[label] = float((err[0] / err[1]).sqrt())
+        auto = TensorParallelOrthogonalizer(mode="auto", shard_dim=shard_dim, steps=args.steps)
+        auto(local)
+        chosen = auto.last_modes[0] + (f"/{auto.last_forms[0]}" if auto.last_forms else "")
+        labels = list(variants)
+        times: dict[str, list[float]] = {label: [] for label in labels}
+        for r in range(args.repeats):
+            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                collectives.barrier()
+                t0 = time.perf_counter()
+                variants[label]()
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+                collectives.all_reduce(t, op=dist.ReduceOp.MAX)
+                times[label].append(float(t.item()))
+        result["cases"][name] = {
+            "shape": [k, rows, cols],
+            "shard_dim": shard_dim,
+            "times": times,
+            "deviation": deviation,
+            "auto_chose": chosen,
+        }
+    return result
+
+
+def paired_ratios(times: dict[str, list[float]], right: set[str]) -> tuple[str, dict[str, float]]:
+    """The fastest right variant (lowest median time) and every variant's paired median ratio
+    to it: the median over rounds of its time ÷ the fastest one's in the same round."""
+    best = min(right, key=lambda label: statistics.median(times[label]))
+    return best, {
+        label: statistics.median(t / b for t, b in zip(ts, times[best]))
+        for label, ts in times.items()
+    }
+
+
+def _print_side_by_side(result: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Print the ratio table (variants × cases) and return its rows for `--json`."""
+    cases = result["cases"]
+    labels = list(next(iter(cases.values()))["times"])
+    rows: list[dict[str, Any]] = []
+    best: dict[str, str] = {}
+    for name, case in cases.items():
+        right = {lb for lb, d in case["deviation"].items() if d <= RIGHT}
+        best[name], ratios = paired_ratios(case["times"], right)
+        rows += [
+            {
+                "case": name,
+                "variant": label,
+                "median_s": statistics.median(case["times"][label]),
+                "ratio_to_fastest": ratios[label],
+                "fastest": best[name],
+                "deviation": case["deviation"][label],
+                "right": label in right,
+                "auto_chose": case["auto_chose"],
+            }
+            for label in labels
+        ]
+    ratio = {(r["case"], r["variant"]): r for r in rows}
+    print(
+        f"T = {args.nproc} gloo ranks, {args.threads} thread(s) each, float32, {args.steps} "
+        f"steps: time ÷ the fastest right variant, paired median of {args.repeats} "
+        "interleaved rounds (slowest rank)"
+    )
+    if result["note"]:
+        print(f"emerging_optimizers imported with {result['note']}")
+    head = f"{'variant':<20}" + "".join(f"{n:>9}" for n in cases)
+    print(head)
+    print("-" * len(head))
+    for label in labels:
+        cells = [ratio[name, label] for name in cases]
+        print(
+            f"{label:<20}"
+            + "".join(f"{c['ratio_to_fastest']:8.2f}{' ' if c['right'] else '!'}" for c in cells)
+        )
+    ms = [ratio[name, best[name]]["median_s"] * 1e3 for name in cases]
+    print(f"{'fastest (ms)':<20}" + "".join(f"{t:8.0f} " for t in ms))
+    for name, case in cases.items():
+        print(f"  {name}: fastest {best[name]}, auto chose {case['auto_chose']}")
+    print(
+        f"!: more than {RIGHT:g} (relative Frobenius) from Newton-Schulz of the whole matrix in "
+        "float64; never the reference."
+    )
+    return rows
+
+
 def _worker(rank: int, world_size: int, port: int, outdir: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        result = _rank_main(rank, world_size, args)
+        side_by_side = args.against is not None or args.cases
+        main = _side_by_side_rank if side_by_side else _rank_main
+        result = main(rank, world_size, args)
         if rank == 0:
             torch.save(result, os.path.join(outdir, "result.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Spawn `args.nproc` gloo ranks, run the benchmark, return rank 0's rows."""
+def run(args: argparse.Namespace) -> Any:
+    """Spawn `args.nproc` gloo ranks, run the benchmark, return rank 0's result."""
     import socket
 
     with socket.socket() as s:
@@ -240,8 +427,23 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 def _cmd(args: argparse.Namespace) -> int:
     if args.nproc < 2:
         raise SystemExit(f"--nproc must be >= 2, got {args.nproc}")
-    rows = run(args)
-    _print(rows, args)
+    if args.shrink < 1 or any(
+        s % (args.shrink * args.nproc) for c in CASES.values() for s in c[1:3]
+    ):
+        raise SystemExit(
+            f"--shrink must divide every case's sides into shards of equal size at --nproc "
+            f"{args.nproc}, got {args.shrink}"
+        )
+    if args.against is not None or args.cases:
+        if args.against == "eo":
+            import_eo()  # refused here, before any rank starts, when it does not import
+        args.cases = args.cases or list(CASES)
+        rows = _print_side_by_side(run(args), args)
+        if args.json:
+            atomic_write_json(rows, args.json, indent=1)
+            print(f"wrote {args.json}")
+        return 0
+    _print(run(args), args)
     return 0
 
 
@@ -294,6 +496,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=("float32", "float64"),
         help="dtype of the matrices (default float32)",
     )
+    p.add_argument(
+        "--against",
+        choices=("eo",),
+        default=None,
+        help="also time NVIDIA Emerging-Optimizers' newton_schulz_tp (distributed and "
+        "duplicated), interleaved with orthoptim's modes on --cases (it must be installed)",
+    )
+    p.add_argument(
+        "--cases",
+        type=_parse_cases,
+        default=[],
+        help=f"side-by-side cases, comma-separated, from {', '.join(CASES)} (default all of them "
+        "when --against is given); each variant runs interleaved, ratios are paired medians",
+    )
+    p.add_argument(
+        "--shrink",
+        type=int,
+        default=1,
+        help="divide both sides of every case by this (a quick run; the table's figures are at 1)",
+    )
+    p.add_argument("--json", default=None, help="write the side-by-side rows to this JSON file")
     p.set_defaults(func=_cmd)
 
 

@@ -323,18 +323,24 @@ def all_reduce_symmetric(
     group: ProcessGroup | None = None,
     stats: CommStats | None = None,
     kind: str = "all_reduce",
+    packed: bool = True,
 ) -> Tensor:
-    """Sum symmetric [..., m, m] matrices over ranks, sending only the packed upper triangle.
+    """Sum symmetric [..., m, m] matrices over ranks; returns a new tensor, `A` is left as it was.
 
-    m(m+1)/2 elements cross the wire instead of m², half the bytes for large m.
-    Returns a new tensor; `A` is left as it was.
+    `packed`: send only the upper triangle (`shards.pack_upper`), m(m+1)/2 elements instead of
+    m², half the bytes for large m, for a pack and an unpack of about one pass over A each:
+    worth it where the link, not memory, is the bottleneck (`CostModel.packs`).
     """
     _, n = world(group)
     if n == 1:
         return A.clone()
-    packed = pack_upper(A).contiguous()
-    all_reduce(packed, group=group, stats=stats, kind=kind)
-    return unpack_upper(packed, A.shape[-1])
+    if not packed:
+        out = A.clone(memory_format=torch.contiguous_format)
+        all_reduce(out, group=group, stats=stats, kind=kind)
+        return out
+    flat = pack_upper(A)
+    all_reduce(flat, group=group, stats=stats, kind=kind)
+    return unpack_upper(flat, A.shape[-1])
 
 
 def barrier(group: ProcessGroup | None = None, stats: CommStats | None = None) -> None:

@@ -94,7 +94,14 @@ from orthoptim.parallel.tp_model import (
     duplicated_transient,
     local_transient,
 )
-from orthoptim.shards import is_dtensor, packed_triangle_size, shard_sizes, unpack_upper
+from orthoptim.shards import (
+    is_dtensor,
+    pack_block_row,
+    shard_sizes,
+    triangle_block_size,
+    triangle_blocks,
+    unpack_upper,
+)
 
 #: the shipped modes and "auto" (tests/test_mode_table.py: equal to ("auto", *TP_MODES))
 TPMode = Literal["auto", "duplicated", "distributed", "gram", "blockwise"]
@@ -127,8 +134,8 @@ class TPModeSpec:
     it (a method of `TensorParallelOrthogonalizer`); `transient` is the bytes a batch holds
     while it runs (`tp_model.TPBatch`), for the planner's memory model; `auto`: whether `auto`
     may pick it, for Newton-Schulz dtypes of at least `auto_min_bytes`; `form(orthogonalizer,
-    shape)` the form it takes for a batch (None: it has none), and `forms` those `form=` can
-    force, each benchmarked apart.
+    shape, cost model)` the form it takes for a batch (None: it has none), and `forms` those
+    `form=` can force, each benchmarked apart.
     """
 
     cost: ModeCost
@@ -136,7 +143,7 @@ class TPModeSpec:
     transient: Callable[[TPBatch], int]
     auto: bool = True
     auto_min_bytes: int = 0
-    form: Callable[[TensorParallelOrthogonalizer, TPShape], str] | None = None
+    form: Callable[[TensorParallelOrthogonalizer, TPShape, CostModel], str] | None = None
     forms: tuple[str, ...] = ()
 
 
@@ -146,9 +153,7 @@ def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
     Block rows s..e−1 cost (e−s)·(p−s) multiply-adds (a row slab times the columns from s on);
     about 4 blocks per rank, dealt largest first to the least loaded rank, balance that work.
     """
-    nblocks = max(1, min(p, 4 * world_size))
-    bounds = [round(i * p / nblocks) for i in range(nblocks + 1)]
-    blocks = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    blocks = triangle_blocks(p, 4 * world_size)
     load = [0] * world_size
     plan: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
     for a, b in sorted(blocks, key=lambda blk: -(blk[1] - blk[0]) * (p - blk[0])):
@@ -158,32 +163,24 @@ def split_plan(p: int, world_size: int) -> list[list[tuple[int, int]]]:
     return [sorted(blks) for blks in plan]
 
 
-def _packed_offset(row: int, p: int) -> int:
-    """Index of element (row, row) in the packed upper triangle of a p×p matrix."""
-    return row * p - row * (row - 1) // 2
-
-
-def _block_count(a: int, b: int, p: int) -> int:
-    return _packed_offset(b, p) - _packed_offset(a, p)
-
-
 def _distributed_flops(
     p: int, q: int, q_local: int, world_size: int, form: str
-) -> tuple[float, float]:
-    """(flops per step per matrix, elements all-gathered per step per matrix) of a form, for
-    a p×q matrix sharded along q (q_local on the busiest rank)."""
+) -> tuple[float, float, float]:
+    """(flops per step per matrix, of them in symmetric products, elements all-gathered per
+    step per matrix) of a form, for a p×q matrix sharded along q (q_local on the busiest
+    rank). The partial Gram and, in the square form, b·A + c·A·A are symmetric products."""
     if form == "rows":
-        return 4 * q_local * q * p + 2 * q_local * q * q, float(q_local * (p + q))
+        return 4 * q_local * q * p + 2 * q_local * q * q, 0.0, float(q_local * (p + q))
     gram = 2 * p * p * q_local
     if form == "apply":
-        return gram + 4 * p * p * q_local, 0.0
+        return gram + 4 * p * p * q_local, gram, 0.0
     if form == "square":
-        return gram + 2 * p**3 + 2 * p * p * q_local, 0.0
+        return gram + 2 * p**3 + 2 * p * p * q_local, gram + 2 * p**3, 0.0
     if form == "split":
         plan = split_plan(p, world_size)
         share = max(sum(2 * (b - a) * p * (p - a) for a, b in blks) for blks in plan)
-        widest = max(sum(_block_count(a, b, p) for a, b in blks) for blks in plan)
-        return gram + share + 2 * p * p * q_local, float(widest)
+        widest = max(sum(triangle_block_size(a, b, p) for a, b in blks) for blks in plan)
+        return gram + share + 2 * p * p * q_local, gram, float(widest)
     raise ValueError(f"form must be one of {FORMS[1:]}, got {form!r}")
 
 
@@ -215,77 +212,90 @@ def tp_cost(
     steps: int,
     element_size: int,
     form: str = "apply",
+    packed: bool = True,
 ) -> TPCost:
     """Per-rank cost of `mode` (a key of TP_MODES) on k global rows×cols matrices sharded
     along `shard_dim` (0/1) over `world_size` ranks: the table's cost function.
 
     `form` is distributed mode's way of applying B (apply, square, split or rows); gram
-    mode's form follows from the shape (`gram_mode_form`).
+    mode's form follows from the shape (`gram_mode_form`). `packed`: the Gram all-reduces
+    send the packed upper triangle (`CostModel.packs` decides it for the runtime).
 
-    Flops count plain matmuls (2·m·n·k each), as whole numbers. Bytes are what one rank sends
-    under the ring algorithm, as `comm_bytes.CommStats` records them.
+    Flops count plain matmuls (2·m·n·k each), those of symmetric products apart. Bytes are
+    what one rank sends under the ring algorithm, as `comm_bytes.CommStats` records them;
+    bytes moved, what packing and the reassembly of gathered pieces read and write.
     """
     if mode not in TP_MODES:
         raise ValueError(f"mode must be one of {tuple(TP_MODES)}, got {mode!r}")
-    shape = TPShape(k, rows, cols, shard_dim, world_size, steps, element_size)
+    shape = TPShape(k, rows, cols, shard_dim, world_size, steps, element_size, packed)
     return TP_MODES[mode].cost(shape, form)
 
 
 def _duplicated_cost(s: TPShape, form: str) -> TPCost:
     """duplicated: one all-gather of the shards, the whole plain iteration on every rank."""
-    k, rows, cols, shard_dim, T, steps, element_size = s
-    widest = max(shard_sizes((rows, cols)[shard_dim], T))
-    other = (cols, rows)[shard_dim]
-    sent = (T - 1) * k * widest * other * element_size
-    return TPCost(sent, 1 if T > 1 else 0, k * int(ns_flops(rows, cols, steps)))
+    m, n = min(s.rows, s.cols), max(s.rows, s.cols)
+    sent = (s.world_size - 1) * s.k * s.q_local * s.p * s.element_size
+    flops = s.k * int(ns_flops(s.rows, s.cols, s.steps))
+    symmetric = s.steps * s.k * (2 * m * m * n + 2 * m**3)  # X·Xᵀ and b·A + c·A·A
+    moved = 2.0 * s.k * s.rows * s.cols * s.element_size  # the gathered blocks joined, once
+    return TPCost(sent, 1 if s.world_size > 1 else 0, flops, symmetric, moved)
 
 
 def _distributed_cost(s: TPShape, form: str) -> TPCost:
-    """distributed, applying B in `form`: a packed Gram all-reduce per step (and the split
-    form's or the rows form's all-gathers), one norm all-reduce."""
-    k, rows, cols, shard_dim, T, steps, element_size = s
-    q = (rows, cols)[shard_dim]
-    p = (cols, rows)[shard_dim]
-    q_local = max(shard_sizes(q, T))
+    """distributed, applying B in `form`: a Gram all-reduce per step (and the split form's or
+    the rows form's all-gathers), one norm all-reduce."""
     if form == "auto":
-        raise ValueError("tp_cost needs a concrete form (apply, square or split)")
-    per_step, gathered = _distributed_flops(p, q, q_local, T, form)
-    ring = 2 * (T - 1) / T
-    gram = 0.0 if form == "rows" else ring * k * packed_triangle_size(p)
-    gram *= element_size
-    split = (T - 1) * k * gathered * element_size
-    norm = ring * k * max(4, element_size)  # the norm is summed in fp32 (fp64 for fp64)
-    rounds = (steps * (2 if form in ("split", "rows") else 1) + 1) if T > 1 else 0
-    return TPCost(steps * (gram + split) + norm, rounds, steps * k * per_step)
+        raise ValueError("tp_cost needs a concrete form (apply, square, split or rows)")
+    per_step, symmetric, gathered = _distributed_flops(s.p, s.q, s.q_local, s.world_size, form)
+    gram = 0.0 if form == "rows" else s.gram_bytes()
+    split = (s.world_size - 1) * s.k * gathered * s.element_size
+    norm = s.ring * s.k * max(4, s.element_size)  # the norm is summed in fp32 (fp64 for fp64)
+    rounds = s.steps * (2 if form in ("split", "rows") else 1) + 1 if s.world_size > 1 else 0
+    packing = s.packing() if form != "rows" else TPCost(0.0, 0, 0.0)
+    joined = 2.0 * s.world_size * s.k * gathered * s.element_size  # gathered pieces joined
+    return TPCost(
+        s.steps * (gram + split) + norm,
+        rounds,
+        s.steps * s.k * per_step,
+        s.steps * s.k * symmetric,
+        s.steps * (joined + packing.moved),
+        s.steps * packing.ops,
+    )
 
 
 def _gram_cost(s: TPShape, form: str) -> TPCost:
-    """gram: a packed Gram all-reduce per run of the Gram form and the small iteration on
-    every rank, or the rows form when split along the short side (`gram_mode_form`; `form`
-    is not read)."""
-    k, rows, cols, shard_dim, T, steps, element_size = s
-    q = (rows, cols)[shard_dim]
-    p = (cols, rows)[shard_dim]
-    q_local = max(shard_sizes(q, T))
-    if gram_mode_form(rows, cols, shard_dim) == "rows":
-        per_step, gathered = _distributed_flops(p, q, q_local, T, "rows")
-        sent = steps * (T - 1) * k * gathered * element_size
-        return TPCost(sent, 2 * steps if T > 1 else 0, steps * k * per_step)
-    ring = 2 * (T - 1) / T
-    runs = gram_runs(steps)
-    sent = len(runs) * ring * k * packed_triangle_size(p) * element_size
-    # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p
-    # products), R (L − 1) and A ← A·Q·Q (2·(L − 1))
+    """gram: a Gram all-reduce per run of the Gram form and the small iteration on every
+    rank, or the rows form when split along the short side (`gram_mode_form`; `form` is not
+    read)."""
+    p, q_local, T = s.p, s.q_local, s.world_size
+    if gram_mode_form(s.rows, s.cols, s.shard_dim) == "rows":
+        per_step, _, gathered = _distributed_flops(p, s.q, q_local, T, "rows")
+        sent = s.steps * (T - 1) * s.k * gathered * s.element_size
+        moved = s.steps * 2.0 * T * s.k * gathered * s.element_size
+        return TPCost(sent, 2 * s.steps if T > 1 else 0, s.steps * s.k * per_step, 0.0, moved)
+    runs = gram_runs(s.steps)
+    # per run of L steps: the Gram and the apply (2·p²·q_i each), then Q (L p×p products),
+    # R (L − 1) and A ← A·Q·Q (2·(L − 1)): all but the apply symmetric
     flops = sum(4 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
-    return TPCost(sent, len(runs) if T > 1 else 0, k * flops)
+    symmetric = sum(2 * p * p * q_local + (8 * L - 6) * p**3 for L in runs)
+    packing = s.packing()
+    return TPCost(
+        len(runs) * s.gram_bytes(),
+        len(runs) if T > 1 else 0,
+        s.k * flops,
+        s.k * symmetric,
+        len(runs) * packing.moved,
+        len(runs) * packing.ops,
+    )
 
 
 def _blockwise_cost(s: TPShape, form: str) -> TPCost:
     """blockwise: the plain iteration on the widest local shard, nothing sent."""
-    k, rows, cols, shard_dim, T, steps, _ = s
-    local = [rows, cols]
-    local[shard_dim] = max(shard_sizes(local[shard_dim], T))
-    return TPCost(0.0, 0, k * int(ns_flops(local[0], local[1], steps)))
+    local = [s.rows, s.cols]
+    local[s.shard_dim] = s.q_local
+    ml, nl = min(local), max(local)
+    flops = s.k * int(ns_flops(local[0], local[1], s.steps))
+    return TPCost(0.0, 0, flops, s.steps * s.k * (2 * ml * ml * nl + 2 * ml**3))
 
 
 @dataclass(frozen=True)
@@ -345,7 +355,7 @@ class TensorParallelOrthogonalizer:
         self.ns_dtype = ns_dtype
         self.eps = eps
         self.form = form
-        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.cost_model = cost_model
         self.stats = stats if stats is not None else CommStats()
         self.last_modes: list[str] = []
         self.last_forms: list[str] = []
@@ -354,6 +364,11 @@ class TensorParallelOrthogonalizer:
         """Replace the cost model by one measured on this group (`CostModel.calibrate`)."""
         self.cost_model = CostModel.calibrate(self.group, **kw)
         return self.cost_model
+
+    def model_for(self, device: torch.device | str | None) -> CostModel:
+        """The cost model `auto`, the form and the Gram packing decide by: the one given (or
+        calibrated), else `CostModel.for_device(device)` (None: CUDA)."""
+        return self.cost_model if self.cost_model is not None else CostModel.for_device(device)
 
     # -- entry point -------------------------------------------------------------------------
 
@@ -397,9 +412,9 @@ class TensorParallelOrthogonalizer:
         layout: _Layout,
         device: torch.device | str | None = None,
     ) -> str:
-        """The mode for k global rows×cols float32 matrices on `device`: `mode`, or the cost
-        model's pick (`pick_auto`). The bytes on the wire are priced in the Newton-Schulz dtype
-        there; `device` None assumes CUDA, the GPU node the default `CostModel` describes."""
+        """The mode for k global rows×cols float32 matrices on `device`: `mode`, or the pick
+        (`pick_auto`) of the cost model for `device` (`model_for`). The bytes on the wire are
+        priced in the Newton-Schulz dtype there; `device` None assumes CUDA."""
         if layout.dim is None or layout.world_size == 1:
             return "blockwise" if self.mode == "blockwise" else "local"
         if self.mode != "auto":
@@ -407,8 +422,9 @@ class TensorParallelOrthogonalizer:
         shard = 0 if layout.dim == -2 else 1
         on = torch.device("cuda") if device is None else device
         elem = resolve_ns_dtype(self.ns_dtype, on, torch.float32).itemsize
-        args = (k, rows, cols, shard, layout.world_size, elem)
-        return pick_auto(lambda mode: self.mode_cost(mode, *args)[0], elem, self.cost_model)[0]
+        args = (k, rows, cols, shard, layout.world_size, elem, on)
+        model = self.model_for(on)
+        return pick_auto(lambda mode: self.mode_cost(mode, *args)[0], elem, model)[0]
 
     def mode_cost(
         self,
@@ -419,14 +435,17 @@ class TensorParallelOrthogonalizer:
         shard_dim: int,
         world_size: int,
         element_size: int,
+        device: torch.device | str | None = None,
     ) -> tuple[TPCost, str]:
         """Per-rank cost of `mode` (a key of TP_MODES) on k global rows×cols matrices split
-        along `shard_dim` (0/1) over `world_size` ranks in `element_size`-byte elements, and
-        the form it takes there ("" for a mode without forms): the table's form and cost, at
-        this orthogonalizer's steps, `form` and cost model."""
+        along `shard_dim` (0/1) over `world_size` ranks in `element_size`-byte elements on
+        `device` (None: CUDA), and the form it takes there ("" for a mode without forms): the
+        table's form and cost, at this orthogonalizer's steps, `form` and cost model, the
+        Gram packed where that model says (`CostModel.packs`)."""
         spec = TP_MODES[mode]
-        shape = TPShape(k, rows, cols, shard_dim, world_size, self.steps, element_size)
-        form = spec.form(self, shape) if spec.form is not None else ""
+        model = self.model_for(device)
+        shape = self._shape(k, rows, cols, shard_dim, world_size, element_size, model)
+        form = spec.form(self, shape, model) if spec.form is not None else ""
         return spec.cost(shape, form or "apply"), form
 
     def choose_form(
@@ -436,19 +455,21 @@ class TensorParallelOrthogonalizer:
         cols: int,
         shard_dim: int,
         world_size: int,
-        steps: int,
         element_size: int,
+        device: torch.device | str | None = None,
     ) -> str:
-        """Distributed mode's form for this shape: `form`, or the cost model's cheapest."""
-        if self.form != "auto":
-            return self.form
-        costs = {
-            f: self.cost_model.seconds(
-                tp_cost("distributed", k, rows, cols, shard_dim, world_size, steps, element_size, f)
-            )
-            for f in FORMS[1:]
-        }
-        return min(costs, key=costs.__getitem__)
+        """Distributed mode's form for this shape on `device` (None: CUDA): `form`, or the
+        cheapest by the cost model there."""
+        model = self.model_for(device)
+        shape = self._shape(k, rows, cols, shard_dim, world_size, element_size, model)
+        return _distributed_form(self, shape, model)
+
+    def _shape(
+        self, k: int, rows: int, cols: int, shard_dim: int, world_size: int, elem: int,
+        model: CostModel,
+    ) -> TPShape:  # fmt: skip
+        packed = model.packs(k, (cols, rows)[shard_dim], world_size, elem)
+        return TPShape(k, rows, cols, shard_dim, world_size, self.steps, elem, packed)
 
     # -- layouts -----------------------------------------------------------------------------
 
@@ -545,14 +566,16 @@ class TensorParallelOrthogonalizer:
         rows, cols = (p, sum(layout.sizes)) if layout.dim == -1 else (sum(layout.sizes), p)
         shard = 1 if layout.dim == -1 else 0
         elem = torch.empty((), dtype=compute).element_size()
-        form = self.choose_form(k, rows, cols, shard, layout.world_size, self.steps, elem)
+        model = self.model_for(W.device)
+        shape = self._shape(k, rows, cols, shard, layout.world_size, elem, model)
+        form = _distributed_form(self, shape, model)
         self.last_forms.append(form)
         if form == "rows":
             out = self._rows_iteration(W.mT, layout)
             return (out.mT if layout.dim == -1 else out).to(X.dtype).contiguous()
         for a, b, c in self.schedule:
             A = collectives.all_reduce_symmetric(
-                kernels.gram(W), group=layout.group, stats=self.stats, kind=GRAM_KIND
+                kernels.gram(W), layout.group, self.stats, GRAM_KIND, shape.packed
             )
             if form == "apply":
                 AW = A @ W
@@ -585,11 +608,12 @@ class TensorParallelOrthogonalizer:
         self.last_forms.append("gram")
         Z = W.to(compute)
         syrk, sym_matmul = kernels.syrk_for(Z), kernels.sym_matmul_for(Z)
+        packed = self.model_for(Z.device).packs(Z.shape[0], p, layout.world_size, Z.element_size())
         restarts = range(0, len(self.schedule), GRAM_FORM_RESTART)  # as newton_schulz_gram_form
         for i, start in enumerate(restarts):
             run = self.schedule[start : start + GRAM_FORM_RESTART]
             A = collectives.all_reduce_symmetric(
-                syrk(Z, None, 0.0, 1.0), group=layout.group, stats=self.stats, kind=GRAM_KIND
+                syrk(Z, None, 0.0, 1.0), layout.group, self.stats, GRAM_KIND, packed
             )
             if i == 0:  # ‖X‖_F² = tr A: normalise X and A
                 norm = self._norm(A.diagonal(dim1=-2, dim2=-1).to(norm_dtype).sum(dim=-1))
@@ -632,13 +656,14 @@ class TensorParallelOrthogonalizer:
         """B = b·A + c·A·A with each rank computing its share of the upper triangle."""
         k, p = A.shape[0], A.shape[-1]
         plan = split_plan(p, layout.world_size)
-        pieces = []
-        for lo, hi in plan[layout.rank]:
-            slab = torch.baddbmm(A[:, lo:hi, lo:], A[:, lo:hi, :], A[:, :, lo:], beta=b, alpha=c)
-            r, cidx = torch.triu_indices(hi - lo, p - lo, device=A.device)
-            pieces.append(slab[:, r, cidx])
+        pieces = [
+            pack_block_row(
+                torch.baddbmm(A[:, lo:hi, lo:], A[:, lo:hi, :], A[:, :, lo:], beta=b, alpha=c)
+            )
+            for lo, hi in plan[layout.rank]
+        ]
         mine = torch.cat(pieces, dim=1) if pieces else A.new_zeros(k, 0)
-        counts = [sum(_block_count(lo, hi, p) for lo, hi in blks) for blks in plan]
+        counts = [sum(triangle_block_size(a, b, p) for a, b in blks) for blks in plan]
         parts = collectives.all_gatherv(
             mine.reshape(-1).contiguous(),
             [k * n for n in counts],
@@ -646,24 +671,28 @@ class TensorParallelOrthogonalizer:
             stats=self.stats,
             kind=SPLIT_KIND,
         ).wait()
-        packed = A.new_empty(k, packed_triangle_size(p))
-        for blks, part, n in zip(plan, parts, counts):
-            part = part.view(k, n)
-            at = 0
-            for lo, hi in blks:
-                size = _block_count(lo, hi, p)
-                start = _packed_offset(lo, p)
-                packed[:, start : start + size] = part[:, at : at + size]
-                at += size
-        return unpack_upper(packed, p)
+        # each rank's blocks, in the order pack_upper lays out the blocks of the whole triangle
+        placed: list[tuple[tuple[int, int], Tensor]] = []
+        for blks, part in zip(plan, parts):
+            sizes = [triangle_block_size(lo, hi, p) for lo, hi in blks]
+            starts = itertools.accumulate(sizes, initial=0)
+            placed += [
+                (blk, part.view(k, -1).narrow(1, at, n)) for blk, at, n in zip(blks, starts, sizes)
+            ]
+        placed.sort(key=lambda blk_piece: blk_piece[0])
+        packed = torch.cat([piece for _, piece in placed], dim=1)
+        return unpack_upper(packed, p, [blk for blk, _ in placed])
 
 
-def _distributed_form(orth: TensorParallelOrthogonalizer, s: TPShape) -> str:
-    """Distributed mode's form: the orthogonalizer's `form`, or its cost model's pick."""
-    return orth.choose_form(*s)
+def _distributed_form(orth: TensorParallelOrthogonalizer, s: TPShape, model: CostModel) -> str:
+    """Distributed mode's form: the orthogonalizer's `form`, or the cheapest under `model`."""
+    if orth.form != "auto":
+        return orth.form
+    costs = {f: model.seconds(_distributed_cost(s, f)) for f in FORMS[1:]}
+    return min(costs, key=costs.__getitem__)
 
 
-def _gram_form(orth: TensorParallelOrthogonalizer, s: TPShape) -> str:
+def _gram_form(orth: TensorParallelOrthogonalizer, s: TPShape, model: CostModel) -> str:
     """Gram mode's form, from the shape alone (`gram_mode_form`)."""
     return gram_mode_form(s.rows, s.cols, s.shard_dim)
 
