@@ -242,16 +242,18 @@ def _variants(
         out[label] = lambda o=orth: o(local)
     if eo is not None:
         group = dist.group.WORLD
-        x = local if local.shape[0] > 1 else local[0]
-        tensor_dim = shard_dim + x.ndim - 2
 
         def eo_run(tp_mode: str) -> Tensor:
-            # distributed: partition_dim says which matrix side is split (0 transposes);
-            # duplicated: the tensor dim the shards are concatenated along
-            dim = shard_dim if tp_mode == "distributed" else tensor_dim
+            # one 2-D call per matrix, as its Muon orthogonalizes each parameter (a 3-D input's
+            # distributed mode normalises the whole stack by one norm); partition_dim is the
+            # matrix side split, which its distributed mode reads as "transpose when 0"
             with float32_matmul_precision("highest"):
-                y = eo.newton_schulz_tp(x, steps, "quintic", group, dim, tp_mode)
-            return y.reshape(local.shape)
+                return torch.stack(
+                    [
+                        eo.newton_schulz_tp(x, steps, "quintic", group, shard_dim, tp_mode)
+                        for x in local
+                    ]
+                )
 
         out["eo/distributed"] = lambda: eo_run("distributed")
         out["eo/duplicated"] = lambda: eo_run("duplicated")
@@ -303,7 +305,7 @@ def _side_by_side_rank(rank: int, world_size: int, args: argparse.Namespace) -> 
 def paired_ratios(times: dict[str, list[float]], right: set[str]) -> tuple[str, dict[str, float]]:
     """The fastest right variant (lowest median time) and every variant's paired median ratio
     to it: the median over rounds of its time ÷ the fastest one's in the same round."""
-    best = min(right, key=lambda label: statistics.median(times[label]))
+    best = min(sorted(right), key=lambda label: statistics.median(times[label]))
     return best, {
         label: statistics.median(t / b for t, b in zip(ts, times[best]))
         for label, ts in times.items()
