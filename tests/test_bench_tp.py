@@ -40,7 +40,8 @@ def test_side_by_side_runs_every_variant_on_every_case(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())
-    variants = [label for label, _, _ in OURS] + (["eo/distributed", "eo/duplicated"] if eo else [])
+    variants = [label for label, _, _ in OURS] + ["auto/calibrated"]
+    variants += ["eo/distributed", "eo/duplicated"] if eo else []
     assert {(r["case"], r["variant"]) for r in rows} == {
         (c, v) for c in ("up", "kv") for v in variants
     }
@@ -51,7 +52,8 @@ def test_side_by_side_runs_every_variant_on_every_case(tmp_path):
         assert ref["right"] and ref["ratio_to_fastest"] == 1.0
         # every orthoptim mode that claims the full result returns it
         assert all(r["right"] for r in mine if not r["variant"].startswith("eo/")), mine
-        assert mine[0]["auto_chose"].split("/")[0] in ("duplicated", "distributed", "gram")
+        for picked in mine[0]["auto_chose"].values():
+            assert picked.split("/")[0] in ("duplicated", "distributed", "gram")
     assert "auto chose" in run.stdout and "fastest (ms)" in run.stdout
 
 

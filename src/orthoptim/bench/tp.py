@@ -233,12 +233,17 @@ def import_eo() -> tuple[Any, str]:
 
 
 def _variants(
-    local: Tensor, shard_dim: int, steps: int, eo: Any | None
+    local: Tensor, shard_dim: int, steps: int, eo: Any | None, calibrated: CostModel
 ) -> dict[str, Callable[[], Tensor]]:
-    """The callables timed side by side on this rank's shard `local` [k, rows_i, cols_i]."""
+    """The callables timed side by side on this rank's shard `local` [k, rows_i, cols_i]:
+    orthoptim's modes (`auto` with the device's default figures and with `calibrated`) and,
+    given its module `eo`, Emerging-Optimizers' two modes."""
     out: dict[str, Callable[[], Tensor]] = {}
-    for label, mode, form in OURS:
-        orth = TensorParallelOrthogonalizer(mode=mode, shard_dim=shard_dim, steps=steps, form=form)
+    for label, mode, form in (*OURS, ("auto/calibrated", "auto", "auto")):
+        model = calibrated if label == "auto/calibrated" else None
+        orth = TensorParallelOrthogonalizer(
+            mode=mode, shard_dim=shard_dim, steps=steps, form=form, cost_model=model
+        )
         out[label] = lambda o=orth: o(local)
     if eo is not None:
         group = dist.group.WORLD
@@ -265,23 +270,29 @@ def _side_by_side_rank(rank: int, world_size: int, args: argparse.Namespace) -> 
     round by round), the slowest rank's time kept."""
     eo, note = import_eo() if args.against == "eo" else (None, "")
     dev = collectives.device_for()
-    result: dict[str, Any] = {"note": note, "cases": {}}
+    calibrated = CostModel.calibrate(repeats=3)
+    result: dict[str, Any] = {"note": note, "cases": {}, "calibrated": calibrated.__dict__}
     for ci, name in enumerate(args.cases):
         k, rows, cols, shard_dim = CASES[name]
         rows, cols = rows // args.shrink, cols // args.shrink
         G = torch.randn(k, rows, cols, generator=torch.Generator().manual_seed(ci))
         ref = newton_schulz(G.double(), steps=args.steps).chunk(world_size, dim=1 + shard_dim)
         local = G.chunk(world_size, dim=1 + shard_dim)[rank].contiguous()
-        variants = _variants(local, shard_dim, args.steps, eo)
-        deviation, chosen = {}, ""
+        variants = _variants(local, shard_dim, args.steps, eo, calibrated)
+        deviation: dict[str, float] = {}
         for label, fn in variants.items():
             out = fn()
             err = torch.stack([(out.double() - ref[rank]).square().sum(), ref[rank].square().sum()])
             collectives.all_reduce(err.to(dev))
             deviation[label] = float((err[0] / err[1]).sqrt())
-        auto = TensorParallelOrthogonalizer(mode="auto", shard_dim=shard_dim, steps=args.steps)
-        auto(local)
-        chosen = auto.last_modes[0] + (f"/{auto.last_forms[0]}" if auto.last_forms else "")
+        chosen = {}
+        for model in (None, calibrated):
+            auto = TensorParallelOrthogonalizer(
+                shard_dim=shard_dim, steps=args.steps, cost_model=model
+            )
+            auto(local)
+            picked = auto.last_modes[0] + (f"/{auto.last_forms[0]}" if auto.last_forms else "")
+            chosen["calibrated" if model else "default"] = picked
         labels = list(variants)
         times: dict[str, list[float]] = {label: [] for label in labels}
         for r in range(args.repeats):
@@ -342,6 +353,11 @@ def _print_side_by_side(result: dict[str, Any], args: argparse.Namespace) -> lis
     )
     if result["note"]:
         print(f"emerging_optimizers imported with {result['note']}")
+    print(
+        "calibrated: bandwidth {bandwidth:.3g} B/s, latency {latency:.3g} s, throughput "
+        "{throughput:.3g} flop/s, symmetric {symmetric:.2f}, memory {memory_bandwidth:.3g} B/s, "
+        "launch {launch:.2g} s".format(**result["calibrated"])
+    )
     head = f"{'variant':<20}" + "".join(f"{n:>9}" for n in cases)
     print(head)
     print("-" * len(head))
@@ -354,7 +370,11 @@ def _print_side_by_side(result: dict[str, Any], args: argparse.Namespace) -> lis
     ms = [ratio[name, best[name]]["median_s"] * 1e3 for name in cases]
     print(f"{'fastest (ms)':<20}" + "".join(f"{t:8.0f} " for t in ms))
     for name, case in cases.items():
-        print(f"  {name}: fastest {best[name]}, auto chose {case['auto_chose']}")
+        picks = case["auto_chose"]
+        print(
+            f"  {name}: fastest {best[name]}; auto chose {picks['default']}, "
+            f"with the calibrated model {picks['calibrated']}"
+        )
     print(
         f"!: more than {RIGHT:g} (relative Frobenius) from Newton-Schulz of the whole matrix in "
         "float64; never the reference."
