@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from orthoptim.cli import main
-from orthoptim.plan import Layout, load_hardware, load_model, make_plan
+from orthoptim.plan import Layout, expand, load_hardware, load_model, make_plan
 from orthoptim.plan.dryrun import dry_run
 from orthoptim.plan.layouts import DTYPE_BYTES
+from orthoptim.plan.planner import local_shape
 from orthoptim.plan.steptime import (
     PHASES,
     format_published,
@@ -26,35 +28,48 @@ ROOT = Path(__file__).resolve().parent.parent
 H200 = load_hardware("h200")
 
 # (model, layout, stage the dry run holds): a dense GPT, a MoE at --ep 2 with bf16
-# parameters (gradients fp32, gather bf16: the two collectives' bytes differ), a pipeline stage
+# parameters (gradients fp32, gather bf16: the two collectives' bytes differ), a pipeline
+# stage, tensor parallelism in a fixed mode
 LAYOUTS = [
     ("train:tiny", dict(dp=2), 0),
     ("train:tiny-moe", dict(dp=4, ep=2, param_dtype="bf16"), 0),
     ("train:tiny", dict(dp=2, pp=2), 1),
+    ("train:tiny", dict(dp=2, tp=2, tp_mode="distributed"), 0),
 ]
 
 
 @pytest.mark.parametrize("model, spec, stage", LAYOUTS, ids=lambda x: str(x))
 def test_inputs_are_the_counted_bytes_and_flops(model: str, spec: dict, stage: int) -> None:
     """Each rank's reduction + gather bytes are what the dry run of the real code counted in a
-    step; the Newton-Schulz flops are the plan's per-rank figures (which tests/test_plan.py
-    checks against a gloo run); the elementwise bytes are the rank's owned elements and held
-    state; every element of the model is stepped by exactly one rank of its stage."""
+    step; the Newton-Schulz flops, tensor-parallel bytes and rounds are the plan's per-rank
+    figures (which tests/test_plan.py checks against gloo runs); the elementwise bytes are
+    the rank's owned elements and held state; every element of the model (each TP rank's
+    shard) is stepped by exactly one rank of its stage."""
     desc, layout = load_model(model), Layout(**spec)
     plan = make_plan(desc, H200, layout)
     terms = step_terms(plan, H200, layout)
     measured = dry_run(desc, layout, H200, stage=stage, adamw=False)
     for r in measured["ranks"]:
-        i = r["rank"]  # global rank: stage-major, as the plan's lists (tp 1)
+        c = layout.dims.coordinate(r["rank"])
+        i = c.pp * layout.dp + c.dp  # the plan's lists: stage-major, one TP rank
         moved = terms["reduce_bytes_per_rank"][i] + terms["gather_bytes_per_rank"][i]
         assert moved == pytest.approx(r["bytes_per_step"], rel=1e-12)
         assert r["memory"]["state"] == pytest.approx(plan["memory_per_rank"]["state_per_rank"][i])
     grad_b, gather_b = DTYPE_BYTES[layout.grad_dtype], DTYPE_BYTES[layout.gather]
     for reduce, gather in zip(terms["reduce_bytes_per_rank"], terms["gather_bytes_per_rank"]):
         assert reduce * gather_b == pytest.approx(gather * grad_b)
-    assert terms["ns_flops_per_rank"] == plan["balancing"]["cost"]["ns_flops_per_rank"]
+    if layout.tp == 1:
+        assert terms["ns_flops_per_rank"] == plan["balancing"]["cost"]["ns_flops_per_rank"]
+        assert set(terms["tp_bytes_per_rank"]) == {0.0}
+    else:
+        tp = plan["tp"][layout.tp_mode]
+        assert terms["ns_flops_per_rank"] == tp["flops_per_rank"]
+        assert terms["tp_bytes_per_rank"] == tp["bytes_per_rank"]
+        assert max(terms["tp_rounds_per_rank"]) == tp["rounds_max"] > 0
+        assert max(tp["bytes_per_rank"]) == tp["bytes_max"] > 0
     owned = plan["memory"]["owned_elements_per_rank"]
-    assert sum(owned) == plan["model"]["params_total"]
+    local = sum(math.prod(local_shape(m, layout.tp)) for m in expand(desc))
+    assert sum(owned) == local
     mem = plan["memory_per_rank"]
     per_element = grad_b + 2 * DTYPE_BYTES[layout.param_dtype]
     assert terms["elementwise_bytes_per_rank"] == [
@@ -85,7 +100,7 @@ def test_muon_is_not_faster_than_adamw_where_it_does_more(
     section = step_time(desc, hw, layout, make_plan(desc, hw, layout))
     muon, adamw = section["muon"]["phases_s"], section["adamw"]["phases_s"]
     assert muon["ns"] > adamw["elementwise"] - muon["elementwise"]
-    assert section["muon_over_adamw"] >= 1
+    assert section["over_adamw"] >= 1
     assert muon["forward"] == adamw["forward"] and muon["backward"] == adamw["backward"]
     assert adamw["ns"] == 0 and adamw["tp"] == 0
 
@@ -120,13 +135,14 @@ def test_plan_prints_and_writes_the_step_time(capsys) -> None:
     "step_time", Muon beside AdamW with their ratio; under --tp AdamW is not planned."""
     assert main(["plan", "--model", "train:tiny", "--dp", "2", "--json"]) == 0
     section = json.loads(capsys.readouterr().out)["step_time"]
-    assert section["planned"] and section["muon_over_adamw"] > 0
+    assert section["planned"] and section["over_adamw"] > 0
     for name in ("muon", "adamw"):
         t = section[name]
         assert set(t["phases_s"]) == set(PHASES)
         for key in ("step_s", "tokens_per_s", "step_s_per_rank", "busiest_rank",
                     "reduce_bytes_per_rank", "gather_bytes_per_rank", "ns_flops_per_rank",
-                    "elementwise_bytes_per_rank", "tp_bytes_max", "tp_rounds_max"):  # fmt: skip
+                    "elementwise_bytes_per_rank", "tp_bytes_per_rank",
+                    "tp_rounds_per_rank"):  # fmt: skip
             assert key in t
         assert len(t["step_s_per_rank"]) == 2
         assert t["step_s"] >= max(t["step_s_per_rank"])

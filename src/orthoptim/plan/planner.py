@@ -770,6 +770,9 @@ def _tp_modes(
             "time_max_s": per_rank[worst][2],
             "time_per_rank_s": [p[2] for p in per_rank],
             "rounds_max": int(max(p[3] for p in per_rank)),
+            "bytes_per_rank": [p[0] for p in per_rank],
+            "flops_per_rank": [p[1] for p in per_rank],
+            "rounds_per_rank": [int(p[3]) for p in per_rank],
         }
     out["auto_picks"] = picks
     out["cost_model"] = "orthoptim.parallel.tensor_parallel (tp_cost, CostModel)"

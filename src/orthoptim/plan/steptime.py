@@ -11,17 +11,19 @@ them on a `Hardware`:
   (`Hardware.collective`, else `Hardware.link` of the group's span), plus one latency per
   bucket;
 * the optimizer: Newton-Schulz flops per rank on each matrix's path (`balancing`, owner
-  imbalance included) at the Newton-Schulz matmul rate; under tensor parallelism the busiest
-  rank's bytes and collective rounds of the layout's mode (`tp`) over the TP link; and the
-  elementwise part as memory traffic (every owned element's gradient read and parameter read
-  and written, the state and master copies read and written) ÷ `memory_bytes_per_s()`.
+  imbalance included) at the Newton-Schulz matmul rate; under tensor parallelism each rank's
+  bytes and collective rounds of the layout's mode (`tp`, from `tp_ns_cost`/`pick_auto`) over
+  the TP link, and a fixed mode's flops; and the elementwise part as memory traffic (every
+  owned element's gradient read and parameter read and written, the state and master copies
+  read and written) ÷ `memory_bytes_per_s()`.
 
 Overlap rule (`OVERLAP_RULE`): the reduction runs under the backward and the gather under the
 next forward, bucket by bucket; the phases end in a collective wait, so the step is the sum of
 each phase's busiest rank.
 
-Not modelled: pipeline bubbles, tensor- and expert-parallel activation traffic (the same
-under Muon and AdamW), kernel launches, and the optimizer step's temporaries.
+Not modelled: pipeline bubbles and stages of uneven length, tensor- and expert-parallel
+activation traffic (the same under Muon and AdamW), kernel launches, and the optimizer step's
+temporaries.
 """
 
 from __future__ import annotations
@@ -105,10 +107,18 @@ def comm_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, 
 
 
 def optimizer_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, Any]:
-    """Per rank: Newton-Schulz flops and seconds, the elementwise bytes and seconds; the
-    busiest rank's tensor-parallel bytes, rounds and seconds (the plan keeps only those)."""
+    """Per rank: Newton-Schulz flops and seconds, tensor-parallel bytes, rounds and seconds,
+    elementwise bytes and seconds. The flops are the balancing's (each matrix on its path;
+    under --tp, auto's pick), or under a fixed --tp-mode that mode's (`plan["tp"]`)."""
     ns_flops = plan["balancing"]["cost"]["ns_flops_per_rank"]
+    ranks = len(ns_flops)
+    tp_bytes, tp_rounds = [0.0] * ranks, [0] * ranks
+    if layout.tp > 1:
+        row = plan["tp"][layout.tp_mode]
+        tp_bytes, tp_rounds = row["bytes_per_rank"], row["rounds_per_rank"]
+        ns_flops = ns_flops if layout.tp_mode == "auto" else row["flops_per_rank"]
     ns_rate = hw.matmul_flops_per_s(DTYPE_BYTES[layout.ns_dtype])
+    bw, lat = hw.link(layout.tp)
     mem = plan["memory_per_rank"]
     per_element = DTYPE_BYTES[layout.grad_dtype] + 2 * DTYPE_BYTES[layout.param_dtype]
     elementwise = [
@@ -123,21 +133,16 @@ def optimizer_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[
     memory_rate = hw.memory_bytes_per_s()
     if memory_rate is None:  # no figure in the profile: the TP cost model's GPU default
         memory_rate = CostModel().memory_bandwidth
-    tp_bytes, tp_rounds = 0.0, 0
-    if layout.tp > 1:
-        row = plan["tp"][layout.tp_mode]
-        tp_bytes, tp_rounds = row["bytes_max"], row["rounds_max"]
-    bw, lat = hw.link(layout.tp)
     return {
         "ns_flops_per_rank": ns_flops,
         "ns_flops_per_s": ns_rate,
         "ns_s_per_rank": [f / ns_rate for f in ns_flops],
+        "tp_bytes_per_rank": tp_bytes,
+        "tp_rounds_per_rank": tp_rounds,
+        "tp_s_per_rank": [b / bw + n * lat for b, n in zip(tp_bytes, tp_rounds, strict=True)],
         "elementwise_bytes_per_rank": elementwise,
         "memory_bytes_per_s": memory_rate,
         "elementwise_s_per_rank": [b / memory_rate for b in elementwise],
-        "tp_bytes_max": tp_bytes,
-        "tp_rounds_max": tp_rounds,
-        "tp_s_max": tp_bytes / bw + tp_rounds * lat if tp_rounds else 0.0,
     }
 
 
@@ -152,20 +157,10 @@ def step_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, 
     buckets = comm["buckets_per_rank"]
     reduce = [_exposed(t, backward, n) for t, n in zip(comm["reduce_s_per_rank"], buckets)]
     gather = [_exposed(t, forward, n) for t, n in zip(comm["gather_s_per_rank"], buckets)]
-    per_rank = [
-        forward + backward + r + ns + el + g + opt["tp_s_max"]
-        for r, ns, el, g in zip(
-            reduce, opt["ns_s_per_rank"], opt["elementwise_s_per_rank"], gather, strict=True
-        )
-    ]
-    phases = dict(
-        zip(
-            PHASES,
-            (forward, backward, max(reduce), max(opt["ns_s_per_rank"]), opt["tp_s_max"],
-             max(opt["elementwise_s_per_rank"]), max(gather)),
-            strict=True,
-        )
-    )  # fmt: skip
+    columns = (reduce, opt["ns_s_per_rank"], opt["tp_s_per_rank"],
+               opt["elementwise_s_per_rank"], gather)  # fmt: skip
+    per_rank = [forward + backward + sum(x) for x in zip(*columns, strict=True)]
+    phases = dict(zip(PHASES, (forward, backward, *(max(c) for c in columns)), strict=True))
     step = sum(phases.values())
     return {
         "optimizer": layout.optimizer,
@@ -193,26 +188,26 @@ def step_time(
     adamw_plan: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The step-time section of `plan` (`make_plan(desc, hw, layout)`): its optimizer's terms
-    beside AdamW's at the same layout (`adamw_plan`, planned here when not given) and the
-    ratio of their step times; AdamW left out under tensor parallelism, where it is not
-    planned. JSON-ready."""
+    beside AdamW's at the same layout (`adamw_plan`, planned here when not given) and
+    `over_adamw`, the ratio of their step times; AdamW left out under tensor parallelism,
+    where it is not planned. JSON-ready."""
     if layout.fsdp:
         return {"planned": False, "why": "the step time models the layer-wise optimizer"}
     mine = step_terms(plan, hw, layout)
     out: dict[str, Any] = {"planned": True, layout.optimizer: mine, "rule": OVERLAP_RULE}
     if layout.optimizer == "adamw" or layout.tp > 1:
-        out["muon_over_adamw"] = None
+        out["over_adamw"] = None
         return out
     base = dataclasses.replace(layout, optimizer="adamw")
     adamw = step_terms(adamw_plan or make_plan(desc, hw, base), hw, base)
     out["adamw"] = adamw
-    out["muon_over_adamw"] = mine["step_s"] / adamw["step_s"]
+    out["over_adamw"] = mine["step_s"] / adamw["step_s"]
     return out
 
 
-def _row(label: str, values: Sequence[float], unit: str = "ms") -> str:
-    scale = 1e3 if unit == "ms" else 1.0
-    cells = "".join(f"{v * scale:>13.3f}" if unit == "ms" else f"{v:>13,.0f}" for v in values)
+def _row(label: str, values: Sequence[float], unit: Literal["ms", "count"] = "ms") -> str:
+    """One row of the table: seconds as ms, or whole counts."""
+    cells = "".join(f"{v * 1e3:>13.3f}" if unit == "ms" else f"{v:>13,.0f}" for v in values)
     return f"  {label:<34}{cells}"
 
 
@@ -227,7 +222,7 @@ def step_time_lines(section: dict[str, Any]) -> list[str]:
         "forward": "forward",
         "backward": "backward",
         "reduce_exposed": "gradient reduction, exposed",
-        "ns": "optimizer: Newton-Schulz",
+        "ns": "optimizer: SOAP's matrix work" if "soap" in names else "optimizer: Newton-Schulz",
         "tp": "optimizer: TP bytes and rounds",
         "elementwise": "optimizer: elementwise (memory)",
         "gather_exposed": "parameter gather, exposed",
@@ -241,11 +236,11 @@ def step_time_lines(section: dict[str, Any]) -> list[str]:
     ]
     lines += [_row(labels[p], [t["phases_s"][p] for t in terms]) for p in PHASES]
     lines.append(_row("step", [t["step_s"] for t in terms]))
-    lines.append(_row("tokens/s, all GPUs", [t["tokens_per_s"] for t in terms], "tokens"))
+    lines.append(_row("tokens/s, all GPUs", [t["tokens_per_s"] for t in terms], "count"))
     for name, label in (("reduce", "gradient reduction"), ("gather", "parameter gather")):
         whole = [max(t[f"{name}_s_per_rank"]) for t in terms]
         lines.append(_row(f"{label}, whole", whole))
-    ratio = section.get("muon_over_adamw")
+    ratio = section.get("over_adamw")
     if ratio is not None:
         lines.append(f"  {names[0]}/adamw step time {ratio:.4f}")
     elif "adamw" not in names:
@@ -268,12 +263,12 @@ def published_comparison(hardware: str = "gb300") -> list[dict[str, Any]]:
     rows = []
     for name, layout in PUBLISHED_LAYOUTS.items():
         desc, pub = load_model(name), PUBLISHED_GB300[name]
-        section_plan = make_plan(desc, hw, layout)
-        section = step_time(desc, hw, layout, section_plan)
-        muon, ratio = section["muon"], section["muon_over_adamw"]
+        plan = make_plan(desc, hw, layout)
+        section = step_time(desc, hw, layout, plan)
+        muon, ratio = section["muon"], section["over_adamw"]
         published = pub["adamw_tflops"] / pub["muon_model_tflops"]
         tokens = muon["tokens_per_step"]
-        share = section_plan["overhead"]["ns_share_of_model_flops_mean"]
+        share = plan["overhead"]["ns_share_of_model_flops_mean"]
         rows.append(
             {
                 "model": name,
