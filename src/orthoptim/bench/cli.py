@@ -21,6 +21,7 @@ BENCH_MODULES = (
     "orthoptim.bench.telemetry",
     "orthoptim.bench.reproducible",
     "orthoptim.bench.calibrate",
+    "orthoptim.bench.plan",
 )
 
 

@@ -28,6 +28,7 @@ from orthoptim.plan.layouts import (
 )
 from orthoptim.plan.model import TRAIN_PREFIX, hf_model, load_model, shipped_models
 from orthoptim.plan.planner import make_plan
+from orthoptim.plan.steptime import step_time, step_time_lines
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -316,6 +317,7 @@ def format_report(p: dict[str, Any]) -> str:
             *_comm_lines(p),
             *_tp_lines(p),
             *_overhead_lines(p),
+            *(step_time_lines(p["step_time"]) if "step_time" in p else []),
         ]
     )
 
@@ -395,6 +397,7 @@ def _cmd(args: argparse.Namespace) -> int:
             return _dry_run_cmd(args, desc, hw, layout)
         plan = make_plan(desc, hw, layout)
         plan["adamw_baseline"] = adamw_baseline(desc, hw, layout, plan)
+        plan["step_time"] = step_time(desc, hw, layout, plan)
     except (ValueError, FileNotFoundError) as exc:
         print(f"orthoptim plan: error: {exc}", file=sys.stderr)
         return 2

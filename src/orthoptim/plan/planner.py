@@ -414,6 +414,21 @@ def plan_slots(
     return slots, by_stage
 
 
+def owned_elements(slots: Sequence[Slot], masters: bool) -> list[int]:
+    """Elements each (stage, DP rank) steps: the units it owns whole and its share of the
+    sharded AdamW ones, dealt as an optimizer with (or without) master copies deals them
+    (the elements its optimizer reads and writes, `plan.steptime`)."""
+    dealt: dict[int, _Group] = {}
+    out = []
+    for slot in slots:
+        n = 0
+        for g, gr in slot:
+            d = dealt.setdefault(id(g), g.dealt(masters))
+            n += sum(math.prod(d.units[i].shape) for i in d.owned(gr)) + d.adamw_elements(gr)
+        out.append(n)
+    return out
+
+
 def balancing_figures(
     slots: Sequence[Slot], by_stage: Sequence[Sequence[_Group]], dp: int
 ) -> dict[str, Any]:
@@ -679,7 +694,10 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
         "layout": _layout_figures(desc, layout, dense, experts, by_stage),
         "hardware": hardware.name,
         "balancing": balancing,
-        "memory": _memory_figures(held, by_stage, layout),
+        "memory": {
+            **_memory_figures(held, by_stage, layout),
+            "owned_elements_per_rank": owned_elements(slots, layout.masters),
+        },
         "memory_per_rank": {
             **held,
             "hardware_bytes": capacity,
@@ -752,6 +770,9 @@ def _tp_modes(
             "time_max_s": per_rank[worst][2],
             "time_per_rank_s": [p[2] for p in per_rank],
             "rounds_max": int(max(p[3] for p in per_rank)),
+            "bytes_per_rank": [p[0] for p in per_rank],
+            "flops_per_rank": [p[1] for p in per_rank],
+            "rounds_per_rank": [int(p[3]) for p in per_rank],
         }
     out["auto_picks"] = picks
     out["cost_model"] = "orthoptim.parallel.tensor_parallel (tp_cost, CostModel)"
