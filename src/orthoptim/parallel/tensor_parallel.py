@@ -11,7 +11,8 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of five
 - ``distributed``: with the sharded dimension moved last, W = [W_1 | ... | W_T], the Gram
   matrix A = W·Wᵀ = Σ_i W_i·W_iᵀ is a sum over ranks, and the update W_i ← a·W_i + B·W_i with
   B = b·A + c·A·A needs only A and the local block. Each step all-reduces the partial Gram
-  once, packed (the upper triangle, p(p+1)/2 elements instead of p²). B·W_i is applied in
+  once, packed where the cost model says the link is the bottleneck (`CostModel.packs`: the
+  upper triangle by row blocks, p(p+1)/2 elements instead of p²). B·W_i is applied in
   one of three forms: ``apply`` computes b·(A·W_i) + c·(A·(A·W_i)) (4p²q/T flops, no p³
   product, no extra communication); ``square`` forms B on every rank (2p³ + 2p²q/T);
   ``split`` has each rank form a balanced share of B's upper triangle (about p³/T) and
@@ -43,8 +44,11 @@ it orthogonalizes a stacked batch [k, rows, cols] of local shards in one of five
   as full Newton-Schulz: every shard becomes (near) orthogonal on its own, so a column-
   parallel slice gets orthonormal rows where the full result's slice would not; the
   deviation is measured by `orthoptim bench tp`.
-- ``auto``: a cost model (bytes ÷ bandwidth + rounds × latency + flops ÷ throughput) picks
-  duplicated, distributed or gram per batch, identically on every rank. Never blockwise.
+- ``auto``: a cost model (`tp_model.CostModel`: bytes ÷ bandwidth + rounds × latency +
+  flops ÷ throughput, symmetric products discounted where a SYRK computes them, + bytes
+  moved ÷ memory bandwidth), with the figures of the shards' device unless one is given,
+  picks duplicated, distributed or gram per batch, identically on every rank. Never
+  blockwise.
 
 The modes are one table, `TP_MODES` (at the end): each maps to its cost (`tp_cost`), its run
 (a method below), its transient bytes (`tp_model`) and whether `auto` may pick it
@@ -554,7 +558,7 @@ class TensorParallelOrthogonalizer:
         return out.narrow(dim, offset, layout.sizes[layout.rank]).to(X.dtype).contiguous()
 
     def _distributed(self, X: Tensor, layout: _Layout) -> Tensor:
-        """Sharded iteration: one packed partial-Gram all-reduce per step."""
+        """Sharded iteration: one partial-Gram all-reduce per step (packed where it pays)."""
         compute = self._compute_dtype(X)
         W = X if layout.dim == -1 else X.mT  # the sharded dimension last: W is [k, p, q_i]
         norm_dtype = _norm_dtype(compute)
@@ -595,7 +599,7 @@ class TensorParallelOrthogonalizer:
         return norm[:, None, None]
 
     def _gram(self, X: Tensor, layout: _Layout) -> Tensor:
-        """The Gram form over the ranks: per run of steps one packed all-reduce of the small
+        """The Gram form over the ranks: per run of steps one all-reduce of the small
         Gram matrix, the run's polynomial R on it on every rank, then X_i ← R·X_i locally."""
         compute = self._compute_dtype(X)
         W = X if layout.dim == -1 else X.mT  # the sharded dimension last: W is [k, p, q_i]
