@@ -203,6 +203,7 @@ OURS: tuple[tuple[str, str, str], ...] = (
     ("duplicated", "duplicated", "auto"),
     ("distributed/apply", "distributed", "apply"),
     ("distributed/square", "distributed", "square"),
+    ("distributed/split", "distributed", "split"),
     ("distributed/rows", "distributed", "rows"),
     ("gram", "gram", "auto"),
     ("auto", "auto", "auto"),

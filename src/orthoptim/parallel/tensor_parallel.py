@@ -97,6 +97,7 @@ from orthoptim.parallel.tp_model import (
     distributed_transient,
     duplicated_transient,
     local_transient,
+    pack_cost,
 )
 from orthoptim.shards import (
     is_dtensor,
@@ -256,6 +257,11 @@ def _distributed_cost(s: TPShape, form: str) -> TPCost:
     norm = s.ring * s.k * max(4, s.element_size)  # the norm is summed in fp32 (fp64 for fp64)
     rounds = s.steps * (2 if form in ("split", "rows") else 1) + 1 if s.world_size > 1 else 0
     packing = s.packing() if form != "rows" else TPCost(0.0, 0, 0.0)
+    if form == "split":  # B's pieces are packed, gathered and unpacked every step too
+        pieces = pack_cost(s.k, s.p, s.element_size)
+        packing = TPCost(
+            0.0, 0, 0.0, moved=packing.moved + pieces.moved, ops=packing.ops + pieces.ops
+        )
     joined = 2.0 * s.world_size * s.k * gathered * s.element_size  # gathered pieces joined
     return TPCost(
         s.steps * (gram + split) + norm,
