@@ -150,16 +150,20 @@ class CostModel:
         )
 
 
-# CostModel figures for CPU ranks over gloo, one thread each, measured on the project's 2-core
-# machines with the ranks sharing the cores (`orthoptim bench tp --against eo`): a collective's
-# per-rank bandwidth and latency, one rank's matmul rate while the others compute too, the
-# blocked SYRK's time per symmetric product ÷ the general product's, a copy's bandwidth.
+# CostModel figures for CPU ranks over gloo, one thread each, fitted on the project's 2-core
+# machines to what `orthoptim bench tp --against eo` measured at 2 and 4 ranks (under them the
+# model's pick of mode and form is within 1.06 of the measured fastest on each case): a
+# collective's per-rank bandwidth and latency (gloo's transfers compete with the other ranks'
+# products for the cores, so the effective bandwidth is a fifth of an idle link's), one rank's
+# matmul rate while the others compute too, the blocked SYRK's time per symmetric product ÷
+# the general product's, the bandwidth of packing's copies and gathers.
+# `orth.calibrate()` measures them on the machine at hand instead.
 CPU_FIGURES: dict[str, float] = {
-    "bandwidth": 0.5e9,
-    "latency": 400e-6,
-    "throughput": 25e9,
-    "symmetric": 0.65,
-    "memory_bandwidth": 5e9,
+    "bandwidth": 0.15e9,
+    "latency": 2e-3,
+    "throughput": 40e9,
+    "symmetric": 0.8,
+    "memory_bandwidth": 3e9,
     "launch": 10e-6,
 }
 
