@@ -151,3 +151,23 @@ def test_measured_tables_take_precedence_and_the_rest_falls_back(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(mine.to_json())
     assert load_hardware(path) == mine
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_plan_prices_tensor_parallelism_on_the_profile_and_the_device(device: str) -> None:
+    """The plan's TP cost model takes the link, the Newton-Schulz rate and the memory
+    bandwidth from the profile, and what no profile gives (the symmetric products' speed-up,
+    the launch cost) from the layout's device, as the runtime's `auto` takes them there."""
+    from orthoptim.parallel.tp_model import CostModel
+    from orthoptim.plan.layouts import Layout
+    from orthoptim.plan.planner import tp_cost_model
+
+    hw = load_hardware("h100")
+    layout = Layout(dp=1, tp=2, device=device, ns_dtype="fp32")
+    model, own = tp_cost_model(hw, layout), CostModel.for_device(device)
+    assert (model.bandwidth, model.latency) == hw.link(2)
+    assert model.throughput == hw.matmul_flops_per_s(4)
+    assert model.memory_bandwidth == hw.memory_bytes_per_s()
+    assert (model.symmetric, model.launch) == (own.symmetric, own.launch)
+    bare = replace(hw, memory_gb_per_s=None)
+    assert tp_cost_model(bare, layout).memory_bandwidth == own.memory_bandwidth

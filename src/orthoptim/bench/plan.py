@@ -1,10 +1,20 @@
 """`orthoptim bench plan`: the plan's predicted step time against the real step's.
 
-At each data-parallel size of `--nproc` (gloo ranks, one intra-op thread each) every rank
-builds `orthoptim train --config NAME`'s GPT twice, under `LayerwiseDistributedOptimizer`
-with Muon and with AdamW, and times interleaved steps of both (the pair's order alternating,
-a barrier before each): forward and backward of `--batch` sequences, `step()`, `zero_grad()`
-and the wait for the parameter gathers. A case's measured time is the busiest rank's median.
+For each layout of `--layouts` (gloo ranks, one intra-op thread each) every rank builds
+`orthoptim train --config NAME`'s GPT once per variant of the layout, the way `orthoptim
+train` lays it out, under `LayerwiseDistributedOptimizer`, and times interleaved steps of the
+variants (their order rotating, a barrier before each): forward and backward of `--batch`
+sequences per data-parallel rank, `step()`, `zero_grad()` and the wait for the parameter
+gathers. A case's measured time is the busiest rank's median. The layouts:
+
+* `dpN`: N data-parallel ranks, Muon and AdamW;
+* `tpN`: N tensor-parallel ranks, Muon in each mode of `--tp-modes` (AdamW is not run under
+  tensor parallelism, as `orthoptim train` does not run it), every mode's orthogonalizer
+  pricing with the cost model `plan` prices with on the profile (`tp_cost_model`), so `auto`
+  picks there what the plan's `auto` picks; the mode measured fastest is shown beside the
+  modes `auto` took;
+* `epN`: N data- and expert-parallel ranks of `--moe-config`, Muon and AdamW.
+
 Its predicted time is `orthoptim plan`'s (`plan.steptime`) for the same model and layout on
 the `--hardware` profile (one `orthoptim bench calibrate` measured on this machine, for the
 rates it prices with): Newton-Schulz in fp32 on the CPU path, the step's global tokens.
@@ -17,8 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,41 +39,128 @@ import torch
 import torch.distributed as dist
 
 from orthoptim import collectives as C
-from orthoptim.bench import environment, parse_sizes
+from orthoptim.bench import environment
 from orthoptim.bench.dist import spawn_gloo
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+from orthoptim.parallel.layout import ParallelDims, ParallelMesh
+from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer, tp_mode_names
 from orthoptim.plan.hardware import load_hardware
 from orthoptim.plan.layouts import Layout
 from orthoptim.plan.model import train_model
-from orthoptim.plan.planner import make_plan
+from orthoptim.plan.planner import make_plan, tp_cost_model
 from orthoptim.plan.steptime import step_time
 
 Optimizer = Literal["muon", "adamw"]
 OPTIMIZERS: tuple[Optimizer, ...] = ("muon", "adamw")
+LayoutKind = Literal["dp", "tp", "ep"]
+DEFAULT_LAYOUTS = "dp1,dp2,dp4,tp2,ep2"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One timed case of a layout: its optimizer and, under tensor parallelism, its mode."""
+
+    optimizer: Optimizer
+    tp_mode: str | None = None
+
+
+@dataclass(frozen=True)
+class BenchLayout:
+    """A layout of `orthoptim bench plan`: `kind` over `size` ranks, its variants."""
+
+    kind: LayoutKind
+    size: int
+    config: str
+    variants: tuple[Variant, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.size}"
+
+    def label(self, v: Variant) -> str:
+        """The case's name: `dp2-muon`, `tp2-gram-muon`."""
+        return "-".join(x for x in (self.name, v.tp_mode, v.optimizer) if x)
+
+    def dims(self) -> ParallelDims:
+        tp = self.size if self.kind == "tp" else 1
+        ep = self.size if self.kind == "ep" else 1
+        return ParallelDims.for_world(self.size, tp=tp, ep=ep)
+
+    def plan_layout(self, v: Variant, tokens: int) -> Layout:
+        """The plan's layout of case `v` at `tokens` per step."""
+        d = self.dims()
+        return Layout(
+            dp=d.dp, tp=d.tp, ep=d.ep, tokens_per_step=tokens, device="cpu", ns_dtype="fp32",
+            optimizer=v.optimizer, tp_mode=v.tp_mode or "auto",  # type: ignore[arg-type]
+        )  # fmt: skip
+
+
+def parse_layouts(text: str, config: str, moe_config: str, modes: list[str]) -> list[BenchLayout]:
+    """`--layouts` ('dp1,dp2,tp2,ep2') as `BenchLayout`s; a bad entry is refused by name."""
+    out = []
+    for entry in (t.strip() for t in text.split(",") if t.strip()):
+        m = re.fullmatch(r"(dp|tp|ep)([1-9][0-9]*)", entry)
+        if m is None or (m[1] != "dp" and int(m[2]) < 2):
+            raise ValueError(
+                f"--layouts entries are dpN (N >= 1), tpN or epN (N >= 2), got {entry!r}"
+            )
+        kind: LayoutKind = m[1]  # type: ignore[assignment]
+        if kind == "tp":
+            variants = tuple(Variant("muon", mode) for mode in modes)
+        else:
+            variants = tuple(Variant(name) for name in OPTIMIZERS)
+        out.append(BenchLayout(kind, int(m[2]), moe_config if kind == "ep" else config, variants))
+    return out
 
 
 class _Case:
-    """One optimizer's model on this rank; `step(i)` runs and times step i."""
+    """One variant's model and optimizer on this rank; `step(i)` runs and times step i."""
 
-    def __init__(self, name: Optimizer, args: argparse.Namespace) -> None:
-        from orthoptim.train.model import CONFIGS, GPT
+    def __init__(
+        self, layout: BenchLayout, v: Variant, mesh: ParallelMesh, args: argparse.Namespace
+    ) -> None:
+        from orthoptim.train.model import CONFIGS, GPT, expert_parallelize, parallelize
 
         torch.manual_seed(args.seed)
-        self.cfg = CONFIGS[args.config]
+        self.cfg = CONFIGS[layout.config]
         self.model = GPT(self.cfg)
-        self.opt = LayerwiseDistributedOptimizer(self.model, optimizer=name, lr=0.02)
-        self.args, self.name, self.times = args, name, []
+        extra: dict[str, Any] = {}
+        self.orth: TensorParallelOrthogonalizer | None = None
+        if mesh.dims.tp > 1:
+            parallelize(self.model, mesh.tp_mesh)
+            model = tp_cost_model(load_hardware(args.hardware), layout.plan_layout(v, 0))
+            self.orth = TensorParallelOrthogonalizer(mode=v.tp_mode, cost_model=model)
+            extra["orthogonalizer"] = self.orth
+        if mesh.dims.ep > 1:
+            ep = mesh.dims.ep
+            expert_parallelize(self.model, mesh.ep_group, mesh.coord.ep, ep, mesh.dp_group)
+        self.opt = LayerwiseDistributedOptimizer(
+            self.model,
+            optimizer=v.optimizer,
+            lr=0.02,
+            layout=mesh,
+            split_experts=v.optimizer != "adamw" and mesh.dims.tp == 1,
+            **extra,
+        )
+        self.args, self.label, self.mesh = args, layout.label(v), mesh
+        self.times: list[float] = []
+        self.modes: Counter[str] = Counter()
 
-    def step(self, i: int, rank: int) -> None:
-        g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + i * 1009 + rank)
+    def step(self, i: int) -> None:
+        seed = self.args.seed * 1_000_003 + i * 1009 + self.mesh.coord.dp
+        g = torch.Generator().manual_seed(seed)
         shape = (self.args.batch, self.cfg.seq_len + 1)
         idx = torch.randint(0, self.cfg.vocab_size, shape, generator=g)
+        if self.orth is not None:
+            self.orth.last_modes.clear()
         start = time.perf_counter()
         self.model(idx[:, :-1], idx[:, 1:]).backward()
         self.opt.step()
         self.opt.zero_grad()
         self.opt.wait_for_params()
         self.times.append(time.perf_counter() - start)
+        if self.orth is not None:
+            self.modes = Counter(self.orth.last_modes)
 
 
 def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Namespace) -> None:
@@ -70,79 +170,154 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        cases = [_Case(name, args) for name in OPTIMIZERS]
+        layout: BenchLayout = args.layout
+        mesh = layout.dims().build("cpu", rank)
+        cases = [_Case(layout, v, mesh, args) for v in layout.variants]
         for i in range(args.warmup + args.steps):
-            for c in cases if i % 2 == 0 else cases[::-1]:  # interleaved
+            shift = i % len(cases)
+            for c in cases[shift:] + cases[:shift]:  # interleaved, the order rotating
                 C.barrier()
-                c.step(i, rank)
-        medians = {c.name: statistics.median(c.times[args.warmup :]) for c in cases}
-        torch.save(medians, os.path.join(outdir, f"rank{rank}.pt"))
+                c.step(i)
+        out = {
+            c.label: {
+                "median_s": statistics.median(c.times[args.warmup :]),
+                "modes": dict(c.modes),
+            }
+            for c in cases
+        }
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def predicted(args: argparse.Namespace, dp: int) -> dict[Optimizer, float]:
-    """The plan's step seconds of both optimizers at `dp` ranks of `args`' config."""
+def predicted(args: argparse.Namespace, layout: BenchLayout, v: Variant) -> dict[str, Any]:
+    """The plan's step seconds of case `v` of `layout` and, under tensor parallelism, the
+    modes the plan's `auto` picks (matrices per mode)."""
     from orthoptim.train.model import CONFIGS
 
-    desc, hw = train_model(args.config), load_hardware(args.hardware)
-    tokens = dp * args.batch * CONFIGS[args.config].seq_len
-    layout = Layout(dp=dp, tokens_per_step=tokens, device="cpu", ns_dtype="fp32")
-    section = step_time(desc, hw, layout, make_plan(desc, hw, layout))
-    return {name: section[name]["step_s"] for name in OPTIMIZERS}
+    desc, hw = train_model(layout.config), load_hardware(args.hardware)
+    dp = layout.dims().dp
+    plan_layout = layout.plan_layout(v, dp * args.batch * CONFIGS[layout.config].seq_len)
+    plan = make_plan(desc, hw, plan_layout)
+    out: dict[str, Any] = {"step_s": step_time(desc, hw, plan_layout, plan)[v.optimizer]["step_s"]}
+    if layout.kind == "tp":
+        picks = plan["tp"]["auto_picks"]
+        out["auto_picks"] = {m: n for m, n in picks.items() if " form " not in m}
+    return out
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (size, optimizer) case: predicted, measured (the busiest rank's median), error."""
+    """Every case of every layout: predicted, measured (the busiest rank's median), error,
+    and under tensor parallelism the modes `auto` took (rank 0's last step, matrices per
+    mode)."""
     cases = []
-    for dp in args.nproc:
-        per_rank = spawn_gloo(_rank_main, dp, args)
-        plan = predicted(args, dp)
-        for name in OPTIMIZERS:
-            measured = max(r[name] for r in per_rank)
-            cases.append(
-                {
-                    "case": f"dp{dp}-{name}",
-                    "predicted_s": plan[name],
-                    "measured_s": measured,
-                    "error": plan[name] / measured - 1,
-                }
-            )
+    for layout in args.layouts:
+        per_rank = spawn_gloo(
+            _rank_main, layout.size, argparse.Namespace(**vars(args), layout=layout)
+        )
+        for v in layout.variants:
+            label = layout.label(v)
+            measured = max(r[label]["median_s"] for r in per_rank)
+            plan = predicted(args, layout, v)
+            case: dict[str, Any] = {
+                "case": label,
+                "layout": layout.name,
+                "predicted_s": plan["step_s"],
+                "measured_s": measured,
+                "error": plan["step_s"] / measured - 1,
+            }
+            if v.tp_mode is not None:
+                case["tp_mode"] = v.tp_mode
+                case["modes_taken"] = per_rank[0][label]["modes"]
+                case["plan_auto_picks"] = plan["auto_picks"]
+            cases.append(case)
     return cases
 
 
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{m} ×{n}" for m, n in sorted(counts.items())) or "—"
+
+
+def summary_lines(cases: list[dict[str, Any]]) -> list[str]:
+    """Per layout: Muon/AdamW predicted and measured; under tensor parallelism the mode
+    measured fastest, the mode predicted fastest and what `auto` took."""
+    lines = []
+    for name in dict.fromkeys(c["layout"] for c in cases):
+        mine = [c for c in cases if c["layout"] == name]
+        by_opt = {c["case"].rsplit("-", 1)[1]: c for c in mine if "tp_mode" not in c}
+        if "muon" in by_opt and "adamw" in by_opt:
+            muon, adamw = by_opt["muon"], by_opt["adamw"]
+            lines.append(
+                f"{name} muon/adamw: predicted {muon['predicted_s'] / adamw['predicted_s']:.3f}, "
+                f"measured {muon['measured_s'] / adamw['measured_s']:.3f}"
+            )
+        modes = [c for c in mine if "tp_mode" in c]
+        if modes:
+            fastest = min(modes, key=lambda c: c["measured_s"])
+            best = min(modes, key=lambda c: c["predicted_s"])
+            auto = next((c for c in modes if c["tp_mode"] == "auto"), None)
+            line = (
+                f"{name}: fastest measured {fastest['tp_mode']}, fastest predicted "
+                f"{best['tp_mode']}"
+            )
+            if auto is not None:
+                line += (
+                    f"; auto took {_counts(auto['modes_taken'])} (calls, "
+                    f"{auto['measured_s'] / fastest['measured_s']:.3f}× the fastest), the plan's "
+                    f"auto picks {_counts(auto['plan_auto_picks'])} (matrices)"
+                )
+            lines.append(line)
+    return lines
+
+
 def render(cases: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    """The table: each case's predicted and measured ms and the error; each size's ratio."""
+    """The table: each case's predicted and measured ms and the error; each layout's
+    summary (`summary_lines`)."""
+    width = max(14, *(len(c["case"]) + 2 for c in cases))
     lines = [
-        f"orthoptim bench plan: train:{args.config}, {args.batch} sequences per rank, median "
-        f"of {args.steps} interleaved steps, 1 thread/rank, gloo; predicted on {args.hardware}",
-        f"{'case':<14}{'predicted ms':>13}{'measured ms':>13}{'error':>9}",
+        f"orthoptim bench plan: train:{args.config} (ep: train:{args.moe_config}), "
+        f"{args.batch} sequences per data-parallel rank, median of {args.steps} interleaved "
+        f"steps, 1 thread/rank, gloo; predicted on {args.hardware}",
+        f"{'case':<{width}}{'predicted ms':>13}{'measured ms':>13}{'error':>9}",
     ]
     for c in cases:
         lines.append(
-            f"{c['case']:<14}{c['predicted_s'] * 1e3:>13.2f}{c['measured_s'] * 1e3:>13.2f}"
+            f"{c['case']:<{width}}{c['predicted_s'] * 1e3:>13.2f}{c['measured_s'] * 1e3:>13.2f}"
             f"{c['error']:>+9.1%}"
         )
-    by_case = {c["case"]: c for c in cases}
-    for dp in args.nproc:
-        muon, adamw = by_case[f"dp{dp}-muon"], by_case[f"dp{dp}-adamw"]
-        lines.append(
-            f"dp{dp} muon/adamw: predicted {muon['predicted_s'] / adamw['predicted_s']:.3f}, "
-            f"measured {muon['measured_s'] / adamw['measured_s']:.3f}"
-        )
+    lines += summary_lines(cases)
     lines.append(f"load average at the end: {os.getloadavg()[0]:.1f} ({environment()['torch']})")
     return "\n".join(lines)
 
 
-def _cmd(args: argparse.Namespace) -> int:
-    if any(n < 1 for n in args.nproc) or args.steps < 1 or args.warmup < 0 or args.batch < 1:
-        raise SystemExit(
-            "--nproc sizes, --steps and --batch must be >= 1 and --warmup >= 0, got "
-            f"{args.nproc}, {args.steps}, {args.batch}, {args.warmup}"
+def _check(args: argparse.Namespace) -> None:
+    """Refuse bad flags before any rank starts: sizes, the profile, the configs and each
+    layout against its model (`--layouts` parsed into `args.layouts`)."""
+    from orthoptim.train.model import check_tensor_parallel, get_config
+
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        raise ValueError(
+            f"--steps and --batch must be >= 1 and --warmup >= 0, got {args.steps}, "
+            f"{args.batch}, {args.warmup}"
         )
+    unknown = [m for m in args.tp_modes if m not in tp_mode_names()]
+    if unknown or not args.tp_modes:
+        raise ValueError(f"--tp-modes takes some of {', '.join(tp_mode_names())}, got {unknown}")
+    args.layouts = parse_layouts(args.layouts, args.config, args.moe_config, args.tp_modes)
+    load_hardware(args.hardware)
+    for layout in args.layouts:
+        train_model(layout.config)
+        cfg = get_config(layout.config)
+        if layout.kind == "ep" and cfg.moe is None:
+            raise ValueError(f"--moe-config {layout.config} has no experts; use tiny-moe")
+        if layout.kind == "tp":
+            check_tensor_parallel(cfg, layout.size)
+        layout.dims().check(n_layer=cfg.n_layer, n_expert=cfg.moe.n_expert if cfg.moe else None)
+
+
+def _cmd(args: argparse.Namespace) -> int:
     try:
-        load_hardware(args.hardware)
-        train_model(args.config)
+        _check(args)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"orthoptim bench plan: {exc}") from None
     cases = run(args)
@@ -157,8 +332,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """Register `orthoptim bench plan`."""
     p = bench_subparsers.add_parser(
         "plan",
-        help="the plan's predicted step time against the real step's, Muon and AdamW, at "
-        "each data-parallel size",
+        help="the plan's predicted step time against the real step's: Muon and AdamW at each "
+        "data- and expert-parallel size, Muon in each tensor-parallel mode",
     )
     p.add_argument(
         "--hardware",
@@ -168,16 +343,30 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", default="tiny", help="orthoptim train's GPT config (default tiny)")
     p.add_argument(
-        "--nproc", type=parse_sizes, default=[1, 2], help="gloo ranks, comma-separated (1,2)"
+        "--moe-config", default="tiny-moe", help="the config of the epN layouts (tiny-moe)"
     )
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (4)")
-    p.add_argument("--steps", type=int, default=7, help="timed steps of each optimizer (7)")
+    p.add_argument(
+        "--layouts",
+        default=DEFAULT_LAYOUTS,
+        help=f"comma-separated dpN, tpN, epN (N ranks each; default {DEFAULT_LAYOUTS})",
+    )
+    p.add_argument(
+        "--tp-modes",
+        type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
+        default=list(tp_mode_names()),
+        help=f"the tpN layouts' modes (default all: {','.join(tp_mode_names())})",
+    )
+    p.add_argument(
+        "--batch", type=int, default=4, help="sequences per data-parallel rank per step (4)"
+    )
+    p.add_argument("--steps", type=int, default=7, help="timed steps of each case (7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
     p.add_argument(
         "--json",
         metavar="PATH",
         default=None,
-        help='write [{"case", "predicted_s", "measured_s", "error"}, ...] to PATH',
+        help='write [{"case", "layout", "predicted_s", "measured_s", "error"}, ...] (tpN '
+        'cases also "tp_mode" and "modes_taken") to PATH',
     )
     p.set_defaults(func=_cmd)

@@ -161,8 +161,10 @@ def tp_ns_cost(
     steps: int,
     dtype_bytes: int,
     cost_model: CostModel,
+    k: int = 1,
 ) -> tuple[TPCost, str]:
-    """Per-TP-rank cost of orthogonalizing one matrix, and the form it takes.
+    """Per-TP-rank cost of orthogonalizing a stack of `k` same-shape matrices in one call
+    (as Muon hands the orthogonalizer each shape's stack), and the form it takes.
 
     The tensor-parallel orthogonalizer's own cost model (`mode_cost`, from its table of
     modes): `shape` is the full matrix, split along `tp_dim` over `tp` ranks, each mode in the
@@ -174,7 +176,7 @@ def tp_ns_cost(
     if mode not in TP_MODES:
         raise ValueError(f"mode must be one of {tuple(TP_MODES)}, got {mode!r}")
     if tp_dim is None or tp == 1:
-        return TPCost(0.0, 0, ns_flops(*shape[-2:], steps)), ""
+        return TPCost(0.0, 0, k * ns_flops(*shape[-2:], steps)), ""
     rows, cols = shape[-2:]
     chooser = TensorParallelOrthogonalizer(shard_dim=tp_dim, steps=steps, cost_model=cost_model)
-    return chooser.mode_cost(mode, 1, rows, cols, tp_dim, tp, dtype_bytes)
+    return chooser.mode_cost(mode, k, rows, cols, tp_dim, tp, dtype_bytes)

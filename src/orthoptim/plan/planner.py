@@ -338,19 +338,31 @@ def plan_groups(
 
 def tp_cost_model(hw: Hardware, layout: Layout) -> CostModel:
     """The tensor-parallel orthogonalizer's cost model on `hw`: its TP-link bandwidth and
-    latency and its Newton-Schulz matmul rate."""
+    latency, its Newton-Schulz matmul rate and its memory bandwidth where the profile gives
+    one; the rest (the symmetric products' speed-up, launch cost) the layout's device's
+    (`CostModel.for_device`), as the runtime's `auto` takes them there."""
     bw, lat = hw.link(layout.tp)
     ns_b = DTYPE_BYTES[layout.ns_dtype]
-    return CostModel(bandwidth=bw, latency=lat, throughput=hw.matmul_flops_per_s(ns_b))
+    base = CostModel.for_device(layout.device)
+    memory = hw.memory_bytes_per_s()
+    return dataclasses.replace(
+        base,
+        bandwidth=bw,
+        latency=lat,
+        throughput=hw.matmul_flops_per_s(ns_b),
+        memory_bandwidth=base.memory_bandwidth if memory is None else memory,
+    )
 
 
-def tp_auto_cost(m: Matrix, layout: Layout, model: CostModel) -> tuple[TPCost, str]:
-    """Per-TP-rank cost of `m` in the mode the orthogonalizer's `auto` picks (`pick_auto`: the
-    cheapest under `model` of the modes it may pick), and that mode."""
+def tp_auto_cost(m: Matrix, layout: Layout, model: CostModel, k: int = 1) -> tuple[TPCost, str]:
+    """Per-TP-rank cost of `m` (a stack of `k` like it) in the mode the orthogonalizer's
+    `auto` picks (`pick_auto`: the cheapest under `model` of the modes it may pick), and that
+    mode."""
     ns_b = DTYPE_BYTES[layout.ns_dtype]
 
     def cost(mode: str) -> TPCost:
-        return tp_ns_cost(m.shape, m.tp_dim, layout.tp, mode, layout.ns_steps, ns_b, model)[0]
+        steps = layout.ns_steps
+        return tp_ns_cost(m.shape, m.tp_dim, layout.tp, mode, steps, ns_b, model, k)[0]
 
     best, chosen = pick_auto(cost, ns_b, model)
     return chosen, best
@@ -687,7 +699,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
         f"{gather}_gather": _gather_comm(slots, by_stage, layout, gather, bw)
         for gather in ("fp32", "bf16")
     }
-    tp_section = _tp_modes(slots, by_stage, layout, hardware)
+    tp_section = _tp_modes(slots, layout, hardware)
     chosen = tp_section["auto"] if tp > 1 else tp_section["duplicated"]
     return {
         "model": _model_figures(desc, matrices, counts, dense, experts, ep),
@@ -715,12 +727,25 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
     }
 
 
-def _tp_modes(
-    slots: list[Slot], by_stage: list[list[_Group]], layout: Layout, hw: Hardware
-) -> dict[str, Any]:
+def _muon_stacks(slot: Slot) -> list[tuple[Matrix, int]]:
+    """The Muon matrices one rank owns as the tensor-parallel orthogonalizer is called on
+    them: one stack per full shape and split dim (Muon stacks same-shape, same-placement
+    matrices into one call), as (a matrix of the stack, its size)."""
+    stacks: dict[tuple[tuple[int, ...], int | None], list[Any]] = {}
+    for g, gr in slot:
+        for i in g.owned(gr):
+            m = g.matrices[i]
+            if m.kind == "muon":
+                stacks.setdefault((m.shape, m.tp_dim), [m, 0])[1] += 1
+    return [(m, k) for m, k in stacks.values()]
+
+
+def _tp_modes(slots: list[Slot], layout: Layout, hw: Hardware) -> dict[str, Any]:
     """Per TP mode (each of the orthogonalizer's TP_MODES, and auto): bytes, collective
     rounds, flops and modelled time of the busiest rank; what auto picks and the forms the
-    modes take, counted over the matrices.
+    modes take, counted over the matrices. Each rank's matrices are priced as the runtime
+    calls the orthogonalizer on them, one stack per shape and split dim (`_muon_stacks`), so
+    auto picks here what it picks there.
 
     Costs and the auto choice come from the tensor-parallel orthogonalizer's cost model
     (`mode_cost`, `CostModel.seconds`, `pick_auto`), with the hardware's TP-link bandwidth
@@ -730,37 +755,28 @@ def _tp_modes(
     ns_b = DTYPE_BYTES[layout.ns_dtype]
     model = tp_cost_model(hw, layout)
 
-    def cost(m: Matrix, mode: str) -> tuple[TPCost, str]:
+    def cost(m: Matrix, k: int, mode: str) -> tuple[TPCost, str]:
         if mode != "auto":
-            return tp_ns_cost(m.shape, m.tp_dim, tp, mode, steps, ns_b, model)
-        chosen, best = tp_auto_cost(m, layout, model)
+            return tp_ns_cost(m.shape, m.tp_dim, tp, mode, steps, ns_b, model, k)
+        chosen, best = tp_auto_cost(m, layout, model, k)
         return chosen, best if m.tp_dim is not None and tp > 1 else ""
 
+    stacks = [_muon_stacks(slot) for slot in slots]
     out: dict[str, Any] = {}
     picks: dict[str, int] = {}
     for mode in (*TP_MODES, "auto"):
-        # (sent, flops, seconds, rounds) of every matrix, then summed per rank
-        per_matrix: dict[int, list[tuple[float, float, float, float]]] = {}
-        for sg in by_stage:
-            for g in sg:
-                rows = []
-                for m in g.matrices:
-                    if m.kind != "muon":
-                        rows.append((0.0, 0.0, 0.0, 0.0))
-                        continue
-                    c, choice = cost(m, mode)
-                    rows.append((c.bytes_sent, c.flops, model.seconds(c), float(c.rounds)))
-                    if choice:  # auto's mode, or the form a mode takes
-                        key = choice if mode == "auto" else f"{mode} form {choice}"
-                        picks[key] = picks.get(key, 0) + 1
-                per_matrix[id(g.matrices)] = rows  # shared by an expert group's siblings
-        per_rank = [
-            tuple(
-                sum(per_matrix[id(g.matrices)][i][j] for g, gr in slot for i in g.owned(gr))
-                for j in range(4)
-            )
-            for slot in slots
-        ]
+        # (sent, flops, seconds, rounds) of each rank: one call per stack it owns
+        per_rank = []
+        for rank_stacks in stacks:
+            total = [0.0, 0.0, 0.0, 0.0]
+            for m, k in rank_stacks:
+                c, choice = cost(m, k, mode)
+                for j, x in enumerate((c.bytes_sent, c.flops, model.seconds(c), c.rounds)):
+                    total[j] += x
+                if choice:  # auto's mode, or the form a mode takes
+                    key = choice if mode == "auto" else f"{mode} form {choice}"
+                    picks[key] = picks.get(key, 0) + k
+            per_rank.append(tuple(total))
         worst = max(range(len(per_rank)), key=lambda r: per_rank[r][2])
         out[mode] = {
             "bytes_max": max(p[0] for p in per_rank),

@@ -108,15 +108,15 @@ def comm_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, 
 
 def optimizer_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, Any]:
     """Per rank: Newton-Schulz flops and seconds, tensor-parallel bytes, rounds and seconds,
-    elementwise bytes and seconds. The flops are the balancing's (each matrix on its path;
-    under --tp, auto's pick), or under a fixed --tp-mode that mode's (`plan["tp"]`)."""
+    elementwise bytes and seconds. The flops are the balancing's (each matrix on its path),
+    under --tp the mode's (`plan["tp"]`: auto's picks, or the fixed --tp-mode's)."""
     ns_flops = plan["balancing"]["cost"]["ns_flops_per_rank"]
     ranks = len(ns_flops)
     tp_bytes, tp_rounds = [0.0] * ranks, [0] * ranks
     if layout.tp > 1:
         row = plan["tp"][layout.tp_mode]
         tp_bytes, tp_rounds = row["bytes_per_rank"], row["rounds_per_rank"]
-        ns_flops = ns_flops if layout.tp_mode == "auto" else row["flops_per_rank"]
+        ns_flops = row["flops_per_rank"]
     ns_rate = hw.matmul_flops_per_s(DTYPE_BYTES[layout.ns_dtype])
     bw, lat = hw.link(layout.tp)
     mem = plan["memory_per_rank"]
