@@ -4,12 +4,14 @@ it parses and refuses, and that every case runs end to end and reports what it m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from orthoptim.bench.plan import parse_layouts
+from orthoptim.bench.plan import parse_layouts, sharing_cores
 from orthoptim.cli import main
+from orthoptim.plan.hardware import load_hardware
 
 
 def test_layouts_name_their_cases() -> None:
@@ -26,6 +28,17 @@ def test_layouts_name_their_cases() -> None:
         (1, 2, 1),
         (2, 1, 2),
     ]
+
+
+def test_ranks_outnumbering_the_cores_share_their_rates() -> None:
+    hw = load_hardware("h100")
+    assert sharing_cores(hw, 2, 2) is hw and sharing_cores(hw, 1, 2) is hw
+    half = sharing_cores(hw, 4, 2)
+    assert half.bf16_tflops == hw.bf16_tflops / 2 and half.fp32_tflops == hw.fp32_tflops / 2
+    assert half.memory_bytes_per_s() == hw.memory_bytes_per_s() / 2
+    for dtype, rates in hw.matmul_tflops.items():
+        assert half.matmul_tflops[dtype] == {k: v / 2 for k, v in rates.items()}
+    assert (half.link(2), half.collectives) == (hw.link(2), hw.collectives)
 
 
 @pytest.mark.parametrize("entry", ["dp0", "tp1", "ep1", "pp2", "dp", "tp2x"])
@@ -71,8 +84,58 @@ def test_bench_plan_runs_end_to_end(tmp_path, capsys) -> None:
     for r in rows:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
         assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        for part in ("compute_s", "optimizer_s"):
+            assert r[f"predicted_{part}"] > 0 and r[f"measured_{part}"] > 0
+        assert r["predicted_compute_s"] + r["predicted_optimizer_s"] == pytest.approx(
+            r["predicted_s"]
+        )
     auto, gram = rows[2]["modes_taken"], rows[3]["modes_taken"]
     assert set(gram) == {"gram"} and sum(auto.values()) == sum(gram.values()) > 0
+    # the runtime's auto, priced with the plan's cost model, takes the modes the plan picks,
+    # matrix for matrix (the tiny GPT's 24 split matrices: three modes, four stacks)
+    assert auto == rows[2]["plan_auto_picks"] and len(auto) > 1
     out = capsys.readouterr().out
     assert "dp1 muon/adamw: predicted" in out and "ep2 muon/adamw: predicted" in out
     assert "tp2: fastest measured" in out and "auto took" in out
+
+
+def test_the_plan_prices_each_stack_as_the_runtime_calls_the_orthogonalizer() -> None:
+    """Muon hands the tensor-parallel orthogonalizer one stack per shape and split dim; the
+    plan's `auto` picks, matrix for matrix, what `choose_mode` takes for those stacks with the
+    plan's cost model. The control: one matrix at a time, `auto` picks otherwise on this
+    link (so pricing matrix by matrix would be seen)."""
+    from collections import Counter
+
+    from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer, _Layout
+    from orthoptim.plan.layouts import Layout
+    from orthoptim.plan.model import train_model
+    from orthoptim.plan.planner import make_plan, tp_cost_model
+    from orthoptim.train.model import CONFIGS, GPT
+
+    slow = dict(intra_node_gb_per_s=1.0, inter_node_gb_per_s=1.0, collectives={})
+    hw = dataclasses.replace(
+        load_hardware("h100"), intra_node_latency_us=100.0, inter_node_latency_us=100.0, **slow
+    )
+    layout = Layout(dp=1, tp=2, device="cpu", ns_dtype="fp32", tokens_per_step=512)
+    plan = make_plan(train_model("tiny"), hw, layout)
+    picks = {m: n for m, n in plan["tp"]["auto_picks"].items() if " form " not in m}
+    # the tiny GPT's split matrices as `parallelize` splits them: (shape, split dim) → count
+    split = {"q": 0, "k": 0, "v": 0, "fc": 0, "proj": 1}
+    stacks: Counter[tuple[tuple[int, ...], int]] = Counter()
+    for name, p in GPT(CONFIGS["tiny"]).named_parameters():
+        parts = name.split(".")
+        if parts[0] == "blocks" and parts[-1] == "weight" and parts[-2] in split:
+            stacks[(tuple(p.shape), split[parts[-2]])] += 1
+    orth = TensorParallelOrthogonalizer(cost_model=tp_cost_model(hw, layout))
+
+    def taken(size: int | None) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for ((rows, cols), dim), k in stacks.items():
+            side = (rows, cols)[dim]
+            where = _Layout(None, 2, 0, -2 if dim == 0 else -1, (side // 2,) * 2)
+            out[orth.choose_mode(size or k, rows, cols, where, "cpu")] += k
+        return dict(out)
+
+    assert sum(stacks.values()) == 24 and len(stacks) == 4
+    assert picks == taken(None)
+    assert picks != taken(1)

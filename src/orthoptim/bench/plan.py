@@ -25,7 +25,9 @@ gave at the load it had.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -44,7 +46,7 @@ from orthoptim.bench.dist import spawn_gloo
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layout import ParallelDims, ParallelMesh
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer, tp_mode_names
-from orthoptim.plan.hardware import load_hardware
+from orthoptim.plan.hardware import Hardware, load_hardware
 from orthoptim.plan.layouts import Layout
 from orthoptim.plan.model import train_model
 from orthoptim.plan.planner import make_plan, tp_cost_model
@@ -126,11 +128,12 @@ class _Case:
         self.model = GPT(self.cfg)
         extra: dict[str, Any] = {}
         self.orth: TensorParallelOrthogonalizer | None = None
+        self.modes: Counter[str] = Counter()  # matrices per mode in the last step
         if mesh.dims.tp > 1:
             parallelize(self.model, mesh.tp_mesh)
             model = tp_cost_model(load_hardware(args.hardware), layout.plan_layout(v, 0))
             self.orth = TensorParallelOrthogonalizer(mode=v.tp_mode, cost_model=model)
-            extra["orthogonalizer"] = self.orth
+            extra["orthogonalizer"] = self._counted
         if mesh.dims.ep > 1:
             ep = mesh.dims.ep
             expert_parallelize(self.model, mesh.ep_group, mesh.coord.ep, ep, mesh.dp_group)
@@ -143,24 +146,28 @@ class _Case:
             **extra,
         )
         self.args, self.label, self.mesh = args, layout.label(v), mesh
-        self.times: list[float] = []
-        self.modes: Counter[str] = Counter()
+        self.times: list[tuple[float, float]] = []  # (forward and backward, the rest)
+
+    def _counted(self, mats: torch.Tensor) -> torch.Tensor:
+        """The orthogonalizer, counting the matrices of each call under the mode it took."""
+        assert self.orth is not None
+        out = self.orth(mats)
+        self.modes[self.orth.last_modes[-1]] += math.prod(mats.shape[:-2])
+        return out
 
     def step(self, i: int) -> None:
         seed = self.args.seed * 1_000_003 + i * 1009 + self.mesh.coord.dp
         g = torch.Generator().manual_seed(seed)
         shape = (self.args.batch, self.cfg.seq_len + 1)
         idx = torch.randint(0, self.cfg.vocab_size, shape, generator=g)
-        if self.orth is not None:
-            self.orth.last_modes.clear()
+        self.modes.clear()
         start = time.perf_counter()
         self.model(idx[:, :-1], idx[:, 1:]).backward()
+        middle = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad()
         self.opt.wait_for_params()
-        self.times.append(time.perf_counter() - start)
-        if self.orth is not None:
-            self.modes = Counter(self.orth.last_modes)
+        self.times.append((middle - start, time.perf_counter() - middle))
 
 
 def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Namespace) -> None:
@@ -180,7 +187,9 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
                 c.step(i)
         out = {
             c.label: {
-                "median_s": statistics.median(c.times[args.warmup :]),
+                "median_s": statistics.median(a + b for a, b in c.times[args.warmup :]),
+                "compute_s": statistics.median(a for a, _ in c.times[args.warmup :]),
+                "optimizer_s": statistics.median(b for _, b in c.times[args.warmup :]),
                 "modes": dict(c.modes),
             }
             for c in cases
@@ -190,16 +199,47 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
         dist.destroy_process_group()
 
 
+def cores() -> int:
+    """The cores this process may run on (its ranks inherit them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def sharing_cores(hw: Hardware, ranks: int, n_cores: int) -> Hardware:
+    """`hw` as each of `ranks` one-thread ranks sees it on `n_cores` cores: with more ranks
+    than cores every compute and memory rate × n_cores / ranks (the plan models one rank per
+    device; here they take turns on the cores). Collectives keep their measured figures."""
+    share = min(1.0, n_cores / ranks)
+    if share == 1.0:
+        return hw
+    rates = {d: {c: r * share for c, r in t.items()} for d, t in hw.matmul_tflops.items()}
+    memory = None if hw.memory_gb_per_s is None else hw.memory_gb_per_s * share
+    return dataclasses.replace(
+        hw,
+        bf16_tflops=hw.bf16_tflops * share,
+        fp32_tflops=hw.fp32_tflops * share,
+        matmul_tflops=rates,
+        memory_gb_per_s=memory,
+    )
+
+
 def predicted(args: argparse.Namespace, layout: BenchLayout, v: Variant) -> dict[str, Any]:
-    """The plan's step seconds of case `v` of `layout` and, under tensor parallelism, the
-    modes the plan's `auto` picks (matrices per mode)."""
+    """The plan's seconds of case `v` of `layout` on this machine (`sharing_cores`): the
+    step, its forward and backward, the rest (the optimizer with its exposed collectives);
+    under tensor parallelism the modes the plan's `auto` picks (matrices per mode)."""
     from orthoptim.train.model import CONFIGS
 
-    desc, hw = train_model(layout.config), load_hardware(args.hardware)
+    desc = train_model(layout.config)
+    hw = sharing_cores(load_hardware(args.hardware), layout.size, cores())
     dp = layout.dims().dp
     plan_layout = layout.plan_layout(v, dp * args.batch * CONFIGS[layout.config].seq_len)
     plan = make_plan(desc, hw, plan_layout)
-    out: dict[str, Any] = {"step_s": step_time(desc, hw, plan_layout, plan)[v.optimizer]["step_s"]}
+    terms = step_time(desc, hw, plan_layout, plan)[v.optimizer]
+    compute = terms["phases_s"]["forward"] + terms["phases_s"]["backward"]
+    out: dict[str, Any] = {
+        "step_s": terms["step_s"],
+        "compute_s": compute,
+        "optimizer_s": terms["step_s"] - compute,
+    }
     if layout.kind == "tp":
         picks = plan["tp"]["auto_picks"]
         out["auto_picks"] = {m: n for m, n in picks.items() if " form " not in m}
@@ -219,6 +259,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             label = layout.label(v)
             measured = max(r[label]["median_s"] for r in per_rank)
             plan = predicted(args, layout, v)
+            busiest = max(per_rank, key=lambda r: r[label]["median_s"])[label]
             case: dict[str, Any] = {
                 "case": label,
                 "layout": layout.name,
@@ -226,6 +267,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "measured_s": measured,
                 "error": plan["step_s"] / measured - 1,
             }
+            for part in ("compute_s", "optimizer_s"):  # the busiest rank's
+                case[f"predicted_{part}"], case[f"measured_{part}"] = plan[part], busiest[part]
             if v.tp_mode is not None:
                 case["tp_mode"] = v.tp_mode
                 case["modes_taken"] = per_rank[0][label]["modes"]
@@ -262,29 +305,36 @@ def summary_lines(cases: list[dict[str, Any]]) -> list[str]:
             )
             if auto is not None:
                 line += (
-                    f"; auto took {_counts(auto['modes_taken'])} (calls, "
+                    f"; auto took {_counts(auto['modes_taken'])} ("
                     f"{auto['measured_s'] / fastest['measured_s']:.3f}× the fastest), the plan's "
-                    f"auto picks {_counts(auto['plan_auto_picks'])} (matrices)"
+                    f"auto picks {_counts(auto['plan_auto_picks'])} (matrices per mode)"
                 )
             lines.append(line)
     return lines
 
 
 def render(cases: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    """The table: each case's predicted and measured ms and the error; each layout's
-    summary (`summary_lines`)."""
+    """The table: each case's predicted and measured ms, the error, and the same for its
+    two parts (forward and backward; the optimizer step with its exposed collectives); each
+    layout's summary (`summary_lines`)."""
     width = max(14, *(len(c["case"]) + 2 for c in cases))
     lines = [
         f"orthoptim bench plan: train:{args.config} (ep: train:{args.moe_config}), "
         f"{args.batch} sequences per data-parallel rank, median of {args.steps} interleaved "
-        f"steps, 1 thread/rank, gloo; predicted on {args.hardware}",
-        f"{'case':<{width}}{'predicted ms':>13}{'measured ms':>13}{'error':>9}",
+        f"steps, 1 thread/rank, gloo, {cores()} cores (rates shared where the ranks outnumber "
+        f"them); predicted on {args.hardware}",
+        f"{'':<{width}}{'step':>29}{'':>9}{'forward+backward':>29}{'optimizer':>20}",
+        f"{'case':<{width}}{'predicted ms':>13}{'measured ms':>13}{'error':>9}"
+        f"{'predicted':>11}{'measured':>10}{'error':>8}{'predicted':>11}{'measured':>10}"
+        f"{'error':>8}",
     ]
     for c in cases:
-        lines.append(
-            f"{c['case']:<{width}}{c['predicted_s'] * 1e3:>13.2f}{c['measured_s'] * 1e3:>13.2f}"
-            f"{c['error']:>+9.1%}"
-        )
+        row = f"{c['case']:<{width}}{c['predicted_s'] * 1e3:>13.2f}{c['measured_s'] * 1e3:>13.2f}"
+        row += f"{c['error']:>+9.1%}"
+        for part in ("compute_s", "optimizer_s"):
+            p, m = c[f"predicted_{part}"], c[f"measured_{part}"]
+            row += f"{p * 1e3:>11.2f}{m * 1e3:>10.2f}{p / m - 1 if m else 0.0:>+8.0%}"
+        lines.append(row)
     lines += summary_lines(cases)
     lines.append(f"load average at the end: {os.getloadavg()[0]:.1f} ({environment()['torch']})")
     return "\n".join(lines)
