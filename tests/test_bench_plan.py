@@ -92,8 +92,9 @@ def test_bench_plan_runs_end_to_end(tmp_path, capsys) -> None:
     auto, gram = rows[2]["modes_taken"], rows[3]["modes_taken"]
     assert set(gram) == {"gram"} and sum(auto.values()) == sum(gram.values()) > 0
     # the runtime's auto, priced with the plan's cost model, takes the modes the plan picks,
-    # matrix for matrix (the tiny GPT's 24 split matrices: three modes, four stacks)
-    assert auto == rows[2]["plan_auto_picks"] and len(auto) > 1
+    # matrix for matrix (which modes depends on the profile measured here; the stacks' test
+    # below checks the pricing where it changes the picks)
+    assert auto == rows[2]["plan_auto_picks"]
     out = capsys.readouterr().out
     assert "dp1 muon/adamw: predicted" in out and "ep2 muon/adamw: predicted" in out
     assert "tp2: fastest measured" in out and "auto took" in out
