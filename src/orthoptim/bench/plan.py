@@ -46,6 +46,7 @@ from orthoptim.bench.dist import spawn_gloo
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layout import ParallelDims, ParallelMesh
 from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer, tp_mode_names
+from orthoptim.parallel.tp_model import CostModel
 from orthoptim.plan.hardware import Hardware, load_hardware
 from orthoptim.plan.layouts import Layout
 from orthoptim.plan.model import train_model
@@ -119,7 +120,12 @@ class _Case:
     """One variant's model and optimizer on this rank; `step(i)` runs and times step i."""
 
     def __init__(
-        self, layout: BenchLayout, v: Variant, mesh: ParallelMesh, args: argparse.Namespace
+        self,
+        layout: BenchLayout,
+        v: Variant,
+        mesh: ParallelMesh,
+        args: argparse.Namespace,
+        cost_model: CostModel,
     ) -> None:
         from orthoptim.train.model import CONFIGS, GPT, expert_parallelize, parallelize
 
@@ -131,8 +137,7 @@ class _Case:
         self.modes: Counter[str] = Counter()  # matrices per mode in the last step
         if mesh.dims.tp > 1:
             parallelize(self.model, mesh.tp_mesh)
-            model = tp_cost_model(load_hardware(args.hardware), layout.plan_layout(v, 0))
-            self.orth = TensorParallelOrthogonalizer(mode=v.tp_mode, cost_model=model)
+            self.orth = TensorParallelOrthogonalizer(mode=v.tp_mode, cost_model=cost_model)
             extra["orthogonalizer"] = self._counted
         if mesh.dims.ep > 1:
             ep = mesh.dims.ep
@@ -179,7 +184,9 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
     try:
         layout: BenchLayout = args.layout
         mesh = layout.dims().build("cpu", rank)
-        cases = [_Case(layout, v, mesh, args) for v in layout.variants]
+        # the plan's TP cost model on the profile (the same for every variant of the layout)
+        model = tp_cost_model(load_hardware(args.hardware), layout.plan_layout(Variant("muon"), 0))
+        cases = [_Case(layout, v, mesh, args, model) for v in layout.variants]
         for i in range(args.warmup + args.steps):
             shift = i % len(cases)
             for c in cases[shift:] + cases[:shift]:  # interleaved, the order rotating
@@ -257,12 +264,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         for v in layout.variants:
             label = layout.label(v)
-            measured = max(r[label]["median_s"] for r in per_rank)
             plan = predicted(args, layout, v)
             busiest = max(per_rank, key=lambda r: r[label]["median_s"])[label]
+            measured = busiest["median_s"]
             case: dict[str, Any] = {
                 "case": label,
                 "layout": layout.name,
+                "optimizer": v.optimizer,
                 "predicted_s": plan["step_s"],
                 "measured_s": measured,
                 "error": plan["step_s"] / measured - 1,
@@ -287,7 +295,7 @@ def summary_lines(cases: list[dict[str, Any]]) -> list[str]:
     lines = []
     for name in dict.fromkeys(c["layout"] for c in cases):
         mine = [c for c in cases if c["layout"] == name]
-        by_opt = {c["case"].rsplit("-", 1)[1]: c for c in mine if "tp_mode" not in c}
+        by_opt = {c["optimizer"]: c for c in mine if "tp_mode" not in c}
         if "muon" in by_opt and "adamw" in by_opt:
             muon, adamw = by_opt["muon"], by_opt["adamw"]
             lines.append(
@@ -416,7 +424,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "--json",
         metavar="PATH",
         default=None,
-        help='write [{"case", "layout", "predicted_s", "measured_s", "error"}, ...] (tpN '
-        'cases also "tp_mode" and "modes_taken") to PATH',
+        help='write [{"case", "layout", "optimizer", "predicted_s", "measured_s", "error"}, '
+        '...] (tpN cases also "tp_mode" and "modes_taken") to PATH',
     )
     p.set_defaults(func=_cmd)
