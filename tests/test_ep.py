@@ -22,6 +22,9 @@ from orthoptim import checkpoint as ckpt
 from orthoptim import collectives as C
 from orthoptim.optim.state import state_view
 from orthoptim.parallel.layout import ParallelDims
+from orthoptim.plan.layouts import Layout
+from orthoptim.plan.model import gpt_description
+from orthoptim.plan.work import work_figures
 from orthoptim.train.model import (
     CONFIGS,
     GPT,
@@ -151,6 +154,25 @@ def test_dispatch_bytes_are_the_rows_that_leave(ep4):
         assert all(r["bytes"][kind]["calls"] == 2 * CFG.n_layer for r in ep4)  # fwd + bwd
     for r in ep4:  # E int64 counts from each of 3 peers, per layer
         assert r["bytes"]["expert_counts"]["received"] == CFG.n_layer * 3 * CFG.moe.n_expert * 8
+
+
+def test_the_plan_counts_the_dispatch_collectives_the_model_makes(ep4):
+    """The step-time model's expert collectives (`plan.work`) are the real model's: per rank,
+    the dispatch and combine all-to-alls forward and backward, and the counts' all-gathers
+    with their bytes (E int64 counts from each of the ep - 1 peers); the rows' bytes are
+    the model's rows at its width."""
+    desc = gpt_description(CFG, "ep-test")
+    tokens = 4 * BATCH * CFG.seq_len
+    a2a, counts = work_figures(desc, Layout(dp=4, ep=4), tokens)["collectives"]
+    for r in ep4:
+        b = r["bytes"]
+        calls = b["expert_dispatch"]["calls"] + b["expert_combine"]["calls"]
+        assert a2a["forward_calls"] + a2a["backward_calls"] == calls
+        assert counts["forward_calls"] == b["expert_counts"]["calls"]
+        assert counts["bytes_per_call"] * counts["forward_calls"] == b["expert_counts"]["received"]
+    # balanced routing: each rank's rows × top-k, (ep - 1)/ep of them leaving, fp32 rows
+    rows = BATCH * CFG.seq_len * CFG.moe.top_k
+    assert a2a["bytes_per_call"] == rows * CFG.d_model * 4 * 3 / 4
 
 
 # ---------------------------------------------------------------- capacity (drops)

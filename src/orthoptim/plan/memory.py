@@ -342,7 +342,35 @@ def memory_per_rank(
     rows = [
         _layerwise_row(slot, dealt, flats, laid, position, layout, widths, store) for slot in slots
     ]
-    return _finish(rows, gather)
+    return {
+        **_finish(rows, gather),
+        "stepped_tensors_per_rank": stepped_tensors(slots, dealt, laid),
+    }
+
+
+def stepped_tensors(
+    slots: Sequence[Sequence[tuple[Group, int]]],
+    dealt: dict[int, Group],
+    laid: dict[int, list[BucketLayout]],
+) -> dict[str, list[int]]:
+    """Tensors each (stage, DP rank) hands its optimizer step: "matrix", the Muon units it
+    owns whole; "elementwise", its other whole units and its piece of each sharded AdamW
+    unit (`BucketLayout.runs`: one tensor each, as the step takes them). The step's cost per
+    tensor multiplies these (`plan.steptime`)."""
+    out: dict[str, list[int]] = {"matrix": [], "elementwise": []}
+    for slot in slots:
+        matrix = elementwise = 0
+        for g, gr in slot:
+            d = dealt[id(g)]
+            kinds = [d.matrices[i].kind for i in d.owned(gr)]
+            matrix += kinds.count("muon")
+            elementwise += len(kinds) - kinds.count("muon")
+            elementwise += sum(
+                r == gr for b in laid[id(g)] for runs in b.runs.values() for r, _, _ in runs
+            )
+        out["matrix"].append(matrix)
+        out["elementwise"].append(elementwise)
+    return out
 
 
 def _layerwise_row(

@@ -58,6 +58,7 @@ from orthoptim.plan.layouts import (
 )
 from orthoptim.plan.memory import memory_per_rank
 from orthoptim.plan.model import Matrix, ModelDescription, expand, param_counts
+from orthoptim.plan.work import work_figures
 
 
 def local_shape(m: Matrix, tp: int) -> tuple[int, ...]:
@@ -337,11 +338,12 @@ def plan_groups(
 
 
 def tp_cost_model(hw: Hardware, layout: Layout) -> CostModel:
-    """The tensor-parallel orthogonalizer's cost model on `hw`: its TP-link bandwidth and
-    latency, its Newton-Schulz matmul rate and its memory bandwidth where the profile gives
-    one; the rest (the symmetric products' speed-up, launch cost) the layout's device's
-    (`CostModel.for_device`), as the runtime's `auto` takes them there."""
-    bw, lat = hw.link(layout.tp)
+    """The tensor-parallel orthogonalizer's cost model on `hw`: its TP group's bandwidth and
+    latency (the measured all-reduce of that size, else the link), its Newton-Schulz matmul
+    rate and its memory bandwidth where the profile gives one; the rest (the symmetric
+    products' speed-up, launch cost) the layout's device's (`CostModel.for_device`), as the
+    runtime's `auto` takes them there."""
+    bw, lat = hw.collective("all_reduce", layout.tp)
     ns_b = DTYPE_BYTES[layout.ns_dtype]
     base = CostModel.for_device(layout.device)
     memory = hw.memory_bytes_per_s()
@@ -684,6 +686,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
 
     slots, by_stage = per_balance["cost"]
     held = memory_per_rank(slots, by_stage, matrices, layout, DTYPE_BYTES)
+    tensors = held.pop("stepped_tensors_per_rank", None)  # a step-time input, not memory
     capacity = hardware.memory_gb * 1e9
     activations = plan_activations(desc, layout)
     # building the optimizer comes before any activation: where it is larger, it is the peak
@@ -709,6 +712,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
         "memory": {
             **_memory_figures(held, by_stage, layout),
             "owned_elements_per_rank": owned_elements(slots, layout.masters),
+            "owned_tensors_per_rank": tensors,
         },
         "memory_per_rank": {
             **held,
@@ -724,6 +728,7 @@ def make_plan(desc: ModelDescription, hardware: Hardware, layout: Layout) -> dic
         "comm": comm,
         "tp": tp_section,
         "overhead": _overhead(desc, hardware, layout, chosen, counts["matmul_active"]),
+        "work": work_figures(desc, layout, layout.tokens_per_step or desc.default_tokens_per_step),
     }
 
 

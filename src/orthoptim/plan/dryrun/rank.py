@@ -17,7 +17,9 @@ from torch import Tensor, nn
 from orthoptim._torch_compat import storage_key, tree_flatten
 from orthoptim.comm_bytes import CommStats
 from orthoptim.ns_cost import NS_STEPS
+from orthoptim.optim.contract import MatrixOptimizer
 from orthoptim.parallel.assignment import MatrixCost
+from orthoptim.parallel.layerwise.ownership import inner_parts
 from orthoptim.plan.dryrun.model import build_model
 from orthoptim.plan.dryrun.record import Collective, HostData, Recorder, plain
 from orthoptim.plan.dryrun.world import DEVICE, fake_world
@@ -56,6 +58,8 @@ class RankResult:
     # the peak while the optimizer was built (the model as built, its parameters moving
     # into the buffers), beside the steps' `peak`
     construction: int = 0
+    # tensors the rank's inner optimizer steps: "matrix" (a matrix optimizer's), "elementwise"
+    stepped: dict[str, int] = field(default_factory=dict)
 
     @property
     def steady(self) -> int:
@@ -281,7 +285,18 @@ def run_rank(
         optimizer=layout.optimizer,
         notes=[] if orth is not None or parallel == "fsdp" else ["owns nothing"],
         construction=construction,
+        stepped=stepped_tensors(orth),
     )
+
+
+def stepped_tensors(inner: Any) -> dict[str, int]:
+    """Tensors an inner optimizer steps (`inner_parts`): "matrix", those of its matrix
+    optimizer, and "elementwise", the rest (what `plan.steptime` prices per tensor)."""
+    out = {"matrix": 0, "elementwise": 0}
+    for part in inner_parts(inner):
+        kind = "matrix" if isinstance(part, MatrixOptimizer) else "elementwise"
+        out[kind] += sum(len(g["params"]) for g in part.param_groups)
+    return out
 
 
 def run_isolated(*args: Any, **kwargs: Any) -> RankResult:

@@ -154,6 +154,7 @@ def _rank_row(
         "collectives_per_step": len(r.collectives[-1]),
         "host_syncs_per_step": host_syncs_per_step(r),
         "host_sync_sites": r.host_syncs[-1],
+        "stepped_tensors": r.stepped,
         "seconds": r.seconds,
         "plan": plan_figures(plan, r.plan_index),
         "fits": needs <= capacity,
