@@ -475,7 +475,7 @@ def test_cli_json_plot_and_errors(tmp_path, capsys) -> None:
     custom = tmp_path / "mine.json"
     custom.write_text(json.dumps(tiny_gpt_description()))
     hw = tmp_path / "hw.json"
-    hw.write_text((load_hardware("h200").__dict__ | {"name": "mine"}).__repr__().replace("'", '"'))
+    hw.write_text(json.dumps(json.loads(load_hardware("h200").to_json()) | {"name": "mine"}))
     assert main(["plan", "--model", str(custom), "--dp", "2", "--hardware", str(hw)]) == 0
     assert "tiny-gpt on mine" in capsys.readouterr().out
 

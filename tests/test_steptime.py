@@ -49,11 +49,14 @@ def test_inputs_are_the_counted_bytes_and_flops(model: str, spec: dict, stage: i
     plan = make_plan(desc, H200, layout)
     terms = step_terms(plan, H200, layout)
     measured = dry_run(desc, layout, H200, stage=stage, adamw=False)
+    tensors = terms["tensors_per_rank"]
     for r in measured["ranks"]:
         c = layout.dims.coordinate(r["rank"])
         i = c.pp * layout.dp + c.dp  # the plan's lists: stage-major, one TP rank
         moved = terms["reduce_bytes_per_rank"][i] + terms["gather_bytes_per_rank"][i]
         assert moved == pytest.approx(r["bytes_per_step"], rel=1e-12)
+        # the tensors priced per tensor are the ones the real inner optimizer steps
+        assert {k: v[i] for k, v in tensors.items()} == r["stepped_tensors"]
         assert r["memory"]["state"] == pytest.approx(plan["memory_per_rank"]["state_per_rank"][i])
     grad_b, gather_b = DTYPE_BYTES[layout.grad_dtype], DTYPE_BYTES[layout.gather]
     for reduce, gather in zip(terms["reduce_bytes_per_rank"], terms["gather_bytes_per_rank"]):
@@ -128,6 +131,72 @@ def test_a_planted_rate_moves_only_its_own_term() -> None:
     assert terms["phases_s"]["forward"] == pytest.approx(
         plan["overhead"]["model_flops_per_gpu"] / 3e13
     )
+
+
+MEASURED = dict(
+    matmul_tflops={"fp32": {"linear": 1.0, "gram": 2.0}},
+    activation_gb_per_s=3.0,
+    optimizer_gb_per_s=5.0,
+    optimizer_us_per_tensor={"matrix": 100.0, "elementwise": 10.0},
+    tp_us_per_linear=1000.0,
+)
+
+
+def test_measured_figures_price_what_they_measure() -> None:
+    """With a calibrated profile's figures, forward and backward are the 6·N·D and attention
+    flops at the linear-layer rate plus the saved activations at `activation_gb_per_s`; the
+    elementwise term is `step_traffic` at `optimizer_gb_per_s`; the per-tensor term each
+    rank's stepped tensors × `optimizer_us_per_tensor`. Changing one figure moves only its
+    terms."""
+    desc, layout = load_model("train:tiny"), Layout(dp=2, tokens_per_step=4096, ns_dtype="fp32")
+    hw = dataclasses.replace(H200, **MEASURED)
+    plan = make_plan(desc, hw, layout)
+    terms = step_terms(plan, hw, layout)
+    work, o = plan["work"], plan["overhead"]
+    flops = o["model_flops_per_gpu"] + work["attention_flops_per_gpu"]
+    phases = terms["phases_s"]
+    assert phases["forward"] + phases["backward"] == pytest.approx(
+        flops / 1e12 + work["activation_bytes_per_gpu"] / 3e9, rel=1e-12
+    )
+    assert terms["elementwise_s_per_rank"] == [b / 5e9 for b in terms["elementwise_bytes_per_rank"]]
+    tensors = plan["memory"]["owned_tensors_per_rank"]
+    assert terms["per_tensor_s_per_rank"] == pytest.approx(
+        [m * 1e-4 + e * 1e-5 for m, e in zip(tensors["matrix"], tensors["elementwise"])]
+    )
+    assert min(tensors["matrix"]) > 0 and min(tensors["elementwise"]) > 0
+    for change, moved in (
+        (dict(activation_gb_per_s=6.0), {"forward", "backward"}),
+        (dict(optimizer_gb_per_s=10.0), {"elementwise"}),
+        (dict(optimizer_us_per_tensor={"matrix": 50.0, "elementwise": 5.0}), {"per_tensor"}),
+        (dict(matmul_tflops={"fp32": {"linear": 1.0, "gram": 4.0}}), {"ns"}),
+    ):
+        other = step_terms(plan, dataclasses.replace(hw, **change), layout)["phases_s"]
+        assert {p for p in PHASES if other[p] != pytest.approx(phases[p])} == moved, change
+
+
+def test_collectives_beside_compute_and_under_tensor_parallelism() -> None:
+    """`comm_overlap` 0 (a CPU's cores doing both) exposes the whole reduction and gather,
+    1 hides them under the passes but their edge buckets; under --tp the activation
+    all-reduces cost their bytes over the TP group's link plus `tp_us_per_linear` per split
+    linear layer, the group's latency per call where the profile has no such figure."""
+    desc, layout = load_model("gpt-small"), Layout(dp=8)
+    plan = make_plan(desc, H200, layout)
+    hidden = step_terms(plan, dataclasses.replace(H200, comm_overlap=1.0), layout)
+    exposed = step_terms(plan, dataclasses.replace(H200, comm_overlap=0.0), layout)
+    for name in ("reduce", "gather"):
+        whole = max(exposed[f"{name}_s_per_rank"])
+        assert exposed["phases_s"][f"{name}_exposed"] == pytest.approx(whole)
+        assert hidden["phases_s"][f"{name}_exposed"] < whole
+    desc, layout = load_model("train:tiny"), Layout(dp=1, tp=2, tokens_per_step=4096)
+    for hw, fixed in ((dataclasses.replace(H200, **MEASURED), "split"), (H200, "latency")):
+        plan = make_plan(desc, hw, layout)
+        (c,) = plan["work"]["collectives"]
+        bw, lat = hw.collective("all_reduce", 2)
+        calls = c["forward_calls"] + c["backward_calls"]
+        per = c["split_linears"] * 1e-3 if fixed == "split" else calls * lat
+        assert step_terms(plan, hw, layout)["phases_s"]["activation_collectives"] == (
+            pytest.approx(calls * c["bytes_per_call"] / bw + per, rel=1e-12)
+        )
 
 
 def test_plan_prints_and_writes_the_step_time(capsys) -> None:

@@ -18,15 +18,23 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 MatmulDtype = Literal["bf16", "fp32"]
-# square: n×n·n×n; gram: X·Xᵀ of a wide X (Newton-Schulz's products); small: a small square
-MatmulShape = Literal["square", "gram", "small"]
+# square: n×n·n×n; gram: X·Xᵀ of a wide X (Newton-Schulz's products); small: a small square;
+# linear: a transformer's linear layers, forward and backward (tokens × in · in × out and the
+# two gradient products), on the calibration transformer's shapes
+MatmulShape = Literal["square", "gram", "small", "linear"]
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 # the keys of one `collectives` entry: bytes each rank sends per second, fixed cost per call
 LINK_KEYS = ("gb_per_s", "latency_us")
 # fields that name or describe the hardware rather than give a figure
 TEXT_FIELDS = ("name", "description", "sources")
 # the keys a hardware file may leave out (the figures a measurement adds, and the text)
-OPTIONAL_FIELDS = ("description", "memory_gb_per_s", "matmul_tflops", "collectives", "sources")
+OPTIONAL_FIELDS = (
+    "description", "memory_gb_per_s", "matmul_tflops", "collectives", "sources",
+    "activation_gb_per_s", "optimizer_gb_per_s", "optimizer_us_per_tensor", "comm_overlap",
+    "tp_us_per_linear",
+)  # fmt: skip
+# the keys of `optimizer_us_per_tensor`: a Muon matrix, an elementwise (AdamW) tensor
+TensorKind = Literal["matrix", "elementwise"]
 
 # Published Muon vs AdamW throughput on GB300 NVL72 (NVIDIA technical blog "Advancing
 # Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron", Megatron Bridge
@@ -56,7 +64,15 @@ class Hardware:
     The optional tables hold measured figures (`orthoptim bench calibrate`) and take
     precedence where present: `matmul_tflops[dtype][shape]` in TFLOP/s,
     `collectives[kind][group size]` as {"gb_per_s": bytes each rank sends per second ÷ 1e9,
-    "latency_us": one call's fixed cost}; `sources[field]` says where a figure comes from
+    "latency_us": one call's fixed cost}; `activation_gb_per_s`, the saved-activation bytes
+    (`plan.work`) a forward and backward gets through per second beside its matmuls;
+    `optimizer_gb_per_s`, the bytes the optimizer step's elementwise part is counted to move
+    (`plan.steptime.step_traffic`) per second, and `optimizer_us_per_tensor[kind]`, its fixed
+    cost per tensor of each `TensorKind`; `comm_overlap`, the fraction of a collective that
+    runs hidden beside compute (1 when not given: a GPU's copy engines and links; on a CPU
+    the cores do both); `tp_us_per_linear`, the fixed cost of a tensor-parallel linear
+    layer's forward and backward (its dispatch, its one all-reduce's latency);
+    `sources[field]` says where a figure comes from
     ("datasheet: ...", "measured <date>: ...", "assumed: ...").
     """
 
@@ -75,6 +91,11 @@ class Hardware:
     memory_gb_per_s: float | None = None
     matmul_tflops: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict, hash=False)
+    activation_gb_per_s: float | None = None
+    optimizer_gb_per_s: float | None = None
+    comm_overlap: float | None = None
+    tp_us_per_linear: float | None = None
+    optimizer_us_per_tensor: dict[str, float] = field(default_factory=dict, hash=False)
     sources: dict[str, str] = field(default_factory=dict, hash=False)
 
     def matmul_flops_per_s(self, dtype_bytes: int, shape: MatmulShape | None = None) -> float:
@@ -105,6 +126,13 @@ class Hardware:
     def memory_bytes_per_s(self) -> float | None:
         """Elementwise memory bandwidth (bytes read + written per s); None when not given."""
         return None if self.memory_gb_per_s is None else self.memory_gb_per_s * 1e9
+
+    def optimizer_bytes_per_s(self) -> float | None:
+        """The optimizer step's elementwise rate (counted bytes per s): the measured
+        `optimizer_gb_per_s`, else the memory bandwidth; None when neither is given."""
+        if self.optimizer_gb_per_s is not None:
+            return self.optimizer_gb_per_s * 1e9
+        return self.memory_bytes_per_s()
 
     def to_json(self) -> str:
         """The JSON text `load_hardware` reads back (optional keys left out when unset)."""
@@ -183,11 +211,28 @@ def _check_optional(raw: dict[str, Any], origin: str) -> None:
     for key in ("description", "name"):
         if not isinstance(raw.get(key, ""), str):
             raise ValueError(f"{origin}: {key!r} must be a string, got {raw[key]!r}")
-    gbs = raw.get("memory_gb_per_s")
-    if gbs is not None and not _positive(gbs):
+    for key in ("memory_gb_per_s", "activation_gb_per_s", "optimizer_gb_per_s", "tp_us_per_linear"):
+        gbs = raw.get(key)
+        if gbs is not None and not _positive(gbs):
+            raise ValueError(
+                f"{origin}: {key!r} must be a positive number (or left out), got {gbs!r}"
+            )
+    overlap = raw.get("comm_overlap")
+    fraction = _positive(overlap) or (overlap == 0 and not isinstance(overlap, bool))
+    if overlap is not None and not (fraction and overlap <= 1):
         raise ValueError(
-            f"{origin}: 'memory_gb_per_s' must be a positive number (or left out), got {gbs!r}"
+            f"{origin}: 'comm_overlap' must be a fraction from 0 to 1 (or left out), got "
+            f"{overlap!r}"
         )
+    per_tensor = raw.get("optimizer_us_per_tensor", {})
+    for kind, v in _table(
+        per_tensor, "optimizer_us_per_tensor", origin, get_args(TensorKind)
+    ).items():
+        if not _positive(v):
+            raise ValueError(
+                f"{origin}: 'optimizer_us_per_tensor.{kind}' must be a positive number of "
+                f"microseconds, got {v!r}"
+            )
     rates = _table(raw.get("matmul_tflops", {}), "matmul_tflops", origin, get_args(MatmulDtype))
     for dtype, by_shape in rates.items():
         where = f"matmul_tflops.{dtype}"

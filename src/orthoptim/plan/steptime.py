@@ -3,8 +3,13 @@
 The model reads what `make_plan` already counted (the figures the dry run checks) and prices
 them on a `Hardware`:
 
-* forward and backward: the model's 6·active·tokens flops per GPU (`overhead`), one third
-  forward and two thirds backward, at the compute rate (`compute_flops_per_s`);
+* forward and backward (`forward_backward`), one third forward and two thirds backward:
+  on a calibrated profile with a measured `activation_gb_per_s`, the 6·active·tokens and
+  attention flops per GPU (`overhead`, `work`) at the measured linear-layer matmul rate plus
+  the saved activations' bytes at that rate; else the 6·active·tokens flops at the compute rate
+  (`compute_flops_per_s`: the datasheet peak × `model_mfu`, which stands for the rest);
+* tensor and expert parallelism's activation collectives (`work`: the all-reduces of the
+  split layers, the experts' all-to-alls), each over its group's link, none hidden;
 * the gradient reduction and the parameter gather: each rank's bytes (`comm`, the larger of
   sent and received, split between the two in the ratio of the gradient and gather dtypes,
   exact for the reduce-scatter / all-gather buckets) over the data-parallel link
@@ -13,17 +18,22 @@ them on a `Hardware`:
 * the optimizer: Newton-Schulz flops per rank on each matrix's path (`balancing`, owner
   imbalance included) at the Newton-Schulz matmul rate; under tensor parallelism each rank's
   bytes and collective rounds of the layout's mode (`tp`, from `tp_ns_cost`/`pick_auto`) over
-  the TP link, and a fixed mode's flops; and the elementwise part as memory traffic (every
-  owned element's gradient read and parameter read and written, the state and master copies
-  read and written) ÷ `memory_bytes_per_s()`.
+  the TP group (its measured all-reduce, else the link), and a fixed mode's flops; the
+  elementwise part as memory traffic (every owned element's gradient read and parameter read
+  and written, the state and master copies read and written: `step_traffic`) ÷
+  `optimizer_bytes_per_s()`; and
+  each tensor the rank steps
+  (`owned_tensors_per_rank`) × the profile's measured `optimizer_us_per_tensor` of its kind
+  (none where the profile has no such figure).
 
 Overlap rule (`OVERLAP_RULE`): the reduction runs under the backward and the gather under the
-next forward, bucket by bucket; the phases end in a collective wait, so the step is the sum of
-each phase's busiest rank.
+next forward, bucket by bucket, as much of it hidden as the profile's `comm_overlap` says
+(a CPU's cores do both the compute and gloo's copies); the phases end in a collective wait,
+so the step is the sum of each phase's busiest rank.
 
-Not modelled: pipeline bubbles and stages of uneven length, tensor- and expert-parallel
-activation traffic (the same under Muon and AdamW), kernel launches, and the optimizer step's
-temporaries.
+Not modelled: pipeline bubbles and stages of uneven length, any overlap of the activation
+collectives with compute, DTensor's per-operation dispatch, recomputation, and the optimizer
+step's temporaries.
 """
 
 from __future__ import annotations
@@ -41,7 +51,10 @@ from orthoptim.plan.model import ModelDescription, load_model
 from orthoptim.plan.planner import make_plan
 
 # the phases of a step, in order, as the `step_time` JSON names their seconds
-PHASES = ("forward", "backward", "reduce_exposed", "ns", "tp", "elementwise", "gather_exposed")
+PHASES = (
+    "forward", "backward", "activation_collectives", "reduce_exposed", "ns", "tp",
+    "elementwise", "per_tensor", "gather_exposed",
+)  # fmt: skip
 # each (model, layout) the GB300 publication ran (`PUBLISHED_GB300`)
 PUBLISHED_LAYOUTS = {
     "kimi-k2": Layout(dp=64, ep=64, pp=4),
@@ -50,8 +63,8 @@ PUBLISHED_LAYOUTS = {
 Source = Literal["measured", "datasheet"]
 OVERLAP_RULE = (
     "the gradient reduction is hidden under the backward and the parameter gather under the "
-    "next forward up to that pass's time, less their last (reduction) or first (gather) "
-    "bucket, which has no compute to hide under"
+    "next forward up to that pass's time × the profile's comm_overlap (1 where not given), "
+    "less their last (reduction) or first (gather) bucket, which has no compute to hide under"
 )
 
 
@@ -63,6 +76,49 @@ def compute_flops_per_s(hw: Hardware, param_dtype: str) -> tuple[float, Source]:
     if measured is not None:
         return measured * 1e12, "measured"
     return hw.bf16_tflops * 1e12 * hw.model_mfu, "datasheet"
+
+
+def forward_backward(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, Any]:
+    """Forward and backward seconds of one GPU, and how they were priced. With a measured
+    `activation_gb_per_s` (`orthoptim bench calibrate`): the 6·N·D and attention flops
+    (`plan["work"]`) at the measured linear-layer matmul rate (the square one where there is
+    none) plus the saved-activation bytes at that rate; else the 6·N·D flops at
+    `compute_flops_per_s`. One third forward, two thirds backward."""
+    o, work = plan["overhead"], plan["work"]
+    if hw.activation_gb_per_s is not None and work["seq_len"]:
+        p = DTYPE_BYTES[layout.param_dtype]
+        measured = hw.matmul_tflops.get("bf16" if p <= 2 else "fp32", {})
+        rate = hw.matmul_flops_per_s(p, "linear" if "linear" in measured else "square")
+        flops = o["model_flops_per_gpu"] + work["attention_flops_per_gpu"]
+        activations = work["activation_bytes_per_gpu"] / (hw.activation_gb_per_s * 1e9)
+        total, source = flops / rate + activations, "measured, with activations"
+    else:
+        rate, source = compute_flops_per_s(hw, layout.param_dtype)
+        total, activations = o["model_flops_per_gpu"] / rate, 0.0
+    return {
+        "compute_flops_per_s": rate,
+        "compute_rate_source": source,
+        "activation_s": activations,
+        "forward_s": total / 3,
+        "backward_s": 2 * total / 3,
+    }
+
+
+def activation_collectives(plan: dict[str, Any], hw: Hardware) -> dict[str, Any]:
+    """Seconds of tensor and expert parallelism's activation collectives (`plan["work"]`),
+    each call's bytes over its group's measured link (`Hardware.collective`) plus one
+    latency, none of them hidden; where the profile measured a split linear layer's fixed
+    cost (`tp_us_per_linear`: its dispatch and its all-reduce's latency), that per split
+    layer instead of the latency. The sum, and each kind's."""
+    each = {}
+    for c in plan["work"]["collectives"]:
+        bw, lat = hw.collective(c["kind"], c["group"])
+        calls = c["forward_calls"] + c["backward_calls"]
+        fixed = calls * lat
+        if "split_linears" in c and hw.tp_us_per_linear is not None:
+            fixed = c["split_linears"] * hw.tp_us_per_linear * 1e-6
+        each[c["what"]] = calls * c["bytes_per_call"] / bw + fixed
+    return {"total_s": sum(each.values()), "per_kind_s": each}
 
 
 def dp_link(hw: Hardware, kind: CollectiveKind, layout: Layout) -> tuple[float, float]:
@@ -106,6 +162,15 @@ def comm_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, 
     return out
 
 
+def step_traffic(
+    elements: float, state: float, masters: float, grad_bytes: int, param_bytes: int
+) -> float:
+    """Bytes the optimizer step's elementwise part moves on a rank stepping `elements`
+    elements with `state` and `masters` bytes held: each gradient read, each parameter read
+    and written, the state and the master copies read and written."""
+    return elements * (grad_bytes + 2 * param_bytes) + 2 * (state + masters)
+
+
 def optimizer_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, Any]:
     """Per rank: Newton-Schulz flops and seconds, tensor-parallel bytes, rounds and seconds,
     elementwise bytes and seconds. The flops are the balancing's (each matrix on its path),
@@ -118,11 +183,11 @@ def optimizer_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[
         tp_bytes, tp_rounds = row["bytes_per_rank"], row["rounds_per_rank"]
         ns_flops = row["flops_per_rank"]
     ns_rate = hw.matmul_flops_per_s(DTYPE_BYTES[layout.ns_dtype])
-    bw, lat = hw.link(layout.tp)
+    bw, lat = hw.collective("all_reduce", layout.tp)
     mem = plan["memory_per_rank"]
-    per_element = DTYPE_BYTES[layout.grad_dtype] + 2 * DTYPE_BYTES[layout.param_dtype]
+    grad_b, param_b = DTYPE_BYTES[layout.grad_dtype], DTYPE_BYTES[layout.param_dtype]
     elementwise = [
-        n * per_element + 2 * (s + m)
+        step_traffic(n, s, m, grad_b, param_b)
         for n, s, m in zip(
             plan["memory"]["owned_elements_per_rank"],
             mem["state_per_rank"],
@@ -130,9 +195,11 @@ def optimizer_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[
             strict=True,
         )
     ]
-    memory_rate = hw.memory_bytes_per_s()
+    memory_rate = hw.optimizer_bytes_per_s()
     if memory_rate is None:  # no figure in the profile: the TP cost model's GPU default
         memory_rate = CostModel().memory_bandwidth
+    tensors = plan["memory"]["owned_tensors_per_rank"]
+    fixed = {k: hw.optimizer_us_per_tensor.get(k, 0.0) * 1e-6 for k in ("matrix", "elementwise")}
     return {
         "ns_flops_per_rank": ns_flops,
         "ns_flops_per_s": ns_rate,
@@ -143,6 +210,11 @@ def optimizer_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[
         "elementwise_bytes_per_rank": elementwise,
         "memory_bytes_per_s": memory_rate,
         "elementwise_s_per_rank": [b / memory_rate for b in elementwise],
+        "tensors_per_rank": tensors,
+        "per_tensor_s_per_rank": [
+            m * fixed["matrix"] + e * fixed["elementwise"]
+            for m, e in zip(tensors["matrix"], tensors["elementwise"], strict=True)
+        ],
     }
 
 
@@ -150,24 +222,26 @@ def step_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[str, 
     """Every term of one step of `plan` (its layout `layout`) on `hw`: per rank, the phases of
     the busiest rank in each (`PHASES`), the step's seconds and tokens per second."""
     o = plan["overhead"]
-    rate, source = compute_flops_per_s(hw, layout.param_dtype)
-    forward = o["model_flops_per_gpu"] / 3 / rate
-    backward = 2 * forward
+    fb, act = forward_backward(plan, hw, layout), activation_collectives(plan, hw)
+    forward, backward = fb["forward_s"], fb["backward_s"]
+    exposed = act["total_s"]
     comm, opt = comm_terms(plan, hw, layout), optimizer_terms(plan, hw, layout)
     buckets = comm["buckets_per_rank"]
-    reduce = [_exposed(t, backward, n) for t, n in zip(comm["reduce_s_per_rank"], buckets)]
-    gather = [_exposed(t, forward, n) for t, n in zip(comm["gather_s_per_rank"], buckets)]
+    hides = 1.0 if hw.comm_overlap is None else hw.comm_overlap
+    reduce = [_exposed(t, hides * backward, n) for t, n in zip(comm["reduce_s_per_rank"], buckets)]
+    gather = [_exposed(t, hides * forward, n) for t, n in zip(comm["gather_s_per_rank"], buckets)]
     columns = (reduce, opt["ns_s_per_rank"], opt["tp_s_per_rank"],
-               opt["elementwise_s_per_rank"], gather)  # fmt: skip
-    per_rank = [forward + backward + sum(x) for x in zip(*columns, strict=True)]
-    phases = dict(zip(PHASES, (forward, backward, *(max(c) for c in columns)), strict=True))
+               opt["elementwise_s_per_rank"], opt["per_tensor_s_per_rank"], gather)  # fmt: skip
+    per_rank = [forward + backward + exposed + sum(x) for x in zip(*columns, strict=True)]
+    firsts = (forward, backward, exposed)
+    phases = dict(zip(PHASES, (*firsts, *(max(c) for c in columns)), strict=True))
     step = sum(phases.values())
     return {
         "optimizer": layout.optimizer,
         "tokens_per_step": o["tokens_per_step"],
         "model_flops_per_gpu": o["model_flops_per_gpu"],
-        "compute_flops_per_s": rate,
-        "compute_rate_source": source,
+        **fb,
+        "activation_collectives_s": act["per_kind_s"],
         **comm,
         **opt,
         "reduce_exposed_s_per_rank": reduce,
@@ -224,7 +298,9 @@ def step_time_lines(section: dict[str, Any]) -> list[str]:
         "reduce_exposed": "gradient reduction, exposed",
         "ns": "optimizer: SOAP's matrix work" if "soap" in names else "optimizer: Newton-Schulz",
         "tp": "optimizer: TP bytes and rounds",
+        "activation_collectives": "TP/EP activation collectives",
         "elementwise": "optimizer: elementwise (memory)",
+        "per_tensor": "optimizer: per-tensor fixed cost",
         "gather_exposed": "parameter gather, exposed",
     }
     lines = [
