@@ -31,14 +31,26 @@ def test_layouts_name_their_cases() -> None:
 
 
 def test_ranks_outnumbering_the_cores_share_their_rates() -> None:
-    hw = load_hardware("h100")
+    """Rates halve and fixed costs double for 4 ranks on 2 cores; collectives, which were
+    measured with the ranks they run on, stay."""
+    hw = dataclasses.replace(
+        load_hardware("h100"),
+        matmul_tflops={"fp32": {"linear": 0.1, "gram": 0.2}},
+        activation_gb_per_s=1.0,
+        optimizer_gb_per_s=5.0,
+        optimizer_us_per_tensor={"matrix": 200.0, "elementwise": 50.0},
+        tp_us_per_linear=2000.0,
+        comm_overlap=0.25,
+    )
     assert sharing_cores(hw, 2, 2) is hw and sharing_cores(hw, 1, 2) is hw
     half = sharing_cores(hw, 4, 2)
     assert half.bf16_tflops == hw.bf16_tflops / 2 and half.fp32_tflops == hw.fp32_tflops / 2
     assert half.memory_bytes_per_s() == hw.memory_bytes_per_s() / 2
-    for dtype, rates in hw.matmul_tflops.items():
-        assert half.matmul_tflops[dtype] == {k: v / 2 for k, v in rates.items()}
-    assert (half.link(2), half.collectives) == (hw.link(2), hw.collectives)
+    assert half.matmul_tflops == {"fp32": {"linear": 0.05, "gram": 0.1}}
+    assert (half.activation_gb_per_s, half.optimizer_gb_per_s) == (0.5, 2.5)
+    assert half.optimizer_us_per_tensor == {"matrix": 400.0, "elementwise": 100.0}
+    assert half.tp_us_per_linear == 4000.0
+    assert (half.link(2), half.collectives, half.comm_overlap) == (hw.link(2), {}, 0.25)
 
 
 @pytest.mark.parametrize("entry", ["dp0", "tp1", "ep1", "pp2", "dp", "tp2x"])

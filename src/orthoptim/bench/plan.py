@@ -213,15 +213,22 @@ def cores() -> int:
 
 def sharing_cores(hw: Hardware, ranks: int, n_cores: int) -> Hardware:
     """`hw` as each of `ranks` one-thread ranks sees it on `n_cores` cores: with more ranks
-    than cores every compute and memory rate × n_cores / ranks (the plan models one rank per
-    device; here they take turns on the cores). Collectives keep their measured figures."""
+    than cores every compute and memory rate × n_cores / ranks, and every fixed cost per
+    tensor ÷ it (the plan models one rank per device; here they take turns on the cores).
+    Collectives keep their measured figures."""
     share = min(1.0, n_cores / ranks)
     if share == 1.0:
         return hw
     rates = {d: {c: r * share for c, r in t.items()} for d, t in hw.matmul_tflops.items()}
     memory = None if hw.memory_gb_per_s is None else hw.memory_gb_per_s * share
+    act = None if hw.activation_gb_per_s is None else hw.activation_gb_per_s * share
+    opt = None if hw.optimizer_gb_per_s is None else hw.optimizer_gb_per_s * share
     return dataclasses.replace(
         hw,
+        activation_gb_per_s=act,
+        optimizer_gb_per_s=opt,
+        optimizer_us_per_tensor={k: v / share for k, v in hw.optimizer_us_per_tensor.items()},
+        tp_us_per_linear=None if hw.tp_us_per_linear is None else hw.tp_us_per_linear / share,
         bf16_tflops=hw.bf16_tflops * share,
         fp32_tflops=hw.fp32_tflops * share,
         matmul_tflops=rates,
@@ -241,7 +248,7 @@ def predicted(args: argparse.Namespace, layout: BenchLayout, v: Variant) -> dict
     plan_layout = layout.plan_layout(v, dp * args.batch * CONFIGS[layout.config].seq_len)
     plan = make_plan(desc, hw, plan_layout)
     terms = step_time(desc, hw, plan_layout, plan)[v.optimizer]
-    compute = terms["phases_s"]["forward"] + terms["phases_s"]["backward"]
+    compute = sum(terms["phases_s"][p] for p in ("forward", "backward", "activation_collectives"))
     out: dict[str, Any] = {
         "step_s": terms["step_s"],
         "compute_s": compute,
