@@ -44,7 +44,7 @@ def test_calibrate_writes_a_profile_that_plan_loads_and_prices_with(tmp_path, ca
     assert sorted(hw.matmul_tflops) == ["bf16", "fp32"]
     assert sorted(hw.matmul_tflops["bf16"]) == ["gram", "small", "square"]
     assert sorted(hw.matmul_tflops["fp32"]) == ["gram", "linear", "small", "square"]
-    assert sorted(hw.optimizer_us_per_tensor) == ["elementwise", "matrix"]
+    assert sorted(hw.optimizer_us_per_tensor) == ["elementwise", "matrix", "matrix_tp"]
     assert hw.tp_us_per_linear is not None and hw.tp_us_per_linear > 0
     assert hw.comm_overlap is not None and 0 <= hw.comm_overlap <= 1
     kinds = ["all_gather", "all_reduce", "all_to_all", "reduce_scatter"]

@@ -9,7 +9,13 @@ import json
 
 import pytest
 
-from orthoptim.bench.plan import parse_layouts, sharing_cores
+from orthoptim.bench.plan import (
+    PROBE_SIDE,
+    parse_layouts,
+    probe_factor,
+    scale_compute,
+    sharing_cores,
+)
 from orthoptim.cli import main
 from orthoptim.plan.hardware import load_hardware
 
@@ -53,6 +59,17 @@ def test_ranks_outnumbering_the_cores_share_their_rates() -> None:
     assert (half.link(2), half.collectives, half.comm_overlap) == (hw.link(2), {}, 0.25)
 
 
+def test_the_probe_scales_the_profile_by_the_machines_speed_during_the_run() -> None:
+    """The probe's rate over the profile's fp32 square rate is the factor every compute
+    figure is scaled by (`scale_compute`, as `sharing_cores` scales them); a profile without
+    a measured square rate has none."""
+    hw = dataclasses.replace(load_hardware("h100"), matmul_tflops={"fp32": {"square": 0.1}})
+    seconds = 2 * PROBE_SIDE**3 / 0.05e12  # the probe at half the profile's rate
+    assert probe_factor(hw, seconds) == pytest.approx(0.5)
+    assert probe_factor(load_hardware("h100"), seconds) is None
+    assert scale_compute(hw, 0.5) == sharing_cores(hw, 4, 2)
+
+
 @pytest.mark.parametrize("entry", ["dp0", "tp1", "ep1", "pp2", "dp", "tp2x"])
 def test_a_bad_layout_is_refused_by_name(entry: str) -> None:
     with pytest.raises(ValueError, match=f"got '{entry}'"):
@@ -94,7 +111,7 @@ def test_bench_plan_runs_end_to_end(tmp_path, capsys) -> None:
         "ep2-adamw",
     ]
     for r in rows:
-        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["probe_factor"] > 0
         assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
         for part in ("compute_s", "optimizer_s"):
             assert r[f"predicted_{part}"] > 0 and r[f"measured_{part}"] > 0

@@ -137,7 +137,7 @@ MEASURED = dict(
     matmul_tflops={"fp32": {"linear": 1.0, "gram": 2.0}},
     activation_gb_per_s=3.0,
     optimizer_gb_per_s=5.0,
-    optimizer_us_per_tensor={"matrix": 100.0, "elementwise": 10.0},
+    optimizer_us_per_tensor={"matrix": 100.0, "elementwise": 10.0, "matrix_tp": 300.0},
     tp_us_per_linear=1000.0,
 )
 
@@ -168,6 +168,10 @@ def test_measured_figures_price_what_they_measure() -> None:
         (dict(activation_gb_per_s=6.0), {"forward", "backward"}),
         (dict(optimizer_gb_per_s=10.0), {"elementwise"}),
         (dict(optimizer_us_per_tensor={"matrix": 50.0, "elementwise": 5.0}), {"per_tensor"}),
+        (
+            dict(optimizer_us_per_tensor={**MEASURED["optimizer_us_per_tensor"], "matrix_tp": 1.0}),
+            set(),
+        ),  # a split matrix's cost, and no matrix is split at --tp 1
         (dict(matmul_tflops={"fp32": {"linear": 1.0, "gram": 4.0}}), {"ns"}),
     ):
         other = step_terms(plan, dataclasses.replace(hw, **change), layout)["phases_s"]
@@ -194,9 +198,15 @@ def test_collectives_beside_compute_and_under_tensor_parallelism() -> None:
         bw, lat = hw.collective("all_reduce", 2)
         calls = c["forward_calls"] + c["backward_calls"]
         per = c["split_linears"] * 1e-3 if fixed == "split" else calls * lat
-        assert step_terms(plan, hw, layout)["phases_s"]["activation_collectives"] == (
+        terms = step_terms(plan, hw, layout)
+        assert terms["phases_s"]["activation_collectives"] == (
             pytest.approx(calls * c["bytes_per_call"] / bw + per, rel=1e-12)
         )
+        if fixed == "split":  # the split matrices priced at a split matrix's fixed cost
+            tensors = terms["tensors_per_rank"]
+            assert terms["per_tensor_s_per_rank"] == pytest.approx(
+                [m * 3e-4 + e * 1e-5 for m, e in zip(tensors["matrix"], tensors["elementwise"])]
+            )
 
 
 def test_plan_prints_and_writes_the_step_time(capsys) -> None:

@@ -255,47 +255,69 @@ def step_items(rank: int, world: int, device: torch.device, quick: bool) -> dict
     return out
 
 
-def tp_items(world: int, device: torch.device) -> dict[str, Timed]:
-    """Forward and backward of `TP_LINEARS` small linear layers split over the whole group
-    ("tp.linears", DTensor's ColwiseParallel and RowwiseParallel in turn, as orthoptim
-    train splits a model): their fixed cost, each layer's dispatch and its one all-reduce
-    (the row-parallel one's forward, the column-parallel one's input gradient)."""
+def tp_items(rank: int, world: int, device: torch.device) -> dict[str, Timed]:
+    """`TP_LINEARS` small linear layers split over the whole group (DTensor's ColwiseParallel
+    and RowwiseParallel in turn, as orthoptim train splits a model): their forward and
+    backward ("tp.linears": each layer's dispatch and its one all-reduce, the row-parallel
+    one's forward, the column-parallel one's input gradient), and the layer-wise Muon step
+    on them in the blockwise mode, which sends nothing ("step.matrix_tp": the fixed cost of
+    a split matrix; the modes' collectives are priced apart)."""
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
+    from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
+    from orthoptim.parallel.layout import ParallelDims
+    from orthoptim.parallel.tensor_parallel import TensorParallelOrthogonalizer
+
+    mesh = ParallelDims.for_world(world, tp=world).build(device.type, rank)
     side = TP_SIDE * world
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(side, side, bias=False) for _ in range(TP_LINEARS)))
     plan = {
         str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(TP_LINEARS)
     }
-    parallelize_module(model.to(device), init_device_mesh(device.type, (world,)), plan)
+    parallelize_module(model.to(device), mesh.tp_mesh, plan)
+    opt = LayerwiseDistributedOptimizer(
+        model,
+        optimizer="muon",
+        lr=1e-3,
+        layout=mesh,
+        orthogonalizer=TensorParallelOrthogonalizer(mode="blockwise"),
+    )
     x = torch.randn(TP_SIDE, side, device=device)
 
-    def step() -> None:
+    def forward_backward() -> None:
         model(x).sum().backward()
 
-    return {"tp.linears": Timed(step, setup=lambda: model.zero_grad(set_to_none=True))}
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+        opt.wait_for_params()
+
+    return {
+        "tp.linears": Timed(forward_backward, setup=lambda: model.zero_grad(set_to_none=True)),
+        "step.matrix_tp": Timed(step, setup=forward_backward),
+    }
 
 
 def measure_compute(
     sizes: Sizes, rank: int, world: int, device: torch.device, repeats: int, quick: bool
 ) -> dict[str, float]:
-    """Seconds per call of every compute item (`compute_items`, `model_items`, `step_items`:
-    "step.<kind>" per tensor, `tp_items`: "tp.linears" per layer), timed in rounds, and the
-    flops of "model.linear"."""
+    """Seconds per call of every compute item (`compute_items`, `model_items`, `step_items`
+    and `tp_items`: "step.<kind>" per tensor, "tp.linears" per layer), timed in rounds, and
+    the flops of "model.linear"."""
     model, linear_flops = model_items(device, quick)
     steps = step_items(rank, world, device, quick)
-    items = {**compute_items(sizes, device), **model, **steps, **tp_items(world, device)}
+    items = {**compute_items(sizes, device), **model, **steps, **tp_items(rank, world, device)}
     out = timed_rounds(items, repeats, device)
-    for kind in get_args(TensorKind):
+    for kind in ("matrix", "elementwise"):
         out[f"step.{kind}"] /= STEP_TENSORS
     out["tp.linears"] /= TP_LINEARS
+    out["step.matrix_tp"] /= TP_LINEARS
     return {**out, "model.linear_flops": linear_flops}
 
 
@@ -527,7 +549,8 @@ def build_profile(
         "optimizer_gb_per_s": f"{how}: {optimizer_how}",
         "optimizer_us_per_tensor": f"{how}: LayerwiseDistributedOptimizer.step on a group of "
         f"one rank, {STEP_TENSORS} {STEP_SIDE}x{STEP_SIDE} matrices, over {STEP_TENSORS}: "
-        "matrix under Muon, elementwise under AdamW",
+        "matrix under Muon, elementwise under AdamW; matrix_tp under Muon (blockwise) on the "
+        f"{TP_LINEARS} layers of tp_us_per_linear, over {TP_LINEARS}",
         "tp_us_per_linear": f"{how}: forward and backward of {TP_LINEARS} linear layers "
         f"{TP_SIDE}x{TP_SIDE * ranks} split over the {ranks} ranks (DTensor ColwiseParallel "
         f"and RowwiseParallel in turn) on {TP_SIDE} tokens, over {TP_LINEARS}",

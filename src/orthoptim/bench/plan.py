@@ -18,8 +18,14 @@ gathers. A case's measured time is the busiest rank's median. The layouts:
 Its predicted time is `orthoptim plan`'s (`plan.steptime`) for the same model and layout on
 the `--hardware` profile (one `orthoptim bench calibrate` measured on this machine, for the
 rates it prices with): Newton-Schulz in fp32 on the CPU path, the step's global tokens.
-Wall-clock figures on a shared CPU are noisy: the error of each case is what this machine
-gave at the load it had.
+A shared machine's speed drifts between the profile's minute and the run's (by a third, seen
+on the test machines), so with `--rescale` (the default) every layout's ranks first time a
+probe at once (`probe_seconds`: the fp32 square matmul `bench calibrate` times) and the
+profile's compute figures are scaled by its rate over the profile's (`probe_factor`: core
+sharing included, where the ranks outnumber the cores), its collectives kept, for the
+prediction and for the cost model the runtime's `auto` prices with alike. No step time
+enters a prediction. The error of each case is what this machine gave at the load it
+had.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch.distributed as dist
 
 from orthoptim import collectives as C
 from orthoptim.bench import environment
+from orthoptim.bench.calibrate import MATMUL_SIDE
 from orthoptim.bench.dist import spawn_gloo
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layout import ParallelDims, ParallelMesh
@@ -57,6 +64,9 @@ Optimizer = Literal["muon", "adamw"]
 OPTIMIZERS: tuple[Optimizer, ...] = ("muon", "adamw")
 LayoutKind = Literal["dp", "tp", "ep"]
 DEFAULT_LAYOUTS = "dp1,dp2,dp4,tp2,ep2"
+# the side of the probe each rank times in every round: the fp32 square `bench calibrate`
+# times on a CPU, so its rate compares with the profile's
+PROBE_SIDE = MATMUL_SIDE["cpu"]["fp32"]
 
 
 @dataclass(frozen=True)
@@ -184,15 +194,19 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
     try:
         layout: BenchLayout = args.layout
         mesh = layout.dims().build("cpu", rank)
+        profile = load_hardware(args.hardware)
+        factor = probe_factor(profile, probe_seconds(args.steps)) if args.rescale else None
+        hw = profile if factor is None else scale_compute(profile, factor)
         # the plan's TP cost model on the profile (the same for every variant of the layout)
-        model = tp_cost_model(load_hardware(args.hardware), layout.plan_layout(Variant("muon"), 0))
+        model = tp_cost_model(hw, layout.plan_layout(Variant("muon"), 0))
         cases = [_Case(layout, v, mesh, args, model) for v in layout.variants]
         for i in range(args.warmup + args.steps):
             shift = i % len(cases)
             for c in cases[shift:] + cases[:shift]:  # interleaved, the order rotating
                 C.barrier()
                 c.step(i)
-        out = {
+        out: dict[str, Any] = {"probe_factor": factor}
+        out |= {
             c.label: {
                 "median_s": statistics.median(a + b for a, b in c.times[args.warmup :]),
                 "compute_s": statistics.median(a for a, _ in c.times[args.warmup :]),
@@ -211,39 +225,80 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def sharing_cores(hw: Hardware, ranks: int, n_cores: int) -> Hardware:
-    """`hw` as each of `ranks` one-thread ranks sees it on `n_cores` cores: with more ranks
-    than cores every compute and memory rate × n_cores / ranks, and every fixed cost per
-    tensor ÷ it (the plan models one rank per device; here they take turns on the cores).
-    Collectives keep their measured figures."""
-    share = min(1.0, n_cores / ranks)
-    if share == 1.0:
+def scale_compute(hw: Hardware, factor: float) -> Hardware:
+    """`hw` on a machine `factor` × as fast: every compute and memory rate × factor, every
+    fixed cost per tensor or layer ÷ it. Collectives keep their measured figures."""
+    if factor == 1.0:
         return hw
-    rates = {d: {c: r * share for c, r in t.items()} for d, t in hw.matmul_tflops.items()}
-    memory = None if hw.memory_gb_per_s is None else hw.memory_gb_per_s * share
-    act = None if hw.activation_gb_per_s is None else hw.activation_gb_per_s * share
-    opt = None if hw.optimizer_gb_per_s is None else hw.optimizer_gb_per_s * share
+    rates = {d: {c: r * factor for c, r in t.items()} for d, t in hw.matmul_tflops.items()}
+
+    def times(v: float | None) -> float | None:
+        return None if v is None else v * factor
+
     return dataclasses.replace(
         hw,
-        activation_gb_per_s=act,
-        optimizer_gb_per_s=opt,
-        optimizer_us_per_tensor={k: v / share for k, v in hw.optimizer_us_per_tensor.items()},
-        tp_us_per_linear=None if hw.tp_us_per_linear is None else hw.tp_us_per_linear / share,
-        bf16_tflops=hw.bf16_tflops * share,
-        fp32_tflops=hw.fp32_tflops * share,
+        bf16_tflops=hw.bf16_tflops * factor,
+        fp32_tflops=hw.fp32_tflops * factor,
         matmul_tflops=rates,
-        memory_gb_per_s=memory,
+        memory_gb_per_s=times(hw.memory_gb_per_s),
+        activation_gb_per_s=times(hw.activation_gb_per_s),
+        optimizer_gb_per_s=times(hw.optimizer_gb_per_s),
+        optimizer_us_per_tensor={k: v / factor for k, v in hw.optimizer_us_per_tensor.items()},
+        tp_us_per_linear=None if hw.tp_us_per_linear is None else hw.tp_us_per_linear / factor,
     )
 
 
-def predicted(args: argparse.Namespace, layout: BenchLayout, v: Variant) -> dict[str, Any]:
-    """The plan's seconds of case `v` of `layout` on this machine (`sharing_cores`): the
-    step, its forward and backward, the rest (the optimizer with its exposed collectives);
-    under tensor parallelism the modes the plan's `auto` picks (matrices per mode)."""
+def sharing_cores(hw: Hardware, ranks: int, n_cores: int) -> Hardware:
+    """`hw` as each of `ranks` one-thread ranks sees it on `n_cores` cores: with more ranks
+    than cores, `scale_compute` by n_cores / ranks (the plan models one rank per device;
+    here they take turns on the cores)."""
+    return scale_compute(hw, min(1.0, n_cores / ranks))
+
+
+def probe_seconds(repeats: int) -> float:
+    """Seconds of the probe, a `PROBE_SIDE`³ fp32 matmul, every rank of the layout timing it
+    at once (a barrier before each): the slowest rank's median of `repeats`, the same on
+    every rank."""
+    a, b = (torch.randn(PROBE_SIDE, PROBE_SIDE) for _ in range(2))
+    torch.matmul(a, b)
+    samples = []
+    for _ in range(repeats):
+        C.barrier()
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        samples.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+def probe_factor(hw: Hardware, probe_s: float) -> float | None:
+    """The probe's rate (`probe_seconds`: the layout's ranks timing it at once before its
+    cases) over the profile's measured fp32 square rate: how fast each rank computes during
+    the run against when the profile was measured, core sharing included; None where the
+    profile measured no such rate."""
+    measured = hw.matmul_tflops.get("fp32", {}).get("square")
+    if measured is None:
+        return None
+    return 2 * PROBE_SIDE**3 / probe_s / (measured * 1e12)
+
+
+def predicted(
+    args: argparse.Namespace, layout: BenchLayout, v: Variant, factor: float | None = None
+) -> dict[str, Any]:
+    """The plan's seconds of case `v` of `layout` on this machine, the profile's compute
+    scaled by the layout's probe `factor` where given (`probe_factor`), else shared among
+    the ranks (`sharing_cores`): the step, its forward and backward, the rest (the optimizer
+    with its exposed collectives); under tensor parallelism the modes the plan's `auto`
+    picks (matrices per mode)."""
     from orthoptim.train.model import CONFIGS
 
     desc = train_model(layout.config)
-    hw = sharing_cores(load_hardware(args.hardware), layout.size, cores())
+    profile = load_hardware(args.hardware)
+    if factor is None:
+        hw = sharing_cores(profile, layout.size, cores())
+    else:
+        hw = scale_compute(profile, factor)
     dp = layout.dims().dp
     plan_layout = layout.plan_layout(v, dp * args.batch * CONFIGS[layout.config].seq_len)
     plan = make_plan(desc, hw, plan_layout)
@@ -261,17 +316,19 @@ def predicted(args: argparse.Namespace, layout: BenchLayout, v: Variant) -> dict
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every case of every layout: predicted, measured (the busiest rank's median), error,
-    and under tensor parallelism the modes `auto` took (rank 0's last step, matrices per
-    mode)."""
+    """Every case of every layout: predicted (with `--rescale`, on the profile scaled by the
+    layout's probe, `probe_factor`), measured (the busiest rank's median), error, the probe's
+    factor (None without `--rescale`), and under tensor parallelism the modes `auto` took
+    (rank 0's last step, matrices per mode)."""
     cases = []
     for layout in args.layouts:
         per_rank = spawn_gloo(
             _rank_main, layout.size, argparse.Namespace(**vars(args), layout=layout)
         )
+        factor = per_rank[0]["probe_factor"]  # every rank's: the slowest rank's probe
         for v in layout.variants:
             label = layout.label(v)
-            plan = predicted(args, layout, v)
+            plan = predicted(args, layout, v, factor)
             busiest = max(per_rank, key=lambda r: r[label]["median_s"])[label]
             measured = busiest["median_s"]
             case: dict[str, Any] = {
@@ -281,6 +338,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "predicted_s": plan["step_s"],
                 "measured_s": measured,
                 "error": plan["step_s"] / measured - 1,
+                "probe_factor": factor,
             }
             for part in ("compute_s", "optimizer_s"):  # the busiest rank's
                 case[f"predicted_{part}"], case[f"measured_{part}"] = plan[part], busiest[part]
@@ -302,6 +360,12 @@ def summary_lines(cases: list[dict[str, Any]]) -> list[str]:
     lines = []
     for name in dict.fromkeys(c["layout"] for c in cases):
         mine = [c for c in cases if c["layout"] == name]
+        factor = mine[0].get("probe_factor")
+        if factor is not None:
+            lines.append(
+                f"{name} probe: {factor:.3f}x the profile's fp32 square rate (its compute "
+                "scaled by it)"
+            )
         by_opt = {c["optimizer"]: c for c in mine if "tp_mode" not in c}
         if "muon" in by_opt and "adamw" in by_opt:
             muon, adamw = by_opt["muon"], by_opt["adamw"]
@@ -336,8 +400,12 @@ def render(cases: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         f"orthoptim bench plan: train:{args.config} (ep: train:{args.moe_config}), "
         f"{args.batch} sequences per data-parallel rank, median of {args.steps} interleaved "
-        f"steps, 1 thread/rank, gloo, {cores()} cores (rates shared where the ranks outnumber "
-        f"them); predicted on {args.hardware}",
+        f"steps, 1 thread/rank, gloo, {cores()} cores; predicted on {args.hardware}, "
+        + (
+            "its compute scaled by each layout's probe"
+            if args.rescale
+            else "its rates shared where the ranks outnumber the cores"
+        ),
         f"{'':<{width}}{'step':>29}{'':>9}{'forward+backward':>29}{'optimizer':>20}",
         f"{'case':<{width}}{'predicted ms':>13}{'measured ms':>13}{'error':>9}"
         f"{'predicted':>11}{'measured':>10}{'error':>8}{'predicted':>11}{'measured':>10}"
@@ -427,6 +495,15 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=7, help="timed steps of each case (7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
+    p.add_argument(
+        "--rescale",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scale the profile's compute by each layout's probe (a fp32 matmul its ranks time "
+        "at once before the cases) over the profile's own square rate, for the machine's "
+        "speed during the run (default on; --no-rescale: the profile as measured, its rates "
+        "shared where the ranks outnumber the cores)",
+    )
     p.add_argument(
         "--json",
         metavar="PATH",

@@ -33,8 +33,9 @@ OPTIONAL_FIELDS = (
     "activation_gb_per_s", "optimizer_gb_per_s", "optimizer_us_per_tensor", "comm_overlap",
     "tp_us_per_linear",
 )  # fmt: skip
-# the keys of `optimizer_us_per_tensor`: a Muon matrix, an elementwise (AdamW) tensor
-TensorKind = Literal["matrix", "elementwise"]
+# the keys of `optimizer_us_per_tensor`: a Muon matrix, an elementwise (AdamW) tensor, a Muon
+# matrix split by tensor parallelism (a DTensor)
+TensorKind = Literal["matrix", "elementwise", "matrix_tp"]
 
 # Published Muon vs AdamW throughput on GB300 NVL72 (NVIDIA technical blog "Advancing
 # Emerging Optimizers for Accelerated LLM Training with NVIDIA Megatron", Megatron Bridge

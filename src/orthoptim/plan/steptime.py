@@ -24,7 +24,7 @@ them on a `Hardware`:
   `optimizer_bytes_per_s()`; and
   each tensor the rank steps
   (`owned_tensors_per_rank`) × the profile's measured `optimizer_us_per_tensor` of its kind
-  (none where the profile has no such figure).
+  (a split matrix's under tensor parallelism; none where the profile has no such figure).
 
 Overlap rule (`OVERLAP_RULE`): the reduction runs under the backward and the gather under the
 next forward, bucket by bucket, as much of it hidden as the profile's `comm_overlap` says
@@ -199,7 +199,9 @@ def optimizer_terms(plan: dict[str, Any], hw: Hardware, layout: Layout) -> dict[
     if memory_rate is None:  # no figure in the profile: the TP cost model's GPU default
         memory_rate = CostModel().memory_bandwidth
     tensors = plan["memory"]["owned_tensors_per_rank"]
-    fixed = {k: hw.optimizer_us_per_tensor.get(k, 0.0) * 1e-6 for k in ("matrix", "elementwise")}
+    us = hw.optimizer_us_per_tensor
+    matrix = "matrix_tp" if layout.tp > 1 and "matrix_tp" in us else "matrix"
+    fixed = {"matrix": us.get(matrix, 0.0) * 1e-6, "elementwise": us.get("elementwise", 0.0) * 1e-6}
     return {
         "ns_flops_per_rank": ns_flops,
         "ns_flops_per_s": ns_rate,
