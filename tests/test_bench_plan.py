@@ -4,6 +4,7 @@ it parses and refuses, and that every case runs end to end and reports what it m
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -12,6 +13,7 @@ import pytest
 from orthoptim.bench.plan import (
     PROBE_SIDE,
     parse_layouts,
+    predicted,
     probe_factor,
     scale_compute,
     sharing_cores,
@@ -70,6 +72,22 @@ def test_the_probe_scales_the_profile_by_the_machines_speed_during_the_run() -> 
     assert scale_compute(hw, 0.5) == sharing_cores(hw, 4, 2)
 
 
+def test_a_rescaled_prediction_plans_as_the_runtime_and_prices_on_the_probe(tmp_path) -> None:
+    """`--rescale` leaves the plan (auto's picks: the runtime's cost model reads the profile
+    as measured) and scales only the prices: at half the speed, compute takes twice as long
+    and the collectives as long as they did."""
+    hw = dataclasses.replace(load_hardware("h100"), matmul_tflops={"fp32": {"square": 0.1}})
+    path = tmp_path / "hw.json"
+    path.write_text(hw.to_json())
+    args = argparse.Namespace(hardware=str(path), batch=2)
+    (layout,) = parse_layouts("tp2", "tiny", "tiny-moe", ["auto"])
+    (v,) = layout.variants
+    as_measured, half = predicted(args, layout, v), predicted(args, layout, v, 0.5)
+    assert half["auto_picks"] == as_measured["auto_picks"]
+    # the matmuls twice as long; the activation all-reduces, collectives, as long
+    assert as_measured["compute_s"] < half["compute_s"] < 2 * as_measured["compute_s"]
+
+
 @pytest.mark.parametrize("entry", ["dp0", "tp1", "ep1", "pp2", "dp", "tp2x"])
 def test_a_bad_layout_is_refused_by_name(entry: str) -> None:
     with pytest.raises(ValueError, match=f"got '{entry}'"):
@@ -100,6 +118,7 @@ def test_bench_plan_runs_end_to_end(tmp_path, capsys) -> None:
     assert main([*argv, "--repeats", "1"]) == 0
     argv = ["bench", "plan", "--hardware", str(profile), "--layouts", "dp1,tp2,ep2"]
     argv += ["--tp-modes", "auto,gram", "--batch", "1", "--steps", "1", "--warmup", "0"]
+    argv += ["--no-rescale"]  # the probe is timed and written, not applied
     assert main([*argv, "--json", str(cases)]) == 0
     rows = json.loads(cases.read_text())
     assert [r["case"] for r in rows] == [
@@ -111,7 +130,8 @@ def test_bench_plan_runs_end_to_end(tmp_path, capsys) -> None:
         "ep2-adamw",
     ]
     for r in rows:
-        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["probe_factor"] > 0
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        assert r["probe_factor"] > 0 and not r["rescaled"]
         assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
         for part in ("compute_s", "optimizer_s"):
             assert r[f"predicted_{part}"] > 0 and r[f"measured_{part}"] > 0

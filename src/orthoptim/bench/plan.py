@@ -19,13 +19,13 @@ Its predicted time is `orthoptim plan`'s (`plan.steptime`) for the same model an
 the `--hardware` profile (one `orthoptim bench calibrate` measured on this machine, for the
 rates it prices with): Newton-Schulz in fp32 on the CPU path, the step's global tokens.
 A shared machine's speed drifts between the profile's minute and the run's (by a third, seen
-on the test machines), so with `--rescale` (the default) every layout's ranks first time a
-probe at once (`probe_seconds`: the fp32 square matmul `bench calibrate` times) and the
-profile's compute figures are scaled by its rate over the profile's (`probe_factor`: core
-sharing included, where the ranks outnumber the cores), its collectives kept, for the
-prediction and for the cost model the runtime's `auto` prices with alike. No step time
-enters a prediction. The error of each case is what this machine gave at the load it
-had.
+on the test machines), so every rank also times a probe in every round beside the cases
+(the fp32 square matmul `bench calibrate` times, all ranks at once); with `--rescale` (the
+default) the prediction prices on the profile's compute figures scaled by the probe's rate
+over the profile's (`probe_factor`: core sharing included, where the ranks outnumber the
+cores), its collectives kept. The plan itself (what `auto` picks) is made on the profile
+as the runtime's cost model reads it. No step time enters a prediction. The error of each
+case is what this machine gave at the load it had.
 """
 
 from __future__ import annotations
@@ -194,18 +194,22 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
     try:
         layout: BenchLayout = args.layout
         mesh = layout.dims().build("cpu", rank)
-        profile = load_hardware(args.hardware)
-        factor = probe_factor(profile, probe_seconds(args.steps)) if args.rescale else None
-        hw = profile if factor is None else scale_compute(profile, factor)
+        hw = sharing_cores(load_hardware(args.hardware), layout.size, cores())
         # the plan's TP cost model on the profile (the same for every variant of the layout)
         model = tp_cost_model(hw, layout.plan_layout(Variant("muon"), 0))
         cases = [_Case(layout, v, mesh, args, model) for v in layout.variants]
+        a, b = (torch.randn(PROBE_SIDE, PROBE_SIDE) for _ in range(2))
+        probes = []
         for i in range(args.warmup + args.steps):
+            C.barrier()
+            start = time.perf_counter()
+            torch.matmul(a, b)  # the probe: every rank at once, each round
+            probes.append(time.perf_counter() - start)
             shift = i % len(cases)
             for c in cases[shift:] + cases[:shift]:  # interleaved, the order rotating
                 C.barrier()
                 c.step(i)
-        out: dict[str, Any] = {"probe_factor": factor}
+        out: dict[str, Any] = {"probe_s": statistics.median(probes[args.warmup :])}
         out |= {
             c.label: {
                 "median_s": statistics.median(a + b for a, b in c.times[args.warmup :]),
@@ -255,28 +259,12 @@ def sharing_cores(hw: Hardware, ranks: int, n_cores: int) -> Hardware:
     return scale_compute(hw, min(1.0, n_cores / ranks))
 
 
-def probe_seconds(repeats: int) -> float:
-    """Seconds of the probe, a `PROBE_SIDE`³ fp32 matmul, every rank of the layout timing it
-    at once (a barrier before each): the slowest rank's median of `repeats`, the same on
-    every rank."""
-    a, b = (torch.randn(PROBE_SIDE, PROBE_SIDE) for _ in range(2))
-    torch.matmul(a, b)
-    samples = []
-    for _ in range(repeats):
-        C.barrier()
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        samples.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest)
-
-
 def probe_factor(hw: Hardware, probe_s: float) -> float | None:
-    """The probe's rate (`probe_seconds`: the layout's ranks timing it at once before its
-    cases) over the profile's measured fp32 square rate: how fast each rank computes during
-    the run against when the profile was measured, core sharing included; None where the
-    profile measured no such rate."""
+    """The probe's rate (a `PROBE_SIDE`³ fp32 matmul in `probe_s`: the busiest rank's median,
+    every rank timing it at once in every round beside the cases) over the profile's
+    measured fp32 square rate: how fast each rank computed during the run against when the
+    profile was measured, core sharing included; None where the profile measured no such
+    rate."""
     measured = hw.matmul_tflops.get("fp32", {}).get("square")
     if measured is None:
         return None
@@ -295,14 +283,14 @@ def predicted(
 
     desc = train_model(layout.config)
     profile = load_hardware(args.hardware)
-    if factor is None:
-        hw = sharing_cores(profile, layout.size, cores())
-    else:
-        hw = scale_compute(profile, factor)
+    shared = sharing_cores(profile, layout.size, cores())
     dp = layout.dims().dp
     plan_layout = layout.plan_layout(v, dp * args.batch * CONFIGS[layout.config].seq_len)
-    plan = make_plan(desc, hw, plan_layout)
-    terms = step_time(desc, hw, plan_layout, plan)[v.optimizer]
+    # planned (auto's picks) on the profile the runtime's cost model read; priced on the
+    # probe's where given
+    plan = make_plan(desc, shared, plan_layout)
+    priced = shared if factor is None else scale_compute(profile, factor)
+    terms = step_time(desc, priced, plan_layout, plan)[v.optimizer]
     compute = sum(terms["phases_s"][p] for p in ("forward", "backward", "activation_collectives"))
     out: dict[str, Any] = {
         "step_s": terms["step_s"],
@@ -325,10 +313,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         per_rank = spawn_gloo(
             _rank_main, layout.size, argparse.Namespace(**vars(args), layout=layout)
         )
-        factor = per_rank[0]["probe_factor"]  # every rank's: the slowest rank's probe
+        factor = probe_factor(load_hardware(args.hardware), max(r["probe_s"] for r in per_rank))
         for v in layout.variants:
             label = layout.label(v)
-            plan = predicted(args, layout, v, factor)
+            plan = predicted(args, layout, v, factor if args.rescale else None)
             busiest = max(per_rank, key=lambda r: r[label]["median_s"])[label]
             measured = busiest["median_s"]
             case: dict[str, Any] = {
@@ -339,6 +327,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "measured_s": measured,
                 "error": plan["step_s"] / measured - 1,
                 "probe_factor": factor,
+                "rescaled": bool(args.rescale and factor is not None),
             }
             for part in ("compute_s", "optimizer_s"):  # the busiest rank's
                 case[f"predicted_{part}"], case[f"measured_{part}"] = plan[part], busiest[part]
@@ -362,10 +351,8 @@ def summary_lines(cases: list[dict[str, Any]]) -> list[str]:
         mine = [c for c in cases if c["layout"] == name]
         factor = mine[0].get("probe_factor")
         if factor is not None:
-            lines.append(
-                f"{name} probe: {factor:.3f}x the profile's fp32 square rate (its compute "
-                "scaled by it)"
-            )
+            how = "its compute scaled by it" if mine[0]["rescaled"] else "not applied"
+            lines.append(f"{name} probe: {factor:.3f}x the profile's fp32 square rate ({how})")
         by_opt = {c["optimizer"]: c for c in mine if "tp_mode" not in c}
         if "muon" in by_opt and "adamw" in by_opt:
             muon, adamw = by_opt["muon"], by_opt["adamw"]
@@ -499,10 +486,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "--rescale",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="scale the profile's compute by each layout's probe (a fp32 matmul its ranks time "
-        "at once before the cases) over the profile's own square rate, for the machine's "
-        "speed during the run (default on; --no-rescale: the profile as measured, its rates "
-        "shared where the ranks outnumber the cores)",
+        help="price on the profile's compute scaled by each layout's probe (a fp32 matmul its "
+        "ranks time at once in every round beside the cases) over the profile's own square "
+        "rate, for the machine's speed during the run (default on; --no-rescale: the profile "
+        "as measured, its rates shared where the ranks outnumber the cores)",
     )
     p.add_argument(
         "--json",
