@@ -12,10 +12,12 @@ import pytest
 
 from orthoptim.bench.plan import (
     PROBE_SIDE,
+    comm_probe_factor,
     parse_layouts,
     predicted,
     probe_factor,
     scale_compute,
+    scale_links,
     sharing_cores,
 )
 from orthoptim.cli import main
@@ -63,13 +65,21 @@ def test_ranks_outnumbering_the_cores_share_their_rates() -> None:
 
 def test_the_probe_scales_the_profile_by_the_machines_speed_during_the_run() -> None:
     """The probe's rate over the profile's fp32 square rate is the factor every compute
-    figure is scaled by (`scale_compute`, as `sharing_cores` scales them); a profile without
-    a measured square rate has none."""
+    figure is scaled by (`scale_compute`, as `sharing_cores` scales them), the profile's
+    all-reduce latency over the comm probe's the factor the links are (`scale_links`); a
+    profile without the measured figure has none."""
     hw = dataclasses.replace(load_hardware("h100"), matmul_tflops={"fp32": {"square": 0.1}})
     seconds = 2 * PROBE_SIDE**3 / 0.05e12  # the probe at half the profile's rate
     assert probe_factor(hw, seconds) == pytest.approx(0.5)
     assert probe_factor(load_hardware("h100"), seconds) is None
     assert scale_compute(hw, 0.5) == sharing_cores(hw, 4, 2)
+    link = {"all_reduce": {"2": {"gb_per_s": 1.0, "latency_us": 1000.0}}}
+    hw = dataclasses.replace(hw, collectives=link)
+    assert comm_probe_factor(hw, 2e-3, 2) == pytest.approx(0.5)  # twice the latency
+    assert comm_probe_factor(hw, 2e-3, 4) is None and comm_probe_factor(hw, None, 2) is None
+    slow = scale_links(hw, 0.5)
+    assert slow.collective("all_reduce", 2) == (0.5e9, 2e-3)
+    assert slow.link(2) == (hw.intra_node_gb_per_s * 0.5e9, hw.intra_node_latency_us * 2e-6)
 
 
 def test_a_rescaled_prediction_plans_as_the_runtime_and_prices_on_the_probe(tmp_path) -> None:
@@ -132,6 +142,8 @@ def test_bench_plan_runs_end_to_end(tmp_path, capsys) -> None:
     for r in rows:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
         assert r["probe_factor"] > 0 and not r["rescaled"]
+        # one rank has no collective to probe
+        assert (r["comm_probe_factor"] is None) == (r["layout"] == "dp1")
         assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
         for part in ("compute_s", "optimizer_s"):
             assert r[f"predicted_{part}"] > 0 and r[f"measured_{part}"] > 0

@@ -66,7 +66,7 @@ MATMUL_SIDE: dict[str, dict[MatmulDtype, int]] = {
 # bandwidth.
 ELEMENTWISE_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}
 MESSAGE_BYTES = {"cpu": 1 << 20, "cuda": 256 << 20}
-# the side of the square fp32 matmul each timed collective follows (`_chunk`), per device,
+# the side of the square fp32 matmul each timed collective follows (`compute_chunk`), per device,
 # and how many (matmul, collective) pairs one timed call runs back to back
 CHUNK_SIDE = {"cpu": 384, "cuda": 4096}
 CHUNK_CALLS = 8
@@ -321,7 +321,7 @@ def measure_compute(
     return {**out, "model.linear_flops": linear_flops}
 
 
-def _collective_call(kind: CollectiveKind, numel: int, n: int, device: torch.device) -> Any:
+def collective_call(kind: CollectiveKind, numel: int, n: int, device: torch.device) -> Any:
     """A function running one `kind` of a `numel`-element float32 tensor (the all-reduced or
     all-to-all'd tensor, the gathered output, the reduce-scattered input) over the group,
     taking the `CommStats` to count it in (or None)."""
@@ -337,7 +337,7 @@ def _collective_call(kind: CollectiveKind, numel: int, n: int, device: torch.dev
     return calls[kind]
 
 
-def _chunk(device: torch.device) -> Callable[[], object]:
+def compute_chunk(device: torch.device) -> Callable[[], object]:
     """The compute a step does between two collectives: one square fp32 matmul of side
     `CHUNK_SIDE` (a ms or so)."""
     side = CHUNK_SIDE[device.type]
@@ -346,7 +346,7 @@ def _chunk(device: torch.device) -> Callable[[], object]:
     return lambda: torch.matmul(a, b, out=res)
 
 
-def _pairs(chunk: Callable[[], object], call: Callable[[], object] | None) -> Timed:
+def pairs(chunk: Callable[[], object], call: Callable[[], object] | None) -> Timed:
     """`CHUNK_CALLS` × (`chunk()`, then `call()`), back to back as a step runs them."""
 
     def run() -> None:
@@ -363,21 +363,21 @@ def measure_collectives(
 ) -> dict[str, dict[str, float]]:
     """Per kind, for the tiny ("tiny_*") and the large ("large_*") message: the bytes this
     rank sends per call (counted) and the median seconds a call adds to the compute before
-    it (`_chunk`, as a training step issues it: the ranks come from their own compute, not
+    it (`compute_chunk`, as a training step issues it: the ranks come from their own compute, not
     from a barrier), timed in rounds beside the compute alone; and "overlap" ("fraction"):
     how much of the large all-reduce runs hidden when started before the compute and waited
     for after it (1: wholly, 0: not at all; `Hardware.comm_overlap`)."""
-    chunk = _chunk(device)
+    chunk = compute_chunk(device)
     large = max(n, sizes.message_bytes // 4 // n * n)
-    items = {"compute": _pairs(chunk, None)}
+    items = {"compute": pairs(chunk, None)}
     counted: dict[str, float] = {}
     for kind in get_args(CollectiveKind):
         for label, numel in (("tiny", n), ("large", large)):
-            call = _collective_call(kind, numel, n, device)
+            call = collective_call(kind, numel, n, device)
             stats = CommStats()
             call(stats)
             counted[f"{kind}.{label}"] = stats.sent[kind]
-            items[f"{kind}.{label}"] = _pairs(chunk, lambda call=call: call(None))
+            items[f"{kind}.{label}"] = pairs(chunk, lambda call=call: call(None))
     full = torch.zeros(large, device=device)
     pending: list[Any] = []
 

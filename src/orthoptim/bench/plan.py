@@ -19,12 +19,14 @@ Its predicted time is `orthoptim plan`'s (`plan.steptime`) for the same model an
 the `--hardware` profile (one `orthoptim bench calibrate` measured on this machine, for the
 rates it prices with): Newton-Schulz in fp32 on the CPU path, the step's global tokens.
 A shared machine's speed drifts between the profile's minute and the run's (by a third, seen
-on the test machines), so every rank also times a probe in every round beside the cases
-(the fp32 square matmul `bench calibrate` times, all ranks at once); with `--rescale` (the
-default) the prediction prices on the profile's compute figures scaled by the probe's rate
+on the test machines), so every rank also times probes in every round beside the cases
+(`Probes`: the fp32 square matmul `bench calibrate` times, and with several ranks its
+one-element all-reduce after compute, all ranks at once); with `--rescale` (the default)
+the prediction prices on the profile's compute figures scaled by the matmul probe's rate
 over the profile's (`probe_factor`: core sharing included, where the ranks outnumber the
-cores), its collectives kept. The plan itself (what `auto` picks) is made on the profile
-as the runtime's cost model reads it. No step time enters a prediction. The error of each
+cores) and its collectives by the profile's all-reduce latency over the probe's
+(`comm_probe_factor`). The plan itself (what `auto` picks) is made on the profile as the
+runtime's cost model reads it. No step time enters a prediction. The error of each
 case is what this machine gave at the load it had.
 """
 
@@ -48,7 +50,13 @@ import torch.distributed as dist
 
 from orthoptim import collectives as C
 from orthoptim.bench import environment
-from orthoptim.bench.calibrate import MATMUL_SIDE
+from orthoptim.bench.calibrate import (
+    CHUNK_CALLS,
+    MATMUL_SIDE,
+    collective_call,
+    compute_chunk,
+    pairs,
+)
 from orthoptim.bench.dist import spawn_gloo
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
 from orthoptim.parallel.layout import ParallelDims, ParallelMesh
@@ -198,18 +206,14 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
         # the plan's TP cost model on the profile (the same for every variant of the layout)
         model = tp_cost_model(hw, layout.plan_layout(Variant("muon"), 0))
         cases = [_Case(layout, v, mesh, args, model) for v in layout.variants]
-        a, b = (torch.randn(PROBE_SIDE, PROBE_SIDE) for _ in range(2))
-        probes = []
+        probe = Probes(world)
         for i in range(args.warmup + args.steps):
-            C.barrier()
-            start = time.perf_counter()
-            torch.matmul(a, b)  # the probe: every rank at once, each round
-            probes.append(time.perf_counter() - start)
+            probe.round()
             shift = i % len(cases)
             for c in cases[shift:] + cases[:shift]:  # interleaved, the order rotating
                 C.barrier()
                 c.step(i)
-        out: dict[str, Any] = {"probe_s": statistics.median(probes[args.warmup :])}
+        out: dict[str, Any] = probe.medians(args.warmup)
         out |= {
             c.label: {
                 "median_s": statistics.median(a + b for a, b in c.times[args.warmup :]),
@@ -222,6 +226,40 @@ def _rank_main(rank: int, world: int, port: int, outdir: str, args: argparse.Nam
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+class Probes:
+    """The probes every rank of a layout times in each round beside its cases, all ranks at
+    once: "probe_s", the fp32 square matmul `bench calibrate` times (`PROBE_SIDE`), and
+    with several ranks "comm_probe_s", a one-element all-reduce as calibrate times its
+    latency (`CHUNK_CALLS` of them, each after its matmul, less the matmuls alone)."""
+
+    def __init__(self, world: int) -> None:
+        self.a, self.b = (torch.randn(PROBE_SIDE, PROBE_SIDE) for _ in range(2))
+        chunk = compute_chunk(torch.device("cpu"))
+        call = collective_call("all_reduce", world, world, torch.device("cpu"))
+        self.alone = pairs(chunk, None)
+        self.after = pairs(chunk, lambda: call(None)) if world > 1 else None
+        self.seconds: dict[str, list[float]] = {"probe_s": [], "comm_probe_s": []}
+
+    def _timed(self, fn: Any) -> float:
+        C.barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def round(self) -> None:
+        """One round's probes."""
+        self.seconds["probe_s"].append(self._timed(lambda: torch.matmul(self.a, self.b)))
+        if self.after is not None:
+            alone, after = self._timed(self.alone.fn), self._timed(self.after.fn)
+            self.seconds["comm_probe_s"].append((after - alone) / CHUNK_CALLS)
+
+    def medians(self, skip: int) -> dict[str, float | None]:
+        """Each probe's median over the rounds after the first `skip` (None: not timed)."""
+        return {
+            k: statistics.median(v[skip:]) if v[skip:] else None for k, v in self.seconds.items()
+        }
 
 
 def cores() -> int:
@@ -252,6 +290,38 @@ def scale_compute(hw: Hardware, factor: float) -> Hardware:
     )
 
 
+def scale_links(hw: Hardware, factor: float) -> Hardware:
+    """`hw` with collectives `factor` × as fast: every link's and measured collective's
+    bandwidth × factor, every latency ÷ it."""
+    if factor == 1.0:
+        return hw
+    links = {
+        kind: {
+            n: {"gb_per_s": e["gb_per_s"] * factor, "latency_us": e["latency_us"] / factor}
+            for n, e in by_size.items()
+        }
+        for kind, by_size in hw.collectives.items()
+    }
+    return dataclasses.replace(
+        hw,
+        collectives=links,
+        intra_node_gb_per_s=hw.intra_node_gb_per_s * factor,
+        inter_node_gb_per_s=hw.inter_node_gb_per_s * factor,
+        intra_node_latency_us=hw.intra_node_latency_us / factor,
+        inter_node_latency_us=hw.inter_node_latency_us / factor,
+    )
+
+
+def comm_probe_factor(hw: Hardware, probe_s: float | None, group: int) -> float | None:
+    """The profile's measured all-reduce latency at `group` ranks over the comm probe's
+    (`Probes`: the busiest rank's median): how fast collectives ran during the run against
+    when the profile was measured; None without either."""
+    entry = hw.collectives.get("all_reduce", {}).get(str(group))
+    if entry is None or probe_s is None:
+        return None
+    return entry["latency_us"] * 1e-6 / max(probe_s, 1e-7)
+
+
 def sharing_cores(hw: Hardware, ranks: int, n_cores: int) -> Hardware:
     """`hw` as each of `ranks` one-thread ranks sees it on `n_cores` cores: with more ranks
     than cores, `scale_compute` by n_cores / ranks (the plan models one rank per device;
@@ -272,11 +342,16 @@ def probe_factor(hw: Hardware, probe_s: float) -> float | None:
 
 
 def predicted(
-    args: argparse.Namespace, layout: BenchLayout, v: Variant, factor: float | None = None
+    args: argparse.Namespace,
+    layout: BenchLayout,
+    v: Variant,
+    factor: float | None = None,
+    comm: float | None = None,
 ) -> dict[str, Any]:
     """The plan's seconds of case `v` of `layout` on this machine, the profile's compute
     scaled by the layout's probe `factor` where given (`probe_factor`), else shared among
-    the ranks (`sharing_cores`): the step, its forward and backward, the rest (the optimizer
+    the ranks (`sharing_cores`), and its collectives by `comm` where given
+    (`comm_probe_factor`): the step, its forward and backward, the rest (the optimizer
     with its exposed collectives); under tensor parallelism the modes the plan's `auto`
     picks (matrices per mode)."""
     from orthoptim.train.model import CONFIGS
@@ -290,6 +365,7 @@ def predicted(
     # probe's where given
     plan = make_plan(desc, shared, plan_layout)
     priced = shared if factor is None else scale_compute(profile, factor)
+    priced = priced if comm is None else scale_links(priced, comm)
     terms = step_time(desc, priced, plan_layout, plan)[v.optimizer]
     compute = sum(terms["phases_s"][p] for p in ("forward", "backward", "activation_collectives"))
     out: dict[str, Any] = {
@@ -305,18 +381,24 @@ def predicted(
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every case of every layout: predicted (with `--rescale`, on the profile scaled by the
-    layout's probe, `probe_factor`), measured (the busiest rank's median), error, the probe's
-    factor (None without `--rescale`), and under tensor parallelism the modes `auto` took
+    layout's probes, `probe_factor` and `comm_probe_factor`), measured (the busiest rank's
+    median), error, the probes' factors, and under tensor parallelism the modes `auto` took
     (rank 0's last step, matrices per mode)."""
     cases = []
     for layout in args.layouts:
         per_rank = spawn_gloo(
             _rank_main, layout.size, argparse.Namespace(**vars(args), layout=layout)
         )
-        factor = probe_factor(load_hardware(args.hardware), max(r["probe_s"] for r in per_rank))
+        profile = load_hardware(args.hardware)
+        factor = probe_factor(profile, max(r["probe_s"] for r in per_rank))
+        slowest = None if layout.size == 1 else max(r["comm_probe_s"] for r in per_rank)
+        comm = comm_probe_factor(profile, slowest, layout.size)
         for v in layout.variants:
             label = layout.label(v)
-            plan = predicted(args, layout, v, factor if args.rescale else None)
+            if args.rescale:
+                plan = predicted(args, layout, v, factor, comm)
+            else:
+                plan = predicted(args, layout, v)
             busiest = max(per_rank, key=lambda r: r[label]["median_s"])[label]
             measured = busiest["median_s"]
             case: dict[str, Any] = {
@@ -327,6 +409,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "measured_s": measured,
                 "error": plan["step_s"] / measured - 1,
                 "probe_factor": factor,
+                "comm_probe_factor": comm,
                 "rescaled": bool(args.rescale and factor is not None),
             }
             for part in ("compute_s", "optimizer_s"):  # the busiest rank's
@@ -349,10 +432,11 @@ def summary_lines(cases: list[dict[str, Any]]) -> list[str]:
     lines = []
     for name in dict.fromkeys(c["layout"] for c in cases):
         mine = [c for c in cases if c["layout"] == name]
-        factor = mine[0].get("probe_factor")
+        factor, comm = mine[0].get("probe_factor"), mine[0].get("comm_probe_factor")
         if factor is not None:
-            how = "its compute scaled by it" if mine[0]["rescaled"] else "not applied"
-            lines.append(f"{name} probe: {factor:.3f}x the profile's fp32 square rate ({how})")
+            how = "the profile scaled by them" if mine[0]["rescaled"] else "not applied"
+            speeds = f"compute {factor:.3f}x" + (f", collectives {comm:.3f}x" if comm else "")
+            lines.append(f"{name} probes: {speeds} the profile's ({how})")
         by_opt = {c["optimizer"]: c for c in mine if "tp_mode" not in c}
         if "muon" in by_opt and "adamw" in by_opt:
             muon, adamw = by_opt["muon"], by_opt["adamw"]
@@ -486,10 +570,11 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         "--rescale",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="price on the profile's compute scaled by each layout's probe (a fp32 matmul its "
-        "ranks time at once in every round beside the cases) over the profile's own square "
-        "rate, for the machine's speed during the run (default on; --no-rescale: the profile "
-        "as measured, its rates shared where the ranks outnumber the cores)",
+        help="price on the profile scaled by each layout's probes (a fp32 matmul and a small "
+        "all-reduce its ranks time at once in every round beside the cases) over the "
+        "profile's own figures, for the machine's speed during the run (default on; "
+        "--no-rescale: the profile as measured, its rates shared where the ranks outnumber "
+        "the cores)",
     )
     p.add_argument(
         "--json",
