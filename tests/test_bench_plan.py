@@ -66,8 +66,8 @@ def test_ranks_outnumbering_the_cores_share_their_rates() -> None:
 def test_the_probe_scales_the_profile_by_the_machines_speed_during_the_run() -> None:
     """The probe's rate over the profile's fp32 square rate is the factor every compute
     figure is scaled by (`scale_compute`, as `sharing_cores` scales them), the profile's
-    all-reduce latency over the comm probe's the factor the links are (`scale_links`); a
-    profile without the measured figure has none."""
+    all-reduce latency over the comm probe's the factor the links' latencies are
+    (`scale_links`); a profile without the measured figure has none."""
     hw = dataclasses.replace(load_hardware("h100"), matmul_tflops={"fp32": {"square": 0.1}})
     seconds = 2 * PROBE_SIDE**3 / 0.05e12  # the probe at half the profile's rate
     assert probe_factor(hw, seconds) == pytest.approx(0.5)
@@ -77,9 +77,9 @@ def test_the_probe_scales_the_profile_by_the_machines_speed_during_the_run() -> 
     hw = dataclasses.replace(hw, collectives=link)
     assert comm_probe_factor(hw, 2e-3, 2) == pytest.approx(0.5)  # twice the latency
     assert comm_probe_factor(hw, 2e-3, 4) is None and comm_probe_factor(hw, None, 2) is None
-    slow = scale_links(hw, 0.5)
-    assert slow.collective("all_reduce", 2) == (0.5e9, 2e-3)
-    assert slow.link(2) == (hw.intra_node_gb_per_s * 0.5e9, hw.intra_node_latency_us * 2e-6)
+    slow = scale_links(hw, 0.5)  # latencies twice as long, bandwidths as measured
+    assert slow.collective("all_reduce", 2) == (1e9, 2e-3)
+    assert slow.link(2) == (hw.intra_node_gb_per_s * 1e9, hw.intra_node_latency_us * 2e-6)
 
 
 def test_a_rescaled_prediction_plans_as_the_runtime_and_prices_on_the_probe(tmp_path) -> None:

@@ -24,8 +24,8 @@ on the test machines), so every rank also times probes in every round beside the
 one-element all-reduce after compute, all ranks at once); with `--rescale` (the default)
 the prediction prices on the profile's compute figures scaled by the matmul probe's rate
 over the profile's (`probe_factor`: core sharing included, where the ranks outnumber the
-cores) and its collectives by the profile's all-reduce latency over the probe's
-(`comm_probe_factor`). The plan itself (what `auto` picks) is made on the profile as the
+cores) and its collectives' latency by the profile's all-reduce latency over the probe's
+(`comm_probe_factor`; the bandwidths as measured). The plan itself (what `auto` picks) is made on the profile as the
 runtime's cost model reads it. No step time enters a prediction. The error of each
 case is what this machine gave at the load it had.
 """
@@ -291,22 +291,18 @@ def scale_compute(hw: Hardware, factor: float) -> Hardware:
 
 
 def scale_links(hw: Hardware, factor: float) -> Hardware:
-    """`hw` with collectives `factor` × as fast: every link's and measured collective's
-    bandwidth × factor, every latency ÷ it."""
+    """`hw` with collectives' latency `factor` × as short: every link's and measured
+    collective's latency ÷ factor, the bandwidths as measured (the probe sends one element;
+    seen on the test machines, the latency and the bandwidth do not drift together)."""
     if factor == 1.0:
         return hw
     links = {
-        kind: {
-            n: {"gb_per_s": e["gb_per_s"] * factor, "latency_us": e["latency_us"] / factor}
-            for n, e in by_size.items()
-        }
+        kind: {n: {**e, "latency_us": e["latency_us"] / factor} for n, e in by_size.items()}
         for kind, by_size in hw.collectives.items()
     }
     return dataclasses.replace(
         hw,
         collectives=links,
-        intra_node_gb_per_s=hw.intra_node_gb_per_s * factor,
-        inter_node_gb_per_s=hw.inter_node_gb_per_s * factor,
         intra_node_latency_us=hw.intra_node_latency_us / factor,
         inter_node_latency_us=hw.inter_node_latency_us / factor,
     )
@@ -314,8 +310,8 @@ def scale_links(hw: Hardware, factor: float) -> Hardware:
 
 def comm_probe_factor(hw: Hardware, probe_s: float | None, group: int) -> float | None:
     """The profile's measured all-reduce latency at `group` ranks over the comm probe's
-    (`Probes`: the busiest rank's median): how fast collectives ran during the run against
-    when the profile was measured; None without either."""
+    (`Probes`: the busiest rank's median): how much shorter a collective's fixed cost was
+    during the run than when the profile was measured; None without either."""
     entry = hw.collectives.get("all_reduce", {}).get(str(group))
     if entry is None or probe_s is None:
         return None
