@@ -25,9 +25,9 @@ one-element all-reduce after compute, all ranks at once); with `--rescale` (the 
 the prediction prices on the profile's compute figures scaled by the matmul probe's rate
 over the profile's (`probe_factor`: core sharing included, where the ranks outnumber the
 cores) and its collectives' latency by the profile's all-reduce latency over the probe's
-(`comm_probe_factor`; the bandwidths as measured). The plan itself (what `auto` picks) is made on the profile as the
-runtime's cost model reads it. No step time enters a prediction. The error of each
-case is what this machine gave at the load it had.
+(`comm_probe_factor`; the bandwidths as measured). The plan itself (what `auto` picks) is
+made on the profile as the runtime's cost model reads it. No step time enters a
+prediction. The error of each case is what this machine gave at the load it had.
 """
 
 from __future__ import annotations
