@@ -52,7 +52,10 @@ from orthoptim.plan.hardware import (
 Backend = Literal["auto", "gloo", "nccl"]
 # the matmul classes timed on random matrices; "linear" is timed on the transformer's shapes
 SyntheticShape = Literal["square", "gram", "small"]
-TORCH_DTYPES: dict[MatmulDtype, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_DTYPES: dict[MatmulDtype, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+}
 # The side n of the square class per device and dtype; gram is an (n/2)×2n X times Xᵀ (the same
 # flops), small an (n/8)³ product. bf16 on CPUs without native bf16 runs ~50x slower than fp32
 # (MACHINE_NOTES: 0.9 vs 60-150 GFLOP/s at 1024²), so its shapes stay small there.
@@ -312,7 +315,12 @@ def measure_compute(
     the flops of "model.linear"."""
     model, linear_flops = model_items(device, quick)
     steps = step_items(rank, world, device, quick)
-    items = {**compute_items(sizes, device), **model, **steps, **tp_items(rank, world, device)}
+    items = {
+        **compute_items(sizes, device),
+        **model,
+        **steps,
+        **tp_items(rank, world, device),
+    }
     out = timed_rounds(items, repeats, device)
     for kind in ("matrix", "elementwise"):
         out[f"step.{kind}"] /= STEP_TENSORS
@@ -511,14 +519,8 @@ def build_profile(
         f"{args.threads} thread(s), median of {args.repeats}, slowest rank"
     )
     links_how = how.replace(f", {ranks} ranks x", f", {widest_group} ranks x")
-    rates: dict[str, dict[str, float]] = {}
-    for dtype, side in sizes.side.items():
-        rates[dtype] = {}
-        for shape in get_args(SyntheticShape):
-            m, k, n = matmul_dims(shape, side)
-            rates[dtype][shape] = 2 * m * k * n / compute[f"matmul.{dtype}.{shape}"] / 1e12
+    rates = matmul_rates(compute, sizes, args)
     model_dtype = MODEL_DTYPE[args.device]
-    rates[model_dtype]["linear"] = compute["model.linear_flops"] / compute["model.linear"] / 1e12
     fast = max(rates, key=lambda d: max(rates[d].values()))
     links = {
         kind: {str(n): _link(measured[n]["collectives"][kind]) for n in sorted(measured)}
@@ -547,23 +549,7 @@ def build_profile(
         "tensors, 3 tensors' bytes per call",
         "activation_gb_per_s": f"{how}: {activation_how}",
         "optimizer_gb_per_s": f"{how}: {optimizer_how}",
-        "optimizer_us_per_tensor": f"{how}: LayerwiseDistributedOptimizer.step on a group of "
-        f"one rank, {STEP_TENSORS} {STEP_SIDE}x{STEP_SIDE} matrices, over {STEP_TENSORS}: "
-        "matrix under Muon, elementwise under AdamW; matrix_tp under Muon (blockwise) on the "
-        f"{TP_LINEARS} layers of tp_us_per_linear, over {TP_LINEARS}",
-        "tp_us_per_linear": f"{how}: forward and backward of {TP_LINEARS} linear layers "
-        f"{TP_SIDE}x{TP_SIDE * ranks} split over the {ranks} ranks (DTensor ColwiseParallel "
-        f"and RowwiseParallel in turn) on {TP_SIDE} tokens, over {TP_LINEARS}",
-        "nvlink_domain": f"{links_how}: the largest group measured on this machine",
-        "collectives": f"{links_how} (each group size its own), each call after a "
-        f"{CHUNK_SIDE[args.device]}^2 fp32 matmul, less the matmul alone: latency of a "
-        "1-element-per-rank message, bandwidth the bytes a rank sends (comm_bytes) beyond "
-        f"it at {_mib(sizes.message_bytes)}",
-        "comm_overlap": f"{how}: an async all_reduce of {_mib(sizes.message_bytes)} around "
-        f"a {CHUNK_SIDE[args.device]}^2 fp32 matmul, {overlap['both_s'] * 1e3:.4g} ms, "
-        f"against the matmul alone ({overlap['compute_s'] * 1e3:.4g} ms) and the "
-        f"all_reduce after it ({overlap['collective_s'] * 1e3:.4g} ms): the time saved over "
-        "the shorter of the two",
+        **step_sources(how, links_how, ranks, sizes, overlap, args),
         "intra_node_gb_per_s": f"{how}: all_reduce at {ranks} ranks (collectives)",
         "intra_node_latency_us": f"{how}: all_reduce at {ranks} ranks (collectives)",
         "inter_node_gb_per_s": "not measured: one machine has no inter-node link; the "
@@ -595,6 +581,53 @@ def build_profile(
         optimizer_us_per_tensor={k: compute[f"step.{k}"] * 1e6 for k in get_args(TensorKind)},
         sources=sources,
     )
+
+
+def matmul_rates(
+    compute: dict[str, float], sizes: Sizes, args: argparse.Namespace
+) -> dict[str, dict[str, float]]:
+    """TFLOP/s per dtype and shape class of the timed matmuls (`compute_items`), and the
+    calibration transformer's linear layers' rate ("linear", in its dtype)."""
+    rates: dict[str, dict[str, float]] = {}
+    for dtype, side in sizes.side.items():
+        rates[dtype] = {}
+        for shape in get_args(SyntheticShape):
+            m, k, n = matmul_dims(shape, side)
+            rates[dtype][shape] = 2 * m * k * n / compute[f"matmul.{dtype}.{shape}"] / 1e12
+    linear = compute["model.linear_flops"] / compute["model.linear"] / 1e12
+    rates[MODEL_DTYPE[args.device]]["linear"] = linear
+    return rates
+
+
+def step_sources(
+    how: str,
+    links_how: str,
+    ranks: int,
+    sizes: Sizes,
+    overlap: dict[str, float],
+    args: argparse.Namespace,
+) -> dict[str, str]:
+    """Where the figures only the step-time model reads come from (the step's fixed costs,
+    the split layers, the collectives as a step issues them, their overlap), `how` and
+    `links_how` naming the runs that measured them."""
+    chunk = f"{CHUNK_SIDE[args.device]}^2 fp32 matmul"
+    return {
+        "optimizer_us_per_tensor": f"{how}: LayerwiseDistributedOptimizer.step on a group of "
+        f"one rank, {STEP_TENSORS} {STEP_SIDE}x{STEP_SIDE} matrices, over {STEP_TENSORS}: "
+        "matrix under Muon, elementwise under AdamW; matrix_tp under Muon (blockwise) on the "
+        f"{TP_LINEARS} layers of tp_us_per_linear, over {TP_LINEARS}",
+        "tp_us_per_linear": f"{how}: forward and backward of {TP_LINEARS} linear layers "
+        f"{TP_SIDE}x{TP_SIDE * ranks} split over the {ranks} ranks (DTensor ColwiseParallel "
+        f"and RowwiseParallel in turn) on {TP_SIDE} tokens, over {TP_LINEARS}",
+        "nvlink_domain": f"{links_how}: the largest group measured on this machine",
+        "collectives": f"{links_how} (each group size its own), each call after a {chunk}, "
+        "less the matmul alone: latency of a 1-element-per-rank message, bandwidth the bytes "
+        f"a rank sends (comm_bytes) beyond it at {_mib(sizes.message_bytes)}",
+        "comm_overlap": f"{how}: an async all_reduce of {_mib(sizes.message_bytes)} around "
+        f"a {chunk}, {overlap['both_s'] * 1e3:.4g} ms, against the matmul alone "
+        f"({overlap['compute_s'] * 1e3:.4g} ms) and the all_reduce after it "
+        f"({overlap['collective_s'] * 1e3:.4g} ms): the time saved over the shorter of the two",
+    }
 
 
 def optimizer_rate(compute: dict[str, float], args: argparse.Namespace) -> tuple[float | None, str]:
@@ -733,7 +766,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:
         help="process-group backend (default auto: nccl on cuda with a GPU per rank, else gloo)",
     )
     p.add_argument(
-        "--repeats", type=int, default=9, help="timed repeats; the median is kept (default 9)"
+        "--repeats",
+        type=int,
+        default=9,
+        help="timed repeats; the median is kept (default 9)",
     )
     p.add_argument(
         "--threads",
