@@ -135,21 +135,23 @@ def timed_rounds(items: dict[str, Timed], repeats: int, device: torch.device) ->
     samples: dict[str, list[float]] = {name: [] for name in items}
     for r in range(repeats + 1):
         for name, item in items.items():
-            if item.setup is not None:
-                item.setup()
-            C.barrier()
-            synchronize(device)
-            start = time.perf_counter()
-            item.fn()
-            synchronize(device)
+            seconds = timed_once(item, device)
             if r:
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append(seconds)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median seconds of `fn()` over `repeats` (`timed_rounds` of one item)."""
-    return timed_rounds({"fn": Timed(fn)}, repeats, device)["fn"]
+def timed_once(item: Timed, device: torch.device) -> float:
+    """Seconds of one call of `item` (its setup untimed before it), every rank of the group
+    starting it together (a barrier)."""
+    if item.setup is not None:
+        item.setup()
+    C.barrier()
+    synchronize(device)
+    start = time.perf_counter()
+    item.fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def compute_items(sizes: Sizes, device: torch.device) -> dict[str, Timed]:

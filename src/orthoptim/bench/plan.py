@@ -53,9 +53,11 @@ from orthoptim.bench import environment
 from orthoptim.bench.calibrate import (
     CHUNK_CALLS,
     MATMUL_SIDE,
+    Timed,
     collective_call,
     compute_chunk,
     pairs,
+    timed_once,
 )
 from orthoptim.bench.dist import spawn_gloo
 from orthoptim.parallel.layerwise import LayerwiseDistributedOptimizer
@@ -66,7 +68,7 @@ from orthoptim.plan.hardware import Hardware, load_hardware
 from orthoptim.plan.layouts import Layout
 from orthoptim.plan.model import train_model
 from orthoptim.plan.planner import make_plan, tp_cost_model
-from orthoptim.plan.steptime import step_time
+from orthoptim.plan.steptime import step_terms
 
 Optimizer = Literal["muon", "adamw"]
 OPTIMIZERS: tuple[Optimizer, ...] = ("muon", "adamw")
@@ -235,24 +237,21 @@ class Probes:
     latency (`CHUNK_CALLS` of them, each after its matmul, less the matmuls alone)."""
 
     def __init__(self, world: int) -> None:
-        self.a, self.b = (torch.randn(PROBE_SIDE, PROBE_SIDE) for _ in range(2))
-        chunk = compute_chunk(torch.device("cpu"))
-        call = collective_call("all_reduce", world, world, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        a, b = (torch.randn(PROBE_SIDE, PROBE_SIDE) for _ in range(2))
+        self.matmul = Timed(lambda: torch.matmul(a, b))
+        chunk = compute_chunk(cpu)
+        call = collective_call("all_reduce", world, world, cpu)
         self.alone = pairs(chunk, None)
         self.after = pairs(chunk, lambda: call(None)) if world > 1 else None
         self.seconds: dict[str, list[float]] = {"probe_s": [], "comm_probe_s": []}
 
-    def _timed(self, fn: Any) -> float:
-        C.barrier()
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
     def round(self) -> None:
         """One round's probes."""
-        self.seconds["probe_s"].append(self._timed(lambda: torch.matmul(self.a, self.b)))
+        cpu = torch.device("cpu")
+        self.seconds["probe_s"].append(timed_once(self.matmul, cpu))
         if self.after is not None:
-            alone, after = self._timed(self.alone.fn), self._timed(self.after.fn)
+            alone, after = timed_once(self.alone, cpu), timed_once(self.after, cpu)
             self.seconds["comm_probe_s"].append((after - alone) / CHUNK_CALLS)
 
     def medians(self, skip: int) -> dict[str, float | None]:
@@ -362,7 +361,7 @@ def predicted(
     plan = make_plan(desc, shared, plan_layout)
     priced = shared if factor is None else scale_compute(profile, factor)
     priced = priced if comm is None else scale_links(priced, comm)
-    terms = step_time(desc, priced, plan_layout, plan)[v.optimizer]
+    terms = step_terms(plan, priced, plan_layout)  # this case's optimizer alone
     compute = sum(terms["phases_s"][p] for p in ("forward", "backward", "activation_collectives"))
     out: dict[str, Any] = {
         "step_s": terms["step_s"],
