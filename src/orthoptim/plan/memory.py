@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -357,17 +358,18 @@ def stepped_tensors(
     owns whole; "elementwise", its other whole units and its piece of each sharded AdamW
     unit (`BucketLayout.runs`: one tensor each, as the step takes them). The step's cost per
     tensor multiplies these (`plan.steptime`)."""
+    pieces: dict[int, Counter[int]] = {}  # per group, each rank's pieces: counted once
     out: dict[str, list[int]] = {"matrix": [], "elementwise": []}
     for slot in slots:
         matrix = elementwise = 0
         for g, gr in slot:
             d = dealt[id(g)]
+            if id(g) not in pieces:
+                runs = (x for b in laid[id(g)] for x in b.runs.values())
+                pieces[id(g)] = Counter(r for x in runs for r, _, _ in x)
             kinds = [d.matrices[i].kind for i in d.owned(gr)]
             matrix += kinds.count("muon")
-            elementwise += len(kinds) - kinds.count("muon")
-            elementwise += sum(
-                r == gr for b in laid[id(g)] for runs in b.runs.values() for r, _, _ in runs
-            )
+            elementwise += len(kinds) - kinds.count("muon") + pieces[id(g)][gr]
         out["matrix"].append(matrix)
         out["elementwise"].append(elementwise)
     return out
