@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
+from orthoptim.bench.calibrate import link_figures
 from orthoptim.cli import main
 from orthoptim.plan.hardware import TEXT_FIELDS, Hardware, load_hardware, shipped_hardware
 
@@ -72,6 +73,19 @@ def test_calibrate_writes_a_profile_that_plan_loads_and_prices_with(tmp_path, ca
     assert plan["tp"]["duplicated"]["time_max_s"] > 0
     muon = plan["step_time"]["muon"]
     assert muon["phases_s"]["per_tensor"] > 0 and muon["phases_s"]["activation_collectives"] > 0
+
+
+def test_a_link_is_positive_when_the_noise_hides_the_message():
+    """The large message's cost beside its compute can come out no larger than the tiny
+    one's, or below zero: the bandwidth is then its bytes over the call with its compute,
+    a lower bound, and the latency a floor; never a figure the profile would refuse."""
+    row = {"tiny_s": 2e-3, "tiny_sent": 8.0, "large_sent": 1e6, "large_pair_s": 4e-3}
+    assert link_figures({**row, "large_s": 3e-3}) == {
+        "gb_per_s": pytest.approx((1e6 - 8) / 1e-3 / 1e9),
+        "latency_us": pytest.approx(2e3),
+    }
+    noisy = link_figures({**row, "tiny_s": -1e-4, "large_s": -2e-4})
+    assert noisy == {"gb_per_s": pytest.approx(1e6 / 4e-3 / 1e9), "latency_us": pytest.approx(0.1)}
 
 
 def test_calibrate_refuses_a_one_rank_group(tmp_path, capsys):
